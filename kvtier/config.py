@@ -1,0 +1,126 @@
+"""Cache configuration. Every field is validated at construction; a bad value raises
+``ConfigError`` naming the option, so misconfiguration fails at start-up, not mid-request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.errors import ConfigError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HOST_LAYOUTS = ("page_first", "layer_first")
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{option}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(option: str, value: float | int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{option} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How big each tier is and how pages move between them."""
+
+    page_size: int = 16
+    """Tokens per KV page; the tree splits only on page boundaries."""
+    device_pages: int = 256
+    """Pages in the device (L1) pool."""
+    device: str | None = None
+    """Torch device for L1: ``cuda``/``cuda:N``/``cpu``; ``None`` picks CUDA when available."""
+    enable_host: bool = True
+    """Keep an L2 host tier. Without it there is no L3 either."""
+    host_ratio: float = 2.0
+    """Host pool size as a multiple of the device pool (ignored when ``host_pages`` or
+    ``host_bytes`` is set)."""
+    host_pages: int | None = None
+    """Host pool size in pages; overrides ``host_ratio``."""
+    host_bytes: int | None = None
+    """Host pool size in bytes (rounded down to whole pages); overrides ``host_ratio``."""
+    host_layout: str = "page_first"
+    """``page_first`` (one contiguous block per page: one L3 object is one memcpy) or
+    ``layer_first`` (same layout as the device pool)."""
+    pin_host: bool | None = None
+    """Pin the host pool; ``None`` pins when CUDA is present."""
+    write_policy: str = "write_through"
+    """When device pages are copied to host: ``write_through`` (on insert),
+    ``write_through_selective`` (once a prefix was hit ``write_threshold`` times) or
+    ``write_back`` (on device eviction)."""
+    write_threshold: int = 2
+    """Hits before a page is backed up under ``write_through_selective``."""
+    eviction_policy: str = "lru"
+    """Which unlocked leaves go first when a tier is full: ``lru`` or ``lfu``."""
+    storage: str | None = None
+    """L3 backend name from the storage registry (``file``), or ``None`` for no L3."""
+    storage_dir: str = "kvtier-data"
+    """Directory of the ``file`` backend."""
+    storage_bytes: int = 8 << 30
+    """Byte budget of the ``file`` backend; least recently used objects are evicted past it."""
+    prefetch_policy: str = "timeout"
+    """When a request stops waiting for L3 → host prefetch: ``best_effort`` (never waits),
+    ``wait_complete`` (waits for all pages) or ``timeout`` (waits up to ``prefetch_timeout_s``)."""
+    prefetch_timeout_s: float = 5.0
+    """Deadline of the ``timeout`` prefetch policy."""
+    prefetch_min_pages: int = 1
+    """Storage hits shorter than this many pages are recomputed instead of fetched."""
+    model_fingerprint: str = ""
+    """Identifies model weights and architecture; part of every L3 key's namespace."""
+    tenant_salt: str = ""
+    """Optional salt so that tenants never share L3 objects."""
+    rank: int = 0
+    """This process's shard (tensor/context-parallel rank) for rank-specific bytes."""
+    world_size: int = 1
+    """Number of shards."""
+    debug_checks: bool = False
+    """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
+    extra_namespace: tuple[str, ...] = field(default_factory=tuple)
+    """Additional strings mixed into the key namespace."""
+
+    def __post_init__(self) -> None:
+        for opt in ("page_size", "device_pages", "write_threshold", "storage_bytes"):
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
+        _positive("host_ratio", self.host_ratio)
+        _positive("host_pages", self.host_pages, allow_none=True)
+        _positive("host_bytes", self.host_bytes, allow_none=True)
+        _positive("prefetch_timeout_s", self.prefetch_timeout_s)
+        if not isinstance(self.prefetch_min_pages, int) or self.prefetch_min_pages < 1:
+            raise ConfigError(f"prefetch_min_pages must be >= 1, got {self.prefetch_min_pages!r}")
+        _choice("host_layout", self.host_layout, HOST_LAYOUTS)
+        _choice("write_policy", self.write_policy, WRITE_POLICIES)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        if self.storage is not None and not self.enable_host:
+            raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
+        if self.write_policy == "write_back" and not self.enable_host:
+            raise ConfigError("write_policy='write_back' requires enable_host=True")
+
+    def resolve_host_pages(self, page_bytes: int) -> int:
+        """Host pool size in pages given one page's byte size across all pools.
+
+        Raises ``ConfigError`` when the host tier is too small for the write policy.
+        """
+        if self.host_pages is not None:
+            pages, opt = int(self.host_pages), "host_pages"
+        elif self.host_bytes is not None:
+            pages, opt = int(self.host_bytes) // page_bytes, "host_bytes"
+        else:
+            pages, opt = int(self.device_pages * self.host_ratio), "host_ratio"
+        if pages < 1:
+            raise ConfigError(f"{opt} gives a host pool of {pages} pages; it must hold at least one")
+        if self.write_policy == "write_back" and pages < self.device_pages:
+            raise ConfigError(
+                f"{opt} gives {pages} host pages but write_policy='write_back' needs the host tier "
+                f"to hold the device pool's {self.device_pages} pages"
+            )
+        return pages

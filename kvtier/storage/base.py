@@ -1,0 +1,88 @@
+"""The contract every L3 backend implements.
+
+Objects are opaque byte blobs named by ``PageKey``. Backends never raise on a storage fault
+(timeout, unreachable server, short read, checksum mismatch, full disk, permission error): they
+count it under a kind in ``errors``, log the first occurrence of each kind, and report the
+operation as not done. The caller then treats the page as a miss or a dropped backup.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.keys import PageKey
+
+log = logging.getLogger("kvtier.storage")
+
+
+@dataclass(frozen=True)
+class StorageCapabilities:
+    """What a backend can do; kvtier gates features on these, never on backend names."""
+
+    page_spans: bool = False
+    """One object may hold several consecutive host pages (span-mode L3)."""
+    zero_copy: bool = False
+    """Reads land directly in the caller's (host pool) buffers without an extra copy."""
+    persistent: bool = False
+    """Objects survive a restart of this process."""
+    shared_across_hosts: bool = False
+    """Other machines see the same objects."""
+
+
+class StorageBackend(ABC):
+    """Batch key/value store for page objects.
+
+    Thread-safety: kvtier calls ``batch_get``/``batch_set`` from one background I/O thread and
+    ``batch_exists`` from the scheduling thread; implementations must tolerate that.
+    """
+
+    name: str = "abstract"
+    capabilities: StorageCapabilities = StorageCapabilities()
+
+    def __init__(self) -> None:
+        self.errors: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._err_lock = threading.Lock()
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        """Length of the longest prefix of ``keys`` whose objects all exist."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        """Read object ``keys[i]`` into ``buffers[i]`` (contiguous CPU tensors of exactly the
+        object's size) in order; stop at the first miss or fault.
+
+        Returns how many leading keys were read completely and verified. Buffers past that count
+        may hold partial bytes and must not be used.
+        """
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
+        """Store ``buffers[i]`` under ``keys[i]`` in order; stop at the first fault.
+
+        Returns how many leading keys are now stored (already-present keys count as stored).
+        """
+
+    def stats(self) -> dict[str, float]:
+        """Backend-specific gauges (bytes used, object count, ...)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the backend is not used afterwards."""
+
+    def fault(self, kind: str, message: str) -> None:
+        """Count a storage fault of ``kind``; log the first one of each kind."""
+        with self._err_lock:
+            self.errors[kind] += 1
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            log.warning("L3 %s backend fault (%s): %s; treated as a miss", self.name, kind, message)
