@@ -1,0 +1,68 @@
+"""The device (L1) pool: what attention reads. Layer-first: ``buffers[name][layer, slot, *row]``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError, IntegrityError
+from kvtier.paging import pages_to_locs
+from kvtier.pools.allocator import PageAllocator
+from kvtier.pools.spec import PoolSpec
+
+
+class DevicePool:
+    """One buffer per component of the model's pool set, all sharing page ids.
+
+    Page ``p`` of every component owns slots ``[p * page_size, (p + 1) * page_size)``. The
+    allocator is the single owner of free pages; the tree only records which pages it holds.
+    """
+
+    def __init__(
+        self, specs: Sequence[PoolSpec], num_pages: int, page_size: int, device: torch.device
+    ) -> None:
+        if not specs:
+            raise ConfigError("a device pool needs at least one PoolSpec")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"pool names must be unique, got {names}")
+        self.specs = tuple(specs)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.device = device
+        self.allocator = PageAllocator(num_pages, name="device")
+        slots = num_pages * page_size
+        self.buffers: dict[str, torch.Tensor] = {
+            s.name: torch.zeros((s.num_layers, slots, *s.row_shape), dtype=s.dtype, device=device)
+            for s in specs
+        }
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """Buffer of the first (anchor) component."""
+        return self.buffers[self.specs[0].name]
+
+    def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
+        """``[slots, *row_shape]`` view of one layer of a component (the anchor by default)."""
+        return self.buffers[name or self.specs[0].name][layer]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(s.page_bytes(self.page_size) for s in self.specs)
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n)
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self.allocator.free(pages)
+
+    def locs(self, pages: torch.Tensor) -> torch.Tensor:
+        """Token slots of ``pages``."""
+        return pages_to_locs(pages, self.page_size)
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        for name, buf in self.buffers.items():
+            if buf.shape[1] != self.num_pages * self.page_size:
+                raise IntegrityError(f"device pool {name}: buffer has {buf.shape[1]} slots")

@@ -1,0 +1,81 @@
+"""The host (L2) pool: pinned CPU memory (when CUDA is present), one page id space.
+
+Layouts per component:
+
+    page_first   buffers[name][page, layer, token, *row]   one page is one contiguous block
+    layer_first  buffers[name][layer, page * ps + token, *row]   same layout as the device pool
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.pools.allocator import PageAllocator
+from kvtier.pools.spec import PoolSpec
+
+
+class HostPool:
+    """Host copies of pages for every component of the pool set."""
+
+    def __init__(
+        self,
+        specs: Sequence[PoolSpec],
+        num_pages: int,
+        page_size: int,
+        layout: str = "page_first",
+        pin: bool = False,
+    ) -> None:
+        if layout not in ("page_first", "layer_first"):
+            raise ConfigError(f"host_layout={layout!r} is not one of page_first, layer_first")
+        self.specs = tuple(specs)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.layout = layout
+        self.pinned = pin
+        self.allocator = PageAllocator(num_pages, name="host")
+        self.buffers: dict[str, torch.Tensor] = {}
+        for s in specs:
+            if layout == "page_first":
+                shape = (num_pages, s.num_layers, page_size, *s.row_shape)
+            else:
+                shape = (s.num_layers, num_pages * page_size, *s.row_shape)
+            self.buffers[s.name] = torch.zeros(shape, dtype=s.dtype, pin_memory=pin)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(s.page_bytes(self.page_size) for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def page_view(self, name: str, page: int) -> torch.Tensor:
+        """``[layers, page_size, *row]`` view of one page (page-first only: no copy)."""
+        if self.layout != "page_first":
+            raise ConfigError("page_view needs host_layout='page_first'")
+        return self.buffers[name][page]
+
+    def read_pages(self, name: str, pages: torch.Tensor) -> torch.Tensor:
+        """Copy of ``pages`` as ``[n, layers, page_size, *row]`` (the page-first object layout)."""
+        buf = self.buffers[name]
+        if self.layout == "page_first":
+            return buf.index_select(0, pages)
+        layers, ps = buf.shape[0], self.page_size
+        view = buf.view(layers, self.num_pages, ps, *buf.shape[2:])
+        return view.index_select(1, pages).transpose(0, 1).contiguous()
+
+    def write_pages(self, name: str, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Store ``data`` (``[n, layers, page_size, *row]``) into ``pages``."""
+        buf = self.buffers[name]
+        if self.layout == "page_first":
+            buf.index_copy_(0, pages, data)
+            return
+        layers, ps = buf.shape[0], self.page_size
+        view = buf.view(layers, self.num_pages, ps, *buf.shape[2:])
+        view.index_copy_(1, pages, data.transpose(0, 1))
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
