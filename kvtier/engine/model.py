@@ -1,0 +1,250 @@
+"""Llama/Qwen-style decoder whose attention reads and writes K/V in kvtier's device pool.
+
+Parameter names equal the HF checkpoint names (``model.layers.3.self_attn.q_proj.weight``), so
+loading a checkpoint is a name-for-name copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.config import ModelConfig
+from kvtier.pools import PoolSpec
+
+
+class KVBuffers(Protocol):
+    """Anything exposing the device pool's per-layer KV view (``DevicePool`` does)."""
+
+    def layer(self, layer: int, name: str | None = None) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class SeqSlots:
+    """Where one sequence of a flattened batch writes and reads its K/V.
+
+    The sequence's ``num_new`` tokens are consecutive in the batch and sit at the end of its
+    context: ``ctx_locs[-num_new:]`` must equal ``out_locs``, and ``ctx_locs[i]`` holds the token
+    at position ``i``.
+    """
+
+    num_new: int
+    """Tokens of this sequence computed in this forward."""
+    out_locs: torch.Tensor
+    """int64 ``[num_new]``: pool slots receiving the new tokens' K/V."""
+    ctx_locs: torch.Tensor
+    """int64 ``[context_len]``: slots of the whole context (cached prefix + new tokens), in order."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device="meta")
+    lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
+    if bias:
+        lin.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype), requires_grad=False)
+    return lin
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def paged_attention(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """Causal GQA attention of one sequence.
+
+    ``q`` is ``[n, heads, d]`` at positions ``q_pos``; ``k_ctx``/``v_ctx`` are ``[C, kv_heads, d]``
+    holding positions ``0 .. C-1``. Query at position ``p`` sees context positions ``<= p``.
+    """
+    groups = q.shape[1] // k_ctx.shape[1]
+    k = k_ctx.repeat_interleave(groups, dim=1)
+    v = v_ctx.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q, k) * (1.0 / math.sqrt(q.shape[-1]))
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.theta = cfg.rope_theta
+        self.q_proj = _linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
+        self.o_proj = _linear(cfg.num_heads * d, h, False, dt)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        out_locs: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
+        outs, start = [], 0
+        for s in seqs:
+            ctx = kv.index_select(0, s.ctx_locs)
+            end = start + s.num_new
+            outs.append(paged_attention(q[start:end], ctx[:, 0], ctx[:, 1], positions[start:end]))
+            start = end
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dt, h, i = cfg.torch_dtype, cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, False, dt)
+        self.up_proj = _linear(h, i, False, dt)
+        self.down_proj = _linear(i, h, False, dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens.weight = nn.Parameter(
+            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class CausalLM(nn.Module):
+    """The whole model. Weights start deterministic-random from ``config.seed``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _linear(config.hidden_size, config.vocab_size, False, config.torch_dtype)
+        )
+        self.init_random(config.seed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def kv_pool_spec(self) -> PoolSpec:
+        """The anchor KV pool this model's attention uses."""
+        c = self.config
+        return PoolSpec(
+            name="kv",
+            num_layers=c.num_layers,
+            row_shape=(2, c.num_kv_heads, c.head_dim),
+            dtype=c.torch_dtype,
+        )
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Fill every weight from a CPU generator seeded with ``seed`` (same on any device).
+
+        Projections keep unit variance (std 1/sqrt(fan_in)); residual outputs shrink with depth
+        so the stream stays dominated by the input and the logits, scaled to std ~2, are neither
+        flat nor one-hot.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        c = self.config
+        residual_scale = 1.0 / math.sqrt(2 * c.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                std = 0.1
+            elif "embed_tokens" in name:
+                std = 1.0
+            else:
+                std = 1.0 / math.sqrt(p.shape[1])
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std *= residual_scale
+                if name == "lm_head.weight":
+                    std *= 2.0
+            w = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            p.copy_(w.to(p.dtype))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        kv: KVBuffers,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``sum(s.num_new)`` tokens of several sequences, writing their K/V into ``kv``.
+
+        ``input_ids``/``positions`` are ``[T]``, sequences concatenated in ``seqs`` order.
+        Returns float32 logits of each sequence's last token (``[len(seqs), vocab]``), or of
+        every token when ``all_logits``. Each sequence's attention is computed on its own, so
+        the result depends only on its tokens and the batch's composition.
+        """
+        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
+            raise ValueError("seqs' num_new must add up to the number of input tokens")
+        out_locs = torch.cat([s.out_locs for s in seqs])
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(i))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
+            x = x.index_select(0, last)
+        return F.linear(self.model.norm(x), self.head_weight()).float()
