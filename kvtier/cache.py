@@ -1,0 +1,347 @@
+"""``TieredCache``: the one facade an engine talks to.
+
+Request flow (engine's view)::
+
+    m = cache.match(tokens)          # MatchResult: device_len, host_len, storage_len, handle
+    pf = cache.prefetch(m)           # optional: storage → host for m.storage_len tokens
+    ... cache.prefetch_ready(pf) ... cache.finish_prefetch(pf); m = cache.match(tokens)
+    cache.lock(m.handle)             # right after match; the prefix stays cached while locked
+    ld = cache.load(m)               # host → device; ld.locs are the prefix's token slots
+    locs = cache.alloc(n)            # fresh whole pages for the uncached suffix
+    ... compute ...
+    cache.finish(tokens, all_locs, prefix_len=ld.locs.numel(), handle=m.handle)
+    cache.poll()                     # once per step: completes transfers, makes copies visible
+
+Range table of one finished request's slots (``ps`` = page size)::
+
+    [0, prefix_len)            cache-owned pages from load(); never written or freed by the engine
+    [prefix_len, cached_len)   the engine's pages that duplicate pages cached meanwhile → freed
+    [cached_len, full)         the engine's pages, now owned by the tree
+    [full, len(locs))          the trailing partial page → freed
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.controller import Controller
+from kvtier.errors import CapacityError, IntegrityError
+from kvtier.keys import Namespace, PageKey, chain_keys, namespace_digest
+from kvtier.metrics import Metrics, prometheus_registry
+from kvtier.paging import align_down, locs_to_pages, pages_to_locs
+from kvtier.pools.device import DevicePool
+from kvtier.pools.host import HostPool
+from kvtier.pools.spec import PoolSpec
+from kvtier.prefetch import PrefetchOp
+from kvtier.storage.registry import create_backend
+from kvtier.tree.node import Node
+from kvtier.tree.radix import RadixTree, TreeMatch
+
+
+@dataclass(slots=True, eq=False)
+class Handle:
+    """Opaque token for one match; pass it to ``lock``/``unlock``/``finish``."""
+
+    match: TreeMatch
+    tokens: tuple[int, ...]
+    storage_keys: list[PageKey]
+    node: Node | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Where the longest cached prefix of a request lives (token counts, whole pages)."""
+
+    device_len: int
+    """Tokens ``[0, device_len)`` are in the device tier."""
+    host_len: int
+    """Tokens after those that are in the host tier."""
+    storage_len: int
+    """Tokens after those that are in storage (need a prefetch)."""
+    handle: Handle
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens usable after ``load`` without a prefetch."""
+        return self.device_len + self.host_len
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """The device slots of a locked prefix, and where its tokens came from."""
+
+    locs: torch.Tensor
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    cached_len: int
+    """Tokens (a prefix) whose device pages already existed: the caller's pages there are
+    duplicates (except those it got from ``load``)."""
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TieredCache:
+    """Device pool + host pool + storage under one radix tree."""
+
+    def __init__(self, config: CacheConfig, specs: Sequence[PoolSpec]) -> None:
+        self.config = config
+        self.page_size = ps = config.page_size
+        self.device = resolve_device(config.device)
+        self.device_pool = DevicePool(specs, config.device_pages, ps, self.device)
+        self.host_pool: HostPool | None = None
+        if config.enable_host:
+            pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
+            pages = config.resolve_host_pages(self.device_pool.page_bytes)
+            self.host_pool = HostPool(specs, pages, ps, config.host_layout, pin)
+        self.namespace: Namespace = namespace_digest(
+            model_fingerprint=config.model_fingerprint,
+            dtype=",".join(s.dtype_name for s in specs),
+            page_size=ps,
+            tree_page_size=ps,
+            components=[f"{s.name}:{s.num_layers}x{'x'.join(map(str, s.row_shape))}" for s in specs],
+            rank=config.rank,
+            world_size=config.world_size,
+            tenant_salt=config.tenant_salt,
+            extra=config.extra_namespace,
+        )
+        self.storage = create_backend(config.storage, config, self.namespace) if config.storage else None
+        self.metrics = Metrics()
+        self.tree = RadixTree(ps, config.eviction_policy)
+        self.controller = Controller(
+            config, self.tree, self.device_pool, self.host_pool, self.storage, self.namespace, self.metrics
+        )
+        self._engine_pages = 0
+        self._closed = False
+
+    # ---- lookup -------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of ``tokens`` per tier. Never mutates the index."""
+        tm = self.tree.match(tokens)
+        t = tuple(tokens[: align_down(len(tokens), self.page_size)])
+        keys = self._storage_hit(tm, t)
+        return MatchResult(tm.device_len, tm.host_len, len(keys) * self.page_size, Handle(tm, t, keys))
+
+    def _storage_hit(self, tm: TreeMatch, t: tuple[int, ...]) -> list[PageKey]:
+        io = self.controller.io
+        ps, start = self.page_size, tm.matched_len
+        if io is None or (len(t) - start) // ps < self.config.prefetch_min_pages:
+            return []
+        prev = None
+        if tm.path:
+            prev = self.tree.ensure_keys(tm.path[-1], self.namespace)[tm.last_pages - 1]
+        found: list[PageKey] = []
+        chunk, pos = 8, start
+        # Keys are computed in growing chunks: a miss early on costs a few hashes, not the prompt.
+        while pos < len(t):
+            cand = chain_keys(self.namespace, t[pos : pos + chunk * ps], ps, prev)
+            k = io.backend.batch_exists(cand)
+            found += cand[:k]
+            if k < len(cand):
+                break
+            pos, prev, chunk = pos + k * ps, cand[-1], chunk * 4
+        return found if len(found) >= self.config.prefetch_min_pages else []
+
+    # ---- lock protocol ------------------------------------------------------------------
+    def lock(self, handle: Handle) -> None:
+        """Pin the matched prefix. Call right after ``match``, before other cache calls."""
+        if handle.node is not None:
+            raise IntegrityError("handle is already locked")
+        handle.node = self.tree.lock(handle.match)
+        if self.config.write_policy == "write_through_selective":
+            hot = [n for n in handle.match.path if n.hits >= self.config.write_threshold]
+            self.controller.backup_to_host(hot)
+
+    def unlock(self, handle: Handle) -> None:
+        if handle.node is None:
+            raise IntegrityError("unlock of a handle that is not locked")
+        self.tree.unlock(handle.node)
+        handle.node = None
+
+    # ---- host → device ------------------------------------------------------------------
+    def load(self, m: MatchResult) -> LoadResult:
+        """Device slots of the locked prefix, loading its host part into the device tier.
+
+        If the device pool cannot take all of it, a shorter prefix is returned.
+        """
+        h = m.handle
+        if h.node is None:
+            raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
+        path = h.match.path
+        before = [(n.on_device, n.fetched) for n in path]
+        n = self.controller.load_back(path)
+        ps = self.page_size
+        counts = {"device": 0, "host": 0, "storage": 0}
+        for node, (was_dev, fetched) in zip(path[:n], before[:n], strict=True):
+            src = "device" if was_dev else ("storage" if fetched else "host")
+            counts[src] += len(node.tokens)
+            node.fetched = node.fetched and was_dev
+        for src, v in counts.items():
+            self.metrics.inc(f"{src}_hit_tokens", v)
+        pages = [node.device for node in path[:n]]
+        locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
+        return LoadResult(locs, counts["device"], counts["host"], counts["storage"])
+
+    # ---- storage → host -----------------------------------------------------------------
+    def prefetch(self, m: MatchResult) -> PrefetchOp | None:
+        """Start fetching ``m.storage_len`` tokens from storage into the host tier."""
+        if m.storage_len == 0 or self.controller.io is None:
+            return None
+        h = m.handle
+        anchor = self.tree.lock(h.match)
+        start = h.match.matched_len
+        tokens = h.tokens[start : start + m.storage_len]
+        op = self.controller.start_prefetch(anchor, tokens, h.storage_keys)
+        if op is None:
+            self.tree.unlock(anchor)
+        return op
+
+    def prefetch_ready(self, op: PrefetchOp | None) -> bool:
+        """Whether a request waiting on ``op`` may proceed under the prefetch policy."""
+        return op is None or op.ready(self.config.prefetch_policy)
+
+    def finish_prefetch(self, op: PrefetchOp | None) -> int:
+        """Make what ``op`` fetched so far visible; returns those tokens. Match again after.
+
+        Pages still in flight keep arriving and become visible at later polls.
+        """
+        if op is None:
+            return 0
+        self.controller.commit_prefetch(op)
+        op.released = True
+        if op.io_done() and not op.closed:
+            self.controller._finish_prefetch_io(op)
+            assert self.controller.io is not None
+            self.controller.io.forget(op)
+        return op.committed_pages * self.page_size
+
+    # ---- engine-owned pages -------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed."""
+        n = math.ceil(num_tokens / self.page_size)
+        pages = self.controller.alloc_device(n)
+        if pages is None:
+            raise CapacityError(
+                f"device pool: {n} pages requested, {self.device_pool.allocator.available} free "
+                f"of {self.device_pool.num_pages} after evicting every unlocked cached page"
+            )
+        self._engine_pages += n
+        return pages_to_locs(pages, self.page_size)
+
+    def free(self, locs: torch.Tensor) -> None:
+        """Free the whole pages containing ``locs`` (engine-owned pages only)."""
+        if locs.numel() == 0:
+            return
+        pages = torch.unique(locs.to(torch.int64) // self.page_size)
+        self.device_pool.free_pages(pages)
+        self._engine_pages -= pages.numel()
+
+    def insert(self, tokens: Sequence[int], locs: torch.Tensor) -> InsertResult:
+        """Index the whole pages of ``tokens`` at ``locs``. The caller frees its duplicates
+        ``locs[prefix_len:cached_len]`` (see the range table above)."""
+        n = align_down(min(len(tokens), locs.numel()), self.page_size)
+        pages = locs_to_pages(locs[:n].cpu(), self.page_size)
+        out = self.tree.insert(tokens[:n], pages, tier="device")
+        self._engine_pages -= sum(len(t.tokens) for t in out.taken) // self.page_size
+        if self.config.write_policy == "write_through":
+            self.controller.backup_to_host(out.taken)
+        return InsertResult(out.cached_len)
+
+    def finish(
+        self, tokens: Sequence[int], locs: torch.Tensor, prefix_len: int, handle: Handle | None
+    ) -> int:
+        """End of a request: insert, free duplicates and the partial tail page, unlock.
+
+        ``tokens[i]``'s KV is at ``locs[i]``; returns the tokens now cached.
+        """
+        n = align_down(min(len(tokens), locs.numel()), self.page_size)
+        r = self.insert(tokens, locs)
+        if r.cached_len > prefix_len:
+            self.free(locs[prefix_len : r.cached_len])
+        if locs.numel() > n:
+            self.free(locs[n:])
+        if handle is not None and handle.node is not None:
+            self.unlock(handle)
+        return n
+
+    def record_prefill(self, recomputed_tokens: int) -> None:
+        """Count prompt tokens the engine had to compute."""
+        self.metrics.inc("recomputed_tokens", recomputed_tokens)
+
+    # ---- progress and introspection -----------------------------------------------------
+    def poll(self) -> None:
+        """Complete finished transfers and make their copies visible. Call once per step."""
+        self.controller.poll()
+        if self.config.debug_checks:
+            self.check_integrity()
+
+    def drain(self) -> None:
+        """Wait until every transfer and storage write in flight completed and is visible."""
+        self.controller.drain()
+
+    def stats(self) -> dict:
+        snap: dict = self.controller.metrics.snapshot()
+        dev, host = self.device_pool, self.host_pool
+        snap.update(
+            device_pages_total=dev.num_pages,
+            device_pages_used=dev.allocator.used,
+            device_pages_cached=self.tree.held_pages("device").numel(),
+            host_pages_total=host.num_pages if host else 0,
+            host_pages_used=host.allocator.used if host else 0,
+            host_bytes_total=host.nbytes if host else 0,
+            host_bytes_used=host.allocator.used * host.page_bytes if host else 0,
+            tree_nodes=sum(1 for _ in self.tree.nodes()),
+        )
+        if self.storage is not None:
+            snap["storage_errors"] = dict(self.storage.errors)
+            snap.update({f"storage_{k}": v for k, v in self.storage.stats().items()})
+        return snap
+
+    def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
+        """A prometheus_client registry exporting ``stats()``."""
+        return prometheus_registry(self.stats)
+
+    def check_integrity(self) -> None:
+        """Every structure's invariants plus cross-structure page accounting."""
+        self.tree.check_integrity()
+        self.device_pool.check_integrity()
+        held = self.tree.held_pages("device").numel()
+        if self.device_pool.allocator.used != held + self._engine_pages:
+            raise IntegrityError(
+                f"device pages: {self.device_pool.allocator.used} used != {held} cached + "
+                f"{self._engine_pages} engine-owned"
+            )
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            held = self.tree.held_pages("host").numel()
+            flying = self.controller.inflight_host_pages()
+            if self.host_pool.allocator.used != held + flying:
+                raise IntegrityError(
+                    f"host pages: {self.host_pool.allocator.used} used != {held} cached + "
+                    f"{flying} in flight"
+                )
+
+    def close(self) -> None:
+        """Finish in-flight work (storage writes land) and release the backend."""
+        if not self._closed:
+            self._closed = True
+            self.controller.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,313 @@
+"""Moves pages between tiers and decides when copies become visible.
+
+Every transfer is an in-flight record; ``poll`` completes the finished ones and only then makes
+their copies visible to ``match`` (contract 3):
+
+    device → host   backup        visible at poll after the copy's event completed
+    host → device   load-back     the compute stream waits for the copy before any kernel reads
+    host → storage  write         the key exists only after the backend's atomic write
+    storage → host  prefetch      pages enter the tree in whole verified chunks, in order
+
+In-flight work pins what it reads (``device_io``/``host_io`` on nodes) so eviction never frees
+memory under a transfer. Splits re-attribute in-flight entries through the tree's split hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.keys import Namespace
+from kvtier.metrics import Metrics
+from kvtier.pools.device import DevicePool
+from kvtier.pools.host import HostPool
+from kvtier.prefetch import PrefetchOp, StorageIO
+from kvtier.storage.base import StorageBackend
+from kvtier.transfer.mover import Mover, TransferOp
+from kvtier.tree.node import Node
+from kvtier.tree.radix import Evicted, RadixTree
+
+log = logging.getLogger("kvtier.controller")
+
+Entry = list  # [node, payload]: payload is the node's slice of the op's pages (or None)
+
+
+def split_entries(entries: list[Entry], prefix: Node, suffix: Node, n: int) -> None:
+    """Re-attribute an in-flight op's entries after ``suffix`` lost its first ``n`` pages."""
+    for i, (node, payload) in enumerate(list(entries)):
+        if node is suffix:
+            head = payload[:n] if payload is not None else None
+            entries[i][1] = payload[n:] if payload is not None else None
+            entries.append([prefix, head])
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A transfer in flight: the op plus which nodes it covers."""
+
+    op: TransferOp
+    entries: list[Entry]
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Controller:
+    """Owns the pools, the mover and the storage I/O; the tree is shared with the facade."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tree: RadixTree,
+        device_pool: DevicePool,
+        host_pool: HostPool | None,
+        storage: StorageBackend | None,
+        namespace: Namespace,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.dev = device_pool
+        self.host = host_pool
+        self.namespace = namespace
+        self.metrics = metrics
+        self.mover = Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
+        self.io = StorageIO(storage, host_pool, metrics) if storage and host_pool else None
+        self._backups: list[InFlight] = []
+        self._loads: list[InFlight] = []
+        tree.split_hooks.append(self._on_split)
+
+    # ---- allocation with eviction --------------------------------------------------------
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """``n`` device pages, evicting unlocked cached pages if needed; ``None`` if impossible."""
+        short = n - self.dev.allocator.available
+        if short > 0:
+            self.evict_device(short)
+        return self.dev.alloc_pages(n)
+
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        assert self.host is not None
+        short = n - self.host.allocator.available
+        if short > 0:
+            self.evict_host(short)
+        return self.host.allocator.alloc(n)
+
+    def evict_device(self, n: int) -> int:
+        prepare = self._backup_before_evict if self.config.write_policy == "write_back" else None
+        ev = self.tree.evict_device(n, prepare)
+        self._release(ev)
+        return ev.num_device()
+
+    def evict_host(self, n: int) -> int:
+        ev = self.tree.evict_host(n)
+        self._release(ev)
+        return ev.num_host()
+
+    def _release(self, ev: Evicted) -> None:
+        for p in ev.device_pages:
+            self.dev.free_pages(p)
+        if ev.device_pages:
+            self.metrics.inc("evicted_device_pages", ev.num_device())
+        if self.host is not None:
+            for p in ev.host_pages:
+                self.host.allocator.free(p)
+            if ev.host_pages:
+                self.metrics.inc("evicted_host_pages", ev.num_host())
+
+    def _backup_before_evict(self, node: Node) -> bool:
+        """write_back: give ``node`` a host copy before its device copy goes."""
+        if not node.on_host:
+            flight = self.backup_to_host([node])
+            if flight is not None:
+                flight.op.wait()
+                self._finish_backup(flight)
+        return True
+
+    # ---- device → host ------------------------------------------------------------------
+    def backup_to_host(self, nodes: list[Node]) -> InFlight | None:
+        """Start one batched copy giving ``nodes`` host copies (skips ones that have or are
+        getting one). A full host tier drops the backup (counted), never blocks."""
+        if self.mover is None:
+            return None
+        todo = [n for n in nodes if n.on_device and not n.on_host and not n.device_io]
+        entries: list[Entry] = []
+        for node in todo:
+            assert node.device is not None
+            pages = self.alloc_host(node.device.numel())
+            if pages is None:
+                self.metrics.inc("dropped_host_backups", node.device.numel())
+                continue
+            node.device_io += 1
+            entries.append([node, pages])
+        if not entries:
+            return None
+        dev = torch.cat([e[0].device for e in entries])
+        host = torch.cat([e[1] for e in entries])
+        flight = InFlight(self.mover.device_to_host(dev, host), entries)
+        self._backups.append(flight)
+        return flight
+
+    def _finish_backup(self, flight: InFlight) -> None:
+        flight.op.complete()
+        if flight in self._backups:
+            self._backups.remove(flight)
+        stored: list[Node] = []
+        assert self.host is not None
+        for node, pages in flight.entries:
+            node.device_io -= 1
+            if node.host is None and node.parent is not None:
+                node.host = pages
+                stored.append(node)
+            else:
+                self.host.allocator.free(pages)
+        self.metrics.inc("host_backup_pages", flight.op.num_pages)
+        self.metrics.inc("backup_bytes", flight.op.nbytes)
+        self.metrics.inc("backup_seconds", time.perf_counter() - flight.started)
+        self.backup_to_storage(stored)
+
+    # ---- host → device ------------------------------------------------------------------
+    def load_back(self, path: list[Node]) -> int:
+        """Give the host-only nodes of a locked ``path`` device copies, in path order.
+
+        Stops at the first node that does not fit; returns how many leading nodes of ``path``
+        are now device-resident.
+        """
+        entries: list[Entry] = []
+        loaded = 0
+        for node in path:
+            if node.on_device:
+                loaded += 1
+                continue
+            assert node.host is not None
+            pages = self.alloc_device(node.host.numel())
+            if pages is None:
+                break
+            entries.append([node, node.host])
+            node.device = pages
+            node.host_io += 1
+            loaded += 1
+        if entries:
+            assert self.mover is not None
+            host = torch.cat([e[1] for e in entries])
+            dev = torch.cat([e[0].device for e in entries])
+            flight = InFlight(self.mover.host_to_device(host, dev), [[e[0], None] for e in entries])
+            self._loads.append(flight)
+        return loaded
+
+    def _finish_load(self, flight: InFlight) -> None:
+        flight.op.complete()
+        for node, _ in flight.entries:
+            node.host_io -= 1
+        self.metrics.inc("load_bytes", flight.op.nbytes)
+        self.metrics.inc("load_seconds", time.perf_counter() - flight.started)
+
+    # ---- host → storage -----------------------------------------------------------------
+    def backup_to_storage(self, nodes: list[Node]) -> None:
+        if self.io is None:
+            return
+        todo = [n for n in nodes if n.on_host and not n.in_storage and n.parent is not None]
+        if todo:
+            keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
+            self.io.write(todo, keys)
+
+    # ---- storage → host -----------------------------------------------------------------
+    def start_prefetch(self, anchor: Node, tokens: tuple[int, ...], keys: list) -> PrefetchOp | None:
+        """Fetch the pages ``keys`` (continuing below the locked ``anchor``) into the host tier."""
+        assert self.io is not None
+        pages = self.alloc_host(len(keys))
+        if pages is None:
+            n = self.host.allocator.available if self.host else 0
+            pages = self.host.allocator.alloc(n) if n else None
+            if pages is None:
+                return None
+            keys, tokens = keys[:n], tokens[: n * self.tree.page_size]
+        return self.io.prefetch(anchor, tokens, keys, pages, self.config)
+
+    def commit_prefetch(self, op: PrefetchOp) -> int:
+        """Insert the pages ``op`` has verified so far below its anchor and move the anchor (a
+        lock) to their end; returns how many tokens became newly visible."""
+        assert self.host is not None
+        ps = self.tree.page_size
+        lo, hi = op.committed_pages, op.done_pages
+        if hi <= lo:
+            return 0
+        out = self.tree.insert(
+            op.tokens[lo * ps : hi * ps],
+            op.pages[lo:hi],
+            tier="host",
+            keys=op.keys[lo:hi],
+            start=op.anchor,
+        )
+        for node in out.taken:
+            node.fetched = True
+        if out.duplicates.numel():
+            self.host.allocator.free(out.duplicates)
+        self.tree.lock_node(out.last, hit=False)
+        self.tree.unlock(op.anchor)
+        op.anchor = out.last
+        op.committed_pages = hi
+        self.metrics.inc("prefetched_pages", hi - lo)
+        return (hi - lo - out.duplicates.numel()) * ps
+
+    def _finish_prefetch_io(self, op: PrefetchOp) -> None:
+        """The I/O thread is done with ``op``: commit, free what never arrived, unlock."""
+        assert self.host is not None
+        self.commit_prefetch(op)
+        rest = op.pages[op.committed_pages :]
+        if rest.numel():
+            self.host.allocator.free(rest)
+            self.metrics.inc("prefetch_failed_pages", rest.numel())
+        self.tree.unlock(op.anchor)
+        op.closed = True
+
+    # ---- progress -----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Complete finished transfers and make their copies visible. Never blocks."""
+        for flight in [f for f in self._backups if f.op.done()]:
+            self._finish_backup(flight)
+        for flight in [f for f in self._loads if f.op.done()]:
+            self._loads.remove(flight)
+            self._finish_load(flight)
+        if self.io is not None:
+            self.io.reap_writes()
+            for op in self.io.prefetches():
+                if op.io_done():
+                    if op.released:
+                        self._finish_prefetch_io(op)
+                        self.io.forget(op)
+                    else:
+                        self.commit_prefetch(op)
+                else:
+                    self.commit_prefetch(op)
+
+    def drain(self, on_progress: Callable[[], None] | None = None) -> None:
+        """Block until every in-flight transfer and storage write completed and is visible."""
+        for flight in list(self._backups):
+            flight.op.wait()
+        for flight in list(self._loads):
+            flight.op.wait()
+        self.poll()
+        if self.io is not None:
+            self.io.wait_all()
+        self.poll()
+        if on_progress is not None:
+            on_progress()
+
+    def _on_split(self, prefix: Node, suffix: Node, n: int) -> None:
+        for flight in (*self._backups, *self._loads):
+            split_entries(flight.entries, prefix, suffix, n)
+        if self.io is not None:
+            self.io.on_split(prefix, suffix, n)
+
+    def inflight_host_pages(self) -> int:
+        """Host pages owned by in-flight work rather than by the tree."""
+        n = sum(e[1].numel() for f in self._backups for e in f.entries)
+        return n + (self.io.pending_host_pages() if self.io is not None else 0)
+
+    def close(self) -> None:
+        self.drain()
+        if self.io is not None:
+            self.io.close()

@@ -1,0 +1,82 @@
+"""Counters and gauges of the cache, as a ``stats()`` snapshot and as Prometheus metrics.
+
+``Metrics`` is a plain counter bag (no dependency). ``prometheus_registry`` exposes a snapshot
+callable through prometheus_client, imported lazily so the core needs torch alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+COUNTERS: dict[str, str] = {
+    "device_hit_tokens": "Prompt tokens served from the device tier",
+    "host_hit_tokens": "Prompt tokens loaded back from the host tier",
+    "storage_hit_tokens": "Prompt tokens prefetched from storage and used",
+    "recomputed_tokens": "Prompt tokens computed by prefill",
+    "host_backup_pages": "Pages copied device to host",
+    "storage_backup_pages": "Pages written host to storage",
+    "evicted_device_pages": "Device pages evicted",
+    "evicted_host_pages": "Host pages evicted",
+    "dropped_host_backups": "Pages whose device to host backup was dropped (host full)",
+    "dropped_storage_backups": "Pages whose storage backup failed",
+    "prefetched_pages": "Pages read from storage into the host tier",
+    "prefetch_failed_pages": "Pages a prefetch wanted but storage could not deliver",
+    "load_bytes": "Bytes loaded host to device",
+    "load_seconds": "Seconds spent in host to device loads (issue to completion)",
+    "backup_bytes": "Bytes copied device to host",
+    "backup_seconds": "Seconds spent in device to host backups (issue to completion)",
+    "storage_write_bytes": "Bytes written to storage",
+    "storage_write_seconds": "Seconds spent writing to storage",
+    "storage_read_bytes": "Bytes read from storage",
+    "storage_read_seconds": "Seconds spent reading from storage",
+}
+
+
+class Metrics:
+    """Thread-safe counters; names are the keys of ``COUNTERS``."""
+
+    def __init__(self) -> None:
+        self._c: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self._lock = threading.Lock()
+
+    def inc(self, name: str, value: float = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(f"unknown metric {name!r}")
+        with self._lock:
+            self._c[name] += value
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._c)
+
+
+def prometheus_registry(stats: Callable[[], dict[str, Any]], prefix: str = "kvtier") -> Any:
+    """A prometheus_client registry whose collector reports ``stats()`` on every scrape.
+
+    Keys of ``COUNTERS`` become counters; ``storage_errors`` (a dict kind → count) becomes one
+    labelled counter; other numeric keys become gauges.
+    """
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class _Collector:
+        def collect(self):  # noqa: ANN202 - prometheus_client protocol
+            snap = stats()
+            for key, value in snap.items():
+                name = f"{prefix}_{key}"
+                if key in COUNTERS:
+                    yield CounterMetricFamily(name, COUNTERS[key], value=value)
+                elif key == "storage_errors":
+                    fam = CounterMetricFamily(name, "Storage faults by kind", labels=["kind"])
+                    for kind, n in sorted(value.items()):
+                        fam.add_metric([kind], n)
+                    yield fam
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield GaugeMetricFamily(name, key.replace("_", " "), value=value)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return registry

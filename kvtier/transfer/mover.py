@@ -1,0 +1,137 @@
+"""Device ↔ host page transfers.
+
+Both pools are viewed in the *object layout* ``[n_pages, layers, page_size, *row]`` so a batch
+is one gather on the source side and one scatter on the destination side per component, never a
+per-page Python loop. On CUDA the copy runs on the mover's own stream through pinned staging
+buffers and completes asynchronously: ``TransferOp.done()`` polls its event without blocking.
+On CPU copies are synchronous and ops are born done; the caller's visibility rules are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.paging import check_whole_pages, pages_to_locs
+from kvtier.pools.device import DevicePool
+from kvtier.pools.host import HostPool
+from kvtier.transfer.translate import IdentityTranslator, PageTranslator
+
+
+@dataclass(slots=True)
+class TransferOp:
+    """One batched copy. ``finalize`` runs once, on the host, after the copy completed."""
+
+    direction: str
+    num_pages: int
+    nbytes: int
+    event: torch.cuda.Event | None = None
+    finalize: Callable[[], None] | None = None
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+    finished: bool = False
+
+    def done(self) -> bool:
+        """True once the copy completed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block the host until the copy completed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def complete(self) -> None:
+        """Run the host-side finalisation exactly once (call only when ``done()``)."""
+        if not self.finished:
+            self.finished = True
+            if self.finalize is not None:
+                self.finalize()
+            self.keepalive.clear()
+
+
+class Mover:
+    """Copies pages between one device pool and one host pool."""
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        translator: PageTranslator | None = None,
+        debug_checks: bool = False,
+    ) -> None:
+        self.dev = device_pool
+        self.host = host_pool
+        self.translator = translator or IdentityTranslator()
+        self.debug_checks = debug_checks
+        self.cuda = device_pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device_pool.device) if self.cuda else None
+
+    def _dev_view(self, name: str) -> torch.Tensor:
+        buf = self.dev.buffers[name]
+        return buf.view(buf.shape[0], self.dev.num_pages, self.dev.page_size, *buf.shape[2:])
+
+    def _check(self, pages: torch.Tensor, what: str) -> None:
+        if self.debug_checks:
+            check_whole_pages(pages_to_locs(pages, self.dev.page_size), self.dev.page_size, what)
+
+    def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
+        """Copy device pages into host pages (a backup). The host copy is valid once done."""
+        self._check(device_pages, "device_to_host source")
+        phys = self.translator.device_physical(device_pages)
+        op = TransferOp("d2h", phys.numel(), phys.numel() * self.dev.page_bytes)
+        if not self.cuda:
+            for name in self.dev.buffers:
+                data = self._dev_view(name).index_select(1, phys).transpose(0, 1)
+                self.host.write_pages(name, host_pages, data)
+            return op
+        assert self.stream is not None
+        idx = phys.to(self.dev.device, non_blocking=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        staged: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self.stream):
+            for name in self.dev.buffers:
+                gathered = self._dev_view(name).index_select(1, idx).transpose(0, 1).contiguous()
+                pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                pinned.copy_(gathered, non_blocking=True)
+                staged[name] = pinned
+                op.keepalive.append(gathered)
+            op.event = torch.cuda.Event()
+            op.event.record(self.stream)
+
+        def finalize() -> None:
+            for name, pinned in staged.items():
+                self.host.write_pages(name, host_pages, pinned)
+
+        op.finalize = finalize
+        return op
+
+    def host_to_device(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> TransferOp:
+        """Copy host pages into device pages (a load-back).
+
+        On CUDA the compute stream is made to wait for the copy, so kernels issued after this
+        call read the loaded pages without the host ever blocking.
+        """
+        self._check(device_pages, "host_to_device destination")
+        phys = self.translator.device_physical(device_pages)
+        op = TransferOp("h2d", phys.numel(), phys.numel() * self.dev.page_bytes)
+        if not self.cuda:
+            for name in self.dev.buffers:
+                data = self.host.read_pages(name, host_pages)
+                self._dev_view(name).index_copy_(1, phys, data.transpose(0, 1))
+            return op
+        assert self.stream is not None
+        compute = torch.cuda.current_stream(self.dev.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            idx = phys.to(self.dev.device, non_blocking=True)
+            for name in self.dev.buffers:
+                data = self.host.read_pages(name, host_pages)
+                pinned = data.pin_memory() if not data.is_pinned() else data
+                on_dev = pinned.to(self.dev.device, non_blocking=True)
+                self._dev_view(name).index_copy_(1, idx, on_dev.transpose(0, 1))
+                op.keepalive += [pinned, on_dev]
+            op.event = torch.cuda.Event()
+            op.event.record(self.stream)
+        compute.wait_event(op.event)
+        return op

@@ -1,0 +1,16 @@
+"""The radix tree over token pages: which prefixes are cached and in which tiers.
+It records page ids but never allocates or frees memory."""
+
+from kvtier.tree.node import Node
+from kvtier.tree.policy import EvictionPolicy, make_policy
+from kvtier.tree.radix import Evicted, InsertOutcome, RadixTree, TreeMatch
+
+__all__ = [
+    "Evicted",
+    "EvictionPolicy",
+    "InsertOutcome",
+    "Node",
+    "RadixTree",
+    "TreeMatch",
+    "make_policy",
+]

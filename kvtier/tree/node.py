@@ -1,0 +1,68 @@
+"""Tree node: a run of whole pages and where copies of them live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.keys import PageKey
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A run of pages sharing one residency.
+
+    Residency is per node: ``device``/``host`` hold one page id per page of the node or are
+    ``None``. Every node except the root has at least one of them. Device residency is closed
+    under prefixes (a device-resident node's parent is device-resident).
+
+    Reference counts:
+      ``lock_ref``   requests using this node or a descendant; no tier drops the only usable
+                     copy while it is positive.
+      ``device_io``  in-flight transfers reading the device copy (backups).
+      ``host_io``    in-flight transfers reading or writing the host copy.
+
+    ``fetched`` marks a host copy that came from storage and has not been loaded yet, so the
+    load that uses it counts storage hits rather than host hits.
+    """
+
+    id: int
+    parent: Node | None
+    tokens: tuple[int, ...]
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    device: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    keys: list[PageKey] | None = None
+    in_storage: bool = False
+    fetched: bool = False
+    lock_ref: int = 0
+    device_io: int = 0
+    host_io: int = 0
+    last_access: int = 0
+    hits: int = 0
+
+    def num_pages(self, page_size: int) -> int:
+        return len(self.tokens) // page_size
+
+    @property
+    def on_device(self) -> bool:
+        return self.device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    def depth_tokens(self) -> int:
+        """Tokens from the root to the end of this node."""
+        n, node = 0, self
+        while node is not None:
+            n += len(node.tokens)
+            node = node.parent
+        return n
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(id={self.id}, tokens={len(self.tokens)}, device={self.on_device}, "
+            f"host={self.on_host}, storage={self.in_storage}, lock={self.lock_ref})"
+        )

@@ -1,0 +1,401 @@
+"""Radix tree over pages.
+
+The tree records which prefixes are cached and where (device/host page ids, storage flag). It
+never allocates or frees memory: ``insert`` reports the caller's pages it did not take and
+``evict_*`` report the pages they dropped; the caller returns them to the allocators.
+
+Lock protocol: ``match`` is read-only and returns a ``TreeMatch``; the caller ``lock``s the match
+before any other tree call (which may split the matched node so the lock covers exactly the
+matched pages) and ``unlock``s it when done. A locked node keeps a usable copy in some tier.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import IntegrityError
+from kvtier.keys import Namespace, PageKey, chain_keys
+from kvtier.tree.node import Node
+from kvtier.tree.policy import EvictionPolicy, make_policy
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True)
+class TreeMatch:
+    """Read-only result of ``RadixTree.match``.
+
+    ``path`` lists the matched nodes from the root down; only the last one may be matched
+    partially (``last_pages`` of its pages). Tokens ``[0, device_len)`` are on device and
+    ``[device_len, device_len + host_len)`` are on host only.
+    """
+
+    path: list[Node]
+    last_pages: int
+    device_len: int
+    host_len: int
+
+    @property
+    def node(self) -> Node | None:
+        return self.path[-1] if self.path else None
+
+    @property
+    def matched_len(self) -> int:
+        return self.device_len + self.host_len
+
+
+@dataclass(slots=True)
+class InsertOutcome:
+    """What ``insert`` did with the caller's pages.
+
+    ``cached_len``: tokens (a prefix) that already had a copy in the target tier.
+    ``duplicates``: the caller's page ids the tree did not take; the caller frees them.
+    ``taken``: nodes that received the caller's pages (new or adopted), in path order.
+    """
+
+    cached_len: int
+    duplicates: torch.Tensor
+    taken: list[Node]
+    last: Node
+
+
+@dataclass(slots=True)
+class Evicted:
+    """Pages dropped by an eviction, to be returned to their allocators."""
+
+    device_pages: list[torch.Tensor] = field(default_factory=list)
+    host_pages: list[torch.Tensor] = field(default_factory=list)
+    removed_nodes: int = 0
+
+    def num_device(self) -> int:
+        return sum(p.numel() for p in self.device_pages)
+
+    def num_host(self) -> int:
+        return sum(p.numel() for p in self.host_pages)
+
+
+SplitHook = Callable[[Node, Node, int], None]
+"""Called as ``hook(prefix, suffix, n_pages)`` after ``suffix`` lost its first pages to a new
+parent ``prefix``; owners of in-flight work on ``suffix`` re-attribute it."""
+
+
+class RadixTree:
+    """Pages of ``page_size`` tokens; nodes split only on page boundaries."""
+
+    def __init__(self, page_size: int, policy: EvictionPolicy | str = "lru") -> None:
+        self.page_size = page_size
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self.root = Node(id=0, parent=None, tokens=())
+        self.split_hooks: list[SplitHook] = []
+
+    # ---- lookup -------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> TreeMatch:
+        """Longest cached prefix of ``tokens`` in whole pages. Never mutates."""
+        ps = self.page_size
+        t = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        node, pos, path, last = self.root, 0, [], 0
+        device_len = host_len = 0
+        while pos < len(t):
+            child = node.children.get(t[pos : pos + ps])
+            if child is None:
+                break
+            n = self._common_pages(child, t, pos)
+            path.append(child)
+            last = n
+            if child.on_device:
+                device_len += n * ps
+            else:
+                host_len += n * ps
+            pos += n * ps
+            if n < child.num_pages(ps):
+                break
+            node = child
+        return TreeMatch(path=path, last_pages=last, device_len=device_len, host_len=host_len)
+
+    def _common_pages(self, node: Node, t: tuple[int, ...], pos: int) -> int:
+        ps, nt = self.page_size, node.tokens
+        if t[pos : pos + len(nt)] == nt:
+            return len(nt) // ps
+        n = 1  # the first page matched through the children dict
+        while (n + 1) * ps <= len(nt) and nt[n * ps : (n + 1) * ps] == t[pos + n * ps : pos + (n + 1) * ps]:
+            n += 1
+        return n
+
+    # ---- locking ------------------------------------------------------------------------
+    def lock(self, m: TreeMatch) -> Node:
+        """Pin the matched prefix; splits a partially matched last node. Returns the lock node."""
+        node = m.node
+        if node is None:
+            return self.root
+        if node.parent is None and node is not self.root:
+            raise IntegrityError(f"lock of a detached node {node!r}: lock right after match")
+        if m.last_pages < node.num_pages(self.page_size):
+            node = self._split(node, m.last_pages)
+            m.path[-1] = node
+            m.last_pages = node.num_pages(self.page_size)
+        self.lock_node(node)
+        return node
+
+    def lock_node(self, node: Node, hit: bool = True) -> None:
+        """Pin ``node`` and its ancestors (``hit`` also refreshes recency and hit counts)."""
+        now = next(self._clock)
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            n.lock_ref += 1
+            if hit:
+                n.hits += 1
+                n.last_access = now
+            n = n.parent
+
+    def unlock(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            if n.lock_ref <= 0:
+                raise IntegrityError(f"unlock below zero at {n!r}")
+            n.lock_ref -= 1
+            n = n.parent
+
+    # ---- insertion ----------------------------------------------------------------------
+    def insert(
+        self,
+        tokens: Sequence[int],
+        pages: torch.Tensor,
+        tier: str = "device",
+        keys: list[PageKey] | None = None,
+        start: Node | None = None,
+    ) -> InsertOutcome:
+        """Record ``pages`` (one id per whole page of ``tokens``) as copies in ``tier``.
+
+        Existing nodes lacking a copy in ``tier`` adopt the caller's pages; pages of nodes that
+        already have one are returned as duplicates. ``keys`` (one per page) marks the pages as
+        present in storage too (used when they were fetched from L3). ``start`` (a locked node,
+        default the root) is where ``tokens`` begin; ``cached_len`` is relative to it.
+        """
+        ps = self.page_size
+        if len(tokens) % ps or pages.numel() != len(tokens) // ps:
+            raise IntegrityError(
+                f"insert of {len(tokens)} tokens with {pages.numel()} pages (page_size={ps})"
+            )
+        t = tuple(tokens)
+        node, pos, cached, prefix = start or self.root, 0, 0, True
+        dups: list[torch.Tensor] = []
+        taken: list[Node] = []
+        now = next(self._clock)
+        while pos < len(t):
+            p0 = pos // ps
+            child = node.children.get(t[pos : pos + ps])
+            if child is None:
+                child = Node(id=next(self._ids), parent=node, tokens=t[pos:])
+                node.children[t[pos : pos + ps]] = child
+                self._set_copy(child, tier, pages[p0:])
+                if keys is not None:
+                    child.keys, child.in_storage = list(keys[p0:]), True
+                child.last_access = now
+                taken.append(child)
+                break
+            n = self._common_pages(child, t, pos)
+            if n < child.num_pages(ps):
+                child = self._split(child, n)
+            if self._copy(child, tier) is not None:
+                dups.append(pages[p0 : p0 + n])
+                if prefix:
+                    cached = pos + n * ps
+            else:
+                prefix = False
+                self._set_copy(child, tier, pages[p0 : p0 + n])
+                taken.append(child)
+            if keys is not None and not child.in_storage:
+                child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
+            child.last_access = now
+            pos += n * ps
+            node = child
+        dup = torch.cat(dups) if dups else _EMPTY
+        return InsertOutcome(cached_len=cached, duplicates=dup, taken=taken, last=node)
+
+    @staticmethod
+    def _copy(node: Node, tier: str) -> torch.Tensor | None:
+        return node.device if tier == "device" else node.host
+
+    @staticmethod
+    def _set_copy(node: Node, tier: str, pages: torch.Tensor) -> None:
+        if tier == "device":
+            node.device = pages
+        elif tier == "host":
+            node.host = pages
+        else:
+            raise IntegrityError(f"unknown tier {tier!r}")
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
+        ps, k = self.page_size, n * self.page_size
+        parent = node.parent
+        assert parent is not None
+        new = Node(id=next(self._ids), parent=parent, tokens=node.tokens[:k])
+        new.device = node.device[:n] if node.device is not None else None
+        new.host = node.host[:n] if node.host is not None else None
+        new.keys = node.keys[:n] if node.keys is not None else None
+        new.in_storage, new.fetched = node.in_storage, node.fetched
+        new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
+        new.last_access, new.hits = node.last_access, node.hits
+        parent.children[node.tokens[:ps]] = new
+        node.tokens = node.tokens[k:]
+        node.device = node.device[n:] if node.device is not None else None
+        node.host = node.host[n:] if node.host is not None else None
+        node.keys = node.keys[n:] if node.keys is not None else None
+        node.parent = new
+        new.children[node.tokens[:ps]] = node
+        for hook in self.split_hooks:
+            hook(new, node, n)
+        return new
+
+    # ---- keys ---------------------------------------------------------------------------
+    def ensure_keys(self, node: Node, namespace: Namespace) -> list[PageKey]:
+        """Storage keys of ``node``'s pages (computing missing ones along the path)."""
+        if node.keys is None:
+            parent = node.parent
+            prev = None
+            if parent is not None and parent is not self.root:
+                prev = self.ensure_keys(parent, namespace)[-1]
+            node.keys = chain_keys(namespace, node.tokens, self.page_size, prev)
+        return node.keys
+
+    # ---- eviction -----------------------------------------------------------------------
+    def evict_device(
+        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
+    ) -> Evicted:
+        """Drop device copies of at least ``num_pages`` pages (fewer if not possible).
+
+        Candidates are unlocked, idle device leaves. ``prepare(node)`` may refuse one (return
+        False) or make a host copy first. A node left with no copy is removed with its host-only
+        subtree.
+        """
+        out = Evicted()
+        heap = [self._entry(n) for n in self.nodes() if self._device_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            if not self._device_evictable(node) or (prepare is not None and not prepare(node)):
+                continue
+            assert node.device is not None
+            out.device_pages.append(node.device)
+            freed += node.device.numel()
+            node.device = None
+            parent = node.parent
+            if not node.on_host:
+                self._remove_subtree(node, out)
+            if parent is not None and self._device_evictable(parent):
+                heapq.heappush(heap, self._entry(parent))
+        return out
+
+    def evict_host(self, num_pages: int) -> Evicted:
+        """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
+        out = Evicted()
+        heap = [self._entry(n) for n in self.nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            if not self._host_evictable(node):
+                continue
+            assert node.host is not None
+            out.host_pages.append(node.host)
+            freed += node.host.numel()
+            node.host = None
+            parent = node.parent
+            if not node.on_device:
+                self._detach(node)
+                out.removed_nodes += 1
+            if parent is not None and self._host_evictable(parent):
+                heapq.heappush(heap, self._entry(parent))
+        return out
+
+    def _entry(self, node: Node) -> tuple:
+        return (self.policy.priority(node), node.id, node)
+
+    def _device_evictable(self, node: Node) -> bool:
+        if node is self.root or node.device is None or node.lock_ref or node.device_io:
+            return False
+        if any(c.on_device for c in node.children.values()):
+            return False
+        return node.on_host or not any(d.host_io for d in self._subtree(node))
+
+    def _host_evictable(self, node: Node) -> bool:
+        if node is self.root or node.host is None or node.host_io:
+            return False
+        return node.on_device or (not node.children and not node.lock_ref)
+
+    def _remove_subtree(self, node: Node, out: Evicted) -> None:
+        for d in self._subtree(node):
+            if d is not node and d.host is not None:
+                out.host_pages.append(d.host)
+                d.host = None
+            out.removed_nodes += 1
+        self._detach(node)
+
+    def _detach(self, node: Node) -> None:
+        parent = node.parent
+        if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+            raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
+        del parent.children[node.tokens[: self.page_size]]
+        node.parent = None
+
+    # ---- traversal and checks -----------------------------------------------------------
+    def nodes(self) -> Iterator[Node]:
+        """Every node except the root (pre-order)."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    @staticmethod
+    def _subtree(node: Node) -> Iterator[Node]:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def held_pages(self, tier: str) -> torch.Tensor:
+        """All page ids the tree holds in ``tier``."""
+        parts = [c for n in self.nodes() if (c := self._copy(n, tier)) is not None]
+        return torch.cat(parts) if parts else _EMPTY
+
+    def check_integrity(self) -> None:
+        """Structure, residency and reference-count invariants; raises ``IntegrityError``."""
+        ps = self.page_size
+        for tier in ("device", "host"):
+            held = self.held_pages(tier)
+            if held.numel() != torch.unique(held).numel():
+                raise IntegrityError(f"a {tier} page is held by two nodes")
+        for n in self.nodes():
+            ctx = f"node {n.id} at depth {n.depth_tokens()}"
+            parent = n.parent
+            if parent is None or parent.children.get(n.tokens[:ps]) is not n:
+                raise IntegrityError(f"{ctx}: not linked from its parent")
+            if not n.tokens or len(n.tokens) % ps:
+                raise IntegrityError(f"{ctx}: {len(n.tokens)} tokens is not whole pages")
+            if not (n.on_device or n.on_host):
+                raise IntegrityError(f"{ctx}: no copy in any tier")
+            for tier in ("device", "host"):
+                c = self._copy(n, tier)
+                if c is not None and c.numel() != n.num_pages(ps):
+                    raise IntegrityError(f"{ctx}: {tier} copy has {c.numel()} pages")
+            if n.keys is not None and len(n.keys) != n.num_pages(ps):
+                raise IntegrityError(f"{ctx}: {len(n.keys)} keys for {n.num_pages(ps)} pages")
+            if n.on_device and parent is not self.root and not parent.on_device:
+                raise IntegrityError(f"{ctx}: on device but its parent is not")
+            if min(n.lock_ref, n.device_io, n.host_io) < 0:
+                raise IntegrityError(f"{ctx}: negative reference count")
+            if n.device_io and not n.on_device:
+                raise IntegrityError(f"{ctx}: device I/O in flight without a device copy")
+            if parent is not self.root and parent.lock_ref < n.lock_ref:
+                raise IntegrityError(f"{ctx}: locked more than its parent")
