@@ -2,14 +2,18 @@
 with a runner, a continuous-batching scheduler over ``TieredCache`` and an ``LLM`` front end."""
 
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM
 from kvtier.engine.model import CausalLM, SeqSlots
+from kvtier.engine.request import RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weights import CheckpointError, load_model, save_hf_checkpoint
 
 __all__ = [
     "CausalLM",
     "CheckpointError",
+    "LLM",
     "ModelConfig",
+    "RequestOutput",
     "SamplingParams",
     "SeqSlots",
     "load_model",

@@ -1,0 +1,145 @@
+"""``LLM``: the engine's front end. Builds model, tiered cache, scheduler and runner; validates
+requests; runs steps until requests finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.cache import TieredCache
+from kvtier.config import CacheConfig
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model import CausalLM
+from kvtier.engine.request import Request, RequestOutput
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
+from kvtier.errors import RequestError
+
+Prompt = Sequence[int] | str
+
+
+class LLM:
+    """Offline engine over a ``TieredCache``.
+
+    ``model`` is a ``ModelConfig`` (seeded random weights), a HF checkpoint directory, or an
+    already built ``CausalLM``. The cache namespace gets the model's fingerprint, so L3 objects
+    written by one model are never read by another.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig | CausalLM | str | Path,
+        cache_config: CacheConfig | None = None,
+        *,
+        max_running: int = 16,
+        max_prefill_tokens: int = 4096,
+    ) -> None:
+        self.tokenizer: Tokenizer | None = None
+        if isinstance(model, (str, Path)):
+            self.tokenizer = load_tokenizer(model)
+            model = load_model(model)
+        elif isinstance(model, ModelConfig):
+            model = CausalLM(model)
+        self.model_config = model.config
+        cache_config = dataclasses.replace(
+            cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
+        )
+        self.cache = TieredCache(cache_config, [model.kv_pool_spec()])
+        self.model = model.to(self.cache.device_pool.device)
+        self.scheduler = Scheduler(
+            self.cache, max_running, max_prefill_tokens, self.model_config.eos_token_ids
+        )
+        self.runner = ModelRunner(self.model, self.cache.device_pool)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Validate and queue one request; returns its id. Raises ``RequestError``."""
+        req = self._make_request(prompt, params or SamplingParams())
+        self.scheduler.add(req)
+        return req.id
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        tokens = self._tokens(prompt)
+        cfg = self.model_config
+        if not tokens:
+            raise RequestError("empty prompt: a request needs at least one token")
+        bad = next((t for t in tokens if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        total = len(tokens) + params.max_tokens
+        if total > cfg.max_position:
+            raise RequestError(
+                f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds the "
+                f"model's context length max_position={cfg.max_position}"
+            )
+        pool = self.cache.device_pool
+        pages = -(-total // pool.page_size)
+        if pages > pool.num_pages:
+            raise RequestError(
+                f"prompt + max_tokens needs {pages} pages but the device pool has only "
+                f"{pool.num_pages} (device_pages)"
+            )
+        return Request(
+            id=next(self._ids),
+            prompt=tokens,
+            params=params,
+            arrival=time.perf_counter(),
+            generator=params.make_generator(),
+        )
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("text prompt given but the model has no tokenizer")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step (at most one forward); returns the requests that finished."""
+        self.cache.poll()
+        work = self.scheduler.schedule()
+        if not work:
+            if self.scheduler.prefetching():
+                time.sleep(1e-4)  # storage reads are in flight; nothing else to do yet
+            return []
+        finished = self.scheduler.update(work, self.runner.run(work))
+        return [r.to_output(self._decode(r.output)) for r in finished]
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together; outputs come back in prompt order.
+
+        Every prompt is validated before any is queued. Requests queued earlier with
+        ``add_request`` also run, but their outputs are not returned here.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for req in reqs:
+            self.scheduler.add(req)
+        ids = [r.id for r in reqs]
+        done: dict[int, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        """The cache's counters."""
+        return self.cache.stats()

@@ -1,0 +1,179 @@
+"""Continuous batching over ``TieredCache``: a waiting queue, a running set, and per step one
+batch mixing new prefills with one decode token for every running request."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.engine.request import Request, Status
+from kvtier.errors import CapacityError
+
+if TYPE_CHECKING:
+    from kvtier.cache import Handle, LoadResult, TieredCache
+
+
+@dataclass(slots=True)
+class Work:
+    """One sequence of a step's batch: compute ``tokens[num_computed : num_computed + num_new]``."""
+
+    req: Request
+    num_new: int
+
+
+class Scheduler:
+    """Decides each step what runs; owns the requests' slot bookkeeping against the cache.
+
+    A request's prefill covers everything after its longest cached prefix (matched on
+    ``tokens[:-1]`` so at least one token is computed and yields logits). Decode grows a request
+    one page at a time. When no page can be found for a running request, the most recently
+    admitted one is preempted: its computed pages go into the cache (so re-admission can hit
+    them) and it re-enters the front of the waiting queue.
+    """
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        max_running: int,
+        max_prefill_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def prefetching(self) -> bool:
+        return any(r.prefetch is not None for r in self.waiting)
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` and start pulling its storage-only prefix into host memory."""
+        m = self.cache.match(req.tokens[:-1])
+        if m.storage_len > 0:
+            req.prefetch = self.cache.prefetch(m)
+        self.waiting.append(req)
+
+    def schedule(self) -> list[Work]:
+        """This step's batch: one decode token per running request, then admitted prefills."""
+        preempted = self._reserve_decode_slots()
+        work = [Work(r, 1) for r in self.running]
+        if not preempted:
+            work += self._admit()
+        if not work and not preempted and self.waiting and not self.prefetching():
+            raise CapacityError(
+                f"{len(self.waiting)} request(s) wait but none can be admitted: the device pool "
+                "has no free or evictable pages"
+            )
+        return work
+
+    def _reserve_decode_slots(self) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            assert req.locs is not None
+            if req.locs.numel() >= len(req.tokens):
+                i += 1
+                continue
+            try:
+                page = self.cache.alloc(self.page_size)
+            except CapacityError:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                continue
+            req.locs = torch.cat((req.locs, page))
+            i += 1
+        return preempted
+
+    def _admit(self) -> list[Work]:
+        work: list[Work] = []
+        budget = self.max_prefill_tokens
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                break
+            if req.prefetch is not None:
+                if not self.cache.prefetch_ready(req.prefetch):
+                    continue
+                self.cache.finish_prefetch(req.prefetch)
+                req.prefetch = None
+            m = self.cache.match(req.tokens[:-1])
+            if work and len(req.tokens) - m.cached_len > budget:
+                break
+            self.cache.lock(m.handle)
+            ld = self.cache.load(m)  # may return less than m.cached_len when L1 is short
+            num_new = len(req.tokens) - ld.locs.numel()
+            try:
+                own = self.cache.alloc(num_new)
+            except CapacityError:
+                self.cache.unlock(m.handle)
+                break
+            self.waiting.remove(req)
+            self._start(req, m.handle, ld, own)
+            work.append(Work(req, num_new))
+            budget -= num_new
+        return work
+
+    def _start(self, req: Request, handle: Handle, ld: LoadResult, own: torch.Tensor) -> None:
+        cached = ld.locs.numel()
+        req.locs = torch.cat((ld.locs, own)) if cached else own
+        req.prefix_len = req.num_computed = cached
+        req.handle = handle
+        req.status = Status.RUNNING
+        num_new = len(req.tokens) - cached
+        req.recomputed += num_new
+        self.cache.record_prefill(num_new)
+        if not req.admitted:
+            req.admitted = True
+            req.cached_device = ld.device_tokens
+            req.cached_host = ld.host_tokens
+            req.cached_storage = ld.storage_tokens
+        self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        """Hand the request's computed pages to the cache and drop its slots and lock."""
+        assert req.locs is not None
+        self.cache.finish(req.tokens[: req.num_computed], req.locs, req.prefix_len, req.handle)
+        req.locs, req.handle = None, None
+        req.num_computed = req.prefix_len = 0
+        self.running.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, work: list[Work], next_tokens: list[int]) -> list[Request]:
+        """Record the step's sampled tokens; returns the requests that finished."""
+        now = time.perf_counter()
+        finished: list[Request] = []
+        for w, tok in zip(work, next_tokens, strict=True):
+            req = w.req
+            req.num_computed += w.num_new
+            req.tokens.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            p = req.params
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                req.finish_reason = "stop"
+            elif req.num_output >= p.max_tokens:
+                req.finish_reason = "length"
+            else:
+                continue
+            self._release(req)
+            req.status = Status.FINISHED
+            finished.append(req)
+        return finished
