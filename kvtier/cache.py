@@ -112,17 +112,27 @@ class TieredCache:
             dtype=",".join(s.dtype_name for s in specs),
             page_size=ps,
             tree_page_size=ps,
-            components=[f"{s.name}:{s.num_layers}x{'x'.join(map(str, s.row_shape))}" for s in specs],
+            components=[
+                f"{s.name}:{s.num_layers}x{'x'.join(map(str, s.row_shape))}" for s in specs
+            ],
             rank=config.rank,
             world_size=config.world_size,
             tenant_salt=config.tenant_salt,
             extra=config.extra_namespace,
         )
-        self.storage = create_backend(config.storage, config, self.namespace) if config.storage else None
+        self.storage = (
+            create_backend(config.storage, config, self.namespace) if config.storage else None
+        )
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
         self.controller = Controller(
-            config, self.tree, self.device_pool, self.host_pool, self.storage, self.namespace, self.metrics
+            config,
+            self.tree,
+            self.device_pool,
+            self.host_pool,
+            self.storage,
+            self.namespace,
+            self.metrics,
         )
         self._engine_pages = 0
         self._closed = False
@@ -133,7 +143,9 @@ class TieredCache:
         tm = self.tree.match(tokens)
         t = tuple(tokens[: align_down(len(tokens), self.page_size)])
         keys = self._storage_hit(tm, t)
-        return MatchResult(tm.device_len, tm.host_len, len(keys) * self.page_size, Handle(tm, t, keys))
+        return MatchResult(
+            tm.device_len, tm.host_len, len(keys) * self.page_size, Handle(tm, t, keys)
+        )
 
     def _storage_hit(self, tm: TreeMatch, t: tuple[int, ...]) -> list[PageKey]:
         io = self.controller.io

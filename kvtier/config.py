@@ -117,7 +117,9 @@ class CacheConfig:
         else:
             pages, opt = int(self.device_pages * self.host_ratio), "host_ratio"
         if pages < 1:
-            raise ConfigError(f"{opt} gives a host pool of {pages} pages; it must hold at least one")
+            raise ConfigError(
+                f"{opt} gives a host pool of {pages} pages; it must hold at least one"
+            )
         if self.write_policy == "write_back" and pages < self.device_pages:
             raise ConfigError(
                 f"{opt} gives {pages} host pages but write_policy='write_back' needs the host tier "

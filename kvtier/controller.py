@@ -74,7 +74,9 @@ class Controller:
         self.host = host_pool
         self.namespace = namespace
         self.metrics = metrics
-        self.mover = Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
+        self.mover = (
+            Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
+        )
         self.io = StorageIO(storage, host_pool, metrics) if storage and host_pool else None
         self._backups: list[InFlight] = []
         self._loads: list[InFlight] = []
@@ -214,7 +216,9 @@ class Controller:
             self.io.write(todo, keys)
 
     # ---- storage → host -----------------------------------------------------------------
-    def start_prefetch(self, anchor: Node, tokens: tuple[int, ...], keys: list) -> PrefetchOp | None:
+    def start_prefetch(
+        self, anchor: Node, tokens: tuple[int, ...], keys: list
+    ) -> PrefetchOp | None:
         """Fetch the pages ``keys`` (continuing below the locked ``anchor``) into the host tier."""
         assert self.io is not None
         pages = self.alloc_host(len(keys))

@@ -32,7 +32,9 @@ def create_backend(name: str, config: CacheConfig, namespace: Namespace) -> Stor
     """Instantiate backend ``name``; an unknown name is a ``ConfigError`` listing the known ones."""
     _register_builtins()
     if name not in _REGISTRY:
-        raise ConfigError(f"storage={name!r} is not a registered backend ({', '.join(sorted(_REGISTRY))})")
+        raise ConfigError(
+            f"storage={name!r} is not a registered backend ({', '.join(sorted(_REGISTRY))})"
+        )
     return _REGISTRY[name](config, namespace)
 
 

@@ -124,7 +124,9 @@ class RadixTree:
         if t[pos : pos + len(nt)] == nt:
             return len(nt) // ps
         n = 1  # the first page matched through the children dict
-        while (n + 1) * ps <= len(nt) and nt[n * ps : (n + 1) * ps] == t[pos + n * ps : pos + (n + 1) * ps]:
+        while (n + 1) * ps <= len(nt) and nt[n * ps : (n + 1) * ps] == t[
+            pos + n * ps : pos + (n + 1) * ps
+        ]:
             n += 1
         return n
 

@@ -1,0 +1,188 @@
+"""TieredCache end to end on CPU bookkeeping: write policies, load-back, storage round trips."""
+
+from __future__ import annotations
+
+import torch
+from conftest import PS, kv_of, make_cache, run_request
+
+TOKENS = list(range(100, 117))  # 17 tokens: 4 whole pages + 1
+
+
+def test_device_hit_then_host_restore_is_byte_exact(tmp_path):
+    c = make_cache(tmp_path)
+    first = run_request(c, TOKENS)
+    assert first["load"].locs.numel() == 0
+    orig = kv_of(c, first["locs"][:16])
+    c.poll()
+    c.check_integrity()
+
+    m = c.match(TOKENS)
+    assert (m.device_len, m.host_len, m.storage_len) == (16, 0, 0)
+
+    assert c.controller.evict_device(100) == 4
+    c.check_integrity()
+    m = c.match(TOKENS)
+    assert (m.device_len, m.host_len) == (0, 16)
+    c.lock(m.handle)
+    ld = c.load(m)
+    assert (ld.device_tokens, ld.host_tokens, ld.storage_tokens) == (0, 16, 0)
+    assert torch.equal(kv_of(c, ld.locs), orig)
+    c.unlock(m.handle)
+    c.poll()
+    c.check_integrity()
+    s = c.stats()
+    assert s["host_hit_tokens"] == 16 and s["load_bytes"] == 4 * c.device_pool.page_bytes
+    c.close()
+
+
+def test_match_never_mutates(tmp_path):
+    c = make_cache(tmp_path)
+    run_request(c, TOKENS)
+    before = [(n.id, n.lock_ref, n.last_access, n.hits, len(n.tokens)) for n in c.tree.nodes()]
+    c.match(TOKENS[:9])  # ends inside the cached node
+    after = [(n.id, n.lock_ref, n.last_access, n.hits, len(n.tokens)) for n in c.tree.nodes()]
+    assert before == after
+    c.close()
+
+
+def test_write_through_backs_up_on_insert(tmp_path):
+    c = make_cache(tmp_path, write_policy="write_through", storage=None)
+    run_request(c, TOKENS)
+    c.poll()
+    (node,) = c.tree.nodes()
+    assert node.host is not None and node.host.tolist() == [0, 1, 2, 3]
+    assert c.stats()["host_backup_pages"] == 4
+    c.check_integrity()
+    c.close()
+
+
+def test_write_through_selective_waits_for_threshold(tmp_path):
+    c = make_cache(
+        tmp_path, write_policy="write_through_selective", write_threshold=2, storage=None
+    )
+    run_request(c, TOKENS)
+    c.poll()
+    (node,) = c.tree.nodes()
+    assert node.host is None
+    for expect_host in (False, True):  # hit 1, then hit 2 reaches the threshold
+        m = c.match(TOKENS)
+        c.lock(m.handle)
+        c.unlock(m.handle)
+        c.poll()
+        assert (node.host is not None) is expect_host
+    c.check_integrity()
+    c.close()
+
+
+def test_write_back_copies_on_eviction_only(tmp_path):
+    c = make_cache(tmp_path, write_policy="write_back", storage=None)
+    first = run_request(c, TOKENS)
+    orig = kv_of(c, first["locs"][:16])
+    c.poll()
+    (node,) = c.tree.nodes()
+    assert node.host is None and c.stats()["host_backup_pages"] == 0
+    c.controller.evict_device(1)
+    assert node.device is None and node.host is not None
+    m = c.match(TOKENS)
+    assert (m.device_len, m.host_len) == (0, 16)
+    c.lock(m.handle)
+    assert torch.equal(kv_of(c, c.load(m).locs), orig)
+    c.unlock(m.handle)
+    c.poll()
+    c.check_integrity()
+    c.close()
+
+
+def test_storage_restore_in_fresh_cache_is_byte_exact(tmp_path):
+    c = make_cache(tmp_path)
+    first = run_request(c, TOKENS)
+    orig = kv_of(c, first["locs"][:16])
+    c.close()  # drains the storage writes
+
+    fresh = make_cache(tmp_path)
+    m = fresh.match(TOKENS)
+    assert (m.device_len, m.host_len, m.storage_len) == (0, 0, 16)
+    pf = fresh.prefetch(m)
+    assert pf is not None
+    pf.future.result()
+    assert fresh.prefetch_ready(pf)
+    assert fresh.finish_prefetch(pf) == 16
+    m = fresh.match(TOKENS)
+    assert (m.device_len, m.host_len, m.storage_len) == (0, 16, 0)
+    fresh.lock(m.handle)
+    ld = fresh.load(m)
+    assert (ld.host_tokens, ld.storage_tokens) == (0, 16)
+    assert torch.equal(kv_of(fresh, ld.locs), orig)
+    fresh.unlock(m.handle)
+    fresh.poll()
+    fresh.check_integrity()
+    fresh.close()
+
+
+def test_storage_extends_a_partial_tree_hit(tmp_path):
+    c = make_cache(tmp_path)
+    first = run_request(c, TOKENS)
+    orig = kv_of(c, first["locs"][:16])
+    c.drain()
+    c.controller.evict_device(100)
+    c.controller.evict_host(100)
+    run_request(c, TOKENS[:8] + [1, 2, 3, 4], seed=1)  # re-caches the first two pages only
+    m = c.match(TOKENS)
+    assert (m.device_len, m.host_len, m.storage_len) == (8, 0, 8)
+    pf = c.prefetch(m)
+    pf.future.result()
+    assert c.finish_prefetch(pf) == 8
+    m = c.match(TOKENS)
+    assert (m.device_len, m.host_len, m.storage_len) == (8, 8, 0)
+    c.lock(m.handle)
+    ld = c.load(m)
+    assert torch.equal(kv_of(c, ld.locs[8:]), orig[:, 8:])
+    c.unlock(m.handle)
+    c.poll()
+    c.check_integrity()
+    c.close()
+
+
+def test_namespace_isolates_models(tmp_path):
+    c = make_cache(tmp_path, model_fingerprint="model-a")
+    run_request(c, TOKENS)
+    c.close()
+    other = make_cache(tmp_path, model_fingerprint="model-b")
+    assert other.match(TOKENS).storage_len == 0
+    other.close()
+    same = make_cache(tmp_path, model_fingerprint="model-a")
+    assert same.match(TOKENS).storage_len == 16
+    same.close()
+
+
+def test_locked_prefix_survives_pressure_and_alloc_fails_cleanly(tmp_path):
+    import pytest
+
+    from kvtier.errors import CapacityError
+
+    c = make_cache(tmp_path, storage=None)
+    run_request(c, TOKENS)
+    m = c.match(TOKENS)
+    c.lock(m.handle)
+    c.load(m)
+    with pytest.raises(CapacityError, match="device pool: 5 pages requested"):
+        c.alloc(5 * PS)  # 4 of 8 pages are locked
+    got = c.alloc(4 * PS)
+    assert c.match(TOKENS).device_len == 16
+    c.free(got)
+    c.unlock(m.handle)
+    c.check_integrity()
+    c.close()
+
+
+def test_prometheus_export(tmp_path):
+    from prometheus_client import generate_latest
+
+    c = make_cache(tmp_path)
+    run_request(c, TOKENS)
+    c.drain()
+    text = generate_latest(c.prometheus_registry()).decode()
+    assert "kvtier_host_backup_pages_total 4.0" in text
+    assert "kvtier_storage_backup_pages_total 4.0" in text
+    assert "kvtier_host_pages_total 16.0" in text
+    c.close()
