@@ -304,6 +304,14 @@ class TieredCache:
         """Wait until every transfer and storage write in flight completed and is visible."""
         self.controller.drain()
 
+    def flush(self, host: bool = True) -> None:
+        """Drop every unlocked cached page from the device tier (and the host tier when
+        ``host``); storage keeps its objects. In-flight work completes first."""
+        self.drain()
+        self.controller.evict_device(self.device_pool.num_pages)
+        if host and self.host_pool is not None:
+            self.controller.evict_host(self.host_pool.num_pages)
+
     def stats(self) -> dict:
         snap: dict = self.controller.metrics.snapshot()
         dev, host = self.device_pool, self.host_pool

@@ -1,0 +1,97 @@
+"""Command line: ``kvtier demo | bench {tree,transfer,storage}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvtier import demo
+
+    if args.restart_phase:
+        demo.restart_main(args.restart_phase)
+        return 0
+    cfg = demo.DemoConfig(
+        model=args.model,
+        storage_dir=args.storage_dir,
+        conversations=args.conversations,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        device_pages=args.device_pages,
+        seed=args.seed,
+    )
+    summary = demo.run_demo(cfg)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(demo.format_table(summary))
+    return 0 if summary["oracle"]["mismatches"] == 0 else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.which == "tree":
+        from kvtier.bench.tree import bench_tree
+
+        result = bench_tree()
+    elif args.which == "transfer":
+        from kvtier.bench.transfer import bench_transfer
+
+        result = bench_transfer(device=args.device)
+    else:
+        from kvtier.bench.storage import bench_storage
+
+        result = bench_storage(directory=args.dir)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for LLM inference.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser(
+        "demo", help="multi-turn shared-prefix chat through every tier, with an oracle"
+    )
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.add_argument("--model", default="tiny", help="model preset or HF checkpoint directory")
+    d.add_argument("--storage-dir", default="kvtier-data/demo", help="L3 directory (wiped first)")
+    d.add_argument("--conversations", type=_positive, default=8)
+    d.add_argument("--turns", type=_positive, default=4)
+    d.add_argument("--max-tokens", type=_positive, default=12)
+    d.add_argument("--device-pages", type=_positive, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--restart-phase", metavar="WORK_FILE", help=argparse.SUPPRESS)
+    d.set_defaults(func=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
+    b.add_argument("which", choices=("tree", "transfer", "storage"))
+    b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
+    b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
+    b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""``kvtier demo``: a multi-turn, shared-prefix chat workload through every tier.
+
+Phase ``live`` runs conversations turn by turn (round-robin, so a conversation's history is
+usually evicted from the device before its next turn) with a device pool far smaller than the
+working set; every output is checked token by token against a cold run (no cached prefix).
+Phase ``restart`` runs the last turn of every conversation again in a fresh process whose device
+and host tiers are empty and whose storage directory is the one ``live`` filled; outputs must
+equal the cold outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvtier.config import CacheConfig
+
+_MARKER = ".kvtier-demo"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Workload and cache sizes of the demo."""
+
+    model: str = "tiny"
+    """Model preset name or a Hugging Face checkpoint directory."""
+    storage_dir: str = "kvtier-data/demo"
+    """L3 directory; wiped at the start of the live phase (only if the demo created it)."""
+    conversations: int = 8
+    """Concurrent conversations."""
+    turns: int = 4
+    """Turns per conversation."""
+    system_tokens: int = 128
+    """Length of the system prompt every conversation shares."""
+    user_tokens: tuple[int, int] = (24, 64)
+    """Range of a user message's length."""
+    max_tokens: int = 12
+    """Tokens generated per turn (greedy)."""
+    page_size: int = 16
+    """Tokens per page."""
+    device_pages: int = 64
+    """Device pool pages: far below the working set so pages move down the tiers."""
+    host_ratio: float = 2.0
+    """Host pool size relative to the device pool."""
+    max_running: int = 4
+    """Requests decoded together."""
+    seed: int = 0
+    """Workload seed."""
+
+
+@dataclass
+class PhaseReport:
+    name: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    checked: int = 0
+    mismatches: int = 0
+    cache: dict = field(default_factory=dict)
+
+    def add(self, out, expected: list[int] | None) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(out.prompt)
+        self.output_tokens += len(out.output_ids)
+        self.device_hit_tokens += out.cached_device
+        self.host_hit_tokens += out.cached_host
+        self.storage_hit_tokens += out.cached_storage
+        self.recomputed_tokens += out.recomputed
+        if out.ttft_s is not None:
+            self.ttft_s.append(out.ttft_s)
+        if expected is not None:
+            self.checked += 1
+            self.mismatches += int(list(out.output_ids) != list(expected))
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per 25% when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.tty = sys.stderr.isatty()
+        self._last_quarter = -1
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        frac = self.done / max(self.total, 1)
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label:<9} [{bar:<30}] {self.done}/{self.total}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif int(frac * 4) > self._last_quarter:
+            self._last_quarter = int(frac * 4)
+            print(f"{self.label}: {self.done}/{self.total} requests", file=sys.stderr, flush=True)
+
+
+def _cache_config(cfg: DemoConfig) -> CacheConfig:
+    return CacheConfig(
+        page_size=cfg.page_size,
+        device_pages=cfg.device_pages,
+        host_ratio=cfg.host_ratio,
+        storage="file",
+        storage_dir=cfg.storage_dir,
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+    )
+
+
+def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
+    from kvtier.engine import LLM, ModelConfig
+
+    model = cfg.model if os.path.isdir(cfg.model) else ModelConfig.preset(cfg.model)
+    return LLM(model, cache_config, max_running=cfg.max_running)
+
+
+def _run(llm, prompts, max_tokens: int, report: PhaseReport, expected, progress: Progress):
+    """Run ``prompts`` together (outputs in prompt order), recording them in ``report``."""
+    from kvtier.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    done = {}
+    while len(done) < len(ids):
+        for out in llm.step():
+            done[out.request_id] = out
+            progress.step()
+    outs = [done[i] for i in ids]
+    for k, out in enumerate(outs):
+        report.add(out, None if expected is None else expected[k])
+    return outs
+
+
+def _cold(ref, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy output of ``prompt`` with nothing cached."""
+    from kvtier.engine import SamplingParams
+
+    ref.cache.flush()
+    (out,) = ref.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return list(out.output_ids)
+
+
+def run_live(cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:
+    """The live phase; returns its report and the restart phase's work (prompt + cold output)."""
+    root = Path(cfg.storage_dir)
+    if root.exists():
+        if not (root / _MARKER).exists() and any(root.iterdir()):
+            raise SystemExit(f"--storage-dir {root} exists and was not created by the demo")
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    (root / _MARKER).write_text("kvtier demo storage\n")
+
+    llm = _make_llm(cfg, _cache_config(cfg))
+    cold_cache = CacheConfig(
+        page_size=cfg.page_size, device_pages=cfg.device_pages, enable_host=False
+    )
+    ref = _make_llm(cfg, cold_cache)
+    vocab = llm.model_config.vocab_size
+    rng = random.Random(cfg.seed)
+    system = [rng.randrange(vocab) for _ in range(cfg.system_tokens)]
+    history = [list(system) for _ in range(cfg.conversations)]
+    report = PhaseReport("live")
+    progress = Progress("live", cfg.conversations * cfg.turns)
+    last: list[dict] = []
+    t0 = time.perf_counter()
+    for turn in range(cfg.turns):
+        prompts = []
+        for h in history:
+            h += [rng.randrange(vocab) for _ in range(rng.randint(*cfg.user_tokens))]
+            prompts.append(list(h))
+        t_ref = time.perf_counter()
+        expected = [_cold(ref, p, cfg.max_tokens) for p in prompts]
+        t0 += time.perf_counter() - t_ref  # the oracle's cold runs are not the workload's time
+        outs = _run(llm, prompts, cfg.max_tokens, report, expected, progress)
+        for h, out in zip(history, outs, strict=True):
+            h += list(out.output_ids)
+        if turn == cfg.turns - 1:
+            last = [{"prompt": p, "expected": e} for p, e in zip(prompts, expected, strict=True)]
+    llm.cache.drain()
+    report.wall_s = time.perf_counter() - t0
+    report.cache = llm.stats()
+    llm.cache.close()
+    ref.cache.close()
+    return report, last
+
+
+def run_restart(cfg: DemoConfig, work: list[dict]) -> PhaseReport:
+    """The restart phase (run in a fresh process)."""
+    llm = _make_llm(cfg, _cache_config(cfg))
+    report = PhaseReport("restart")
+    progress = Progress("restart", len(work))
+    t0 = time.perf_counter()
+    prompts, expected = [w["prompt"] for w in work], [w["expected"] for w in work]
+    _run(llm, prompts, cfg.max_tokens, report, expected, progress)
+    report.wall_s = time.perf_counter() - t0
+    report.cache = llm.stats()
+    llm.cache.close()
+    return report
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Both phases; the restart phase in a child process. Returns the JSON summary."""
+    live, work = run_live(cfg)
+    work_file = Path(cfg.storage_dir) / "restart-work.json"
+    work_file.write_text(json.dumps({"config": _cfg_json(cfg), "work": work}))
+    child = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--restart-phase", str(work_file)],
+        stdout=subprocess.PIPE,
+        check=False,
+        text=True,
+    )
+    if child.returncode != 0:
+        raise SystemExit(f"restart phase failed (exit {child.returncode})")
+    restart = PhaseReport(**json.loads(child.stdout))
+    return summarize(cfg, [live, restart])
+
+
+def _cfg_json(cfg: DemoConfig) -> dict:
+    d = asdict(cfg)
+    d["user_tokens"] = list(cfg.user_tokens)
+    return d
+
+
+def config_from_json(d: dict) -> DemoConfig:
+    d = dict(d)
+    d["user_tokens"] = tuple(d["user_tokens"])
+    return DemoConfig(**d)
+
+
+def restart_main(work_file: str) -> None:
+    """Entry of the child process: run the restart phase, print its report as JSON."""
+    data = json.loads(Path(work_file).read_text())
+    report = run_restart(config_from_json(data["config"]), data["work"])
+    print(json.dumps(asdict(report)))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(cfg: DemoConfig, phases: list[PhaseReport]) -> dict:
+    rows = []
+    for p in phases:
+        rows.append(
+            {
+                "phase": p.name,
+                "requests": p.requests,
+                "prompt_tokens": p.prompt_tokens,
+                "output_tokens": p.output_tokens,
+                "device_hit_tokens": p.device_hit_tokens,
+                "host_hit_tokens": p.host_hit_tokens,
+                "storage_hit_tokens": p.storage_hit_tokens,
+                "recomputed_tokens": p.recomputed_tokens,
+                "ttft_p50_ms": 1e3 * _pct(p.ttft_s, 0.5),
+                "ttft_p90_ms": 1e3 * _pct(p.ttft_s, 0.9),
+                "throughput_tok_s": (p.prompt_tokens + p.output_tokens) / p.wall_s
+                if p.wall_s
+                else 0.0,
+                "oracle_checked": p.checked,
+                "oracle_mismatches": p.mismatches,
+                "cache": p.cache,
+            }
+        )
+
+    def total(key: str) -> int:
+        return sum(r[key] for r in rows)
+
+    return {
+        "config": _cfg_json(cfg),
+        "phases": rows,
+        "tiers": {
+            k: total(k)
+            for k in (
+                "device_hit_tokens",
+                "host_hit_tokens",
+                "storage_hit_tokens",
+                "recomputed_tokens",
+            )
+        },
+        "oracle": {"checked": total("oracle_checked"), "mismatches": total("oracle_mismatches")},
+    }
+
+
+def format_table(summary: dict) -> str:
+    cols = [
+        ("phase", "phase", "{}"),
+        ("requests", "requests", "{}"),
+        ("tokens", None, "{}"),
+        ("device hit", "device_hit_tokens", "{}"),
+        ("host hit", "host_hit_tokens", "{}"),
+        ("storage hit", "storage_hit_tokens", "{}"),
+        ("recomputed", "recomputed_tokens", "{}"),
+        ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"),
+        ("TTFT p90 ms", "ttft_p90_ms", "{:.1f}"),
+        ("tok/s", "throughput_tok_s", "{:.0f}"),
+        ("oracle", None, "{}"),
+    ]
+    lines = []
+    for r in summary["phases"]:
+        cells = []
+        for _, key, fmt in cols:
+            if key is not None:
+                cells.append(fmt.format(r[key]))
+            elif _ == "tokens":
+                cells.append(str(r["prompt_tokens"] + r["output_tokens"]))
+            else:
+                ok = r["oracle_mismatches"] == 0
+                cells.append(
+                    f"{'ok' if ok else 'MISMATCH'} {r['oracle_checked'] - r['oracle_mismatches']}/{r['oracle_checked']}"
+                )
+        lines.append(cells)
+    head = [c[0] for c in cols]
+    widths = [max(len(head[i]), *(len(line[i]) for line in lines)) for i in range(len(cols))]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    o = summary["oracle"]
+    verdict = "PASS" if o["mismatches"] == 0 else "FAIL"
+    out.append(
+        f"oracle: {verdict} ({o['checked']} requests compared token by token with cold runs)"
+    )
+    return "\n".join(out)
