@@ -86,9 +86,9 @@ def test_storage_restore_in_a_fresh_engine(tmp_path: Path) -> None:
     kw = dict(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete")
     first = make_llm(**kw)
     cold = first.generate([target], GREEDY)[0]
-    first.cache.close()
-    fresh = make_llm(**kw)
-    warm = fresh.generate([target], GREEDY)[0]
+    first.close()
+    with make_llm(**kw) as fresh:
+        warm = fresh.generate([target], GREEDY)[0]
     assert warm.cached_storage > 0, warm
     assert warm.output_ids == cold.output_ids
     other = make_llm(ModelConfig(num_layers=2, max_position=512, seed=1), **kw)

@@ -143,3 +143,13 @@ class LLM:
     def stats(self) -> dict:
         """The cache's counters."""
         return self.cache.stats()
+
+    def close(self) -> None:
+        """Let in-flight cache transfers land (storage writes included) and release L3."""
+        self.cache.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
