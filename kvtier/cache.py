@@ -215,29 +215,27 @@ class TieredCache:
         h = m.handle
         anchor = self.tree.lock(h.match)
         start = h.match.matched_len
-        tokens = h.tokens[start : start + m.storage_len]
-        op = self.controller.start_prefetch(anchor, tokens, h.storage_keys)
-        if op is None:
-            self.tree.unlock(anchor)
-        return op
+        prefix, tokens = h.tokens[:start], h.tokens[start : start + m.storage_len]
+        return self.controller.start_prefetch(anchor, prefix, tokens, h.storage_keys)
 
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
         """Whether a request waiting on ``op`` may proceed under the prefetch policy."""
         return op is None or op.ready(self.config.prefetch_policy)
 
     def finish_prefetch(self, op: PrefetchOp | None) -> int:
-        """Make what ``op`` fetched so far visible; returns those tokens. Match again after.
+        """Make what ``op`` (and the fetches it waits on) fetched so far visible; returns the
+        tokens ``op`` itself made visible. Match again afterwards.
 
         Pages still in flight keep arriving and become visible at later polls.
         """
         if op is None:
             return 0
+        for dep in op.deps:
+            self.controller.commit_prefetch(dep)
         self.controller.commit_prefetch(op)
         op.released = True
-        if op.io_done() and not op.closed:
-            self.controller._finish_prefetch_io(op)
-            assert self.controller.io is not None
-            self.controller.io.forget(op)
+        if self.controller._settled(op) and not op.closed:
+            self.controller.finish_prefetch_io(op)
         return op.committed_pages * self.page_size
 
     # ---- engine-owned pages -------------------------------------------------------------

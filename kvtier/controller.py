@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, PageKey
 from kvtier.metrics import Metrics
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -33,6 +33,8 @@ from kvtier.tree.node import Node
 from kvtier.tree.radix import Evicted, RadixTree
 
 log = logging.getLogger("kvtier.controller")
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 Entry = list  # [node, payload]: payload is the node's slice of the op's pages (or None)
 
@@ -78,6 +80,7 @@ class Controller:
             Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
         )
         self.io = StorageIO(storage, host_pool, metrics) if storage and host_pool else None
+        self._fetching: dict[PageKey, PrefetchOp] = {}
         self._backups: list[InFlight] = []
         self._loads: list[InFlight] = []
         tree.split_hooks.append(self._on_split)
@@ -217,18 +220,37 @@ class Controller:
 
     # ---- storage → host -----------------------------------------------------------------
     def start_prefetch(
-        self, anchor: Node, tokens: tuple[int, ...], keys: list
+        self, anchor: Node, prefix: tuple[int, ...], tokens: tuple[int, ...], keys: list[PageKey]
     ) -> PrefetchOp | None:
-        """Fetch the pages ``keys`` (continuing below the locked ``anchor``) into the host tier."""
-        assert self.io is not None
-        pages = self.alloc_host(len(keys))
-        if pages is None:
-            n = self.host.allocator.available if self.host else 0
-            pages = self.host.allocator.alloc(n) if n else None
-            if pages is None:
-                return None
-            keys, tokens = keys[:n], tokens[: n * self.tree.page_size]
-        return self.io.prefetch(anchor, tokens, keys, pages, self.config)
+        """Fetch ``keys`` (the pages of ``tokens``, right after ``prefix`` which ends at the
+        locked ``anchor``) into the host tier. Leading pages another fetch already has in
+        flight are waited for, not fetched again. Takes over the anchor lock."""
+        assert self.io is not None and self.host is not None
+        ps = self.tree.page_size
+        deps: list[PrefetchOp] = []
+        j = 0
+        while j < len(keys) and keys[j] in self._fetching:
+            op = self._fetching[keys[j]]
+            if op not in deps:
+                deps.append(op)
+            j += 1
+        if j:
+            self.tree.unlock(anchor)
+            anchor = None
+            prefix, tokens, keys = prefix + tokens[: j * ps], tokens[j * ps :], keys[j:]
+        pages = self.alloc_host(len(keys)) if keys else _NO_PAGES
+        if pages is None:  # host tier short even after eviction: fetch what fits
+            pages = self.host.allocator.alloc(min(len(keys), self.host.allocator.available))
+            assert pages is not None
+            keys, tokens = keys[: pages.numel()], tokens[: pages.numel() * ps]
+        if not keys and not deps:
+            if anchor is not None:
+                self.tree.unlock(anchor)
+            return None
+        op = self.io.prefetch(anchor, prefix, tokens, keys, pages, deps, self.config)
+        for k in keys:
+            self._fetching[k] = op
+        return op
 
     def commit_prefetch(self, op: PrefetchOp) -> int:
         """Insert the pages ``op`` has verified so far below its anchor and move the anchor (a
@@ -236,8 +258,13 @@ class Controller:
         assert self.host is not None
         ps = self.tree.page_size
         lo, hi = op.committed_pages, op.done_pages
-        if hi <= lo:
+        if hi <= lo or op.closed:
             return 0
+        if op.anchor is None:
+            tm = self.tree.match(op.prefix)
+            if tm.matched_len < len(op.prefix):
+                return 0  # the pages before ours are not in yet (or never will be)
+            op.anchor = self.tree.lock(tm)
         out = self.tree.insert(
             op.tokens[lo * ps : hi * ps],
             op.pages[lo:hi],
@@ -252,20 +279,30 @@ class Controller:
         self.tree.lock_node(out.last, hit=False)
         self.tree.unlock(op.anchor)
         op.anchor = out.last
+        for k in op.keys[lo:hi]:
+            self._fetching.pop(k, None)
         op.committed_pages = hi
         self.metrics.inc("prefetched_pages", hi - lo)
         return (hi - lo - out.duplicates.numel()) * ps
 
-    def _finish_prefetch_io(self, op: PrefetchOp) -> None:
+    def finish_prefetch_io(self, op: PrefetchOp) -> None:
         """The I/O thread is done with ``op``: commit, free what never arrived, unlock."""
-        assert self.host is not None
+        assert self.host is not None and self.io is not None
         self.commit_prefetch(op)
         rest = op.pages[op.committed_pages :]
         if rest.numel():
             self.host.allocator.free(rest)
             self.metrics.inc("prefetch_failed_pages", rest.numel())
-        self.tree.unlock(op.anchor)
+        for k in op.keys[op.committed_pages :]:
+            self._fetching.pop(k, None)
+        if op.anchor is not None:
+            self.tree.unlock(op.anchor)
         op.closed = True
+        self.io.forget(op)
+
+    def _settled(self, op: PrefetchOp) -> bool:
+        """Whether ``op`` can close: its I/O ended and nothing it waits on can still commit."""
+        return op.io_done() and all(d.closed for d in op.deps)
 
     # ---- progress -----------------------------------------------------------------------
     def poll(self) -> None:
@@ -278,14 +315,9 @@ class Controller:
         if self.io is not None:
             self.io.reap_writes()
             for op in self.io.prefetches():
-                if op.io_done():
-                    if op.released:
-                        self._finish_prefetch_io(op)
-                        self.io.forget(op)
-                    else:
-                        self.commit_prefetch(op)
-                else:
-                    self.commit_prefetch(op)
+                self.commit_prefetch(op)
+                if op.released and self._settled(op):
+                    self.finish_prefetch_io(op)
 
     def drain(self, on_progress: Callable[[], None] | None = None) -> None:
         """Block until every in-flight transfer and storage write completed and is visible."""

@@ -27,18 +27,23 @@ CHUNK_PAGES = 32
 
 @dataclass(slots=True, eq=False)
 class PrefetchOp:
-    """Storage → host fetch of ``keys`` into ``pages``, continuing the tree below ``anchor``.
+    """Storage → host fetch of ``keys`` into ``pages``.
 
-    ``tokens`` start right after ``anchor``. The I/O thread advances ``done_pages`` after each
-    verified chunk; the scheduling thread commits ``[committed_pages, done_pages)`` into the
-    tree and moves the (locked) anchor down.
+    ``prefix`` holds the tokens before the fetched range (from the root), ``tokens`` the range
+    itself. ``anchor`` is the locked node ending at ``prefix``; it is ``None`` while ``prefix``
+    is still being fetched by the ops in ``deps`` (in-flight fetches of the same pages are
+    shared, not repeated) and is resolved when they have committed. The I/O thread advances
+    ``done_pages`` after each verified chunk; the scheduling thread commits
+    ``[committed_pages, done_pages)`` into the tree and moves the anchor down.
     """
 
-    anchor: Node
+    anchor: Node | None
+    prefix: tuple[int, ...]
     tokens: tuple[int, ...]
     keys: list[PageKey]
     pages: torch.Tensor
     deadline: float
+    deps: list[PrefetchOp] = field(default_factory=list)
     done_pages: int = 0
     committed_pages: int = 0
     released: bool = False
@@ -51,7 +56,9 @@ class PrefetchOp:
 
     def ready(self, policy: str) -> bool:
         """Whether a request waiting on this fetch may proceed under ``policy``."""
-        if policy == "best_effort" or self.io_done():
+        if policy == "best_effort":
+            return True
+        if self.io_done() and all(d.ready(policy) for d in self.deps):
             return True
         return policy == "timeout" and time.monotonic() >= self.deadline
 
@@ -147,14 +154,21 @@ class StorageIO:
     # ---- prefetch -------------------------------------------------------------------------
     def prefetch(
         self,
-        anchor: Node,
+        anchor: Node | None,
+        prefix: tuple[int, ...],
         tokens: tuple[int, ...],
         keys: list[PageKey],
         pages: torch.Tensor,
+        deps: list[PrefetchOp],
         config: CacheConfig,
     ) -> PrefetchOp:
-        op = PrefetchOp(anchor, tokens, keys, pages, time.monotonic() + config.prefetch_timeout_s)
-        op.future = self._pool.submit(self._do_prefetch, op)
+        deadline = time.monotonic() + config.prefetch_timeout_s
+        op = PrefetchOp(anchor, prefix, tokens, keys, pages, deadline, deps)
+        if keys:
+            op.future = self._pool.submit(self._do_prefetch, op)
+        else:
+            op.future = Future()
+            op.future.set_result(None)
         self._prefetches.append(op)
         return op
 

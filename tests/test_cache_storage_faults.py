@@ -181,3 +181,28 @@ def test_unreadable_directory_is_a_miss(tmp_path):
     assert c.match(TOKENS).host_len == 0
     c.check_integrity()
     c.close()
+
+
+def test_concurrent_prefetches_of_one_prefix_share_the_reads(tmp_path):
+    orig = _seed_storage(tmp_path)
+    c, gated = _gated_cache(tmp_path, "wait_complete")
+    longer = TOKENS[:32] + list(range(900, 909))  # same 8 stored pages + 2 uncached
+    a = c.prefetch(c.match(TOKENS))
+    b = c.prefetch(c.match(longer))
+    assert b.deps == [a] and b.keys == []  # nothing of its own to read
+    assert not c.prefetch_ready(b)
+    gated.gate.set()
+    a.future.result()
+    assert c.prefetch_ready(b)
+    assert c.finish_prefetch(b) == 0
+    assert c.match(longer).host_len == 32  # b's wait made a's pages visible
+    assert c.finish_prefetch(a) == 32
+    assert c.stats()["prefetched_pages"] == 8
+    m = c.match(longer)
+    c.lock(m.handle)
+    assert torch.equal(kv_of(c, c.load(m).locs), orig)
+    c.unlock(m.handle)
+    c.poll()
+    assert c.controller.io.prefetches() == []
+    c.check_integrity()
+    c.close()
