@@ -1,0 +1,42 @@
+"""Storage-restore half of the content oracle, run in a fresh process.
+
+Usage: python oracle_child.py STORAGE_DIR CASE_FILE → prints JSON with the greedy outputs, the
+tokens restored from storage, the cached tokens, and whether the restored KV bytes equal the originals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from test_oracle import GREEDY, make_llm, prefix_kv
+
+
+def main(storage_dir: str, case_file: str) -> None:
+    case = torch.load(case_file)
+    llm = make_llm(storage_dir)
+    outputs, storage_tokens, cached = [], [], []
+    for prompt in case["prompts"]:
+        (out,) = llm.generate([prompt], GREEDY)
+        outputs.append(list(out.output_ids))
+        storage_tokens.append(out.cached_storage)
+        cached.append(out.cached_tokens)
+    llm.cache.drain()
+    restored = prefix_kv(llm, case["base"])
+    same = bool(torch.equal(restored.view(torch.uint8), case["kv"].view(torch.uint8)))
+    llm.close()
+    print(
+        json.dumps(
+            {
+                "outputs": outputs,
+                "storage_tokens": storage_tokens,
+                "cached": cached,
+                "kv_equal": same,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

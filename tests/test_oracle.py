@@ -1,0 +1,120 @@
+"""The content oracle: for prompts cut at depths sweeping page boundaries, greedy outputs after a
+device hit, a host restore and a storage restore in a fresh process equal a cold run token for
+token, and restored KV bytes equal the originals byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.engine import LLM, ModelConfig, SamplingParams
+
+MODEL = ModelConfig(num_layers=3, max_position=1024, seed=7)
+PS = 16
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+BASE_LEN = 6 * PS
+DEPTHS = [1, PS - 1, PS, PS + 1, 2 * PS - 1, 2 * PS, 2 * PS + 1, 3 * PS + 7, 5 * PS, BASE_LEN]
+
+
+def make_llm(storage_dir: str | None = None, **kw) -> LLM:
+    cfg = CacheConfig(
+        page_size=PS,
+        device_pages=64,
+        device="cpu",
+        storage="file" if storage_dir else None,
+        storage_dir=storage_dir or "unused",
+        prefetch_policy="wait_complete",
+        debug_checks=True,
+        **kw,
+    )
+    return LLM(MODEL, cfg, max_running=1)
+
+
+def base_tokens() -> list[int]:
+    rng = random.Random(11)
+    return [rng.randrange(MODEL.vocab_size) for _ in range(BASE_LEN)]
+
+
+def prompts() -> list[list[int]]:
+    base = base_tokens()
+    # Each prompt is a cut of the shared base plus a distinct two-token tail, so every cut
+    # depth is a fresh request whose cached prefix ends exactly at (or just before) the cut.
+    return [base[:d] + [d % 251, 3] for d in DEPTHS]
+
+
+def prefix_kv(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """KV rows of the cached whole pages of ``tokens`` (loading them to the device if needed)."""
+    cache = llm.cache
+    m = cache.match(tokens)
+    cache.lock(m.handle)
+    ld = cache.load(m)
+    kv = cache.device_pool.anchor[:, ld.locs].clone()
+    cache.unlock(m.handle)
+    cache.poll()
+    return kv
+
+
+def cold_outputs() -> list[list[int]]:
+    outs = []
+    for p in prompts():
+        llm = make_llm()
+        outs.append(list(llm.generate([p], GREEDY)[0].output_ids))
+        llm.close()
+    return outs
+
+
+def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
+    cold = cold_outputs()
+    storage = str(tmp_path / "l3")
+    llm = make_llm(storage)
+    base = base_tokens()
+    llm.generate([base], GREEDY)
+    kv = prefix_kv(llm, base)
+    assert kv.shape[1] == BASE_LEN  # the generated tokens completed the last page
+
+    device = [llm.generate([p], GREEDY)[0] for p in prompts()]
+    assert [list(o.output_ids) for o in device] == cold
+    assert [o.cached_device for o in device] == [d // PS * PS for d in DEPTHS]
+
+    host_outputs = []
+    for p in prompts():
+        llm.cache.flush(host=False)  # device empty, host keeps everything
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_device == 0
+        assert out.cached_host == (len(p) - 1) // PS * PS  # every whole page of p[:-1]
+        host_outputs.append(list(out.output_ids))
+    assert host_outputs == cold
+    llm.cache.flush(host=False)
+    assert torch.equal(prefix_kv(llm, base).view(torch.uint8), kv.view(torch.uint8))
+    llm.close()
+
+    case = tmp_path / "case.pt"
+    torch.save({"prompts": prompts(), "base": base, "kv": kv}, case)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "oracle_child.py"), storage, str(case)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["outputs"] == cold
+    assert result["kv_equal"]
+    # Every whole page of every prompt comes back (from storage, or from the device once an
+    # earlier prompt restored it), and together the prompts fetched every base page.
+    assert result["cached"] == [(len(p) - 1) // PS * PS for p in prompts()]
+    assert sum(result["storage_tokens"]) >= BASE_LEN
