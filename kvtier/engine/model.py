@@ -81,14 +81,16 @@ def paged_attention(
     ``q`` is ``[n, heads, d]`` at positions ``q_pos``; ``k_ctx``/``v_ctx`` are ``[C, kv_heads, d]``
     holding positions ``0 .. C-1``. Query at position ``p`` sees context positions ``<= p``.
     """
-    groups = q.shape[1] // k_ctx.shape[1]
-    k = k_ctx.repeat_interleave(groups, dim=1)
-    v = v_ctx.repeat_interleave(groups, dim=1)
-    scores = torch.einsum("nhd,chd->hnc", q, k) * (1.0 / math.sqrt(q.shape[-1]))
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    n, heads, d = q.shape
+    kv_heads = k_ctx.shape[1]
+    # query head h uses kv head h // groups: group the queries instead of copying K/V
+    qg = q.view(n, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("nkgd,ckd->kgnc", qg, k_ctx) * (1.0 / math.sqrt(d))
+    if n > 1:  # a single query is the context's last position and sees all of it
+        visible = torch.arange(k_ctx.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-    return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v)
+    return torch.einsum("kgnc,ckd->nkgd", probs.to(v_ctx.dtype), v_ctx).reshape(n, heads, d)
 
 
 class Attention(nn.Module):
