@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, save_hf_checkpoint
-from kvtier.errors import CapacityError, RequestError
+from kvtier.errors import ConfigError, RequestError
 
 MODEL = ModelConfig(num_layers=2, max_position=512)
 PS = 4
@@ -160,6 +160,11 @@ def test_request_validation() -> None:
     assert not llm.has_unfinished()  # nothing queued when any prompt of a batch is invalid
 
 
+def test_engine_limits_are_validated() -> None:
+    with pytest.raises(ConfigError, match="max_running"):
+        make_llm(max_running=0)
+
+
 def test_engine_from_checkpoint(tmp_path: Path) -> None:
     model = CausalLM(ModelConfig(num_layers=2, max_position=512, qk_norm=True, seed=4))
     save_hf_checkpoint(model, tmp_path)
@@ -173,8 +178,9 @@ def test_engine_from_checkpoint(tmp_path: Path) -> None:
 
 def test_single_token_prompt_and_stats() -> None:
     llm = make_llm()
-    out = llm.generate([[42]], SamplingParams(max_tokens=3))[0]
-    assert len(out.output_ids) == 3 and out.recomputed == 1
-    assert llm.stats()["device_pages_used"] >= 0
-    with pytest.raises(CapacityError):
-        raise CapacityError("sanity")
+    out = llm.generate([[42]], SamplingParams(max_tokens=5))[0]
+    assert len(out.output_ids) == 5 and out.recomputed == 1
+    stats = llm.stats()
+    assert stats["recomputed_tokens"] == 1
+    # K/V exists for the prompt and 4 outputs (the last output was never fed): one whole page
+    assert stats["device_pages_used"] == stats["device_pages_cached"] == 1

@@ -18,7 +18,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
-from kvtier.errors import RequestError
+from kvtier.errors import ConfigError, RequestError
 
 Prompt = Sequence[int] | str
 
@@ -39,6 +39,9 @@ class LLM:
         max_running: int = 16,
         max_prefill_tokens: int = 4096,
     ) -> None:
+        for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
         self.tokenizer: Tokenizer | None = None
         if isinstance(model, (str, Path)):
             self.tokenizer = load_tokenizer(model)
