@@ -1,0 +1,222 @@
+"""Scattered page transfers through ``Mover`` against one contiguous copy of the same bytes.
+
+``python -m kvtier.bench.transfer [OUT.json]`` prints the result as JSON and also writes it to
+``OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.pools.device import DevicePool
+from kvtier.pools.host import HostPool
+from kvtier.pools.spec import PoolSpec
+from kvtier.transfer.mover import Mover
+
+CPU_TRANSFER_BYTES = 64 << 20
+"""Bytes moved per copy on CPU (sizes shrink to fit), which keeps the CPU run to seconds."""
+FOOTPRINT_COPIES = 9
+"""Estimated peak memory in units of the transferred bytes: device and host pools of twice the
+transferred pages each, the contiguous pair, the verification snapshot and transfer staging."""
+MIN_CPU_PAGES = 16
+"""Pages kept on CPU before layers are cut instead."""
+SEED = 0
+
+
+def _log(msg: str) -> None:
+    print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _fit_cpu(num_pages: int, num_layers: int, layer_page_bytes: int) -> tuple[int, int]:
+    """Largest ``(num_pages, num_layers)`` not above the request that moves at most
+    ``CPU_TRANSFER_BYTES``, halving layers only while fewer than ``MIN_CPU_PAGES`` pages fit."""
+    while num_layers > 1 and CPU_TRANSFER_BYTES // (layer_page_bytes * num_layers) < MIN_CPU_PAGES:
+        num_layers //= 2
+    return max(1, min(num_pages, CPU_TRANSFER_BYTES // (layer_page_bytes * num_layers))), num_layers
+
+
+def _fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Overwrite the bytes of contiguous ``t`` with random bits (in 8-byte words when possible)."""
+    b = t.view(-1).view(torch.uint8)
+    (b.view(torch.int64) if b.numel() % 8 == 0 else b).random_(generator=gen)
+
+
+def bench_transfer(
+    device: str | None = None,
+    page_size: int = 16,
+    num_layers: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: str = "bfloat16",
+    num_pages: int = 512,
+    repeats: int = 5,
+    host_layout: str = "page_first",
+) -> dict:
+    """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
+    contiguous ``copy_`` of the same byte count, in each direction, in the same process.
+
+    ``device`` defaults to CUDA when available, else CPU; the host pool and the contiguous host
+    tensor are pinned on CUDA. Device and host pools hold ``2 * num_pages`` pages and the pages
+    moved are random, unordered subsets of them. On CPU ``num_pages`` (then ``num_layers``) is
+    reduced so one copy moves at most ``CPU_TRANSFER_BYTES`` (peak memory about
+    ``FOOTPRINT_COPIES`` times that); ``sizes`` reports what was used.
+
+    d2h is timed from the call to after ``op.wait()`` and ``op.complete()`` (the host copy is
+    then valid), h2d from the call to after ``op.wait()``; contiguous copies to after a device
+    synchronise. One untimed d2h → h2d roundtrip (into a second set of device pages) first checks
+    that the host copy and the restored device pages are byte-identical to the originals and
+    raises ``RuntimeError`` otherwise. Figures are the best and the median of ``repeats``.
+
+    Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d"}`` where each
+    direction has ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
+    ``ratio`` (best scattered / best contiguous) and ``median_ratio``.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise ConfigError(f"dtype={dtype!r} is not a torch dtype name")
+    if num_pages <= 0 or repeats <= 0:
+        raise ConfigError(f"num_pages={num_pages} and repeats={repeats} must be positive")
+    cuda = dev.type == "cuda"
+    requested = {"num_pages": num_pages, "num_layers": num_layers}
+    row = (2, num_kv_heads, head_dim)
+    if not cuda:
+        layer_page = PoolSpec("kv", 1, row, tdtype).page_bytes(page_size)
+        num_pages, num_layers = _fit_cpu(num_pages, num_layers, layer_page)
+    spec = PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)
+    pool_pages = 2 * num_pages
+    dpool = DevicePool([spec], pool_pages, page_size, dev)
+    hpool = HostPool([spec], pool_pages, page_size, layout=host_layout, pin=cuda)
+    mover = Mover(dpool, hpool)
+    total = num_pages * dpool.page_bytes
+    sizes = {
+        "page_size": page_size,
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": spec.dtype_name,
+        "num_pages": num_pages,
+        "page_bytes": dpool.page_bytes,
+        "total_bytes": total,
+        "device_pool_pages": pool_pages,
+        "host_pool_pages": pool_pages,
+        "host_layout": host_layout,
+        "pinned": cuda,
+        "estimated_peak_bytes": FOOTPRINT_COPIES * total,
+        "requested": requested,
+        "reduced": requested != {"num_pages": num_pages, "num_layers": num_layers},
+    }
+    _log(
+        f"{dev}: {num_pages} pages x {dpool.page_bytes} B ({num_layers} layers) = {total} B"
+        + (f" (reduced from {requested})" if sizes["reduced"] else "")
+    )
+
+    gen = torch.Generator().manual_seed(SEED)
+    dgen = torch.Generator(device=dev).manual_seed(SEED) if cuda else gen
+    _fill_random(dpool.anchor, dgen)
+    perm = torch.randperm(pool_pages, generator=gen)
+    src, dst = perm[:num_pages], perm[num_pages:]
+    hpages = torch.randperm(pool_pages, generator=gen)[:num_pages]
+    cdev = torch.empty(total, dtype=torch.uint8, device=dev)
+    chost = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    def pages_of(pages: torch.Tensor) -> torch.Tensor:
+        view = dpool.anchor.view(num_layers, pool_pages, page_size, *row)
+        return view.index_select(1, pages.to(dev))
+
+    def d2h() -> None:
+        op = mover.device_to_host(src, hpages)
+        op.wait()
+        op.complete()
+
+    def h2d() -> None:
+        mover.host_to_device(hpages, dst).wait()
+
+    def verify() -> None:
+        orig = _bytes(pages_of(src))
+        d2h()
+        stored = _bytes(hpool.read_pages("kv", hpages).transpose(0, 1))
+        if not torch.equal(stored, orig.cpu()):
+            raise RuntimeError("device_to_host: host pages differ from the device pages")
+        h2d()
+        sync()
+        if not torch.equal(_bytes(pages_of(dst)), orig):
+            raise RuntimeError("host_to_device: restored device pages differ from the originals")
+
+    verify()
+    phases: list[tuple[str, Callable[[], object]]] = [
+        ("d2h", d2h),
+        ("contiguous_d2h", lambda: chost.copy_(cdev)),
+        ("h2d", h2d),
+        ("contiguous_h2d", lambda: cdev.copy_(chost)),
+    ]
+    for _, fn in phases[1::2]:
+        fn()  # warm-up: first touch of the contiguous buffers
+    times: dict[str, list[float]] = {name: [] for name, _ in phases}
+    for r in range(repeats):
+        for name, fn in phases:
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            _log(f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s")
+
+    def direction(name: str) -> dict:
+        best, med = _gbps(total, min(times[name])), _gbps(total, statistics.median(times[name]))
+        c = f"contiguous_{name}"
+        cbest, cmed = _gbps(total, min(times[c])), _gbps(total, statistics.median(times[c]))
+        return {
+            "gbps": best,
+            "median_gbps": med,
+            "contiguous_gbps": cbest,
+            "contiguous_median_gbps": cmed,
+            "ratio": best / cbest,
+            "median_ratio": med / cmed,
+        }
+
+    out = {
+        "bench": "transfer",
+        "device": str(dev),
+        "sizes": sizes,
+        "verified": True,
+        "d2h": direction("d2h"),
+        "h2d": direction("h2d"),
+    }
+    _log(
+        f"ratio scattered/contiguous: d2h {out['d2h']['ratio']:.2f}, h2d {out['h2d']['ratio']:.2f}"
+    )
+    return out
+
+
+def _main(run: Callable[[], dict]) -> None:
+    out = run()
+    text = json.dumps(out, indent=2)
+    print(text)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    _main(bench_transfer)
