@@ -44,13 +44,19 @@ class PageAllocator:
         return torch.tensor(pages, dtype=torch.int64)
 
     def free(self, pages: torch.Tensor) -> None:
-        """Return pages; freeing a free or out-of-range page is an ``IntegrityError``."""
-        ids = pages.tolist()
+        """Return pages; freeing a free or out-of-range page is an ``IntegrityError``.
+
+        The whole batch is validated first, so a rejected call changes nothing.
+        """
+        ids = pages.reshape(-1).tolist()
+        seen: set[int] = set()
         for p in ids:
             if not 0 <= p < self.num_pages:
                 raise IntegrityError(f"{self.name}: free of out-of-range page {p}")
-            if self._is_free[p]:
+            if self._is_free[p] or p in seen:
                 raise IntegrityError(f"{self.name}: double free of page {p}")
+            seen.add(p)
+        for p in ids:
             self._is_free[p] = 1
         self._free.extend(ids)
 

@@ -201,6 +201,7 @@ class RadixTree:
                     child.keys, child.in_storage = list(keys[p0:]), True
                 child.last_access = now
                 taken.append(child)
+                node = child
                 break
             n = self._common_pages(child, t, pos)
             if n < child.num_pages(ps):
