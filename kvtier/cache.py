@@ -138,11 +138,15 @@ class TieredCache:
         self._closed = False
 
     # ---- lookup -------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``tokens`` per tier. Never mutates the index."""
+    def match(self, tokens: Sequence[int], probe_storage: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` per tier. Never mutates the index.
+
+        ``probe_storage=False`` skips the storage lookup (hashing and ``batch_exists``), e.g.
+        when a prefetch for these tokens already ran; ``storage_len`` is then 0.
+        """
         tm = self.tree.match(tokens)
         t = tuple(tokens[: align_down(len(tokens), self.page_size)])
-        keys = self._storage_hit(tm, t)
+        keys = self._storage_hit(tm, t) if probe_storage else []
         return MatchResult(
             tm.device_len, tm.host_len, len(keys) * self.page_size, Handle(tm, t, keys)
         )

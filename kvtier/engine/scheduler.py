@@ -109,7 +109,7 @@ class Scheduler:
                     continue
                 self.cache.finish_prefetch(req.prefetch)
                 req.prefetch = None
-            m = self.cache.match(req.tokens[:-1])
+            m = self.cache.match(req.tokens[:-1], probe_storage=False)
             if work and len(req.tokens) - m.cached_len > budget:
                 break
             self.cache.lock(m.handle)

@@ -9,7 +9,7 @@ import torch
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec
+from kvtier.pools.spec import PoolSpec, bytes_view
 
 
 class DevicePool:
@@ -50,6 +50,10 @@ class DevicePool:
     @property
     def page_bytes(self) -> int:
         return sum(s.page_bytes(self.page_size) for s in self.specs)
+
+    def page_bytes_view(self, name: str) -> torch.Tensor:
+        """``[layers, pages, bytes-per-layer-page]`` raw view (int64 words when they divide)."""
+        return bytes_view(self.buffers[name], 0, self.num_pages)
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)

@@ -14,7 +14,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec
+from kvtier.pools.spec import PoolSpec, bytes_view
 
 
 class HostPool:
@@ -51,6 +51,12 @@ class HostPool:
     @property
     def nbytes(self) -> int:
         return self.page_bytes * self.num_pages
+
+    def page_bytes_view(self, name: str) -> torch.Tensor:
+        """``[layers, pages, bytes-per-layer-page]`` raw view in either layout (no copy)."""
+        if self.layout == "layer_first":
+            return bytes_view(self.buffers[name], 0, self.num_pages)
+        return bytes_view(self.buffers[name], 1, self.num_pages).transpose(0, 1)
 
     def page_view(self, name: str, page: int) -> torch.Tensor:
         """``[layers, page_size, *row]`` view of one page (page-first only: no copy)."""

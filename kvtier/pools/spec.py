@@ -48,3 +48,21 @@ class PoolSpec:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+
+def bytes_view(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor:
+    """Reinterpret ``buf`` as raw words split into ``num_pages`` pages along ``page_dim``.
+
+    ``page_dim=0`` gives ``[layers, pages, words]`` for a layer-first buffer
+    ``[layers, slots, *row]``; ``page_dim=1`` gives ``[pages, layers, words]`` for a page-first
+    buffer ``[pages, layers, tokens, *row]``. Words are int64 when the per-page-per-layer byte
+    count allows (row copies then move 8 bytes per element), else bytes.
+    """
+    lead = buf.shape[0]
+    flat = buf.view(torch.uint8).view(lead, -1) if buf.dtype != torch.uint8 else buf.view(lead, -1)
+    if page_dim == 0:
+        chunk = flat.shape[1] // num_pages
+        out = flat.view(lead, num_pages, chunk)
+    else:
+        out = flat.view(lead, buf.shape[1], -1)
+    return out.view(torch.int64) if out.shape[-1] % 8 == 0 else out

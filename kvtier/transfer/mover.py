@@ -67,10 +67,6 @@ class Mover:
         self.cuda = device_pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device_pool.device) if self.cuda else None
 
-    def _dev_view(self, name: str) -> torch.Tensor:
-        buf = self.dev.buffers[name]
-        return buf.view(buf.shape[0], self.dev.num_pages, self.dev.page_size, *buf.shape[2:])
-
     def _check(self, pages: torch.Tensor, what: str) -> None:
         if self.debug_checks:
             check_whole_pages(pages_to_locs(pages, self.dev.page_size), self.dev.page_size, what)
@@ -82,8 +78,9 @@ class Mover:
         op = TransferOp("d2h", phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
             for name in self.dev.buffers:
-                data = self._dev_view(name).index_select(1, phys).transpose(0, 1)
-                self.host.write_pages(name, host_pages, data)
+                src, dst = self.dev.page_bytes_view(name), self.host.page_bytes_view(name)
+                for layer in range(src.shape[0]):  # one row gather + scatter per layer
+                    dst[layer].index_copy_(0, host_pages, src[layer].index_select(0, phys))
             return op
         assert self.stream is not None
         idx = phys.to(self.dev.device, non_blocking=True)
@@ -91,7 +88,7 @@ class Mover:
         staged: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self.stream):
             for name in self.dev.buffers:
-                gathered = self._dev_view(name).index_select(1, idx).transpose(0, 1).contiguous()
+                gathered = self.dev.page_bytes_view(name).index_select(1, idx)
                 pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 pinned.copy_(gathered, non_blocking=True)
                 staged[name] = pinned
@@ -101,7 +98,9 @@ class Mover:
 
         def finalize() -> None:
             for name, pinned in staged.items():
-                self.host.write_pages(name, host_pages, pinned)
+                dst = self.host.page_bytes_view(name)
+                for layer in range(dst.shape[0]):
+                    dst[layer].index_copy_(0, host_pages, pinned[layer])
 
         op.finalize = finalize
         return op
@@ -117,8 +116,9 @@ class Mover:
         op = TransferOp("h2d", phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
             for name in self.dev.buffers:
-                data = self.host.read_pages(name, host_pages)
-                self._dev_view(name).index_copy_(1, phys, data.transpose(0, 1))
+                src, dst = self.host.page_bytes_view(name), self.dev.page_bytes_view(name)
+                for layer in range(src.shape[0]):
+                    dst[layer].index_copy_(0, phys, src[layer].index_select(0, host_pages))
             return op
         assert self.stream is not None
         compute = torch.cuda.current_stream(self.dev.device)
@@ -126,10 +126,16 @@ class Mover:
         with torch.cuda.stream(self.stream):
             idx = phys.to(self.dev.device, non_blocking=True)
             for name in self.dev.buffers:
-                data = self.host.read_pages(name, host_pages)
-                pinned = data.pin_memory() if not data.is_pinned() else data
+                src = self.host.page_bytes_view(name)
+                pinned = torch.empty(
+                    (src.shape[0], host_pages.numel(), src.shape[2]),
+                    dtype=src.dtype,
+                    pin_memory=True,
+                )
+                for layer in range(src.shape[0]):
+                    torch.index_select(src[layer], 0, host_pages, out=pinned[layer])
                 on_dev = pinned.to(self.dev.device, non_blocking=True)
-                self._dev_view(name).index_copy_(1, idx, on_dev.transpose(0, 1))
+                self.dev.page_bytes_view(name).index_copy_(1, idx, on_dev)
                 op.keepalive += [pinned, on_dev]
             op.event = torch.cuda.Event()
             op.event.record(self.stream)
