@@ -40,7 +40,9 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.which == "transfer":
         from kvtier.bench.transfer import bench_transfer
 
-        result = bench_transfer(device=args.device)
+        result = bench_transfer(
+            device=args.device, page_size=args.page_size, host_layout=args.host_layout
+        )
     else:
         from kvtier.bench.storage import bench_storage
 
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=("tree", "transfer", "storage"))
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
     b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
+    b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")
+    b.add_argument(
+        "--host-layout",
+        choices=("page_first", "layer_first"),
+        default="page_first",
+        help="transfer: host pool layout",
+    )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.set_defaults(func=_bench)
     return p

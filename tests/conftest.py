@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,8 @@ from kvtier import CacheConfig, PoolSpec, TieredCache
 
 SPEC = PoolSpec("kv", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32)
 PS = 4
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+"""Where L1 lives in tests; ``KVTIER_TEST_DEVICE=cuda`` runs the tier tests on a GPU."""
 
 
 def make_cache(tmp_path, **overrides) -> TieredCache:
@@ -18,7 +21,7 @@ def make_cache(tmp_path, **overrides) -> TieredCache:
         page_size=PS,
         device_pages=8,
         host_pages=16,
-        device="cpu",
+        device=DEVICE,
         storage="file",
         storage_dir=str(tmp_path / "l3"),
         prefetch_policy="wait_complete",
@@ -38,14 +41,14 @@ def run_request(cache: TieredCache, tokens: list[int], seed: int = 0) -> dict:
     new = cache.alloc(len(tokens) - prefix)[: len(tokens) - prefix]
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn((SPEC.num_layers, new.numel(), *SPEC.row_shape), generator=g)
-    cache.device_pool.anchor[:, new] = rows
+    cache.device_pool.anchor[:, new] = rows.to(cache.device)
     locs = torch.cat([ld.locs, new])
     cache.finish(tokens, locs, prefix, m.handle)
     return {"load": ld, "locs": locs}
 
 
 def kv_of(cache: TieredCache, locs: torch.Tensor) -> torch.Tensor:
-    return cache.device_pool.anchor[:, locs].clone()
+    return cache.device_pool.anchor[:, locs].cpu()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ def test_device_hit_then_host_restore_is_byte_exact(tmp_path):
     first = run_request(c, TOKENS)
     assert first["load"].locs.numel() == 0
     orig = kv_of(c, first["locs"][:16])
-    c.poll()
+    c.drain()
     c.check_integrity()
 
     m = c.match(TOKENS)
@@ -28,7 +28,7 @@ def test_device_hit_then_host_restore_is_byte_exact(tmp_path):
     assert (ld.device_tokens, ld.host_tokens, ld.storage_tokens) == (0, 16, 0)
     assert torch.equal(kv_of(c, ld.locs), orig)
     c.unlock(m.handle)
-    c.poll()
+    c.drain()
     c.check_integrity()
     s = c.stats()
     assert s["host_hit_tokens"] == 16 and s["load_bytes"] == 4 * c.device_pool.page_bytes
@@ -48,7 +48,7 @@ def test_match_never_mutates(tmp_path):
 def test_write_through_backs_up_on_insert(tmp_path):
     c = make_cache(tmp_path, write_policy="write_through", storage=None)
     run_request(c, TOKENS)
-    c.poll()
+    c.drain()
     (node,) = c.tree.nodes()
     assert node.host is not None and node.host.tolist() == [0, 1, 2, 3]
     assert c.stats()["host_backup_pages"] == 4
@@ -61,7 +61,7 @@ def test_write_through_selective_waits_for_threshold(tmp_path):
         tmp_path, write_policy="write_through_selective", write_threshold=2, storage=None
     )
     run_request(c, TOKENS)
-    c.poll()
+    c.drain()
     (node,) = c.tree.nodes()
     assert node.host is None
     for expect_host in (False, True):  # hit 1, then hit 2 reaches the threshold
@@ -78,7 +78,7 @@ def test_write_back_copies_on_eviction_only(tmp_path):
     c = make_cache(tmp_path, write_policy="write_back", storage=None)
     first = run_request(c, TOKENS)
     orig = kv_of(c, first["locs"][:16])
-    c.poll()
+    c.drain()
     (node,) = c.tree.nodes()
     assert node.host is None and c.stats()["host_backup_pages"] == 0
     c.controller.evict_device(1)
@@ -88,7 +88,7 @@ def test_write_back_copies_on_eviction_only(tmp_path):
     c.lock(m.handle)
     assert torch.equal(kv_of(c, c.load(m).locs), orig)
     c.unlock(m.handle)
-    c.poll()
+    c.drain()
     c.check_integrity()
     c.close()
 
@@ -138,7 +138,7 @@ def test_storage_extends_a_partial_tree_hit(tmp_path):
     ld = c.load(m)
     assert torch.equal(kv_of(c, ld.locs[8:]), orig[:, 8:])
     c.unlock(m.handle)
-    c.poll()
+    c.drain()
     c.check_integrity()
     c.close()
 

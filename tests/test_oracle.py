@@ -27,7 +27,7 @@ def make_llm(storage_dir: str | None = None, **kw) -> LLM:
     cfg = CacheConfig(
         page_size=PS,
         device_pages=64,
-        device="cpu",
+        device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
         storage="file" if storage_dir else None,
         storage_dir=storage_dir or "unused",
         prefetch_policy="wait_complete",
@@ -55,7 +55,7 @@ def prefix_kv(llm: LLM, tokens: list[int]) -> torch.Tensor:
     m = cache.match(tokens)
     cache.lock(m.handle)
     ld = cache.load(m)
-    kv = cache.device_pool.anchor[:, ld.locs].clone()
+    kv = cache.device_pool.anchor[:, ld.locs].cpu()
     cache.unlock(m.handle)
     cache.poll()
     return kv

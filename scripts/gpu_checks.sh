@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU checks: the tier and oracle tests with L1 on CUDA, the transfer benchmark and the demo.
+# Run from the repository root on a CUDA machine whose python3 has torch; results go to $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py 2>&1 | tail -15
+for layout in page_first layer_first; do
+  for ps in 1 16 64; do
+    python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" \
+        --json "$OUT/transfer_${layout}_ps${ps}.json" > /dev/null
+    python3 - "$OUT/transfer_${layout}_ps${ps}.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(sys.argv[1].rsplit("/", 1)[-1], "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["gbps"], r["d2h"]["ratio"]),
+      "h2d %.1f GB/s (ratio %.2f)" % (r["h2d"]["gbps"], r["h2d"]["ratio"]))
+PY
+  done
+done
+python3 -m kvtier.cli demo --storage-dir /tmp/kvtier-demo --json > "$OUT/demo_cuda.json"
+python3 -c "import json; d=json.load(open('$OUT/demo_cuda.json')); print(d['tiers'], d['oracle'])"
