@@ -23,7 +23,9 @@ Range table of one finished request's slots (``ps`` = page size)::
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +227,17 @@ class TieredCache:
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
         """Whether a request waiting on ``op`` may proceed under the prefetch policy."""
         return op is None or op.ready(self.config.prefetch_policy)
+
+    def wait_prefetch(self, ops: Sequence[PrefetchOp], timeout: float) -> None:
+        """Block until one of ``ops`` (or a fetch it waits on) finished its I/O, a ``timeout``
+        deadline passed, or ``timeout`` seconds elapsed: what an idle engine does instead of
+        spinning."""
+        futures = [f for op in ops for f in op.pending_futures()]
+        if futures:
+            soonest = min(op.deadline for op in ops) - time.monotonic()
+            if self.config.prefetch_policy == "timeout":
+                timeout = max(0.0, min(timeout, soonest))
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def finish_prefetch(self, op: PrefetchOp | None) -> int:
         """Make what ``op`` (and the fetches it waits on) fetched so far visible; returns the

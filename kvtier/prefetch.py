@@ -54,6 +54,11 @@ class PrefetchOp:
     def io_done(self) -> bool:
         return self.future is not None and self.future.done()
 
+    def pending_futures(self) -> list[Future]:
+        """I/O futures of this fetch and the fetches it waits on that are still running."""
+        own = [self.future] if self.future is not None and not self.future.done() else []
+        return own + [f for d in self.deps for f in d.pending_futures()]
+
     def ready(self, policy: str) -> bool:
         """Whether a request waiting on this fetch may proceed under ``policy``."""
         if policy == "best_effort":

@@ -107,8 +107,8 @@ class LLM:
         self.cache.poll()
         work = self.scheduler.schedule()
         if not work:
-            if self.scheduler.prefetching():
-                time.sleep(1e-4)  # storage reads are in flight; nothing else to do yet
+            if self.scheduler.prefetching():  # nothing to compute until storage reads land
+                self.cache.wait_prefetch(self.scheduler.prefetch_ops(), timeout=0.05)
             return []
         finished = self.scheduler.update(work, self.runner.run(work))
         return [r.to_output(self._decode(r.output)) for r in finished]

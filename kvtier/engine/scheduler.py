@@ -56,6 +56,10 @@ class Scheduler:
     def prefetching(self) -> bool:
         return any(r.prefetch is not None for r in self.waiting)
 
+    def prefetch_ops(self) -> list:
+        """Storage fetches that waiting requests depend on."""
+        return [r.prefetch for r in self.waiting if r.prefetch is not None]
+
     def add(self, req: Request) -> None:
         """Queue ``req`` and start pulling its storage-only prefix into host memory."""
         m = self.cache.match(req.tokens[:-1])

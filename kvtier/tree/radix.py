@@ -99,14 +99,16 @@ class RadixTree:
     def match(self, tokens: Sequence[int]) -> TreeMatch:
         """Longest cached prefix of ``tokens`` in whole pages. Never mutates."""
         ps = self.page_size
-        t = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        end = len(tokens) - len(tokens) % ps
         node, pos, path, last = self.root, 0, [], 0
         device_len = host_len = 0
-        while pos < len(t):
-            child = node.children.get(t[pos : pos + ps])
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            n = self._common_pages(child, t, pos)
+            # Only the span this node covers is converted: a miss costs one page, not the prompt.
+            span = tuple(tokens[pos : min(end, pos + len(child.tokens))])
+            n = self._common_pages(child, span, 0)
             path.append(child)
             last = n
             if child.on_device:
@@ -120,6 +122,7 @@ class RadixTree:
         return TreeMatch(path=path, last_pages=last, device_len=device_len, host_len=host_len)
 
     def _common_pages(self, node: Node, t: tuple[int, ...], pos: int) -> int:
+        """Whole pages ``node.tokens`` shares with ``t[pos:]`` (at least the first one)."""
         ps, nt = self.page_size, node.tokens
         if t[pos : pos + len(nt)] == nt:
             return len(nt) // ps
