@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -127,7 +126,3 @@ def bench_storage(
     }
     log(f"ratio backend/plain: write {out['ratio']['write']:.2f}, read {out['ratio']['read']:.2f}")
     return out
-
-
-if __name__ == "__main__":
-    print(json.dumps(bench_storage(*sys.argv[1:2]), indent=2))

@@ -1,12 +1,11 @@
 """Scattered page transfers through ``Mover`` against one contiguous copy of the same bytes.
 
-``python -m kvtier.bench.transfer [OUT.json]`` prints the result as JSON and also writes it to
-``OUT.json``.
+``kvtier bench transfer [--json OUT.json]`` prints the result as JSON (and writes it to
+``OUT.json``).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -207,16 +206,3 @@ def bench_transfer(
         f"ratio scattered/contiguous: d2h {out['d2h']['ratio']:.2f}, h2d {out['h2d']['ratio']:.2f}"
     )
     return out
-
-
-def _main(run: Callable[[], dict]) -> None:
-    out = run()
-    text = json.dumps(out, indent=2)
-    print(text)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            f.write(text + "\n")
-
-
-if __name__ == "__main__":
-    _main(bench_transfer)

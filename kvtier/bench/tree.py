@@ -4,18 +4,17 @@ The peer is the "flat hash table" index: page ``i`` of a sequence is keyed by
 ``hash((key(i-1), tokens of page i))`` in one dict, and a lookup walks the query page by page
 until the first missing key, returning the page ids it found.
 
-``python -m kvtier.bench.tree [OUT.json]`` prints the result as JSON and also writes it to
-``OUT.json``.
+``kvtier bench tree [--json OUT.json]`` prints the result as JSON (and writes it to
+``OUT.json``).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -340,16 +339,3 @@ def bench_tree(
     }
     _log("ratio tree/flat: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items()))
     return out
-
-
-def _main(run: Callable[[], dict]) -> None:
-    out = run()
-    text = json.dumps(out, indent=2)
-    print(text)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            f.write(text + "\n")
-
-
-if __name__ == "__main__":
-    _main(bench_tree)
