@@ -191,7 +191,7 @@ class Controller:
             if pages is None:
                 break
             entries.append([node, node.host])
-            node.device = pages
+            self.tree.set_device(node, pages)
             node.host_io += 1
             loaded += 1
         if entries:

@@ -94,6 +94,9 @@ class RadixTree:
         self._clock = itertools.count(1)
         self.root = Node(id=0, parent=None, tokens=())
         self.split_hooks: list[SplitHook] = []
+        # Device-resident nodes without a device-resident child: the only nodes device eviction
+        # can take, kept incrementally so eviction does not scan the whole tree.
+        self._device_leaves: set[Node] = set()
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
@@ -229,14 +232,30 @@ class RadixTree:
     def _copy(node: Node, tier: str) -> torch.Tensor | None:
         return node.device if tier == "device" else node.host
 
-    @staticmethod
-    def _set_copy(node: Node, tier: str, pages: torch.Tensor) -> None:
+    def _set_copy(self, node: Node, tier: str, pages: torch.Tensor) -> None:
         if tier == "device":
-            node.device = pages
+            self.set_device(node, pages)
         elif tier == "host":
             node.host = pages
         else:
             raise IntegrityError(f"unknown tier {tier!r}")
+
+    def set_device(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
+        node.device = pages
+        self._refresh_leaf(node)
+        if node.parent is not None:
+            self._refresh_leaf(node.parent)
+
+    def _refresh_leaf(self, node: Node) -> None:
+        if (
+            node is not self.root
+            and node.device is not None
+            and not any(c.device is not None for c in node.children.values())
+        ):
+            self._device_leaves.add(node)
+        else:
+            self._device_leaves.discard(node)
 
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
@@ -257,6 +276,7 @@ class RadixTree:
         node.keys = node.keys[n:] if node.keys is not None else None
         node.parent = new
         new.children[node.tokens[:ps]] = node
+        self._refresh_leaf(new)
         for hook in self.split_hooks:
             hook(new, node, n)
         return new
@@ -283,7 +303,7 @@ class RadixTree:
         subtree.
         """
         out = Evicted()
-        heap = [self._entry(n) for n in self.nodes() if self._device_evictable(n)]
+        heap = [self._entry(n) for n in self._device_leaves if self._device_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -294,9 +314,12 @@ class RadixTree:
             out.device_pages.append(node.device)
             freed += node.device.numel()
             node.device = None
+            self._device_leaves.discard(node)
             parent = node.parent
             if not node.on_host:
                 self._remove_subtree(node, out)
+            if parent is not None:
+                self._refresh_leaf(parent)
             if parent is not None and self._device_evictable(parent):
                 heapq.heappush(heap, self._entry(parent))
         return out
@@ -340,6 +363,7 @@ class RadixTree:
 
     def _remove_subtree(self, node: Node, out: Evicted) -> None:
         for d in self._subtree(node):
+            self._device_leaves.discard(d)
             if d is not node and d.host is not None:
                 out.host_pages.append(d.host)
                 d.host = None
@@ -405,3 +429,12 @@ class RadixTree:
                 raise IntegrityError(f"{ctx}: device I/O in flight without a device copy")
             if parent is not self.root and parent.lock_ref < n.lock_ref:
                 raise IntegrityError(f"{ctx}: locked more than its parent")
+        leaves = {
+            n
+            for n in self.nodes()
+            if n.on_device and not any(c.on_device for c in n.children.values())
+        }
+        if leaves != self._device_leaves:
+            raise IntegrityError(
+                f"device leaf index out of date: {len(leaves ^ self._device_leaves)} nodes differ"
+            )
