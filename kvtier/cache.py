@@ -32,27 +32,35 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.controller import Controller
-from kvtier.errors import CapacityError, IntegrityError
-from kvtier.keys import Namespace, PageKey, chain_keys, namespace_digest
+from kvtier.errors import CapacityError, ConfigError, IntegrityError
+from kvtier.hits import storage_extension, usable_lengths
+from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down, locs_to_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import PoolSpec
+from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
 from kvtier.prefetch import PrefetchOp
+from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
 from kvtier.tree.node import Node
-from kvtier.tree.radix import RadixTree, TreeMatch
+from kvtier.tree.radix import RadixTree, TreeMatch, truncate_match
 
 
 @dataclass(slots=True, eq=False)
 class Handle:
-    """Opaque token for one match; pass it to ``lock``/``unlock``/``finish``."""
+    """Opaque token for one match; pass it to ``lock``/``unlock``/``finish``.
+
+    ``match`` is the whole tree match (a prefetch continues after its end); ``usable`` the
+    resumable part of it that ``lock`` pins and ``load`` returns.
+    """
 
     match: TreeMatch
+    usable: int
     tokens: tuple[int, ...]
     storage_keys: list[PageKey]
     node: Node | None = None
+    locked: TreeMatch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +108,13 @@ class TieredCache:
     """Device pool + host pool + storage under one radix tree."""
 
     def __init__(self, config: CacheConfig, specs: Sequence[PoolSpec]) -> None:
+        validate_pool_set(specs)
         self.config = config
-        self.page_size = ps = config.page_size
+        self.specs = tuple(specs)
+        self.kv_page_size = config.page_size
+        # The allocation, tree and storage unit: whole pages of every component (contract 6).
+        self.page_size = ps = tree_page_size(config.page_size, specs)
+        self.stateful = any(s.kind == "state" for s in specs)
         self.device = resolve_device(config.device)
         self.device_pool = DevicePool(specs, config.device_pages, ps, self.device)
         self.host_pool: HostPool | None = None
@@ -112,21 +125,25 @@ class TieredCache:
         self.namespace: Namespace = namespace_digest(
             model_fingerprint=config.model_fingerprint,
             dtype=",".join(s.dtype_name for s in specs),
-            page_size=ps,
+            page_size=config.page_size,
             tree_page_size=ps,
-            components=[
-                f"{s.name}:{s.num_layers}x{'x'.join(map(str, s.row_shape))}" for s in specs
-            ],
+            components=[s.describe() for s in specs],
             rank=config.rank,
             world_size=config.world_size,
             tenant_salt=config.tenant_salt,
             extra=config.extra_namespace,
         )
-        self.storage = (
-            create_backend(config.storage, config, self.namespace) if config.storage else None
-        )
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
+        self.storage: StorageBackend | None = None
+        if config.storage:
+            backend = create_backend(config.storage, config, self.namespace)
+            try:
+                self._check_capabilities(backend)
+            except ConfigError:
+                backend.close()
+                raise
+            self.storage = backend
         self.controller = Controller(
             config,
             self.tree,
@@ -139,48 +156,58 @@ class TieredCache:
         self._engine_pages = 0
         self._closed = False
 
+    def _check_capabilities(self, backend: StorageBackend) -> None:
+        """Gate features on what ``backend`` declares (contract 9)."""
+        if self.page_size != self.kv_page_size and not backend.capabilities.page_spans:
+            raise ConfigError(
+                f"storage backend {backend.name!r} does not support page spans, but this "
+                f"model's tree page is {self.page_size} tokens ({self.page_size // self.kv_page_size}"
+                f" pages of page_size={self.kv_page_size}): one storage object must span them"
+            )
+
+    def attach_storage(self, backend: StorageBackend) -> None:
+        """Attach an L3 backend at runtime (capability-gated like one configured at start)."""
+        if self.host_pool is None:
+            raise ConfigError("attaching storage requires enable_host=True")
+        if self.storage is not None:
+            raise ConfigError(f"storage backend {self.storage.name!r} is already attached")
+        self._check_capabilities(backend)
+        self.storage = backend
+        self.controller.attach_storage(backend)
+
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], probe_storage: bool = True) -> MatchResult:
-        """Longest cached prefix of ``tokens`` per tier. Never mutates the index.
+        """Longest resumable cached prefix of ``tokens`` per tier. Never mutates the index.
 
-        ``probe_storage=False`` skips the storage lookup (hashing and ``batch_exists``), e.g.
-        when a prefetch for these tokens already ran; ``storage_len`` is then 0.
+        ``storage_len`` counts the tokens after ``cached_len`` that become resumable once a
+        prefetch brought storage's pages in. ``probe_storage=False`` skips the storage lookup
+        (hashing and ``batch_exists``), e.g. when a prefetch for these tokens already ran.
         """
+        ps = self.page_size
         tm = self.tree.match(tokens)
-        t = tuple(tokens[: align_down(len(tokens), self.page_size)])
-        keys = self._storage_hit(tm, t) if probe_storage else []
-        return MatchResult(
-            tm.device_len, tm.host_len, len(keys) * self.page_size, Handle(tm, t, keys)
-        )
-
-    def _storage_hit(self, tm: TreeMatch, t: tuple[int, ...]) -> list[PageKey]:
+        t = tuple(tokens[: align_down(len(tokens), ps)])
+        device_len, usable = usable_lengths(tm, self.stateful, ps)
+        keys: list[PageKey] = []
         io = self.controller.io
-        ps, start = self.page_size, tm.matched_len
-        if io is None or (len(t) - start) // ps < self.config.prefetch_min_pages:
-            return []
-        prev = None
-        if tm.path:
-            prev = self.tree.ensure_keys(tm.path[-1], self.namespace)[tm.last_pages - 1]
-        found: list[PageKey] = []
-        chunk, pos = 8, start
-        # Keys are computed in growing chunks: a miss early on costs a few hashes, not the prompt.
-        while pos < len(t):
-            cand = chain_keys(self.namespace, t[pos : pos + chunk * ps], ps, prev)
-            k = io.backend.batch_exists(cand)
-            found += cand[:k]
-            if k < len(cand):
-                break
-            pos, prev, chunk = pos + k * ps, cand[-1], chunk * 4
-        return found if len(found) >= self.config.prefetch_min_pages else []
+        if probe_storage and io is not None:
+            keys = storage_extension(
+                io.backend, self.tree, self.namespace, tm, t, ps, self.stateful
+            )
+            if len(keys) < self.config.prefetch_min_pages:
+                keys = []
+        storage_len = tm.matched_len + len(keys) * ps - usable if keys else 0
+        handle = Handle(tm, usable, t, keys)
+        return MatchResult(device_len, usable - device_len, storage_len, handle)
 
     # ---- lock protocol ------------------------------------------------------------------
     def lock(self, handle: Handle) -> None:
         """Pin the matched prefix. Call right after ``match``, before other cache calls."""
         if handle.node is not None:
             raise IntegrityError("handle is already locked")
-        handle.node = self.tree.lock(handle.match)
+        handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
+        handle.node = self.tree.lock(handle.locked)
         if self.config.write_policy == "write_through_selective":
-            hot = [n for n in handle.match.path if n.hits >= self.config.write_threshold]
+            hot = [n for n in handle.locked.path if n.hits >= self.config.write_threshold]
             self.controller.backup_to_host(hot)
 
     def unlock(self, handle: Handle) -> None:
@@ -196,9 +223,9 @@ class TieredCache:
         If the device pool cannot take all of it, a shorter prefix is returned.
         """
         h = m.handle
-        if h.node is None:
+        if h.node is None or h.locked is None:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
-        path = h.match.path
+        path = h.locked.path
         before = [(n.on_device, n.fetched) for n in path]
         n = self.controller.load_back(path)
         ps = self.page_size
@@ -221,7 +248,8 @@ class TieredCache:
         h = m.handle
         anchor = self.tree.lock(h.match)
         start = h.match.matched_len
-        prefix, tokens = h.tokens[:start], h.tokens[start : start + m.storage_len]
+        end = start + len(h.storage_keys) * self.page_size
+        prefix, tokens = h.tokens[:start], h.tokens[start:end]
         return self.controller.start_prefetch(anchor, prefix, tokens, h.storage_keys)
 
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
@@ -276,26 +304,44 @@ class TieredCache:
         self.device_pool.free_pages(pages)
         self._engine_pages -= pages.numel()
 
-    def insert(self, tokens: Sequence[int], locs: torch.Tensor) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int], locs: torch.Tensor, checkpoints: torch.Tensor | None = None
+    ) -> InsertResult:
         """Index the whole pages of ``tokens`` at ``locs``. The caller frees its duplicates
-        ``locs[prefix_len:cached_len]`` (see the range table above)."""
+        ``locs[prefix_len:cached_len]`` (see the range table above).
+
+        ``checkpoints`` (models with a state pool; bool per whole page, or longer) flags the
+        pages whose state row holds the state after the page's last token. Omitted: none do.
+        """
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
         pages = locs_to_pages(locs[:n].cpu(), self.page_size)
-        out = self.tree.insert(tokens[:n], pages, tier="device")
+        flags = None
+        if self.stateful:
+            k = pages.numel()
+            flags = torch.zeros(k, dtype=torch.bool)
+            if checkpoints is not None:
+                flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
+        out = self.tree.insert(tokens[:n], pages, tier="device", checkpoints=flags)
         self._engine_pages -= sum(len(t.tokens) for t in out.taken) // self.page_size
         if self.config.write_policy == "write_through":
             self.controller.backup_to_host(out.taken)
         return InsertResult(out.cached_len)
 
     def finish(
-        self, tokens: Sequence[int], locs: torch.Tensor, prefix_len: int, handle: Handle | None
+        self,
+        tokens: Sequence[int],
+        locs: torch.Tensor,
+        prefix_len: int,
+        handle: Handle | None,
+        checkpoints: torch.Tensor | None = None,
     ) -> int:
         """End of a request: insert, free duplicates and the partial tail page, unlock.
 
-        ``tokens[i]``'s KV is at ``locs[i]``; returns the tokens now cached.
+        ``tokens[i]``'s KV is at ``locs[i]`` (``locs`` may run on to the end of the last
+        allocated page); ``checkpoints`` as for ``insert``. Returns the tokens now cached.
         """
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        r = self.insert(tokens, locs)
+        r = self.insert(tokens, locs, checkpoints)
         if r.cached_len > prefix_len:
             self.free(locs[prefix_len : r.cached_len])
         if locs.numel() > n:

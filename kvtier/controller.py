@@ -79,11 +79,17 @@ class Controller:
         self.mover = (
             Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
         )
-        self.io = StorageIO(storage, host_pool, metrics) if storage and host_pool else None
+        self.io: StorageIO | None = None
+        if storage is not None and host_pool is not None:
+            self.attach_storage(storage)
         self._fetching: dict[PageKey, PrefetchOp] = {}
         self._backups: list[InFlight] = []
         self._loads: list[InFlight] = []
         tree.split_hooks.append(self._on_split)
+
+    def attach_storage(self, storage: StorageBackend) -> None:
+        assert self.host is not None
+        self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size)
 
     # ---- allocation with eviction --------------------------------------------------------
     def alloc_device(self, n: int) -> torch.Tensor | None:
@@ -271,6 +277,7 @@ class Controller:
             tier="host",
             keys=op.keys[lo:hi],
             start=op.anchor,
+            checkpoints=op.ckpt[lo:hi] if op.ckpt is not None else None,
         )
         for node in out.taken:
             node.fetched = True

@@ -71,3 +71,8 @@ def chain_keys(
         last = h.hexdigest().encode()
         out.append(PageKey(last.decode()))
     return out
+
+
+def state_key(key: PageKey) -> PageKey:
+    """Key of the state-pool checkpoint stored for the page ``key`` (present only when valid)."""
+    return PageKey(key + "-state")

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.keys import PageKey
+from kvtier.keys import PageKey, state_key
 from kvtier.metrics import Metrics
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
+from kvtier.transfer.objects import ObjectCodec
 from kvtier.tree.node import Node
 
 CHUNK_PAGES = 32
@@ -44,6 +45,7 @@ class PrefetchOp:
     pages: torch.Tensor
     deadline: float
     deps: list[PrefetchOp] = field(default_factory=list)
+    ckpt: torch.Tensor | None = None
     done_pages: int = 0
     committed_pages: int = 0
     released: bool = False
@@ -75,6 +77,7 @@ class WriteOp:
     entries: list[list]
     keys: list[PageKey]
     pages: torch.Tensor
+    ckpt: torch.Tensor | None
     future: Future | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -82,79 +85,78 @@ class WriteOp:
 class StorageIO:
     """Submits backend calls to one I/O thread and tracks them until reaped."""
 
-    def __init__(self, backend: StorageBackend, host: HostPool, metrics: Metrics) -> None:
+    def __init__(
+        self, backend: StorageBackend, host: HostPool, metrics: Metrics, page_tokens: int
+    ) -> None:
         self.backend = backend
         self.host = host
         self.metrics = metrics
+        self.page_tokens = page_tokens
+        self.pages = ObjectCodec(host, [s for s in host.specs if s.token_indexed])
+        states = [s for s in host.specs if not s.token_indexed]
+        self.states = ObjectCodec(host, states) if states else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")
         self._writes: list[WriteOp] = []
         self._prefetches: list[PrefetchOp] = []
-        names = list(host.buffers)
-        self._zero_copy = host.layout == "page_first" and len(names) == 1
-
-    # ---- object buffers (one object = one page across all components) --------------------
-    def _views(self, pages: torch.Tensor) -> list[torch.Tensor] | None:
-        if not self._zero_copy:
-            return None
-        buf = next(iter(self.host.buffers.values()))
-        return [buf[p].reshape(-1).view(torch.uint8) for p in pages.tolist()]
-
-    def _gather(self, pages: torch.Tensor) -> list[torch.Tensor]:
-        views = self._views(pages)
-        if views is not None:
-            return views
-        parts = [
-            self.host.read_pages(name, pages).reshape(pages.numel(), -1).view(torch.uint8)
-            for name in self.host.buffers
-        ]
-        objs = torch.cat(parts, dim=1)
-        return list(objs.unbind(0))
-
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.host.page_bytes), dtype=torch.uint8)
-
-    def _scatter(self, pages: torch.Tensor, staged: torch.Tensor) -> None:
-        off = 0
-        for spec in self.host.specs:
-            nb = spec.page_bytes(self.host.page_size)
-            part = staged[:, off : off + nb].contiguous().view(spec.dtype)
-            shape = (pages.numel(), spec.num_layers, self.host.page_size, *spec.row_shape)
-            self.host.write_pages(spec.name, pages, part.view(shape))
-            off += nb
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, nodes: list[Node], keys: list[list[PageKey]]) -> None:
         """Back up the host copies of ``nodes`` (pinned by ``host_io`` until reaped)."""
-        entries, flat, pages, pos = [], [], [], 0
+        entries, flat, pages, ckpts, pos = [], [], [], [], 0
         for node, ks in zip(nodes, keys, strict=True):
             assert node.host is not None
             node.host_io += 1
             entries.append([node, range(pos, pos + len(ks))])
             flat += ks
             pages.append(node.host)
+            if self.states is not None:
+                assert node.ckpt is not None
+                ckpts.append(node.ckpt)
             pos += len(ks)
-        op = WriteOp(entries, flat, torch.cat(pages))
+        op = WriteOp(entries, flat, torch.cat(pages), torch.cat(ckpts) if ckpts else None)
         op.future = self._pool.submit(self._do_write, op)
         self._writes.append(op)
 
-    def _do_write(self, op: WriteOp) -> int:
+    def _do_write(self, op: WriteOp) -> torch.Tensor:
+        """Returns, per page, whether everything it needs is stored.
+
+        A page object already present is skipped by the backend (counted as stored); its state
+        object, where the checkpoint is valid, is still written, and the page counts as done
+        only if that write succeeded.
+        """
         t0 = time.perf_counter()
-        n = self.backend.batch_set(op.keys, self._gather(op.pages))
+        n = len(op.keys)
+        stored = self.backend.batch_set(op.keys, self.pages.gather(n, self.pages.slots(op.pages)))
+        done = torch.zeros(n, dtype=torch.bool)
+        done[:stored] = True
+        nbytes = stored * self.pages.nbytes
+        if self.states is not None and op.ckpt is not None:
+            idx = op.ckpt[:stored].nonzero().reshape(-1)
+            if idx.numel():
+                skeys = [state_key(op.keys[i]) for i in idx.tolist()]
+                sp = op.pages[idx]
+                ok = self.backend.batch_set(
+                    skeys, self.states.gather(len(skeys), self.states.slots(sp))
+                )
+                done[idx[ok:]] = False
+                nbytes += ok * self.states.nbytes
         self.metrics.inc("storage_write_seconds", time.perf_counter() - t0)
-        self.metrics.inc("storage_write_bytes", n * self.host.page_bytes)
-        return n
+        self.metrics.inc("storage_write_bytes", nbytes)
+        return done
 
     def reap_writes(self) -> None:
         for op in [w for w in self._writes if w.future is not None and w.future.done()]:
             self._writes.remove(op)
-            stored = op.future.result()
+            done = op.future.result()
             for node, r in op.entries:
                 node.host_io -= 1
-                if r.stop <= stored:
+                if bool(done[r.start : r.stop].all()):
                     node.in_storage = True
-            self.metrics.inc("storage_backup_pages", stored)
-            if stored < len(op.keys):
-                self.metrics.inc("dropped_storage_backups", len(op.keys) - stored)
+            complete = int(done.sum())
+            self.metrics.inc("storage_backup_pages", complete)
+            self.metrics.inc("storage_backup_tokens", complete * self.page_tokens)
+            if complete < len(op.keys):
+                self.metrics.inc("dropped_storage_backups", len(op.keys) - complete)
 
     # ---- prefetch -------------------------------------------------------------------------
     def prefetch(
@@ -169,6 +171,8 @@ class StorageIO:
     ) -> PrefetchOp:
         deadline = time.monotonic() + config.prefetch_timeout_s
         op = PrefetchOp(anchor, prefix, tokens, keys, pages, deadline, deps)
+        if self.states is not None:
+            op.ckpt = torch.zeros(len(keys), dtype=torch.bool)
         if keys:
             op.future = self._pool.submit(self._do_prefetch, op)
         else:
@@ -185,19 +189,32 @@ class StorageIO:
                 if op.cancel:
                     return
                 hi = min(lo + CHUNK_PAGES, total)
-                pages = op.pages[lo:hi]
-                views = self._views(pages)
-                staged = None if views is not None else self._staging(hi - lo)
-                bufs = views if views is not None else list(staged.unbind(0))
-                got = self.backend.batch_get(op.keys[lo:hi], bufs)
-                if staged is not None and got:
-                    self._scatter(pages[:got], staged[:got])
-                self.metrics.inc("storage_read_bytes", got * self.host.page_bytes)
+                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi])
+                if self.states is not None and got:
+                    self._read_states(op, lo, lo + got)
                 op.done_pages = lo + got  # publish only after the bytes are in place
                 if got < hi - lo:
                     return
         finally:
             self.metrics.inc("storage_read_seconds", time.perf_counter() - t0)
+
+    def _read(self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor) -> int:
+        bufs, staged = codec.read_buffers(len(keys), codec.slots(pages))
+        got = self.backend.batch_get(keys, bufs)
+        if staged is not None and got:
+            codec.scatter(pages[:got], staged[:got])
+        self.metrics.inc("storage_read_bytes", got * codec.nbytes)
+        return got
+
+    def _read_states(self, op: PrefetchOp, lo: int, hi: int) -> None:
+        """Fetch the checkpoints that exist for pages ``[lo, hi)``; flag those that arrived."""
+        assert self.states is not None and op.ckpt is not None
+        for i in range(lo, hi):
+            sk = state_key(op.keys[i])
+            if self.backend.batch_exists([sk]) and self._read(
+                self.states, [sk], op.pages[i : i + 1]
+            ):
+                op.ckpt[i] = True
 
     def prefetches(self) -> list[PrefetchOp]:
         return list(self._prefetches)

@@ -1,4 +1,4 @@
-"""The device (L1) pool: what attention reads. Layer-first: ``buffers[name][layer, slot, *row]``."""
+"""The device (L1) pool: what attention reads. Layer-first: ``buffers[name][layer, row, *shape]``."""
 
 from __future__ import annotations
 
@@ -6,37 +6,36 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, bytes_view
+from kvtier.pools.spec import PoolSpec, bytes_view, validate_pool_set
 
 
 class DevicePool:
     """One buffer per component of the model's pool set, all sharing page ids.
 
-    Page ``p`` of every component owns slots ``[p * page_size, (p + 1) * page_size)``. The
-    allocator is the single owner of free pages; the tree only records which pages it holds.
+    A page is ``page_size`` tokens (the tree page). Page ``p`` owns anchor token slots
+    ``[p * page_size, (p + 1) * page_size)``, sidecar rows ``slot // tokens_per_row`` of those
+    slots, and state row ``p``. The allocator is the single owner of free pages; the tree only
+    records which pages it holds.
     """
 
     def __init__(
         self, specs: Sequence[PoolSpec], num_pages: int, page_size: int, device: torch.device
     ) -> None:
-        if not specs:
-            raise ConfigError("a device pool needs at least one PoolSpec")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"pool names must be unique, got {names}")
+        validate_pool_set(specs)
         self.specs = tuple(specs)
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = device
         self.allocator = PageAllocator(num_pages, name="device")
-        slots = num_pages * page_size
-        self.buffers: dict[str, torch.Tensor] = {
-            s.name: torch.zeros((s.num_layers, slots, *s.row_shape), dtype=s.dtype, device=device)
-            for s in specs
-        }
+        self.buffers: dict[str, torch.Tensor] = {}
+        for s in specs:
+            rows = num_pages * s.rows_per_page(page_size)
+            self.buffers[s.name] = torch.zeros(
+                (s.num_layers, rows, *s.row_shape), dtype=s.dtype, device=device
+            )
 
     @property
     def anchor(self) -> torch.Tensor:
@@ -44,7 +43,7 @@ class DevicePool:
         return self.buffers[self.specs[0].name]
 
     def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
-        """``[slots, *row_shape]`` view of one layer of a component (the anchor by default)."""
+        """``[rows, *row_shape]`` view of one layer of a component (the anchor by default)."""
         return self.buffers[name or self.specs[0].name][layer]
 
     @property
@@ -62,11 +61,12 @@ class DevicePool:
         self.allocator.free(pages)
 
     def locs(self, pages: torch.Tensor) -> torch.Tensor:
-        """Token slots of ``pages``."""
+        """Anchor token slots of ``pages``."""
         return pages_to_locs(pages, self.page_size)
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
-        for name, buf in self.buffers.items():
-            if buf.shape[1] != self.num_pages * self.page_size:
-                raise IntegrityError(f"device pool {name}: buffer has {buf.shape[1]} slots")
+        for s in self.specs:
+            rows = self.buffers[s.name].shape[1]
+            if rows != self.num_pages * s.rows_per_page(self.page_size):
+                raise IntegrityError(f"device pool {s.name}: buffer has {rows} rows")

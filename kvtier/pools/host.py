@@ -1,9 +1,10 @@
 """The host (L2) pool: pinned CPU memory (when CUDA is present), one page id space.
 
-Layouts per component:
+Layouts per component (``r`` = the component's rows per page: tokens for the anchor, groups
+for a compressed sidecar, one for a state pool):
 
-    page_first   buffers[name][page, layer, token, *row]   one page is one contiguous block
-    layer_first  buffers[name][layer, page * ps + token, *row]   same layout as the device pool
+    page_first   buffers[name][page, layer, row, *shape]         one page is one contiguous block
+    layer_first  buffers[name][layer, page * r + row, *shape]    same layout as the device pool
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ class HostPool:
         self.allocator = PageAllocator(num_pages, name="host")
         self.buffers: dict[str, torch.Tensor] = {}
         for s in specs:
+            r = s.rows_per_page(page_size)
             if layout == "page_first":
-                shape = (num_pages, s.num_layers, page_size, *s.row_shape)
+                shape = (num_pages, s.num_layers, r, *s.row_shape)
             else:
-                shape = (s.num_layers, num_pages * page_size, *s.row_shape)
+                shape = (s.num_layers, num_pages * r, *s.row_shape)
             self.buffers[s.name] = torch.zeros(shape, dtype=s.dtype, pin_memory=pin)
 
     @property
@@ -59,28 +61,28 @@ class HostPool:
         return bytes_view(self.buffers[name], 1, self.num_pages).transpose(0, 1)
 
     def page_view(self, name: str, page: int) -> torch.Tensor:
-        """``[layers, page_size, *row]`` view of one page (page-first only: no copy)."""
+        """``[layers, rows, *shape]`` view of one page (page-first only: no copy)."""
         if self.layout != "page_first":
             raise ConfigError("page_view needs host_layout='page_first'")
         return self.buffers[name][page]
 
     def read_pages(self, name: str, pages: torch.Tensor) -> torch.Tensor:
-        """Copy of ``pages`` as ``[n, layers, page_size, *row]`` (the page-first object layout)."""
+        """Copy of ``pages`` as ``[n, layers, rows, *shape]`` (the page-first object layout)."""
         buf = self.buffers[name]
         if self.layout == "page_first":
             return buf.index_select(0, pages)
-        layers, ps = buf.shape[0], self.page_size
-        view = buf.view(layers, self.num_pages, ps, *buf.shape[2:])
+        layers = buf.shape[0]
+        view = buf.view(layers, self.num_pages, -1, *buf.shape[2:])
         return view.index_select(1, pages).transpose(0, 1).contiguous()
 
     def write_pages(self, name: str, pages: torch.Tensor, data: torch.Tensor) -> None:
-        """Store ``data`` (``[n, layers, page_size, *row]``) into ``pages``."""
+        """Store ``data`` (``[n, layers, rows, *shape]``) into ``pages``."""
         buf = self.buffers[name]
         if self.layout == "page_first":
             buf.index_copy_(0, pages, data)
             return
-        layers, ps = buf.shape[0], self.page_size
-        view = buf.view(layers, self.num_pages, ps, *buf.shape[2:])
+        layers = buf.shape[0]
+        view = buf.view(layers, self.num_pages, -1, *buf.shape[2:])
         view.index_copy_(1, pages, data.transpose(0, 1))
 
     def check_integrity(self) -> None:

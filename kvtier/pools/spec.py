@@ -3,34 +3,57 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import ConfigError
 
+KINDS = ("kv", "sidecar", "state")
+
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """Shape of one pool: ``num_layers`` layers, each holding one ``row_shape`` row per token.
+    """One component of a model's pool set: ``num_layers`` layers of ``row_shape`` rows.
 
-    A GQA KV pool is ``row_shape=(2, num_kv_heads, head_dim)`` (K and V side by side).
+    ``kind`` says how rows are indexed:
+
+    ==========  ==========================================  ===============================
+    kind        rows                                        example
+    ==========  ==========================================  ===============================
+    ``kv``      one per token; the anchor (first spec)      GQA ``(2, kv_heads, head_dim)``
+    ``sidecar`` one per ``tokens_per_row`` tokens, indexed  indexer keys (1), compressed
+                like the anchor: row = token slot // tpr    index rows (group of tokens)
+    ``state``   one per page (a checkpoint at its end)      recurrent conv + SSM state
+    ==========  ==========================================  ===============================
     """
 
     name: str
     """Component name; part of the L3 namespace."""
     num_layers: int
-    """Layers holding a row per token."""
+    """Layers holding rows."""
     row_shape: tuple[int, ...]
-    """Shape of one token's row in one layer."""
+    """Shape of one row in one layer."""
     dtype: torch.dtype
     """Element type."""
+    kind: str = "kv"
+    """``kv`` (the anchor), ``sidecar`` (token-indexed, derived from KV) or ``state``."""
+    tokens_per_row: int = 1
+    """Tokens one row covers (``sidecar`` only; the page size must be a multiple)."""
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or not self.row_shape or any(d <= 0 for d in self.row_shape):
             raise ConfigError(
                 f"pool {self.name!r}: num_layers={self.num_layers} and row_shape={self.row_shape}"
                 " must be positive"
+            )
+        if self.kind not in KINDS:
+            raise ConfigError(f"pool {self.name!r}: kind={self.kind!r} is not one of {KINDS}")
+        if self.tokens_per_row < 1 or (self.kind != "sidecar" and self.tokens_per_row != 1):
+            raise ConfigError(
+                f"pool {self.name!r}: tokens_per_row={self.tokens_per_row} is only allowed "
+                "(>= 1) for sidecar pools"
             )
 
     @property
@@ -41,13 +64,52 @@ class PoolSpec:
     def row_bytes(self) -> int:
         return self.row_numel * self.dtype.itemsize
 
-    def page_bytes(self, page_size: int) -> int:
+    @property
+    def token_indexed(self) -> bool:
+        """Rows follow token slots (``kv`` and ``sidecar``); else one row per page."""
+        return self.kind != "state"
+
+    def rows_per_page(self, page_tokens: int) -> int:
+        """Rows one page of ``page_tokens`` tokens holds in each layer."""
+        if not self.token_indexed:
+            return 1
+        if page_tokens % self.tokens_per_row:
+            raise ConfigError(
+                f"pool {self.name!r}: a page of {page_tokens} tokens is not a whole number of "
+                f"{self.tokens_per_row}-token rows"
+            )
+        return page_tokens // self.tokens_per_row
+
+    def page_bytes(self, page_tokens: int) -> int:
         """Bytes of one page across all layers."""
-        return self.num_layers * page_size * self.row_bytes
+        return self.num_layers * self.rows_per_page(page_tokens) * self.row_bytes
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> str:
+        """Stable text naming everything that shapes this component's bytes (for namespaces)."""
+        shape = "x".join(map(str, self.row_shape))
+        return f"{self.name}:{self.kind}:{self.num_layers}x{shape}:{self.dtype_name}/{self.tokens_per_row}"
+
+
+def validate_pool_set(specs: Sequence[PoolSpec]) -> None:
+    """One ``kv`` anchor first, unique names; raises ``ConfigError`` naming the problem."""
+    if not specs:
+        raise ConfigError("a pool set needs at least one PoolSpec (the kv anchor)")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"pool names must be unique, got {names}")
+    kinds = [s.kind for s in specs]
+    if kinds[0] != "kv" or kinds.count("kv") != 1:
+        raise ConfigError(f"a pool set has exactly one kv anchor, listed first; got kinds {kinds}")
+
+
+def tree_page_size(page_size: int, specs: Sequence[PoolSpec]) -> int:
+    """Least common multiple of the KV page and every sidecar's row granularity: the unit the
+    tree splits on, memory is allocated in, and one storage object holds."""
+    return math.lcm(page_size, *(s.tokens_per_row for s in specs if s.kind == "sidecar"))
 
 
 def bytes_view(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor:

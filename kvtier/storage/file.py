@@ -116,7 +116,7 @@ class FileBackend(StorageBackend):
 
     name = "file"
     capabilities = StorageCapabilities(
-        page_spans=False, zero_copy=True, persistent=True, shared_across_hosts=False
+        page_spans=True, zero_copy=True, persistent=True, shared_across_hosts=False
     )
 
     def __init__(

@@ -3,7 +3,7 @@ It records page ids but never allocates or frees memory."""
 
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.radix import Evicted, InsertOutcome, RadixTree, TreeMatch
+from kvtier.tree.radix import Evicted, InsertOutcome, RadixTree, TreeMatch, truncate_match
 
 __all__ = [
     "Evicted",
@@ -13,4 +13,5 @@ __all__ = [
     "RadixTree",
     "TreeMatch",
     "make_policy",
+    "truncate_match",
 ]

@@ -23,6 +23,9 @@ class Node:
       ``device_io``  in-flight transfers reading the device copy (backups).
       ``host_io``    in-flight transfers reading or writing the host copy.
 
+    ``ckpt`` (models with a state pool only) flags, per page, whether the page's state row holds
+    a valid checkpoint of the state after the page's last token, in every tier that has a copy.
+
     ``fetched`` marks a host copy that came from storage and has not been loaded yet, so the
     load that uses it counts storage hits rather than host hits.
     """
@@ -34,6 +37,7 @@ class Node:
     device: torch.Tensor | None = None
     host: torch.Tensor | None = None
     keys: list[PageKey] | None = None
+    ckpt: torch.Tensor | None = None
     in_storage: bool = False
     fetched: bool = False
     lock_ref: int = 0

@@ -49,6 +49,24 @@ class TreeMatch:
         return self.device_len + self.host_len
 
 
+def truncate_match(m: TreeMatch, tokens: int, page_size: int) -> TreeMatch:
+    """The part of ``m`` covering its first ``tokens`` tokens (a page multiple)."""
+    path, left, device_len, host_len, last = [], tokens, 0, 0, 0
+    for i, node in enumerate(m.path):
+        if left <= 0:
+            break
+        avail = (m.last_pages if i == len(m.path) - 1 else node.num_pages(page_size)) * page_size
+        take = min(avail, left)
+        path.append(node)
+        last = take // page_size
+        if node.on_device:
+            device_len += take
+        else:
+            host_len += take
+        left -= take
+    return TreeMatch(path=path, last_pages=last, device_len=device_len, host_len=host_len)
+
+
 @dataclass(slots=True)
 class InsertOutcome:
     """What ``insert`` did with the caller's pages.
@@ -178,6 +196,7 @@ class RadixTree:
         tier: str = "device",
         keys: list[PageKey] | None = None,
         start: Node | None = None,
+        checkpoints: torch.Tensor | None = None,
     ) -> InsertOutcome:
         """Record ``pages`` (one id per whole page of ``tokens``) as copies in ``tier``.
 
@@ -185,6 +204,8 @@ class RadixTree:
         already have one are returned as duplicates. ``keys`` (one per page) marks the pages as
         present in storage too (used when they were fetched from L3). ``start`` (a locked node,
         default the root) is where ``tokens`` begin; ``cached_len`` is relative to it.
+        ``checkpoints`` (bool per page, state models) says which pages' state rows are valid; a
+        node adopting a copy keeps a checkpoint only where both copies have one.
         """
         ps = self.page_size
         if len(tokens) % ps or pages.numel() != len(tokens) // ps:
@@ -203,6 +224,8 @@ class RadixTree:
                 child = Node(id=next(self._ids), parent=node, tokens=t[pos:])
                 node.children[t[pos : pos + ps]] = child
                 self._set_copy(child, tier, pages[p0:])
+                if checkpoints is not None:
+                    child.ckpt = checkpoints[p0:].clone()
                 if keys is not None:
                     child.keys, child.in_storage = list(keys[p0:]), True
                 child.last_access = now
@@ -219,6 +242,8 @@ class RadixTree:
             else:
                 prefix = False
                 self._set_copy(child, tier, pages[p0 : p0 + n])
+                if checkpoints is not None and child.ckpt is not None:
+                    child.ckpt = child.ckpt & checkpoints[p0 : p0 + n]
                 taken.append(child)
             if keys is not None and not child.in_storage:
                 child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
@@ -266,6 +291,7 @@ class RadixTree:
         new.device = node.device[:n] if node.device is not None else None
         new.host = node.host[:n] if node.host is not None else None
         new.keys = node.keys[:n] if node.keys is not None else None
+        new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
         new.in_storage, new.fetched = node.in_storage, node.fetched
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
@@ -274,6 +300,7 @@ class RadixTree:
         node.device = node.device[n:] if node.device is not None else None
         node.host = node.host[n:] if node.host is not None else None
         node.keys = node.keys[n:] if node.keys is not None else None
+        node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
         node.parent = new
         new.children[node.tokens[:ps]] = node
         self._refresh_leaf(new)
@@ -419,6 +446,8 @@ class RadixTree:
                 c = self._copy(n, tier)
                 if c is not None and c.numel() != n.num_pages(ps):
                     raise IntegrityError(f"{ctx}: {tier} copy has {c.numel()} pages")
+            if n.ckpt is not None and n.ckpt.numel() != n.num_pages(ps):
+                raise IntegrityError(f"{ctx}: {n.ckpt.numel()} checkpoint flags")
             if n.keys is not None and len(n.keys) != n.num_pages(ps):
                 raise IntegrityError(f"{ctx}: {len(n.keys)} keys for {n.num_pages(ps)} pages")
             if n.on_device and parent is not self.root and not parent.on_device:

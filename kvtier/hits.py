@@ -1,0 +1,75 @@
+"""Component-aware hit lengths: how much of a matched prefix a request can actually resume from.
+
+A prefix is usable at a tier only up to the deepest point where every component needed to
+resume is present there. KV and sidecars always travel together (one storage object per page),
+so for them that is the matched length. A model with a state pool additionally needs a valid
+checkpoint at the resume point: the usable length is the deepest page boundary, within the
+matched length, whose page carries one — an earlier checkpoint rather than no hit at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.keys import Namespace, PageKey, chain_keys, state_key
+from kvtier.storage.base import StorageBackend
+from kvtier.tree.radix import RadixTree, TreeMatch
+
+
+def checkpointed_len(m: TreeMatch, limit: int, page_size: int) -> int:
+    """Deepest page boundary ``<= limit`` tokens along ``m`` whose page has a valid checkpoint
+    (``0`` if none)."""
+    best, pos = 0, 0
+    for i, node in enumerate(m.path):
+        pages = m.last_pages if i == len(m.path) - 1 else node.num_pages(page_size)
+        pages = min(pages, (limit - pos) // page_size)
+        if pages <= 0:
+            break
+        if node.ckpt is not None:
+            valid = node.ckpt[:pages].nonzero()
+            if valid.numel():
+                best = pos + (int(valid[-1]) + 1) * page_size
+        pos += pages * page_size
+    return best
+
+
+def usable_lengths(m: TreeMatch, stateful: bool, page_size: int) -> tuple[int, int]:
+    """``(device_len, usable_len)``: resumable tokens on device alone and on device + host."""
+    if not stateful:
+        return m.device_len, m.matched_len
+    return (
+        checkpointed_len(m, m.device_len, page_size),
+        checkpointed_len(m, m.matched_len, page_size),
+    )
+
+
+def storage_extension(
+    backend: StorageBackend,
+    tree: RadixTree,
+    namespace: Namespace,
+    m: TreeMatch,
+    tokens: Sequence[int],
+    page_size: int,
+    stateful: bool,
+) -> list[PageKey]:
+    """Keys of the pages after the tree match that storage holds and a request could resume
+    after: a prefix of present page objects, cut (state models) after the deepest page whose
+    checkpoint object is present too."""
+    start = m.matched_len
+    prev = None
+    if m.path:
+        prev = tree.ensure_keys(m.path[-1], namespace)[m.last_pages - 1]
+    found: list[PageKey] = []
+    chunk, pos = 8, start
+    # Keys are computed in growing chunks: a miss early on costs a few hashes, not the prompt.
+    while pos + page_size <= len(tokens):
+        cand = chain_keys(namespace, tokens[pos : pos + chunk * page_size], page_size, prev)
+        k = backend.batch_exists(cand)
+        found += cand[:k]
+        if k < len(cand):
+            break
+        pos, prev, chunk = pos + k * page_size, cand[-1], chunk * 4
+    if stateful:
+        while found and backend.batch_exists([state_key(found[-1])]) == 0:
+            found.pop()
+    return found
