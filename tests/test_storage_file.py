@@ -278,7 +278,7 @@ def test_registry_creates_file_backend(tmp_path: Path) -> None:
     assert isinstance(be, FileBackend)
     assert be.name == "file"
     assert be.capabilities.persistent and be.capabilities.zero_copy
-    assert not be.capabilities.page_spans and not be.capabilities.shared_across_hosts
+    assert be.capabilities.page_spans and not be.capabilities.shared_across_hosts
     assert be.stats()["budget_bytes"] == 1 << 20
     assert be.batch_set(keys("k0"), [page(0)]) == 1
     assert (tmp_path / "l3" / NS / "k0" / "k0").is_file()
