@@ -121,9 +121,10 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
 
 
 def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
-    from kvtier.engine import LLM, ModelConfig
+    from kvtier.engine import LLM
+    from kvtier.engine.families import preset
 
-    model = cfg.model if os.path.isdir(cfg.model) else ModelConfig.preset(cfg.model)
+    model = cfg.model if os.path.isdir(cfg.model) else preset(cfg.model)
     return LLM(model, cache_config, max_running=cfg.max_running)
 
 

@@ -230,3 +230,13 @@ def _weights_digest(directory: Path) -> str:
         return ""
     blob = "\n".join(f"{f.name}:{f.stat().st_size}" for f in files)
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def tiny_dense(**overrides: Any) -> ModelConfig:
+    """The default dense preset (fast on CPU)."""
+    return ModelConfig.preset("tiny", **overrides)
+
+
+def small_dense(**overrides: Any) -> ModelConfig:
+    """A somewhat larger dense preset."""
+    return ModelConfig.preset("small", **overrides)

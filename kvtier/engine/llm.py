@@ -9,9 +9,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from torch import nn
+
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
 from kvtier.engine.request import Request, RequestOutput
 from kvtier.engine.runner import ModelRunner
@@ -26,8 +29,8 @@ Prompt = Sequence[int] | str
 class LLM:
     """Offline engine over a ``TieredCache``.
 
-    ``model`` is a ``ModelConfig`` (seeded random weights), a HF checkpoint directory, or an
-    already built ``CausalLM``. The cache namespace gets the model's fingerprint, so L3 objects
+    ``model`` is a model config of any family (seeded random weights; see
+    ``kvtier.engine.families.preset``), a HF checkpoint directory, or an already built model. The cache namespace gets the model's fingerprint, so L3 objects
     written by one model are never read by another.
     """
 
@@ -46,13 +49,13 @@ class LLM:
         if isinstance(model, (str, Path)):
             self.tokenizer = load_tokenizer(model)
             model = load_model(model)
-        elif isinstance(model, ModelConfig):
-            model = CausalLM(model)
+        elif not isinstance(model, nn.Module):
+            model = build_model(model)
         self.model_config = model.config
         cache_config = dataclasses.replace(
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
-        self.cache = TieredCache(cache_config, [model.kv_pool_spec()])
+        self.cache = TieredCache(cache_config, model.pool_specs())
         self.model = model.to(self.cache.device_pool.device)
         self.scheduler = Scheduler(
             self.cache, max_running, max_prefill_tokens, self.model_config.eos_token_ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -40,6 +40,13 @@ class SeqSlots:
     """int64 ``[num_new]``: pool slots receiving the new tokens' K/V."""
     ctx_locs: torch.Tensor
     """int64 ``[context_len]``: slots of the whole context (cached prefix + new tokens), in order."""
+    state: list[torch.Tensor] | None = None
+    """Stateful (recurrent) models: the sequence's running state, one tensor per recurrent
+    layer, holding the state before the first new token; the model updates it in place to the
+    state after the last new token. ``None`` for attention-only models."""
+    state_out: list[tuple[int, int]] = field(default_factory=list)
+    """Stateful models: ``(i, row)`` pairs: after new token ``i`` (0-based among the new
+    tokens), write the state into row ``row`` of the pool's state component (a checkpoint)."""
 
 
 class RMSNorm(nn.Module):
@@ -166,6 +173,8 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """The whole model. Weights start deterministic-random from ``config.seed``."""
 
+    config_class = ModelConfig
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -180,6 +189,13 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    stateful = False
+    """Attention-only: no recurrent state, no checkpoints."""
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """The pool set this model reads and writes (the anchor KV pool first)."""
+        return [self.kv_pool_spec()]
 
     def kv_pool_spec(self) -> PoolSpec:
         """The anchor KV pool this model's attention uses."""
