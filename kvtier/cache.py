@@ -33,7 +33,7 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.controller import Controller
 from kvtier.errors import CapacityError, ConfigError, IntegrityError
-from kvtier.hits import storage_extension, usable_lengths
+from kvtier.hits import checkpointed_len, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down, locs_to_pages, pages_to_locs
@@ -220,7 +220,8 @@ class TieredCache:
     def load(self, m: MatchResult) -> LoadResult:
         """Device slots of the locked prefix, loading its host part into the device tier.
 
-        If the device pool cannot take all of it, a shorter prefix is returned.
+        If the device pool cannot take all of it, a shorter prefix is returned (for a model
+        with a state pool, one ending at a checkpoint).
         """
         h = m.handle
         if h.node is None or h.locked is None:
@@ -229,14 +230,23 @@ class TieredCache:
         before = [(n.on_device, n.fetched) for n in path]
         n = self.controller.load_back(path)
         ps = self.page_size
+        usable = sum(len(node.tokens) for node in path[:n])
+        if n < len(path) and self.stateful:
+            usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
         counts = {"device": 0, "host": 0, "storage": 0}
-        for node, (was_dev, fetched) in zip(path[:n], before[:n], strict=True):
+        pages, left = [], usable
+        for node, (was_dev, fetched) in zip(path, before, strict=True):
+            if left <= 0:
+                break
+            take = min(len(node.tokens), left)
             src = "device" if was_dev else ("storage" if fetched else "host")
-            counts[src] += len(node.tokens)
+            counts[src] += take
             node.fetched = node.fetched and was_dev
+            assert node.device is not None
+            pages.append(node.device[: take // ps])
+            left -= take
         for src, v in counts.items():
             self.metrics.inc(f"{src}_hit_tokens", v)
-        pages = [node.device for node in path[:n]]
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
         return LoadResult(locs, counts["device"], counts["host"], counts["storage"])
 

@@ -47,6 +47,10 @@ class Request:
     recomputed: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
+    state: list[torch.Tensor] | None = None
+    """Stateful models: the running recurrent state after ``num_computed`` tokens."""
+    checkpoints: set[int] = field(default_factory=set)
+    """Stateful models: pages (by index in ``tokens``) whose state row this request wrote."""
 
     def __post_init__(self) -> None:
         if not self.tokens:

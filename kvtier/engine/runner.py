@@ -13,10 +13,15 @@ class ModelRunner:
     """Flattens ``Work`` items into ``input_ids``/``positions``/``SeqSlots`` and runs the model
     against the device pool ``kv``."""
 
-    def __init__(self, model: CausalLM, kv: KVBuffers) -> None:
+    def __init__(self, model: CausalLM, kv: KVBuffers, page_size: int) -> None:
         self.model = model
         self.kv = kv
+        self.page_size = page_size
         self.device = model.device
+        self.stateful = bool(getattr(model, "stateful", False))
+        self.checkpoint_every = (
+            int(getattr(model.config, "checkpoint_every", 1)) if self.stateful else 0
+        )
 
     def run(self, work: list[Work]) -> list[int]:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
@@ -30,7 +35,10 @@ class ModelRunner:
             ids.extend(req.tokens[start:end])
             positions.extend(range(start, end))
             ctx = req.locs[:end].to(self.device, non_blocking=True)
-            seqs.append(SeqSlots(w.num_new, ctx[start:], ctx))
+            seq = SeqSlots(w.num_new, ctx[start:], ctx)
+            if self.stateful:
+                self._attach_state(req, seq, start, end)
+            seqs.append(seq)
         logits = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -38,3 +46,24 @@ class ModelRunner:
             self.kv,
         ).cpu()
         return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
+
+    def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:
+        """Give a stateful model the request's running state and where to checkpoint it.
+
+        A request starts from the checkpoint at the end of its cached prefix (the cache only
+        hands out prefixes ending at one) or from zeros. The state of page ``j`` (tokens
+        ``[j*ps, (j+1)*ps)``) is checkpointed into the page's own state row when ``j + 1`` is a
+        multiple of ``checkpoint_every``.
+        """
+        ps, locs = self.page_size, req.locs
+        if req.state is None:
+            if start > 0:
+                req.state = self.model.load_state(self.kv, int(locs[start - 1]) // ps)
+            else:
+                req.state = self.model.zero_state()
+        seq.state = req.state
+        for p in range(start, end):
+            page = p // ps
+            if (p + 1) % ps == 0 and (page + 1) % self.checkpoint_every == 0:
+                seq.state_out.append((p - start, int(locs[p]) // ps))
+                req.checkpoints.add(page)

@@ -149,7 +149,14 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Hand the request's computed pages to the cache and drop its slots and lock."""
         assert req.locs is not None
-        self.cache.finish(req.tokens[: req.num_computed], req.locs, req.prefix_len, req.handle)
+        ckpt = None
+        if req.checkpoints:
+            ckpt = torch.zeros(req.num_computed // self.page_size, dtype=torch.bool)
+            ckpt[[j for j in req.checkpoints if j < ckpt.numel()]] = True
+        self.cache.finish(
+            req.tokens[: req.num_computed], req.locs, req.prefix_len, req.handle, ckpt
+        )
+        req.state, req.checkpoints = None, set()
         req.locs, req.handle = None, None
         req.num_computed = req.prefix_len = 0
         self.running.remove(req)
