@@ -60,7 +60,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.cache, max_running, max_prefill_tokens, self.model_config.eos_token_ids
         )
-        self.runner = ModelRunner(self.model, self.cache.device_pool)
+        self.runner = ModelRunner(self.model, self.cache.device_pool, self.cache.page_size)
         self._ids = itertools.count()
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
