@@ -40,9 +40,20 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.which == "transfer":
         from kvtier.bench.transfer import bench_transfer
 
-        result = bench_transfer(
-            device=args.device, page_size=args.page_size, host_layout=args.host_layout
-        )
+        from kvtier.bench.pool_sets import FAMILIES
+
+        def run(family: str | None) -> dict:
+            return bench_transfer(
+                device=args.device,
+                page_size=args.page_size,
+                host_layout=args.host_layout,
+                family=family,
+            )
+
+        if args.family == "all":
+            result = {"bench": "transfer", "families": {f: run(f) for f in FAMILIES}}
+        else:
+            result = run(args.family)
     else:
         from kvtier.bench.storage import bench_storage
 
@@ -83,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("page_first", "layer_first"),
         default="page_first",
         help="transfer: host pool layout",
+    )
+    b.add_argument(
+        "--family",
+        default=None,
+        help="transfer: a model family's pool set (dense, mla, dsa, dsa-compressed, hybrid, swa) "
+        "or 'all'; default one GQA pool",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.set_defaults(func=_bench)

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.pool_sets import family_pool_set
 from kvtier.errors import ConfigError
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import PoolSpec
+from kvtier.pools.spec import PoolSpec, tree_page_size
 from kvtier.transfer.mover import Mover
 
 CPU_TRANSFER_BYTES = 64 << 20
@@ -65,6 +66,7 @@ def bench_transfer(
     num_pages: int = 512,
     repeats: int = 5,
     host_layout: str = "page_first",
+    family: str | None = None,
 ) -> dict:
     """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
     contiguous ``copy_`` of the same byte count, in each direction, in the same process.
@@ -81,6 +83,11 @@ def bench_transfer(
     that the host copy and the restored device pages are byte-identical to the originals and
     raises ``RuntimeError`` otherwise. Figures are the best and the median of ``repeats``.
 
+    ``family`` replaces the single GQA pool by that family's whole pool set (see
+    ``kvtier.bench.pool_sets``; a page is then the family's tree page and every component moves
+    in the same transfer); ``num_layers``/``num_kv_heads``/``head_dim`` are ignored and on CPU
+    only ``num_pages`` shrinks.
+
     Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d"}`` where each
     direction has ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
     ``ratio`` (best scattered / best contiguous) and ``median_ratio``.
@@ -94,16 +101,27 @@ def bench_transfer(
     cuda = dev.type == "cuda"
     requested = {"num_pages": num_pages, "num_layers": num_layers}
     row = (2, num_kv_heads, head_dim)
-    if not cuda:
-        layer_page = PoolSpec("kv", 1, row, tdtype).page_bytes(page_size)
-        num_pages, num_layers = _fit_cpu(num_pages, num_layers, layer_page)
-    spec = PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)
+    if family is not None:
+        specs = family_pool_set(family, tdtype)
+        page_size = tree_page_size(page_size, specs)
+        if not cuda:
+            page_bytes = sum(s.page_bytes(page_size) for s in specs)
+            num_pages = max(1, min(num_pages, CPU_TRANSFER_BYTES // page_bytes))
+        num_layers = specs[0].num_layers
+    else:
+        if not cuda:
+            layer_page = PoolSpec("kv", 1, row, tdtype).page_bytes(page_size)
+            num_pages, num_layers = _fit_cpu(num_pages, num_layers, layer_page)
+        specs = [PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)]
+    spec = specs[0]
     pool_pages = 2 * num_pages
-    dpool = DevicePool([spec], pool_pages, page_size, dev)
-    hpool = HostPool([spec], pool_pages, page_size, layout=host_layout, pin=cuda)
+    dpool = DevicePool(specs, pool_pages, page_size, dev)
+    hpool = HostPool(specs, pool_pages, page_size, layout=host_layout, pin=cuda)
     mover = Mover(dpool, hpool)
     total = num_pages * dpool.page_bytes
     sizes = {
+        "family": family or "single GQA pool",
+        "pool_set": [s.describe() for s in specs],
         "page_size": page_size,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
@@ -127,7 +145,8 @@ def bench_transfer(
 
     gen = torch.Generator().manual_seed(SEED)
     dgen = torch.Generator(device=dev).manual_seed(SEED) if cuda else gen
-    _fill_random(dpool.anchor, dgen)
+    for buf in dpool.buffers.values():
+        _fill_random(buf, dgen)
     perm = torch.randperm(pool_pages, generator=gen)
     src, dst = perm[:num_pages], perm[num_pages:]
     hpages = torch.randperm(pool_pages, generator=gen)[:num_pages]
@@ -139,8 +158,12 @@ def bench_transfer(
             torch.cuda.synchronize(dev)
 
     def pages_of(pages: torch.Tensor) -> torch.Tensor:
-        view = dpool.anchor.view(num_layers, pool_pages, page_size, *row)
-        return view.index_select(1, pages.to(dev))
+        parts = [dpool.page_bytes_view(s.name).index_select(1, pages.to(dev)) for s in specs]
+        return torch.cat([_bytes(p).reshape(-1) for p in parts])
+
+    def host_pages_of(pages: torch.Tensor) -> torch.Tensor:
+        parts = [hpool.page_bytes_view(s.name).index_select(1, pages) for s in specs]
+        return torch.cat([_bytes(p).reshape(-1) for p in parts])
 
     def d2h() -> None:
         op = mover.device_to_host(src, hpages)
@@ -151,14 +174,13 @@ def bench_transfer(
         mover.host_to_device(hpages, dst).wait()
 
     def verify() -> None:
-        orig = _bytes(pages_of(src))
+        orig = pages_of(src)
         d2h()
-        stored = _bytes(hpool.read_pages("kv", hpages).transpose(0, 1))
-        if not torch.equal(stored, orig.cpu()):
+        if not torch.equal(host_pages_of(hpages), orig.cpu()):
             raise RuntimeError("device_to_host: host pages differ from the device pages")
         h2d()
         sync()
-        if not torch.equal(_bytes(pages_of(dst)), orig):
+        if not torch.equal(pages_of(dst), orig):
             raise RuntimeError("host_to_device: restored device pages differ from the originals")
 
     verify()
