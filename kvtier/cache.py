@@ -234,19 +234,28 @@ class TieredCache:
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
         counts = {"device": 0, "host": 0, "storage": 0}
-        pages, left = [], usable
+        pages, left, last_src = [], usable, None
         for node, (was_dev, fetched) in zip(path, before, strict=True):
             if left <= 0:
                 break
             take = min(len(node.tokens), left)
             src = "device" if was_dev else ("storage" if fetched else "host")
             counts[src] += take
+            last_src = src
             node.fetched = node.fetched and was_dev
             assert node.device is not None
             pages.append(node.device[: take // ps])
             left -= take
         for src, v in counts.items():
             self.metrics.inc(f"{src}_hit_tokens", v)
+            if v:
+                for spec in self.specs:
+                    if spec.token_indexed:
+                        self.metrics.inc("hit_pages", v // ps, (src, spec.name))
+        if last_src is not None:
+            for spec in self.specs:
+                if not spec.token_indexed:
+                    self.metrics.inc("hit_pages", 1, (last_src, spec.name))
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
         return LoadResult(locs, counts["device"], counts["host"], counts["storage"])
 

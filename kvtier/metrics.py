@@ -36,29 +36,48 @@ COUNTERS: dict[str, str] = {
 }
 
 
+LABELED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "storage_errors": ("Storage faults by kind", ("kind",)),
+    "hit_pages": (
+        "Pages served per tier and component (a state component counts the checkpoint a "
+        "request resumed from)",
+        ("tier", "component"),
+    ),
+}
+"""Counters with labels: snapshot values are dicts keyed by the label values joined by '/'."""
+
+
 class Metrics:
-    """Thread-safe counters; names are the keys of ``COUNTERS``."""
+    """Thread-safe counters; names are the keys of ``COUNTERS`` and ``LABELED``."""
 
     def __init__(self) -> None:
         self._c: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self._labeled: dict[str, Counter[str]] = {k: Counter() for k in LABELED}
         self._lock = threading.Lock()
 
-    def inc(self, name: str, value: float = 1) -> None:
-        if name not in COUNTERS:
-            raise KeyError(f"unknown metric {name!r}")
+    def inc(self, name: str, value: float = 1, labels: tuple[str, ...] = ()) -> None:
         with self._lock:
+            if labels:
+                if name not in LABELED or len(labels) != len(LABELED[name][1]):
+                    raise KeyError(f"unknown labelled metric {name!r}{labels}")
+                self._labeled[name]["/".join(labels)] += value
+                return
+            if name not in COUNTERS:
+                raise KeyError(f"unknown metric {name!r}")
             self._c[name] += value
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._c)
+            snap: dict[str, Any] = dict(self._c)
+            snap.update({k: dict(v) for k, v in self._labeled.items() if k != "storage_errors"})
+            return snap
 
 
 def prometheus_registry(stats: Callable[[], dict[str, Any]], prefix: str = "kvtier") -> Any:
     """A prometheus_client registry whose collector reports ``stats()`` on every scrape.
 
-    Keys of ``COUNTERS`` become counters; ``storage_errors`` (a dict kind → count) becomes one
-    labelled counter; other numeric keys become gauges.
+    Keys of ``COUNTERS`` become counters, keys of ``LABELED`` (dicts) labelled counters, other
+    numeric keys gauges.
     """
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -70,10 +89,11 @@ def prometheus_registry(stats: Callable[[], dict[str, Any]], prefix: str = "kvti
                 name = f"{prefix}_{key}"
                 if key in COUNTERS:
                     yield CounterMetricFamily(name, COUNTERS[key], value=value)
-                elif key == "storage_errors":
-                    fam = CounterMetricFamily(name, "Storage faults by kind", labels=["kind"])
-                    for kind, n in sorted(value.items()):
-                        fam.add_metric([kind], n)
+                elif key in LABELED:
+                    doc, labels = LABELED[key]
+                    fam = CounterMetricFamily(name, doc, labels=list(labels))
+                    for joined, n in sorted(value.items()):
+                        fam.add_metric(joined.split("/"), n)
                     yield fam
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield GaugeMetricFamily(name, key.replace("_", " "), value=value)

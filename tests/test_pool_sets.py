@@ -281,3 +281,22 @@ def test_state_hits_resume_from_the_deepest_checkpoint(tmp_path):
     assert (m.cached_len, m.storage_len) == (0, 4 * PS)  # cut after the state object of page 3
     c.check_integrity()
     c.close()
+
+
+def test_hit_metrics_by_tier_and_component(tmp_path):
+    from prometheus_client import generate_latest
+
+    c = make(tmp_path, [KV, STATE])
+    tokens = list(range(900, 900 + 4 * PS))
+    fill(c, tokens, [True, True, False, True])
+    c.drain()
+    c.controller.evict_device(100)
+    m = c.match(tokens)
+    c.lock(m.handle)
+    c.load(m)
+    c.unlock(m.handle)
+    c.drain()
+    assert c.stats()["hit_pages"] == {"host/kv": 4, "host/state": 1}
+    text = generate_latest(c.prometheus_registry()).decode()
+    assert 'kvtier_hit_pages_total{component="state",tier="host"} 1.0' in text
+    c.close()
