@@ -38,9 +38,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = bench_tree()
     elif args.which == "transfer":
-        from kvtier.bench.transfer import bench_transfer
-
         from kvtier.bench.pool_sets import FAMILIES
+        from kvtier.bench.transfer import bench_transfer
 
         def run(family: str | None) -> dict:
             return bench_transfer(
