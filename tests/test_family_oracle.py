@@ -75,11 +75,15 @@ def snapshot(llm: LLM, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 
 def cold(family: str, ps: list[list[int]]) -> list[list[int]]:
+    """Outputs with nothing cached: one engine, emptied before every prompt."""
+    llm = make_llm(family)
     outs = []
     for p in ps:
-        llm = make_llm(family)
-        outs.append(list(llm.generate([p], GREEDY)[0].output_ids))
-        llm.close()
+        llm.cache.flush()
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_tokens == 0
+        outs.append(list(out.output_ids))
+    llm.close()
     return outs
 
 
