@@ -1,0 +1,443 @@
+"""Multi-head latent attention (DeepSeek-V2 style) and two sparse variants with a lightning
+indexer (DeepSeek-V3.2 style, simplified), all reading their context from kvtier's pool set.
+
+Per token and layer the anchor pool holds one compressed row ``[c_kv ; k_rope]``; attention
+decompresses per-head keys and values from it. The sparse variants add a sidecar the indexer
+scores against: one index key per token (``dsa``) or one compressed row per group of
+``index_page_size * index_kpool`` tokens (``dsa-compressed``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.config import DTYPES
+from kvtier.engine.model import KVBuffers, RMSNorm, SeqSlots, rope
+from kvtier.errors import ConfigError
+from kvtier.pools import PoolSpec
+
+VARIANTS = ("mla", "dsa", "dsa-compressed")
+SIDECAR_NAMES = {"dsa": "index_k", "dsa-compressed": "index_rows"}
+
+# Stop tokens do not change the KV bytes, so deployments differing only in them share L3 objects.
+_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids"})
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """A decoder with multi-head latent attention, optionally sparse through an indexer."""
+
+    vocab_size: int = 512
+    """Number of token ids; valid ids are ``[0, vocab_size)``."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 3
+    """Decoder layers (each holds one layer in every pool)."""
+    num_heads: int = 4
+    """Attention heads (all share one latent)."""
+    kv_lora_rank: int = 32
+    """Width of the normalised KV latent ``c_kv`` stored per token."""
+    qk_nope_head_dim: int = 16
+    """Per-head query/key width without RoPE (keys decompressed from ``c_kv``)."""
+    qk_rope_head_dim: int = 8
+    """Per-head query width with RoPE; the RoPE key part is shared by all heads and stored."""
+    v_head_dim: int = 16
+    """Per-head value width (decompressed from ``c_kv``)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    max_position: int = 4096
+    """Context length: prompt plus generated tokens never exceed it."""
+    dtype: str = "float32"
+    """Weights, activations and pool element type: ``float32``, ``bfloat16``, ``float16`` or
+    ``float64``."""
+    seed: int = 0
+    """Seed of the deterministic random weights."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request sets ``ignore_eos``."""
+    variant: str = "mla"
+    """``mla`` (dense latent attention), ``dsa`` (per-token indexer keys, top-k tokens) or
+    ``dsa-compressed`` (one indexer row per token group, top-k groups)."""
+    index_n_heads: int = 2
+    """Indexer query heads (``dsa`` variants)."""
+    index_head_dim: int = 16
+    """Width of an indexer key, query head and compressed row (``dsa`` variants)."""
+    index_topk: int = 32
+    """Tokens each query attends to, its own included (``dsa``)."""
+    index_page_size: int = 16
+    """With ``index_kpool``, sets the group size ``G = index_page_size * index_kpool``
+    (``dsa-compressed``)."""
+    index_kpool: int = 2
+    """Index pages pooled into one compressed row (``dsa-compressed``)."""
+    index_topk_groups: int = 4
+    """Earlier complete groups each query attends to besides its own (``dsa-compressed``)."""
+
+    def __post_init__(self) -> None:
+        # every integer size is positive; the seed is the one integer that is not a size
+        ints = [f.name for f in dataclasses.fields(self) if f.type == "int" and f.name != "seed"]
+        for opt in ints:
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"MLAConfig.{opt} must be a positive integer, got {v!r}")
+        for opt in ("qk_rope_head_dim", "index_head_dim"):
+            if getattr(self, opt) % 2:
+                raise ConfigError(f"MLAConfig.{opt}={getattr(self, opt)} must be even for RoPE")
+        for opt, known in (("dtype", tuple(DTYPES)), ("variant", VARIANTS)):
+            if getattr(self, opt) not in known:
+                raise ConfigError(
+                    f"MLAConfig.{opt}={getattr(self, opt)!r} is not one of {', '.join(known)}"
+                )
+        for opt in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, opt) > 0:
+                raise ConfigError(f"MLAConfig.{opt} must be positive, got {getattr(self, opt)!r}")
+        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise ConfigError(f"MLAConfig.eos_token_ids={self.eos_token_ids} outside vocab")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one anchor row: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def index_group(self) -> int:
+        """Tokens per compressed index row (``dsa-compressed``)."""
+        return self.index_page_size * self.index_kpool
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of everything that determines the model's pool bytes."""
+        fields = {
+            k: v for k, v in dataclasses.asdict(self).items() if k not in _FINGERPRINT_EXCLUDE
+        }
+        blob = json.dumps({"family": "mla", **fields}, sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def mla_preset(**overrides: Any) -> MLAConfig:
+    """Dense multi-head latent attention."""
+    return MLAConfig(**{"variant": "mla", **overrides})
+
+
+def dsa_preset(**overrides: Any) -> MLAConfig:
+    """MLA with per-token indexer keys; top-24 tokens, so prompts of a few hundred are sparse."""
+    return MLAConfig(**{"variant": "dsa", "index_topk": 24, **overrides})
+
+
+def dsa_compressed_preset(**overrides: Any) -> MLAConfig:
+    """MLA with one indexer row per 32-token group; each query sees 3 earlier groups + its own."""
+    base = {"variant": "dsa-compressed", "index_page_size": 16, "index_kpool": 2}
+    return MLAConfig(**{**base, "index_topk_groups": 3, **overrides})
+
+
+def _proj(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
+    # built on meta so construction leaves torch's global RNG alone; init_random fills it
+    lin = nn.Linear(n_in, n_out, bias=False, dtype=dtype, device="meta")
+    lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
+    return lin
+
+
+def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool ``[n, C]``: of each row's ``allowed`` entries, the ``k`` highest ``scores`` (all of
+    them when fewer). Equal scores prefer the lower column, so the choice is deterministic."""
+    if scores.shape[-1] <= k:
+        return allowed.clone()
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.zeros_like(allowed).scatter_(1, order, True) & allowed
+
+
+class Indexer(nn.Module):
+    """Picks the context tokens each query attends to by scoring indexer keys (``dsa``) or
+    compressed group rows (``dsa-compressed``) with ``sum_h w_h(q) * relu(q_h . key)``.
+
+    ``dsa`` rotates index queries and keys by position (RoPE), so equal tokens at different
+    positions do not tie; a group row has no single position, so its queries stay unrotated.
+    """
+
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        dt, di = cfg.torch_dtype, cfg.index_head_dim
+        self.cfg = cfg
+        self.wq = _proj(cfg.hidden_size, cfg.index_n_heads * di, dt)
+        self.weights_proj = _proj(cfg.hidden_size, cfg.index_n_heads, dt)
+        compressed = cfg.variant == "dsa-compressed"
+        # compressed rows must be recomputable from the stored latents alone
+        self.wk = _proj(cfg.latent_dim if compressed else cfg.hidden_size, di, dt)
+        self.compress_proj = _proj(di, di, dt) if compressed else None
+
+    def write(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        out_locs: torch.Tensor,
+        anchor: torch.Tensor,
+        side: torch.Tensor,
+    ) -> None:
+        """Fill the sidecar for this forward's tokens (``anchor`` already holds their latents).
+
+        ``dsa``: one key per new token. ``dsa-compressed``: one row for every group whose last
+        token is new, compressed from the group's latents as stored in ``anchor`` and written
+        to sidecar row ``slot // G`` of the group's slots.
+        """
+        if self.compress_proj is None:
+            keys = rope(self.wk(x)[:, None, :], positions, self.cfg.rope_theta)[:, 0]
+            side.index_copy_(0, out_locs, keys.to(side.dtype))
+            return
+        g = self.cfg.index_group
+        for s in seqs:
+            ctx_len = s.ctx_locs.shape[0]
+            first, last = (ctx_len - s.num_new) // g, ctx_len // g
+            if first == last:
+                continue
+            slots = s.ctx_locs[first * g : last * g].view(last - first, g)
+            latents = anchor.index_select(0, slots.reshape(-1)).view(last - first, g, -1)
+            rows = self.compress_proj(self.wk(latents.to(x.dtype)).mean(dim=1))
+            side.index_copy_(0, slots[:, 0] // g, rows.to(side.dtype))
+
+    def _scores(
+        self, x: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        c = self.cfg
+        q = self.wq(x).view(x.shape[0], c.index_n_heads, c.index_head_dim)
+        if q_pos is not None:
+            q = rope(q, q_pos, c.rope_theta)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        w = self.weights_proj(x).to(wide) / math.sqrt(c.index_n_heads)
+        dots = torch.einsum("nhd,cd->nhc", q, keys.to(q.dtype)).to(wide).relu()
+        return torch.einsum("nh,nhc->nc", w, dots) / math.sqrt(c.index_head_dim)
+
+    def select(
+        self, x: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, side: torch.Tensor
+    ) -> torch.Tensor:
+        """Bool ``[n, C]``: the context tokens the ``n`` queries (hidden ``x`` at ``q_pos``) of
+        sequence ``s`` attend to. ``dsa``: the ``index_topk`` best of positions ``<= q_pos``,
+        the query's own token always among them. ``dsa-compressed``: every token of the
+        ``index_topk_groups`` best complete groups before the query's group, plus its own
+        group up to ``q_pos``."""
+        c, ctx_len = self.cfg, s.ctx_locs.shape[0]
+        cols = torch.arange(ctx_len, device=x.device)
+        visible = cols[None, :] <= q_pos[:, None]
+        if self.compress_proj is None:
+            scores = self._scores(x, side.index_select(0, s.ctx_locs), q_pos)
+            scores = scores.masked_fill(cols[None, :] == q_pos[:, None], float("inf"))
+            return top_k_mask(scores, visible, c.index_topk)
+        g = c.index_group
+        own = visible & ((cols // g)[None, :] == (q_pos // g)[:, None])
+        complete = ctx_len // g
+        if complete == 0:
+            return own
+        rows = side.index_select(0, s.ctx_locs[0 : complete * g : g] // g)
+        scores = self._scores(x, rows, None)
+        earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
+        picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
+        return F.pad(picked, (0, ctx_len - complete * g), value=False) | own
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        dt, h = cfg.torch_dtype, cfg.hidden_size
+        self.cfg = cfg
+        self.q_proj = _proj(h, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), dt)
+        self.kv_a_proj_with_mqa = _proj(h, cfg.latent_dim, dt)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
+        self.kv_b_proj = _proj(
+            cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt
+        )
+        self.o_proj = _proj(cfg.num_heads * cfg.v_head_dim, h, dt)
+        self.indexer = Indexer(cfg) if cfg.variant != "mla" else None
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The anchor rows ``[T, kv_lora_rank + qk_rope_head_dim]``: normalised ``c_kv`` and the
+        RoPE-rotated shared key part."""
+        c = self.cfg
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        k_pe = rope(k_pe[:, None, :], positions, c.rope_theta)[:, 0]
+        return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+
+    def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``n`` queries ``[n, heads, nope + rope]`` (RoPE applied) over ``C`` latent rows where
+        ``mask`` (``[n, C]``) allows; returns ``[n, heads * v_head_dim]``."""
+        c, n, ctx = self.cfg, q.shape[0], latents.shape[0]
+        c_kv, k_pe = latents.to(q.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(c_kv).view(ctx, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], -1)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
+        scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
+        scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(n, -1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        out_locs: torch.Tensor,
+        kv: KVBuffers,
+        layer: int,
+    ) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        anchor = kv.layer(layer, "kv")
+        anchor.index_copy_(0, out_locs, self.latent(x, positions).to(anchor.dtype))
+        side = None
+        if self.indexer is not None:
+            side = kv.layer(layer, SIDECAR_NAMES[c.variant])
+            self.indexer.write(x, positions, seqs, out_locs, anchor, side)
+        q = self.q_proj(x).view(t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
+        q_pe = rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
+        q = torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
+        outs, start = [], 0
+        for s in seqs:
+            end = start + s.num_new
+            q_pos = positions[start:end]
+            if self.indexer is not None and side is not None:
+                mask = self.indexer.select(x[start:end], q_pos, s, side)
+            else:
+                cols = torch.arange(s.ctx_locs.shape[0], device=x.device)
+                mask = cols[None, :] <= q_pos[:, None]
+            outs.append(self.attend(q[start:end], anchor.index_select(0, s.ctx_locs), mask))
+            start = end
+        return self.o_proj(torch.cat(outs))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        dt, h, i = cfg.torch_dtype, cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _proj(h, i, dt)
+        self.up_proj = _proj(h, i, dt)
+        self.down_proj = _proj(i, h, dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLADecoderLayer(nn.Module):
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(cfg)
+        self.mlp = SwiGLU(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class MLADecoder(nn.Module):
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens.weight = nn.Parameter(
+            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(MLADecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class MLAModel(nn.Module):
+    """MLA decoder (``variant`` picks dense, token-sparse or group-sparse attention).
+
+    Weights start deterministic-random from ``config.seed``; the indexer's come from a stream of
+    their own, so ``mla`` and ``dsa`` models of one seed share every other weight.
+    """
+
+    config_class = MLAConfig
+
+    stateful = False
+    """Attention-only: no recurrent state, no checkpoints."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MLADecoder(config)
+        self.lm_head = _proj(config.hidden_size, config.vocab_size, config.torch_dtype)
+        self.init_random(config.seed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """The anchor (one latent row per token), then the indexer's sidecar if any."""
+        c = self.config
+        specs = [PoolSpec("kv", c.num_layers, (c.latent_dim,), c.torch_dtype)]
+        if c.variant != "mla":
+            per_row = c.index_group if c.variant == "dsa-compressed" else 1
+            name, shape = SIDECAR_NAMES[c.variant], (c.index_head_dim,)
+            specs.append(PoolSpec(name, c.num_layers, shape, c.torch_dtype, "sidecar", per_row))
+        return specs
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Fill every weight from CPU generators seeded by ``seed`` (same on any device).
+
+        Projections keep unit variance (std 1/sqrt(fan_in)); residual outputs shrink with depth
+        and the LM head is doubled, so the logits are neither flat nor one-hot.
+        """
+        main = torch.Generator().manual_seed(seed)
+        index = torch.Generator().manual_seed(seed + 1_000_003)
+        residual_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(p.shape[1])
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std *= residual_scale
+            if name == "lm_head.weight":
+                std *= 2.0
+            gen = index if ".indexer." in name else main
+            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        kv: KVBuffers,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``sum(s.num_new)`` tokens of several sequences against the pool set ``kv``.
+
+        ``input_ids``/``positions`` are ``[T]``, sequences concatenated in ``seqs`` order.
+        Each layer first writes the new tokens' latent rows (and indexer sidecar rows) into
+        ``kv``, then reads every sequence's context back from ``kv`` by slot, so a restored
+        cache gives the same result. ``dsa-compressed`` needs each group of ``G`` tokens in
+        ``G`` consecutive, ``G``-aligned slots (pages a multiple of ``G`` guarantee it).
+        Returns float32 logits of each sequence's last token (``[len(seqs), vocab]``), or of
+        every token when ``all_logits``.
+        """
+        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
+            raise ValueError("seqs' num_new must add up to the number of input tokens")
+        out_locs = torch.cat([s.out_locs for s in seqs])
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, positions, seqs, out_locs, kv, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
+            x = x.index_select(0, last)
+        return F.linear(self.model.norm(x), self.head_weight()).float()
