@@ -1,0 +1,356 @@
+"""Hybrid recurrent family: layers alternate simplified Mamba mixers and GQA attention.
+
+Attention layers keep per-token K/V in the anchor pool. Recurrent layers carry a fixed-size
+state per sequence (``SeqSlots.state``) and write checkpoints of it into the ``state`` pool
+(one row per page, ``kind="state"``), from which a request resuming after that page restarts.
+
+State layout of one recurrent layer (a state row, and each running-state tensor): flat
+``[d_inner * (d_conv - 1 + d_state)]``, viewed as ``[d_inner, d_conv - 1 + d_state]``: per
+channel, the last ``d_conv - 1`` conv inputs (oldest first), then the SSM state ``h``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.config import DTYPES, ModelConfig
+from kvtier.engine.model import MLP, Attention, KVBuffers, RMSNorm, SeqSlots, _linear
+from kvtier.errors import ConfigError
+from kvtier.pools import PoolSpec
+
+_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids", "checkpoint_every"})
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Recurrent (simplified Mamba) layers interleaved with GQA attention layers."""
+
+    vocab_size: int = 512
+    """Number of token ids; valid ids are ``[0, vocab_size)``."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP that follows every mixer."""
+    num_layers: int = 4
+    """Decoder layers, recurrent and attention together."""
+    attn_every: int = 2
+    """Every ``attn_every``-th layer is attention (layers ``attn_every - 1``,
+    ``2 * attn_every - 1``, ...), the rest recurrent; ``2`` gives ``RARA...``. Between 2 and
+    ``num_layers`` so that both kinds exist."""
+    num_heads: int = 4
+    """Query heads of the attention layers."""
+    num_kv_heads: int = 2
+    """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
+    head_dim: int = 32
+    """Per-head width of q, k and v (even, for RoPE)."""
+    expand: int = 2
+    """Recurrent mixer width ``d_inner = expand * hidden_size``."""
+    d_conv: int = 4
+    """Kernel of the causal depthwise conv; its state holds the last ``d_conv - 1`` inputs
+    (none for ``1``)."""
+    d_state: int = 8
+    """SSM state size per channel."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    max_position: int = 4096
+    """Context length: prompt plus generated tokens never exceed it."""
+    dtype: str = "float32"
+    """Weights, activations, KV and state element type: ``float32``, ``bfloat16``,
+    ``float16`` or ``float64``."""
+    seed: int = 0
+    """Seed of the deterministic random weights."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request sets ``ignore_eos``."""
+    checkpoint_every: int = 2
+    """The engine writes a state checkpoint at the end of every ``checkpoint_every``-th cache
+    page (pages ``checkpoint_every - 1``, ``2 * checkpoint_every - 1``, ...); a cached prefix is
+    resumable only up to its last checkpoint. Does not change the model's math."""
+
+    def __post_init__(self) -> None:
+        # every int field is a size or count, except these two
+        for opt in (f.name for f in dataclasses.fields(self) if f.type == "int"):
+            if opt in ("seed", "attn_every"):
+                continue
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"HybridConfig.{opt} must be a positive integer, got {v!r}")
+        a = self.attn_every
+        if isinstance(a, bool) or not isinstance(a, int) or not 2 <= a <= self.num_layers:
+            raise ConfigError(
+                f"HybridConfig.attn_every={a!r} must be an integer in [2, num_layers="
+                f"{self.num_layers}] so the model has both recurrent and attention layers"
+            )
+        try:
+            _block_config(self)
+        except ConfigError as e:  # the dense config validates the shared decoder fields
+            raise ConfigError(str(e).replace("ModelConfig.", "HybridConfig.")) from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        """Indices of the attention layers; the others are recurrent."""
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.attn_every == 0)
+
+    @property
+    def state_numel(self) -> int:
+        """Elements of one recurrent layer's state (one state-pool row)."""
+        return self.d_inner * (self.d_conv - 1 + self.d_state)
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of everything that determines the model's KV and state bytes."""
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _FINGERPRINT_EXCLUDE
+        }
+        blob = json.dumps({"family": "hybrid", **fields}, sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def hybrid_preset(**overrides: Any) -> HybridConfig:
+    """The default hybrid config (fast on CPU) with ``overrides`` applied."""
+    return HybridConfig(**overrides)
+
+
+def _block_config(c: HybridConfig) -> ModelConfig:
+    """The dense config of the building blocks (attention, MLP) shared with ``CausalLM``."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)} & {
+        f.name for f in dataclasses.fields(c)
+    }
+    return ModelConfig(**{name: getattr(c, name) for name in shared})
+
+
+class RecurrentMixer(nn.Module):
+    """Simplified Mamba: in_proj -> (x, z); causal depthwise conv + SiLU on x; diagonal
+    selective SSM ``h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t x_t``,
+    ``y_t = C_t . h_t + D * x_t``; ``out_proj(y * silu(z))``."""
+
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        dt, di = c.torch_dtype, c.d_inner
+        self.d_inner, self.d_conv, self.d_state = di, c.d_conv, c.d_state
+        self.in_proj = _linear(c.hidden_size, 2 * di, False, dt)
+        self.conv_weight = nn.Parameter(torch.zeros(di, c.d_conv, dtype=dt), requires_grad=False)
+        self.conv_bias = nn.Parameter(torch.zeros(di, dtype=dt), requires_grad=False)
+        self.dt_proj = _linear(di, di, True, dt)
+        self.x_proj = _linear(di, 2 * c.d_state, False, dt)
+        self.A_log = nn.Parameter(torch.zeros(di, c.d_state, dtype=dt), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(di, dtype=dt), requires_grad=False)
+        self.out_proj = _linear(di, c.hidden_size, False, dt)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: torch.Tensor,
+        outs: Sequence[tuple[int, int]] = (),
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one sequence's ``n`` new tokens ``x`` (``[n, hidden]``) from ``state``.
+
+        ``state`` (flat, the row layout) is updated in place to the state after the last
+        token; for each ``(i, row)`` of ``outs`` the state after token ``i`` goes to
+        ``rows[row]`` (``rows`` is the state pool layer).
+        """
+        n, k = x.shape[0], self.d_conv - 1
+        st = state.view(self.d_inner, k + self.d_state)
+        xi, z = self.in_proj(x).chunk(2, dim=-1)
+        # conv inputs over time: the k carried inputs, then this call's tokens
+        seq = torch.cat((st[:, :k].to(xi.dtype), xi.t()), dim=1)
+        conv = (seq.unfold(1, self.d_conv, 1) * self.conv_weight[:, None, :]).sum(-1)
+        u = F.silu(conv.t() + self.conv_bias)
+        dt = F.softplus(self.dt_proj(u))
+        b, c = self.x_proj(u).chunk(2, dim=-1)
+        a = -torch.exp(self.A_log)
+        decay = torch.exp(dt[:, :, None] * a)
+        drive = (dt * u)[:, :, None] * b[:, None, :]
+        h = st[:, k:].to(u.dtype)
+        want = {i: row for i, row in outs}
+        ys = []
+        for t in range(n):
+            h = decay[t] * h + drive[t]
+            ys.append(h @ c[t])
+            if t in want:
+                assert rows is not None
+                snap = rows[want[t]].view(self.d_inner, k + self.d_state)
+                snap[:, :k] = seq[:, t + 1 : t + 1 + k]
+                snap[:, k:] = h
+        st[:, :k] = seq[:, n:]
+        st[:, k:] = h
+        y = torch.stack(ys) + self.D * u
+        return self.out_proj(y * F.silu(z))
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm residual block: a mixer (``self_attn`` or recurrent ``mixer``), then a MLP."""
+
+    def __init__(self, c: HybridConfig, attention: bool) -> None:
+        super().__init__()
+        block = _block_config(c)
+        self.self_attn = Attention(block) if attention else None
+        self.mixer = None if attention else RecurrentMixer(c)
+        self.mlp = MLP(block)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.torch_dtype)
+
+
+class HybridBackbone(nn.Module):
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device="meta")
+        self.embed_tokens.weight = nn.Parameter(
+            torch.zeros(c.vocab_size, c.hidden_size, dtype=c.torch_dtype), requires_grad=False
+        )
+        attn = set(c.attn_layers)
+        self.layers = nn.ModuleList(HybridLayer(c, i in attn) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.torch_dtype)
+
+
+class HybridModel(nn.Module):
+    """The hybrid model. Weights start deterministic-random from ``config.seed``.
+
+    Attention layer ``config.attn_layers[j]`` uses layer ``j`` of the ``kv`` pool; the ``r``-th
+    recurrent layer uses layer ``r`` of the ``state`` pool and ``SeqSlots.state[r]``.
+    """
+
+    config_class = HybridConfig
+
+    stateful = True
+    """Recurrent layers carry a running state; the engine checkpoints it per page."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridBackbone(config)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.torch_dtype)
+        attn = config.attn_layers
+        self.num_recurrent = config.num_layers - len(attn)
+        # per layer: its kind and its index among that kind's layers (= its pool layer)
+        self.slots: list[tuple[str, int]] = [
+            ("attn", attn.index(i)) if i in attn else ("rec", i - sum(a < i for a in attn))
+            for i in range(config.num_layers)
+        ]
+        self.init_random(config.seed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """Anchor KV pool for the attention layers, then one state pool for the recurrent ones."""
+        c = self.config
+        return [
+            PoolSpec("kv", len(c.attn_layers), (2, c.num_kv_heads, c.head_dim), c.torch_dtype),
+            PoolSpec("state", self.num_recurrent, (c.state_numel,), c.torch_dtype, kind="state"),
+        ]
+
+    def zero_state(self) -> list[torch.Tensor]:
+        """A fresh running state (before any token): zeros, one tensor per recurrent layer."""
+        c = self.config
+        return [
+            torch.zeros(c.state_numel, dtype=c.torch_dtype, device=self.device)
+            for _ in range(self.num_recurrent)
+        ]
+
+    def load_state(self, kv: KVBuffers, row: int) -> list[torch.Tensor]:
+        """Copies of checkpoint ``row`` of every recurrent layer (a running state to resume)."""
+        return [kv.layer(r, "state")[row].clone() for r in range(self.num_recurrent)]
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Fill every weight from a CPU generator seeded with ``seed`` (same on any device).
+
+        Projections keep unit variance, residual outputs shrink with depth, the LM head is
+        scaled for logits of std ~2; ``dt`` starts log-uniform in [0.01, 0.1] and ``A`` in
+        ``-[1, d_state]`` so the recurrence remembers tens of tokens.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        residual_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            shape = p.shape
+            if name.endswith("norm.weight") or name.endswith(".D"):
+                w = torch.ones(shape)
+            elif name.endswith("A_log"):
+                w = torch.rand(shape, generator=gen) * math.log(self.config.d_state)
+            elif name.endswith("dt_proj.bias"):
+                lo, hi = math.log(0.01), math.log(0.1)
+                dt0 = torch.exp(lo + (hi - lo) * torch.rand(shape, generator=gen))
+                w = dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
+            elif name.endswith("bias"):
+                w = torch.randn(shape, generator=gen) * 0.1
+            elif "embed_tokens" in name:
+                w = torch.randn(shape, generator=gen)
+            else:
+                std = 1.0 / math.sqrt(shape[1])
+                if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                    std *= residual_scale
+                elif name.endswith("dt_proj.weight"):
+                    std *= 0.1
+                elif name == "lm_head.weight":
+                    std *= 2.0
+                w = torch.randn(shape, generator=gen) * std
+            p.copy_(w.to(p.dtype))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        kv: KVBuffers,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``sum(s.num_new)`` tokens of several sequences (``CausalLM.forward``'s contract).
+
+        Every sequence also needs ``state``: the running state before its first new token,
+        which is updated in place; ``state_out`` rows of the ``state`` pool receive
+        checkpoints. Recurrent layers ignore ``positions``: the state alone carries the past.
+        """
+        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
+            raise ValueError("seqs' num_new must add up to the number of input tokens")
+        for s in seqs:
+            if s.state is None or len(s.state) != self.num_recurrent:
+                raise ValueError(
+                    f"every sequence needs a running state of {self.num_recurrent} tensors"
+                )
+            if any(not 0 <= i < s.num_new for i, _ in s.state_out):
+                raise ValueError(f"state_out {s.state_out} names a token outside the new ones")
+        out_locs = torch.cat([s.out_locs for s in seqs])
+        ends = list(itertools.accumulate(s.num_new for s in seqs))
+        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        x = self.model.embed_tokens(input_ids)
+        for layer, (kind, j) in zip(self.model.layers, self.slots, strict=True):
+            h = layer.input_layernorm(x)
+            if kind == "attn":
+                x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(j))
+            else:
+                rows = kv.layer(j, "state")
+                mixed = [
+                    layer.mixer(h[a:b], s.state[j], s.state_out, rows)
+                    for s, (a, b) in zip(seqs, spans, strict=True)
+                ]
+                x = x + torch.cat(mixed)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
+            x = x.index_select(0, last)
+        return F.linear(self.model.norm(x), self.lm_head.weight).float()

@@ -1,0 +1,202 @@
+"""Sliding-window attention family: a GQA decoder whose sliding layers attend only to the last
+``sliding_window`` positions while the remaining layers attend to the whole context.
+
+The cache still keeps every token's K/V in every layer (one anchor pool), so prefix hits,
+eviction and restores work exactly as for the dense model; the sliding layers just read fewer
+slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.engine.config import DTYPES, ModelConfig
+from kvtier.engine.model import Attention, CausalLM, SeqSlots, rope
+from kvtier.errors import ConfigError
+
+_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids"})
+
+
+@dataclass(frozen=True)
+class SWAConfig:
+    """A GQA decoder mixing sliding-window and full-attention layers."""
+
+    vocab_size: int = 512
+    """Number of token ids; valid ids are ``[0, vocab_size)``."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 4
+    """Decoder layers (each holds one KV layer in the pool)."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
+    head_dim: int = 32
+    """Per-head width of q, k and v (even, for RoPE)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    max_position: int = 4096
+    """Context length: prompt plus generated tokens never exceed it."""
+    dtype: str = "float32"
+    """Weights, activations and KV pool element type: ``float32``, ``bfloat16``, ``float16`` or
+    ``float64``."""
+    seed: int = 0
+    """Seed of the deterministic random weights."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request sets ``ignore_eos``."""
+    sliding_window: int = 48
+    """Positions a sliding layer sees: the query at ``p`` attends to ``(p - window, p]``."""
+    full_every: int = 2
+    """Every ``full_every``-th layer (layers ``full_every - 1``, ``2 * full_every - 1``, ...)
+    attends to the whole context; the others slide. ``0`` makes every layer slide."""
+
+    def __post_init__(self) -> None:
+        # every int field is a size or count, except these two
+        for opt in (f.name for f in dataclasses.fields(self) if f.type == "int"):
+            if opt in ("seed", "full_every"):
+                continue
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"SWAConfig.{opt} must be a positive integer, got {v!r}")
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int):
+            raise ConfigError(f"SWAConfig.full_every must be an integer, got {self.full_every!r}")
+        if self.full_every < 0:
+            raise ConfigError(f"SWAConfig.full_every={self.full_every} must be >= 0")
+        try:
+            self.dense()
+        except ConfigError as e:  # the dense config validates the shared decoder fields
+            raise ConfigError(str(e).replace("ModelConfig.", "SWAConfig.")) from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers, ascending."""
+        if self.full_every == 0:
+            return tuple(range(self.num_layers))
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.full_every)
+
+    def dense(self) -> ModelConfig:
+        """The dense Llama config with the same shapes and seed (hence the same weights)."""
+        shared = {f.name for f in dataclasses.fields(ModelConfig)} & {
+            f.name for f in dataclasses.fields(self)
+        }
+        return ModelConfig(**{name: getattr(self, name) for name in shared})
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of everything that determines the model's KV bytes."""
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _FINGERPRINT_EXCLUDE
+        }
+        # the family tag keeps a config from colliding with another family's equal field values
+        blob = json.dumps({"family": "swa", **fields}, sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def swa_preset(**overrides: Any) -> SWAConfig:
+    """The default sliding-window config (fast on CPU) with ``overrides`` applied."""
+    return SWAConfig(**overrides)
+
+
+def window_attention(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    q_pos: torch.Tensor,
+    ctx_start: int,
+    window: int,
+) -> torch.Tensor:
+    """Causal sliding-window GQA attention of one sequence.
+
+    ``q`` is ``[n, heads, d]`` at positions ``q_pos``; ``k_ctx``/``v_ctx`` are
+    ``[C, kv_heads, d]`` holding positions ``ctx_start .. ctx_start + C - 1``. The query at
+    ``p`` sees context positions in ``(p - window, p]``.
+    """
+    n, heads, d = q.shape
+    kv_heads = k_ctx.shape[1]
+    qg = q.view(n, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("nkgd,ckd->kgnc", qg, k_ctx) * (1.0 / math.sqrt(d))
+    k_pos = torch.arange(ctx_start, ctx_start + k_ctx.shape[0], device=q.device)[None, :]
+    visible = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    return torch.einsum("kgnc,ckd->nkgd", probs.to(v_ctx.dtype), v_ctx).reshape(n, heads, d)
+
+
+class WindowAttention(Attention):
+    """``Attention`` (same parameters) that reads only the slots inside the window."""
+
+    def __init__(self, cfg: ModelConfig, window: int) -> None:
+        super().__init__(cfg)
+        self.window = window
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        out_locs: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
+        outs, start = [], 0
+        for s in seqs:
+            end = start + s.num_new
+            # first new position from host-side lengths, so no device sync is needed
+            first = s.ctx_locs.shape[0] - s.num_new
+            lo = max(0, first - self.window + 1)
+            ctx = kv.index_select(0, s.ctx_locs[lo:])
+            outs.append(
+                window_attention(
+                    q[start:end], ctx[:, 0], ctx[:, 1], positions[start:end], lo, self.window
+                )
+            )
+            start = end
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+
+class SWAModel(CausalLM):
+    """Dense decoder whose ``config.swa_layers`` use sliding-window attention.
+
+    Weights equal those of ``CausalLM(config.dense())`` (same names, same seed), so with a
+    window covering the whole context both models give the same logits. The forward contract
+    is ``CausalLM.forward``'s; ``config`` is the ``SWAConfig``.
+    """
+
+    config_class = SWAConfig
+
+    def __init__(self, config: SWAConfig) -> None:
+        dense = config.dense()
+        super().__init__(dense)
+        self.config = config  # type: ignore[assignment]
+        for i in config.swa_layers:
+            layer = self.model.layers[i]
+            windowed = WindowAttention(dense, config.sliding_window)
+            windowed.load_state_dict(layer.self_attn.state_dict())
+            layer.self_attn = windowed
+
+    stateful = False
+    """Attention-only: no recurrent state, no checkpoints."""
