@@ -17,10 +17,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvtier.config import CacheConfig
+from kvtier.pools.spec import tree_page_size
 
 _MARKER = ".kvtier-demo"
 
@@ -122,10 +123,15 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
 
 def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
     from kvtier.engine import LLM
-    from kvtier.engine.families import preset
+    from kvtier.engine.families import build_model, preset
+    from kvtier.engine.weights import load_model
 
-    model = cfg.model if os.path.isdir(cfg.model) else preset(cfg.model)
-    return LLM(model, cache_config, max_running=cfg.max_running)
+    model = load_model(cfg.model) if os.path.isdir(cfg.model) else build_model(preset(cfg.model))
+    # device_pages is sized in page_size pages; a family whose tree page is larger (compressed
+    # index groups) gets the same device memory in fewer, larger pages.
+    tree = tree_page_size(cache_config.page_size, model.pool_specs())
+    pages = max(1, cache_config.device_pages * cache_config.page_size // tree)
+    return LLM(model, replace(cache_config, device_pages=pages), max_running=cfg.max_running)
 
 
 def _run(llm, prompts, max_tokens: int, report: PhaseReport, expected, progress: Progress):

@@ -10,7 +10,6 @@ import json
 import sys
 
 import torch
-
 from test_family_oracle import GREEDY, make_llm, snapshot
 
 

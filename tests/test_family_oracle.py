@@ -102,6 +102,14 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     device = [llm.generate([p], GREEDY)[0] for p in ps_]
     assert [list(o.output_ids) for o in device] == expected
     assert sum(o.cached_device for o in device) > 0
+    page = llm.cache.page_size
+    whole = [(len(p) - 2) // page * page for p in ps_]  # the base's whole pages before the cut
+    if llm.cache.stateful:
+        # Checkpoints sit every other page: some prompts resume from an earlier one instead of
+        # missing, recomputing only the pages after it.
+        assert any(0 < o.cached_device < w for o, w in zip(device, whole, strict=True))
+    else:
+        assert [o.cached_device for o in device] == whole
 
     host = []
     for p in ps_:
@@ -116,7 +124,10 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     case = tmp_path / "case.pt"
     torch.save({"prompts": ps_, "base": base, "rows": rows}, case)
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+    }
     child = subprocess.run(
         [sys.executable, str(here / "family_oracle_child.py"), family, storage, str(case)],
         capture_output=True,
