@@ -7,8 +7,17 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
-    tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py 2>&1 | tail -15
-for layout in page_first layer_first; do
+    tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py \
+    tests/test_pool_sets.py tests/test_family_oracle.py 2>&1 | tail -15
+python3 -m kvtier.cli bench transfer --family all --json "$OUT/transfer_families.json" > /dev/null
+python3 - "$OUT/transfer_families.json" <<'PY'
+import json, sys
+for name, r in json.load(open(sys.argv[1]))["families"].items():
+    print(f"{name:15s} page {r['sizes']['page_size']:3d}", "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["gbps"], r["d2h"]["ratio"]),
+          "h2d %.1f GB/s (ratio %.2f)" % (r["h2d"]["gbps"], r["h2d"]["ratio"]))
+PY
+# Single-pool sweeps over layouts and page sizes: set SWEEP=1 (writes six more JSON files).
+[ "${SWEEP:-0}" = 1 ] && for layout in page_first layer_first; do
   for ps in 1 16 64; do
     python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" \
         --json "$OUT/transfer_${layout}_ps${ps}.json" > /dev/null
@@ -20,5 +29,8 @@ print(sys.argv[1].rsplit("/", 1)[-1], "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["
 PY
   done
 done
-python3 -m kvtier.cli demo --storage-dir /tmp/kvtier-demo --json > "$OUT/demo_cuda.json"
-python3 -c "import json; d=json.load(open('$OUT/demo_cuda.json')); print(d['tiers'], d['oracle'])"
+for model in tiny mla dsa dsa-compressed hybrid swa; do
+  python3 -m kvtier.cli demo --model "$model" --storage-dir "/tmp/kvtier-demo-$model" --json \
+      > "/tmp/demo_cuda_$model.json" 2>/dev/null
+  python3 -c "import json; d=json.load(open('/tmp/demo_cuda_$model.json')); print('demo $model', d['tiers'], d['oracle'])"
+done
