@@ -95,6 +95,7 @@ class StorageIO:
         self.pages = ObjectCodec(host, [s for s in host.specs if s.token_indexed])
         states = [s for s in host.specs if not s.token_indexed]
         self.states = ObjectCodec(host, states) if states else None
+        backend.register_buffers([b for b in host.buffers.values() if b.is_contiguous()])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")
         self._writes: list[WriteOp] = []
         self._prefetches: list[PrefetchOp] = []

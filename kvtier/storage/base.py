@@ -71,6 +71,11 @@ class StorageBackend(ABC):
         Returns how many leading keys are now stored (already-present keys count as stored).
         """
 
+    def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """Memory that ``batch_get``/``batch_set`` buffers will mostly lie in (the host pool),
+        given once at attach so zero-copy backends can register it with their transport.
+        Buffers outside it must still work (through a bounce buffer if need be)."""
+
     def stats(self) -> dict[str, float]:
         """Backend-specific gauges (bytes used, object count, ...)."""
         return {}
