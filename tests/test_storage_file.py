@@ -112,15 +112,50 @@ def test_corrupted_payload_is_a_checksum_miss(be: FileBackend) -> None:
     assert be.stats()["bytes_used"] == HEADER_BYTES + PAGE * 4
 
 
-def test_bad_magic_is_a_checksum_miss(be: FileBackend) -> None:
+def test_bad_magic_is_a_format_miss(be: FileBackend) -> None:
     assert be.batch_set(keys("k0"), [page(0)]) == 1
     p = obj_path(be, "k0")
     raw = bytearray(p.read_bytes())
     raw[0:4] = b"XXXX"
     p.write_bytes(bytes(raw))
     assert be.batch_get(keys("k0"), [torch.zeros(PAGE)]) == 0
+    assert be.errors["format"] == 1
+    assert not p.exists()
+
+
+def test_corrupted_header_is_a_checksum_miss(be: FileBackend) -> None:
+    assert be.batch_set(keys("k0"), [page(0)]) == 1
+    p = obj_path(be, "k0")
+    raw = bytearray(p.read_bytes())
+    raw[12] ^= 0x01  # a bit of the payload length: caught by the header checksum
+    p.write_bytes(bytes(raw))
+    assert be.batch_get(keys("k0"), [torch.zeros(PAGE)]) == 0
     assert be.errors["checksum"] == 1
     assert not p.exists()
+
+
+def test_foreign_and_renamed_objects_are_never_served(tmp_path: Path) -> None:
+    mine = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    other_ns = type(NS)("f" * 32)
+    other = FileBackend(tmp_path, other_ns, budget_bytes=1 << 20)
+    assert other.batch_set(keys("k0", "k1"), [page(1), page(2)]) == 2
+    # Another deployment's object dropped under our namespace with the same key.
+    dst = obj_path(mine, "k0")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(obj_path(other, "k0").read_bytes())
+    # One of our own objects renamed to another key.
+    assert mine.batch_set(keys("k2"), [page(3)]) == 1
+    renamed = obj_path(mine, "k3")
+    renamed.parent.mkdir(parents=True, exist_ok=True)
+    renamed.write_bytes(obj_path(mine, "k2").read_bytes())
+    fresh = FileBackend(tmp_path, NS, budget_bytes=1 << 20)  # indexes the planted files
+    out = torch.zeros(PAGE)
+    assert fresh.batch_get(keys("k0"), [out]) == 0
+    assert fresh.batch_get(keys("k3"), [out]) == 0
+    assert fresh.errors["foreign"] == 2
+    assert torch.equal(out, torch.zeros(PAGE))
+    assert not dst.exists() and not renamed.exists()
+    assert fresh.batch_get(keys("k2"), [out]) == 1 and torch.equal(out, page(3))
 
 
 def test_truncated_object_is_a_short_read(be: FileBackend) -> None:

@@ -1,7 +1,7 @@
 """Local-file L3 backend: one file per object under ``root/<namespace>/<key[:2]>/<key>``.
 
-Each file is a fixed header (magic, format version, payload length, crc32 of the payload)
-followed by the payload bytes. Writes go to a temp file in the same directory and are published
+Each file is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
+with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in the same directory and are published
 with ``os.replace``, so readers only ever see whole objects. A byte budget with LRU eviction
 bounds the disk use; the index is rebuilt from the directory (oldest mtime first) on start-up.
 One process owns a namespace directory at a time.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import struct
 import threading
 import uuid
 import zlib
@@ -26,16 +25,14 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
+from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, StorageCapabilities
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
 
-MAGIC = b"KVTF"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHHQI")
-HEADER_BYTES = _HEADER.size
-"""Bytes a stored object takes beyond its payload."""
+HEADER_BYTES = envelope.HEADER_BYTES
+"""Bytes a stored object takes beyond its payload (the envelope header)."""
 _TMP_SUFFIX = ".tmp"
 _POOL_CRC_BYTES = 256 << 10
 
@@ -135,6 +132,7 @@ class FileBackend(StorageBackend):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"storage_bytes must be a positive integer, got {budget_bytes!r}")
         self.root = os.fspath(root)
+        self.namespace = namespace
         self.dir = os.path.join(self.root, namespace)
         self.budget_bytes = budget_bytes
         self.fsync = fsync
@@ -232,7 +230,7 @@ class FileBackend(StorageBackend):
                 self._index.move_to_end(key)
             path = self._path(key)
             try:
-                want = self._read(path, dest)
+                want = self._read(path, key, dest)
             except FileNotFoundError:
                 self._forget(key, delete=False)
                 break
@@ -275,18 +273,16 @@ class FileBackend(StorageBackend):
         if pool is not None:
             pool.shutdown(wait=True)
 
-    @staticmethod
-    def _read(path: str, dest: np.ndarray) -> int:
-        """Fill ``dest`` with the payload at ``path`` after checking the header and sizes;
-        returns the stored crc32 for the caller to verify."""
+    def _read(self, path: str, key: str, dest: np.ndarray) -> int:
+        """Fill ``dest`` with the payload at ``path`` after verifying the envelope header and
+        sizes; returns the stored payload crc32 for the caller to verify."""
         with open(path, "rb", buffering=0) as f:
             file_size = os.fstat(f.fileno()).st_size
             head = f.read(HEADER_BYTES)
-            if len(head) < HEADER_BYTES:
-                raise _Fault("short_read", f"{len(head)}-byte file has no header", corrupt=True)
-            magic, version, _, length, crc = _HEADER.unpack(head)
-            if magic != MAGIC or version != FORMAT_VERSION:
-                raise _Fault("checksum", f"bad magic/version {magic!r}/{version}", corrupt=True)
+            try:
+                length, crc = envelope.unpack(head, self.namespace, key)
+            except envelope.EnvelopeError as e:
+                raise _Fault(e.kind, str(e), corrupt=True) from None
             if file_size < HEADER_BYTES + length:
                 raise _Fault(
                     "short_read",
@@ -334,7 +330,7 @@ class FileBackend(StorageBackend):
                 self.fault("no_space", f"{size}-byte object exceeds budget {self.budget_bytes}")
                 break
             try:
-                self._write(path, payload, _result(self._crc(payload) if crc is None else crc))
+                self._write(path, key, payload, _result(self._crc(payload) if crc is None else crc))
             except OSError as e:
                 with self._lock:
                     self._used -= size
@@ -348,8 +344,8 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write(self, path: str, payload: np.ndarray, crc: int) -> None:
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, crc)
+    def _write(self, path: str, key: str, payload: np.ndarray, crc: int) -> None:
+        header = envelope.pack(self.namespace, key, payload.nbytes, crc)
         d = os.path.dirname(path)
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
