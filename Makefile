@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[server,dev]"
+	$(BIN)/python -m pip install -q -e ".[server,dev,mooncake]"
+	sh scripts/install_system_deps.sh
 	touch $(STAMP)
 
 setup: $(STAMP)
