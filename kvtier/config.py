@@ -59,6 +59,9 @@ class CacheConfig:
     """Which unlocked leaves go first when a tier is full: ``lru`` or ``lfu``."""
     storage: str | None = None
     """L3 backend name from the storage registry (``file``), or ``None`` for no L3."""
+    storage_url: str | None = None
+    """Where a networked backend lives: for ``mooncake`` a ``mooncake://MASTER:PORT?...`` URL
+    or the path of a JSON file with the same settings (see ``kvtier.storage.mooncake``)."""
     storage_dir: str = "kvtier-data"
     """Directory of the ``file`` backend."""
     storage_bytes: int = 8 << 30
@@ -100,6 +103,8 @@ class CacheConfig:
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        if self.storage == "mooncake" and not self.storage_url:
+            raise ConfigError("storage='mooncake' needs storage_url (mooncake://MASTER:PORT?...)")
         if self.storage is not None and not self.enable_host:
             raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
         if self.write_policy == "write_back" and not self.enable_host:

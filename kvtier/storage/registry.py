@@ -43,3 +43,12 @@ def _register_builtins() -> None:
         from kvtier.storage.file import FileBackend
 
         register_backend("file", FileBackend.from_config)
+    if "mooncake" not in _REGISTRY:
+        register_backend("mooncake", _mooncake)
+
+
+def _mooncake(config: CacheConfig, namespace: Namespace) -> StorageBackend:
+    # Imported on use: the Mooncake client is an optional dependency.
+    from kvtier.storage.mooncake import MooncakeBackend
+
+    return MooncakeBackend.from_config(config, namespace)
