@@ -30,7 +30,8 @@ from kvtier.prefetch import PrefetchOp, StorageIO
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.mover import Mover, TransferOp
 from kvtier.tree.node import Node
-from kvtier.tree.radix import Evicted, RadixTree
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import Evicted
 
 log = logging.getLogger("kvtier.controller")
 

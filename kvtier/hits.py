@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from kvtier.keys import Namespace, PageKey, chain_keys, state_key
 from kvtier.storage.base import StorageBackend
-from kvtier.tree.radix import RadixTree, TreeMatch
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import TreeMatch
 
 
 def checkpointed_len(m: TreeMatch, limit: int, page_size: int) -> int:

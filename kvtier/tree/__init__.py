@@ -3,7 +3,8 @@ It records page ids but never allocates or frees memory."""
 
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.radix import Evicted, InsertOutcome, RadixTree, TreeMatch, truncate_match
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch, truncate_match
 
 __all__ = [
     "Evicted",

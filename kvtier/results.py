@@ -1,0 +1,63 @@
+"""Result types at the cache's boundary: what ``match`` and ``load`` return, and the handle
+the lock protocol passes around."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.keys import PageKey
+from kvtier.tree.node import Node
+from kvtier.tree.results import TreeMatch
+
+
+@dataclass(slots=True, eq=False)
+class Handle:
+    """Opaque token for one match; pass it to ``lock``/``unlock``/``finish``.
+
+    ``match`` is the whole tree match (a prefetch continues after its end); ``usable`` the
+    resumable part of it that ``lock`` pins and ``load`` returns.
+    """
+
+    match: TreeMatch
+    usable: int
+    tokens: tuple[int, ...]
+    storage_keys: list[PageKey]
+    node: Node | None = None
+    locked: TreeMatch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Where the longest cached prefix of a request lives (token counts, whole pages)."""
+
+    device_len: int
+    """Tokens ``[0, device_len)`` are in the device tier."""
+    host_len: int
+    """Tokens after those that are in the host tier."""
+    storage_len: int
+    """Tokens after those that are in storage (need a prefetch)."""
+    handle: Handle
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens usable after ``load`` without a prefetch."""
+        return self.device_len + self.host_len
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """The device slots of a locked prefix, and where its tokens came from."""
+
+    locs: torch.Tensor
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    cached_len: int
+    """Tokens (a prefix) whose device pages already existed: the caller's pages there are
+    duplicates (except those it got from ``load``)."""
