@@ -1,5 +1,6 @@
-"""Model configuration for the reference engine: presets, HF ``config.json`` import, and the
-fingerprint that names a model inside kvtier's L3 key namespace."""
+"""Dense model configuration for the reference engine: presets, HF ``config.json`` import, and
+the dense blocks other families are built from. Fingerprint and validation helpers live in
+``kvtier.engine.common``."""
 
 from __future__ import annotations
 
@@ -10,25 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from kvtier.engine.common import DTYPES, ConfigBase
 from kvtier.errors import ConfigError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-# Fields that do not change the KV bytes or their meaning stay out of the fingerprint, so that
-# deployments differing only in stop tokens still share L3 objects.
-_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids"})
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ConfigBase):
     """A Llama/Qwen-style dense GQA decoder."""
 
     vocab_size: int = 512
@@ -68,36 +58,17 @@ class ModelConfig:
     """Digest of a checkpoint's weight files (names and sizes); empty for random weights."""
 
     def __post_init__(self) -> None:
-        for opt in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position",
-        ):
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"ModelConfig.{opt} must be a positive integer, got {v!r}")
+        self._check_sizes("seed")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"ModelConfig.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        self._check_even("head_dim")
+        self._check_choice("dtype", DTYPES)
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("ModelConfig.rope_theta and rms_norm_eps must be positive")
-        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
-            raise ConfigError(f"ModelConfig.eos_token_ids={self.eos_token_ids} outside vocab")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        self._check_eos()
 
     @property
     def model_type(self) -> str:
@@ -125,16 +96,6 @@ class ModelConfig:
         if name not in presets:
             raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(presets)}")
         return cls(**{**presets[name], **overrides})
-
-    def fingerprint(self) -> str:
-        """Stable hex digest of everything that determines the model's KV bytes."""
-        fields = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _FINGERPRINT_EXCLUDE
-        }
-        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
     @classmethod
     def from_hf(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
@@ -240,3 +201,16 @@ def tiny_dense(**overrides: Any) -> ModelConfig:
 def small_dense(**overrides: Any) -> ModelConfig:
     """A somewhat larger dense preset."""
     return ModelConfig.preset("small", **overrides)
+
+
+def dense_config_of(c: Any) -> ModelConfig:
+    """The dense config of the fields that ``c``, another family's config, shares with
+    ``ModelConfig``: the shapes and seed of the GQA attention and MLP blocks it is built from.
+    Its validation errors name ``c``'s class, whose fields they are."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)} & {
+        f.name for f in dataclasses.fields(c)
+    }
+    try:
+        return ModelConfig(**{name: getattr(c, name) for name in shared})
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("ModelConfig.", f"{type(c).__name__}.")) from None

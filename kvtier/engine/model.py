@@ -1,4 +1,5 @@
-"""Llama/Qwen-style decoder whose attention reads and writes K/V in kvtier's device pool.
+"""Llama/Qwen-style decoder whose attention reads and writes K/V in kvtier's device pool, and
+the decoder skeleton (``DecoderLM``) every model family builds on.
 
 Parameter names equal the HF checkpoint names (``model.layers.3.self_attn.q_proj.weight``), so
 loading a checkpoint is a name-for-name copy.
@@ -7,7 +8,7 @@ loading a checkpoint is a name-for-name copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
 from kvtier.pools import PoolSpec
 
@@ -49,6 +51,20 @@ class SeqSlots:
     tokens), write the state into row ``row`` of the pool's state component (a checkpoint)."""
 
 
+@dataclass(slots=True)
+class ForwardBatch:
+    """What every layer of one forward reads besides the residual stream."""
+
+    positions: torch.Tensor
+    """``[T]``: each input token's position in its sequence."""
+    seqs: Sequence[SeqSlots]
+    """The sequences, in the order their tokens are concatenated."""
+    out_locs: torch.Tensor
+    """``[T]``: the pool slots receiving the tokens' rows (the sequences' ``out_locs``)."""
+    kv: KVBuffers
+    """The pool set the layers write and read."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -61,7 +77,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    """A bias-optional projection with zero weights, for ``DecoderLM.init_random`` to fill."""
+    # built on meta so construction leaves torch's global RNG alone
     lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device="meta")
     lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
     if bias:
@@ -106,10 +124,10 @@ class Attention(nn.Module):
         dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
-        self.q_proj = _linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
-        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
-        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
-        self.o_proj = _linear(cfg.num_heads * d, h, False, dt)
+        self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
+        self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
+        self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
+        self.o_proj = linear(cfg.num_heads * d, h, False, dt)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
 
@@ -131,58 +149,94 @@ class Attention(nn.Module):
         kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
         outs, start = [], 0
         for s in seqs:
-            ctx = kv.index_select(0, s.ctx_locs)
             end = start + s.num_new
-            outs.append(paged_attention(q[start:end], ctx[:, 0], ctx[:, 1], positions[start:end]))
+            outs.append(self.attend(q[start:end], positions[start:end], s, kv))
             start = end
         return self.o_proj(torch.cat(outs).reshape(t, -1))
 
+    def attend(
+        self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of sequence ``s``'s new queries ``q`` (at ``q_pos``) over its context."""
+        ctx = kv.index_select(0, s.ctx_locs)
+        return paged_attention(q, ctx[:, 0], ctx[:, 1], q_pos)
+
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ConfigBase) -> None:
         super().__init__()
         dt, h, i = cfg.torch_dtype, cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(h, i, False, dt)
-        self.up_proj = _linear(h, i, False, dt)
-        self.down_proj = _linear(i, h, False, dt)
+        self.gate_proj = linear(h, i, False, dt)
+        self.up_proj = linear(h, i, False, dt)
+        self.down_proj = linear(i, h, False, dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm residual block: the family's attention ``self_attn``, then the SwiGLU MLP."""
+
+    def __init__(self, cfg: ConfigBase, self_attn: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = self_attn
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Token embeddings, a family's layer stack and the final norm."""
+
+    def __init__(self, cfg: ConfigBase, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         self.embed_tokens.weight = nn.Parameter(
             torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
 
-class CausalLM(nn.Module):
-    """The whole model. Weights start deterministic-random from ``config.seed``."""
+def _default_init(
+    name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float
+) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        std = 0.1
+    elif "embed_tokens" in name:
+        std = 1.0
+    else:
+        std = 1.0 / math.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+            std *= residual_scale
+        if name == "lm_head.weight":
+            std *= 2.0
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
-    config_class = ModelConfig
 
-    def __init__(self, config: ModelConfig) -> None:
+class DecoderLM(nn.Module):
+    """What every family's model shares: ``config``, ``model`` (a ``Decoder`` whose layers have
+    ``input_layernorm``, ``mlp`` and ``post_attention_layernorm``), ``lm_head`` (``None`` ties
+    it to the embeddings), seeded random weights and the forward pass. A family says how its
+    layers mix tokens (``mix``) and which pools they use (``pool_specs``)."""
+
+    stateful = False
+    """Attention-only: no recurrent state, no checkpoints."""
+
+    def __init__(
+        self, config: ConfigBase, layers: Iterable[nn.Module], tie_word_embeddings: bool = False
+    ) -> None:
+        """``layers`` (built lazily, in order) become ``model.layers``; weights start
+        deterministic-random from ``config.seed``."""
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model = Decoder(config, layers)
         self.lm_head = (
             None
-            if config.tie_word_embeddings
-            else _linear(config.hidden_size, config.vocab_size, False, config.torch_dtype)
+            if tie_word_embeddings
+            else linear(config.hidden_size, config.vocab_size, False, config.torch_dtype)
         )
         self.init_random(config.seed)
 
@@ -190,52 +244,50 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    stateful = False
-    """Attention-only: no recurrent state, no checkpoints."""
-
     def pool_specs(self) -> list[PoolSpec]:
         """The pool set this model reads and writes (the anchor KV pool first)."""
-        return [self.kv_pool_spec()]
-
-    def kv_pool_spec(self) -> PoolSpec:
-        """The anchor KV pool this model's attention uses."""
-        c = self.config
-        return PoolSpec(
-            name="kv",
-            num_layers=c.num_layers,
-            row_shape=(2, c.num_kv_heads, c.head_dim),
-            dtype=c.torch_dtype,
-        )
+        raise NotImplementedError
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        """Residual update of layer ``i``'s token mixer from the normalised stream ``h``,
+        writing the new tokens' rows into ``b.kv``."""
+        raise NotImplementedError
+
+    def check_batch(self, input_ids: torch.Tensor, seqs: Sequence[SeqSlots]) -> None:
+        """Raise ``ValueError`` unless ``seqs`` describe the batch ``input_ids``."""
+        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
+            raise ValueError("seqs' num_new must add up to the number of input tokens")
+
+    def init_stream(self, name: str) -> int:
+        """Parameter ``name`` draws from the generator seeded ``seed + init_stream(name)``."""
+        return 0
+
+    def init_value(self, name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor | None:
+        """A family's own initial value for parameter ``name`` (drawn from ``gen``), or
+        ``None`` for the shared rules of ``init_random``."""
+        return None
+
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
-        """Fill every weight from a CPU generator seeded with ``seed`` (same on any device).
+        """Fill every weight from CPU generators seeded by ``seed`` (same on any device).
 
-        Projections keep unit variance (std 1/sqrt(fan_in)); residual outputs shrink with depth
-        so the stream stays dominated by the input and the logits, scaled to std ~2, are neither
-        flat nor one-hot.
+        Norm weights start at one, biases at std 0.1, embeddings at std 1, projections at std
+        1/sqrt(fan_in) (unit variance); residual outputs shrink with depth so the stream stays
+        dominated by the input, and the LM head is doubled so the logits, of std ~2, are
+        neither flat nor one-hot.
         """
-        gen = torch.Generator().manual_seed(seed)
-        c = self.config
-        residual_scale = 1.0 / math.sqrt(2 * c.num_layers)
+        gens: dict[int, torch.Generator] = {}
+        residual_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if name.endswith(".bias"):
-                std = 0.1
-            elif "embed_tokens" in name:
-                std = 1.0
-            else:
-                std = 1.0 / math.sqrt(p.shape[1])
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    std *= residual_scale
-                if name == "lm_head.weight":
-                    std *= 2.0
-            w = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            offset = self.init_stream(name)
+            if offset not in gens:
+                gens[offset] = torch.Generator().manual_seed(seed + offset)
+            w = self.init_value(name, p.shape, gens[offset])
+            if w is None:
+                w = _default_init(name, p.shape, gens[offset], residual_scale)
             p.copy_(w.to(p.dtype))
 
     @torch.inference_mode()
@@ -254,15 +306,40 @@ class CausalLM(nn.Module):
         every token when ``all_logits``. Each sequence's attention is computed on its own, so
         the result depends only on its tokens and the batch's composition.
         """
-        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
-            raise ValueError("seqs' num_new must add up to the number of input tokens")
-        out_locs = torch.cat([s.out_locs for s in seqs])
+        self.check_batch(input_ids, seqs)
+        b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(i))
+            x = x + self.mix(i, layer, layer.input_layernorm(x), b)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if not all_logits:
             last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
             x = x.index_select(0, last)
         return F.linear(self.model.norm(x), self.head_weight()).float()
+
+
+class CausalLM(DecoderLM):
+    """The dense model. Weights start deterministic-random from ``config.seed``."""
+
+    config_class = ModelConfig
+
+    def __init__(self, config: ModelConfig) -> None:
+        layers = (DecoderLayer(config, Attention(config)) for _ in range(config.num_layers))
+        super().__init__(config, layers, config.tie_word_embeddings)
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """The pool set this model reads and writes (the anchor KV pool first)."""
+        return [self.kv_pool_spec()]
+
+    def kv_pool_spec(self) -> PoolSpec:
+        """The anchor KV pool this model's attention uses."""
+        c = self.config
+        return PoolSpec(
+            name="kv",
+            num_layers=c.num_layers,
+            row_shape=(2, c.num_kv_heads, c.head_dim),
+            dtype=c.torch_dtype,
+        )
+
+    def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv.layer(i))

@@ -11,30 +11,36 @@ channel, the last ``d_conv - 1`` conv inputs (oldest first), then the SSM state 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import itertools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.engine.config import DTYPES, ModelConfig
-from kvtier.engine.model import MLP, Attention, KVBuffers, RMSNorm, SeqSlots, _linear
-from kvtier.errors import ConfigError
+from kvtier.engine.common import ConfigBase
+from kvtier.engine.config import dense_config_of
+from kvtier.engine.model import (
+    MLP,
+    Attention,
+    DecoderLM,
+    ForwardBatch,
+    KVBuffers,
+    RMSNorm,
+    SeqSlots,
+    linear,
+)
 from kvtier.pools import PoolSpec
-
-_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids", "checkpoint_every"})
 
 
 @dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(ConfigBase):
     """Recurrent (simplified Mamba) layers interleaved with GQA attention layers."""
+
+    family: ClassVar[str] = "hybrid"
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "checkpoint_every"})
 
     vocab_size: int = 512
     """Number of token ids; valid ids are ``[0, vocab_size)``."""
@@ -80,27 +86,14 @@ class HybridConfig:
     resumable only up to its last checkpoint. Does not change the model's math."""
 
     def __post_init__(self) -> None:
-        # every int field is a size or count, except these two
-        for opt in (f.name for f in dataclasses.fields(self) if f.type == "int"):
-            if opt in ("seed", "attn_every"):
-                continue
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"HybridConfig.{opt} must be a positive integer, got {v!r}")
+        self._check_sizes("seed", "attn_every")
         a = self.attn_every
         if isinstance(a, bool) or not isinstance(a, int) or not 2 <= a <= self.num_layers:
-            raise ConfigError(
-                f"HybridConfig.attn_every={a!r} must be an integer in [2, num_layers="
+            raise self._error(
+                f"attn_every={a!r} must be an integer in [2, num_layers="
                 f"{self.num_layers}] so the model has both recurrent and attention layers"
             )
-        try:
-            _block_config(self)
-        except ConfigError as e:  # the dense config validates the shared decoder fields
-            raise ConfigError(str(e).replace("ModelConfig.", "HybridConfig.")) from None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        dense_config_of(self)  # validates the fields shared with the dense decoder
 
     @property
     def d_inner(self) -> int:
@@ -116,28 +109,10 @@ class HybridConfig:
         """Elements of one recurrent layer's state (one state-pool row)."""
         return self.d_inner * (self.d_conv - 1 + self.d_state)
 
-    def fingerprint(self) -> str:
-        """Stable hex digest of everything that determines the model's KV and state bytes."""
-        fields = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _FINGERPRINT_EXCLUDE
-        }
-        blob = json.dumps({"family": "hybrid", **fields}, sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
-
 
 def hybrid_preset(**overrides: Any) -> HybridConfig:
     """The default hybrid config (fast on CPU) with ``overrides`` applied."""
     return HybridConfig(**overrides)
-
-
-def _block_config(c: HybridConfig) -> ModelConfig:
-    """The dense config of the building blocks (attention, MLP) shared with ``CausalLM``."""
-    shared = {f.name for f in dataclasses.fields(ModelConfig)} & {
-        f.name for f in dataclasses.fields(c)
-    }
-    return ModelConfig(**{name: getattr(c, name) for name in shared})
 
 
 class RecurrentMixer(nn.Module):
@@ -149,14 +124,14 @@ class RecurrentMixer(nn.Module):
         super().__init__()
         dt, di = c.torch_dtype, c.d_inner
         self.d_inner, self.d_conv, self.d_state = di, c.d_conv, c.d_state
-        self.in_proj = _linear(c.hidden_size, 2 * di, False, dt)
+        self.in_proj = linear(c.hidden_size, 2 * di, False, dt)
         self.conv_weight = nn.Parameter(torch.zeros(di, c.d_conv, dtype=dt), requires_grad=False)
         self.conv_bias = nn.Parameter(torch.zeros(di, dtype=dt), requires_grad=False)
-        self.dt_proj = _linear(di, di, True, dt)
-        self.x_proj = _linear(di, 2 * c.d_state, False, dt)
+        self.dt_proj = linear(di, di, True, dt)
+        self.x_proj = linear(di, 2 * c.d_state, False, dt)
         self.A_log = nn.Parameter(torch.zeros(di, c.d_state, dtype=dt), requires_grad=False)
         self.D = nn.Parameter(torch.ones(di, dtype=dt), requires_grad=False)
-        self.out_proj = _linear(di, c.hidden_size, False, dt)
+        self.out_proj = linear(di, c.hidden_size, False, dt)
 
     def forward(
         self,
@@ -205,7 +180,7 @@ class HybridLayer(nn.Module):
 
     def __init__(self, c: HybridConfig, attention: bool) -> None:
         super().__init__()
-        block = _block_config(c)
+        block = dense_config_of(c)
         self.self_attn = Attention(block) if attention else None
         self.mixer = None if attention else RecurrentMixer(c)
         self.mlp = MLP(block)
@@ -213,19 +188,7 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.torch_dtype)
 
 
-class HybridBackbone(nn.Module):
-    def __init__(self, c: HybridConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device="meta")
-        self.embed_tokens.weight = nn.Parameter(
-            torch.zeros(c.vocab_size, c.hidden_size, dtype=c.torch_dtype), requires_grad=False
-        )
-        attn = set(c.attn_layers)
-        self.layers = nn.ModuleList(HybridLayer(c, i in attn) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.torch_dtype)
-
-
-class HybridModel(nn.Module):
+class HybridModel(DecoderLM):
     """The hybrid model. Weights start deterministic-random from ``config.seed``.
 
     Attention layer ``config.attn_layers[j]`` uses layer ``j`` of the ``kv`` pool; the ``r``-th
@@ -238,22 +201,14 @@ class HybridModel(nn.Module):
     """Recurrent layers carry a running state; the engine checkpoints it per page."""
 
     def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = HybridBackbone(config)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.torch_dtype)
         attn = config.attn_layers
+        super().__init__(config, (HybridLayer(config, i in attn) for i in range(config.num_layers)))
         self.num_recurrent = config.num_layers - len(attn)
         # per layer: its kind and its index among that kind's layers (= its pool layer)
         self.slots: list[tuple[str, int]] = [
             ("attn", attn.index(i)) if i in attn else ("rec", i - sum(a < i for a in attn))
             for i in range(config.num_layers)
         ]
-        self.init_random(config.seed)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
 
     def pool_specs(self) -> list[PoolSpec]:
         """Anchor KV pool for the attention layers, then one state pool for the recurrent ones."""
@@ -275,58 +230,26 @@ class HybridModel(nn.Module):
         """Copies of checkpoint ``row`` of every recurrent layer (a running state to resume)."""
         return [kv.layer(r, "state")[row].clone() for r in range(self.num_recurrent)]
 
-    @torch.no_grad()
-    def init_random(self, seed: int) -> None:
-        """Fill every weight from a CPU generator seeded with ``seed`` (same on any device).
+    def init_value(self, name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor | None:
+        """``dt`` starts log-uniform in [0.01, 0.1] and ``A`` in ``-[1, d_state]`` so the
+        recurrence remembers tens of tokens; ``D`` starts at one."""
+        if name.endswith(".D"):
+            return torch.ones(shape)
+        if name.endswith("A_log"):
+            return torch.rand(shape, generator=gen) * math.log(self.config.d_state)
+        if name.endswith("dt_proj.bias"):
+            lo, hi = math.log(0.01), math.log(0.1)
+            dt0 = torch.exp(lo + (hi - lo) * torch.rand(shape, generator=gen))
+            return dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
+        if name.endswith("dt_proj.weight"):
+            return torch.randn(shape, generator=gen) * ((1.0 / math.sqrt(shape[1])) * 0.1)
+        return None
 
-        Projections keep unit variance, residual outputs shrink with depth, the LM head is
-        scaled for logits of std ~2; ``dt`` starts log-uniform in [0.01, 0.1] and ``A`` in
-        ``-[1, d_state]`` so the recurrence remembers tens of tokens.
-        """
-        gen = torch.Generator().manual_seed(seed)
-        residual_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
-        for name, p in self.named_parameters():
-            shape = p.shape
-            if name.endswith("norm.weight") or name.endswith(".D"):
-                w = torch.ones(shape)
-            elif name.endswith("A_log"):
-                w = torch.rand(shape, generator=gen) * math.log(self.config.d_state)
-            elif name.endswith("dt_proj.bias"):
-                lo, hi = math.log(0.01), math.log(0.1)
-                dt0 = torch.exp(lo + (hi - lo) * torch.rand(shape, generator=gen))
-                w = dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
-            elif name.endswith("bias"):
-                w = torch.randn(shape, generator=gen) * 0.1
-            elif "embed_tokens" in name:
-                w = torch.randn(shape, generator=gen)
-            else:
-                std = 1.0 / math.sqrt(shape[1])
-                if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
-                    std *= residual_scale
-                elif name.endswith("dt_proj.weight"):
-                    std *= 0.1
-                elif name == "lm_head.weight":
-                    std *= 2.0
-                w = torch.randn(shape, generator=gen) * std
-            p.copy_(w.to(p.dtype))
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[SeqSlots],
-        kv: KVBuffers,
-        all_logits: bool = False,
-    ) -> torch.Tensor:
-        """Run ``sum(s.num_new)`` tokens of several sequences (``CausalLM.forward``'s contract).
-
-        Every sequence also needs ``state``: the running state before its first new token,
-        which is updated in place; ``state_out`` rows of the ``state`` pool receive
-        checkpoints. Recurrent layers ignore ``positions``: the state alone carries the past.
-        """
-        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
-            raise ValueError("seqs' num_new must add up to the number of input tokens")
+    def check_batch(self, input_ids: torch.Tensor, seqs: Sequence[SeqSlots]) -> None:
+        """Besides the shared checks, every sequence needs ``state``: the running state before
+        its first new token, which ``forward`` updates in place; ``state_out`` rows of the
+        ``state`` pool receive checkpoints."""
+        super().check_batch(input_ids, seqs)
         for s in seqs:
             if s.state is None or len(s.state) != self.num_recurrent:
                 raise ValueError(
@@ -334,23 +257,16 @@ class HybridModel(nn.Module):
                 )
             if any(not 0 <= i < s.num_new for i, _ in s.state_out):
                 raise ValueError(f"state_out {s.state_out} names a token outside the new ones")
-        out_locs = torch.cat([s.out_locs for s in seqs])
-        ends = list(itertools.accumulate(s.num_new for s in seqs))
-        spans = list(zip([0, *ends[:-1]], ends, strict=True))
-        x = self.model.embed_tokens(input_ids)
-        for layer, (kind, j) in zip(self.model.layers, self.slots, strict=True):
-            h = layer.input_layernorm(x)
-            if kind == "attn":
-                x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(j))
-            else:
-                rows = kv.layer(j, "state")
-                mixed = [
-                    layer.mixer(h[a:b], s.state[j], s.state_out, rows)
-                    for s, (a, b) in zip(seqs, spans, strict=True)
-                ]
-                x = x + torch.cat(mixed)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if not all_logits:
-            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
-            x = x.index_select(0, last)
-        return F.linear(self.model.norm(x), self.lm_head.weight).float()
+
+    def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        """Recurrent layers ignore ``positions``: the state alone carries the past."""
+        kind, j = self.slots[i]
+        if kind == "attn":
+            return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv.layer(j))
+        rows = b.kv.layer(j, "state")
+        mixed, start = [], 0
+        for s in b.seqs:
+            end = start + s.num_new
+            mixed.append(layer.mixer(h[start:end], s.state[j], s.state_out, rows))
+            start = end
+        return torch.cat(mixed)

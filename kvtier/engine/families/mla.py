@@ -9,33 +9,37 @@ scores against: one index key per token (``dsa``) or one compressed row per grou
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.engine.config import DTYPES
-from kvtier.engine.model import KVBuffers, RMSNorm, SeqSlots, rope
-from kvtier.errors import ConfigError
+from kvtier.engine.common import DTYPES, ConfigBase
+from kvtier.engine.model import (
+    DecoderLayer,
+    DecoderLM,
+    ForwardBatch,
+    KVBuffers,
+    RMSNorm,
+    SeqSlots,
+    linear,
+    rope,
+)
 from kvtier.pools import PoolSpec
 
 VARIANTS = ("mla", "dsa", "dsa-compressed")
 SIDECAR_NAMES = {"dsa": "index_k", "dsa-compressed": "index_rows"}
 
-# Stop tokens do not change the KV bytes, so deployments differing only in them share L3 objects.
-_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids"})
-
 
 @dataclass(frozen=True)
-class MLAConfig:
+class MLAConfig(ConfigBase):
     """A decoder with multi-head latent attention, optionally sparse through an indexer."""
+
+    family: ClassVar[str] = "mla"
 
     vocab_size: int = 512
     """Number of token ids; valid ids are ``[0, vocab_size)``."""
@@ -86,29 +90,14 @@ class MLAConfig:
     """Earlier complete groups each query attends to besides its own (``dsa-compressed``)."""
 
     def __post_init__(self) -> None:
-        # every integer size is positive; the seed is the one integer that is not a size
-        ints = [f.name for f in dataclasses.fields(self) if f.type == "int" and f.name != "seed"]
-        for opt in ints:
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"MLAConfig.{opt} must be a positive integer, got {v!r}")
-        for opt in ("qk_rope_head_dim", "index_head_dim"):
-            if getattr(self, opt) % 2:
-                raise ConfigError(f"MLAConfig.{opt}={getattr(self, opt)} must be even for RoPE")
-        for opt, known in (("dtype", tuple(DTYPES)), ("variant", VARIANTS)):
-            if getattr(self, opt) not in known:
-                raise ConfigError(
-                    f"MLAConfig.{opt}={getattr(self, opt)!r} is not one of {', '.join(known)}"
-                )
+        self._check_sizes("seed")
+        self._check_even("qk_rope_head_dim", "index_head_dim")
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("variant", VARIANTS)
         for opt in ("rope_theta", "rms_norm_eps"):
             if not getattr(self, opt) > 0:
-                raise ConfigError(f"MLAConfig.{opt} must be positive, got {getattr(self, opt)!r}")
-        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
-            raise ConfigError(f"MLAConfig.eos_token_ids={self.eos_token_ids} outside vocab")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+                raise self._error(f"{opt} must be positive, got {getattr(self, opt)!r}")
+        self._check_eos()
 
     @property
     def latent_dim(self) -> int:
@@ -119,14 +108,6 @@ class MLAConfig:
     def index_group(self) -> int:
         """Tokens per compressed index row (``dsa-compressed``)."""
         return self.index_page_size * self.index_kpool
-
-    def fingerprint(self) -> str:
-        """Stable hex digest of everything that determines the model's pool bytes."""
-        fields = {
-            k: v for k, v in dataclasses.asdict(self).items() if k not in _FINGERPRINT_EXCLUDE
-        }
-        blob = json.dumps({"family": "mla", **fields}, sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
 def mla_preset(**overrides: Any) -> MLAConfig:
@@ -143,13 +124,6 @@ def dsa_compressed_preset(**overrides: Any) -> MLAConfig:
     """MLA with one indexer row per 32-token group; each query sees 3 earlier groups + its own."""
     base = {"variant": "dsa-compressed", "index_page_size": 16, "index_kpool": 2}
     return MLAConfig(**{**base, "index_topk_groups": 3, **overrides})
-
-
-def _proj(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
-    # built on meta so construction leaves torch's global RNG alone; init_random fills it
-    lin = nn.Linear(n_in, n_out, bias=False, dtype=dtype, device="meta")
-    lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
-    return lin
 
 
 def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
@@ -174,12 +148,12 @@ class Indexer(nn.Module):
         super().__init__()
         dt, di = cfg.torch_dtype, cfg.index_head_dim
         self.cfg = cfg
-        self.wq = _proj(cfg.hidden_size, cfg.index_n_heads * di, dt)
-        self.weights_proj = _proj(cfg.hidden_size, cfg.index_n_heads, dt)
+        self.wq = linear(cfg.hidden_size, cfg.index_n_heads * di, False, dt)
+        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads, False, dt)
         compressed = cfg.variant == "dsa-compressed"
         # compressed rows must be recomputable from the stored latents alone
-        self.wk = _proj(cfg.latent_dim if compressed else cfg.hidden_size, di, dt)
-        self.compress_proj = _proj(di, di, dt) if compressed else None
+        self.wk = linear(cfg.latent_dim if compressed else cfg.hidden_size, di, False, dt)
+        self.compress_proj = linear(di, di, False, dt) if compressed else None
 
     def write(
         self,
@@ -255,13 +229,15 @@ class MLAAttention(nn.Module):
         super().__init__()
         dt, h = cfg.torch_dtype, cfg.hidden_size
         self.cfg = cfg
-        self.q_proj = _proj(h, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), dt)
-        self.kv_a_proj_with_mqa = _proj(h, cfg.latent_dim, dt)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
-        self.kv_b_proj = _proj(
-            cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt
+        self.q_proj = linear(
+            h, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), False, dt
         )
-        self.o_proj = _proj(cfg.num_heads * cfg.v_head_dim, h, dt)
+        self.kv_a_proj_with_mqa = linear(h, cfg.latent_dim, False, dt)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
+        self.kv_b_proj = linear(
+            cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dt
+        )
+        self.o_proj = linear(cfg.num_heads * cfg.v_head_dim, h, False, dt)
         self.indexer = Indexer(cfg) if cfg.variant != "mla" else None
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -320,60 +296,23 @@ class MLAAttention(nn.Module):
         return self.o_proj(torch.cat(outs))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        dt, h, i = cfg.torch_dtype, cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _proj(h, i, dt)
-        self.up_proj = _proj(h, i, dt)
-        self.down_proj = _proj(i, h, dt)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MLADecoderLayer(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        self.self_attn = MLAAttention(cfg)
-        self.mlp = SwiGLU(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-
-
-class MLADecoder(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
-        self.embed_tokens.weight = nn.Parameter(
-            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype), requires_grad=False
-        )
-        self.layers = nn.ModuleList(MLADecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-
-
-class MLAModel(nn.Module):
+class MLAModel(DecoderLM):
     """MLA decoder (``variant`` picks dense, token-sparse or group-sparse attention).
 
     Weights start deterministic-random from ``config.seed``; the indexer's come from a stream of
     their own, so ``mla`` and ``dsa`` models of one seed share every other weight.
+
+    Each layer first writes the new tokens' latent rows (and indexer sidecar rows) into the
+    pool set, then reads every sequence's context back from it by slot, so a restored cache
+    gives the same result. ``dsa-compressed`` needs each group of ``G`` tokens in ``G``
+    consecutive, ``G``-aligned slots (pages a multiple of ``G`` guarantee it).
     """
 
     config_class = MLAConfig
 
-    stateful = False
-    """Attention-only: no recurrent state, no checkpoints."""
-
     def __init__(self, config: MLAConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = MLADecoder(config)
-        self.lm_head = _proj(config.hidden_size, config.vocab_size, config.torch_dtype)
-        self.init_random(config.seed)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        layers = (DecoderLayer(config, MLAAttention(config)) for _ in range(config.num_layers))
+        super().__init__(config, layers)
 
     def pool_specs(self) -> list[PoolSpec]:
         """The anchor (one latent row per token), then the indexer's sidecar if any."""
@@ -385,59 +324,8 @@ class MLAModel(nn.Module):
             specs.append(PoolSpec(name, c.num_layers, shape, c.torch_dtype, "sidecar", per_row))
         return specs
 
-    def head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight
+    def init_stream(self, name: str) -> int:
+        return 1_000_003 if ".indexer." in name else 0
 
-    @torch.no_grad()
-    def init_random(self, seed: int) -> None:
-        """Fill every weight from CPU generators seeded by ``seed`` (same on any device).
-
-        Projections keep unit variance (std 1/sqrt(fan_in)); residual outputs shrink with depth
-        and the LM head is doubled, so the logits are neither flat nor one-hot.
-        """
-        main = torch.Generator().manual_seed(seed)
-        index = torch.Generator().manual_seed(seed + 1_000_003)
-        residual_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(p.shape[1])
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std *= residual_scale
-            if name == "lm_head.weight":
-                std *= 2.0
-            gen = index if ".indexer." in name else main
-            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[SeqSlots],
-        kv: KVBuffers,
-        all_logits: bool = False,
-    ) -> torch.Tensor:
-        """Run ``sum(s.num_new)`` tokens of several sequences against the pool set ``kv``.
-
-        ``input_ids``/``positions`` are ``[T]``, sequences concatenated in ``seqs`` order.
-        Each layer first writes the new tokens' latent rows (and indexer sidecar rows) into
-        ``kv``, then reads every sequence's context back from ``kv`` by slot, so a restored
-        cache gives the same result. ``dsa-compressed`` needs each group of ``G`` tokens in
-        ``G`` consecutive, ``G``-aligned slots (pages a multiple of ``G`` guarantee it).
-        Returns float32 logits of each sequence's last token (``[len(seqs), vocab]``), or of
-        every token when ``all_logits``.
-        """
-        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
-            raise ValueError("seqs' num_new must add up to the number of input tokens")
-        out_locs = torch.cat([s.out_locs for s in seqs])
-        x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, positions, seqs, out_locs, kv, i)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if not all_logits:
-            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
-            x = x.index_select(0, last)
-        return F.linear(self.model.norm(x), self.head_weight()).float()
+    def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv, i)

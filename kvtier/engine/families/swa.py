@@ -8,26 +8,22 @@ slots.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from kvtier.engine.config import DTYPES, ModelConfig
-from kvtier.engine.model import Attention, CausalLM, SeqSlots, rope
-from kvtier.errors import ConfigError
-
-_FINGERPRINT_EXCLUDE = frozenset({"eos_token_ids"})
+from kvtier.engine.common import ConfigBase
+from kvtier.engine.config import ModelConfig, dense_config_of
+from kvtier.engine.model import Attention, CausalLM, SeqSlots
 
 
 @dataclass(frozen=True)
-class SWAConfig:
+class SWAConfig(ConfigBase):
     """A GQA decoder mixing sliding-window and full-attention layers."""
+
+    family: ClassVar[str] = "swa"
 
     vocab_size: int = 512
     """Number of token ids; valid ids are ``[0, vocab_size)``."""
@@ -63,25 +59,12 @@ class SWAConfig:
     attends to the whole context; the others slide. ``0`` makes every layer slide."""
 
     def __post_init__(self) -> None:
-        # every int field is a size or count, except these two
-        for opt in (f.name for f in dataclasses.fields(self) if f.type == "int"):
-            if opt in ("seed", "full_every"):
-                continue
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"SWAConfig.{opt} must be a positive integer, got {v!r}")
+        self._check_sizes("seed", "full_every")
         if isinstance(self.full_every, bool) or not isinstance(self.full_every, int):
-            raise ConfigError(f"SWAConfig.full_every must be an integer, got {self.full_every!r}")
+            raise self._error(f"full_every must be an integer, got {self.full_every!r}")
         if self.full_every < 0:
-            raise ConfigError(f"SWAConfig.full_every={self.full_every} must be >= 0")
-        try:
-            self.dense()
-        except ConfigError as e:  # the dense config validates the shared decoder fields
-            raise ConfigError(str(e).replace("ModelConfig.", "SWAConfig.")) from None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+            raise self._error(f"full_every={self.full_every} must be >= 0")
+        self.dense()  # validates the fields shared with the dense decoder
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
@@ -92,21 +75,7 @@ class SWAConfig:
 
     def dense(self) -> ModelConfig:
         """The dense Llama config with the same shapes and seed (hence the same weights)."""
-        shared = {f.name for f in dataclasses.fields(ModelConfig)} & {
-            f.name for f in dataclasses.fields(self)
-        }
-        return ModelConfig(**{name: getattr(self, name) for name in shared})
-
-    def fingerprint(self) -> str:
-        """Stable hex digest of everything that determines the model's KV bytes."""
-        fields = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _FINGERPRINT_EXCLUDE
-        }
-        # the family tag keeps a config from colliding with another family's equal field values
-        blob = json.dumps({"family": "swa", **fields}, sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+        return dense_config_of(self)
 
 
 def swa_preset(**overrides: Any) -> SWAConfig:
@@ -146,36 +115,14 @@ class WindowAttention(Attention):
         super().__init__(cfg)
         self.window = window
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[SeqSlots],
-        out_locs: torch.Tensor,
-        kv: torch.Tensor,
+    def attend(
+        self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
-        outs, start = [], 0
-        for s in seqs:
-            end = start + s.num_new
-            # first new position from host-side lengths, so no device sync is needed
-            first = s.ctx_locs.shape[0] - s.num_new
-            lo = max(0, first - self.window + 1)
-            ctx = kv.index_select(0, s.ctx_locs[lo:])
-            outs.append(
-                window_attention(
-                    q[start:end], ctx[:, 0], ctx[:, 1], positions[start:end], lo, self.window
-                )
-            )
-            start = end
-        return self.o_proj(torch.cat(outs).reshape(t, -1))
+        # first new position from host-side lengths, so no device sync is needed
+        first = s.ctx_locs.shape[0] - s.num_new
+        lo = max(0, first - self.window + 1)
+        ctx = kv.index_select(0, s.ctx_locs[lo:])
+        return window_attention(q, ctx[:, 0], ctx[:, 1], q_pos, lo, self.window)
 
 
 class SWAModel(CausalLM):
