@@ -243,12 +243,7 @@ class TieredCache:
         """
         if op is None:
             return 0
-        for dep in op.deps:
-            self.controller.commit_prefetch(dep)
-        self.controller.commit_prefetch(op)
-        op.released = True
-        if self.controller._settled(op) and not op.closed:
-            self.controller.finish_prefetch_io(op)
+        self.controller.release_prefetch(op)
         return op.committed_pages * self.page_size
 
     # ---- engine-owned pages -------------------------------------------------------------

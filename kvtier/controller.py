@@ -293,7 +293,17 @@ class Controller:
         self.metrics.inc("prefetched_pages", hi - lo)
         return (hi - lo - out.duplicates.numel()) * ps
 
-    def finish_prefetch_io(self, op: PrefetchOp) -> None:
+    def release_prefetch(self, op: PrefetchOp) -> None:
+        """The waiting request stops waiting: commit what arrived (``op``'s and the fetches it
+        waits on); ``op`` closes now if its I/O is over, else at the poll that sees it end."""
+        for dep in op.deps:
+            self.commit_prefetch(dep)
+        self.commit_prefetch(op)
+        op.released = True
+        if self._settled(op) and not op.closed:
+            self._close_prefetch(op)
+
+    def _close_prefetch(self, op: PrefetchOp) -> None:
         """The I/O thread is done with ``op``: commit, free what never arrived, unlock."""
         assert self.host is not None and self.io is not None
         self.commit_prefetch(op)
@@ -325,7 +335,7 @@ class Controller:
             for op in self.io.prefetches():
                 self.commit_prefetch(op)
                 if op.released and self._settled(op):
-                    self.finish_prefetch_io(op)
+                    self._close_prefetch(op)
 
     def drain(self, on_progress: Callable[[], None] | None = None) -> None:
         """Block until every in-flight transfer and storage write completed and is visible."""
