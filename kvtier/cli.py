@@ -56,7 +56,7 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         from kvtier.bench.storage import bench_storage
 
-        result = bench_storage(directory=args.dir)
+        result = bench_storage(directory=args.dir, backend=args.backend, url=args.url)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or 'all'; default one GQA pool",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
+    b.add_argument(
+        "--backend", choices=("file", "mooncake"), default="file", help="storage: which L3 backend"
+    )
+    b.add_argument(
+        "--url",
+        default=None,
+        help="storage, mooncake: storage_url of a cluster (default: start a local one)",
+    )
     b.set_defaults(func=_bench)
     return p
 
