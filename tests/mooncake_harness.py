@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.storage.mooncake import LocalMooncake
+from kvtier.storage.mooncake_local import LocalMooncake
 
 try:
     from mooncake.store import MooncakeDistributedStore

@@ -19,7 +19,8 @@ from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
-from kvtier.storage.mooncake import MooncakeBackend, parse_storage_url
+from kvtier.storage.mooncake import MooncakeBackend
+from kvtier.storage.mooncake_url import parse_storage_url
 
 mooncake_cluster = mooncake_harness.mooncake_cluster
 NS_A = Namespace("a" * 32)

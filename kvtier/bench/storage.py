@@ -176,7 +176,9 @@ def bench_mooncake(
     """
     from mooncake.store import MooncakeDistributedStore
 
-    from kvtier.storage.mooncake import LocalMooncake, MooncakeBackend, parse_storage_url
+    from kvtier.storage.mooncake import MooncakeBackend
+    from kvtier.storage.mooncake_local import LocalMooncake
+    from kvtier.storage.mooncake_url import parse_storage_url
 
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -191,9 +193,7 @@ def bench_mooncake(
             url = stack.enter_context(LocalMooncake(segment_bytes=need)).url()
         s = parse_storage_url(url)
         raw = MooncakeDistributedStore()
-        rc = raw.setup(
-            s.local_host, s.metadata, 0, s.local_buffer, s.protocol, s.rdma_devices, s.master
-        )
+        rc = raw.setup(*s.setup_args(segment=0))
         if rc != 0:
             raise RuntimeError(f"raw Mooncake client setup against {where} returned {rc}")
         stack.callback(raw.close)

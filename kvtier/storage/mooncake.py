@@ -1,20 +1,6 @@
 """Mooncake Store L3 backend: page objects in a Mooncake distributed memory pool.
 
-Configured by one string, ``CacheConfig.storage_url``::
-
-    mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata&protocol=tcp&segment=0
-        &local_buffer=16MB&bounce=64MB&timeout_s=2&local_host=127.0.0.1&rdma_devices=
-
-or the path of a JSON file holding one object with the same keys plus ``"master": "HOST:PORT"``.
-Only the master is required. ``metadata``: transfer metadata server (default: the master's
-built-in one, ``http://MASTER_HOST:8080/metadata``). ``protocol``: ``tcp`` or ``rdma`` (with
-comma-separated ``rdma_devices``). ``segment``: memory this process contributes to the pool;
-the default 0 keeps objects in storage nodes only, so they outlive this process. ``local_buffer``:
-the client's transfer buffer. ``bounce``: registered staging memory for buffers outside the
-registered host pool (grown for larger objects). ``timeout_s``: bound on one store call.
-``local_host``: the address peers reach this process at. Sizes take K/M/G/T suffixes (powers of
-1024). A malformed string raises ``ConfigError`` naming ``storage_url`` and the bad part.
-
+Configured by one string, ``CacheConfig.storage_url`` (format in ``kvtier.storage.mooncake_url``).
 Objects are stored under ``kvtier/<namespace>/<key>`` as envelope header + payload, written and
 read with the header in a registered arena and the payload straight from/to the caller's buffer
 when that lies in memory given to ``register_buffers``. Reads verify the envelope and payload
@@ -33,26 +19,15 @@ into the caller's buffers, which the caller frees as soon as the read returns.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import ctypes
-import importlib.util
-import json
 import logging
-import os
 import queue
-import re
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +38,7 @@ from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, StorageCapabilities
 from kvtier.storage.envelope import HEADER_BYTES, EnvelopeError
+from kvtier.storage.mooncake_url import parse_storage_url
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
@@ -78,88 +54,6 @@ no-progress limit."""
 _MISSING = (-703, -704)  # replica not ready, object not found
 _UNREACHABLE = (-800, -900, -901, -1010, -1011)  # transfer/RPC failure, unavailable
 _NO_SPACE = (-200, -1700)  # no segment space, tenant quota
-_OPTIONS = ("metadata", "protocol", "rdma_devices", "segment", "local_buffer", "bounce")
-_OPTIONS += ("timeout_s", "local_host")
-_UNITS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """A parsed ``storage_url``."""
-
-    master: str
-    metadata: str
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    segment: int = 0
-    local_buffer: int = 16 << 20
-    bounce: int = 64 << 20
-    timeout_s: float = 2.0
-    local_host: str = "127.0.0.1"
-
-
-def parse_storage_url(spec: str) -> MooncakeSettings:
-    """Parse a ``mooncake://`` URL or a JSON file path; raises ``ConfigError``."""
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(f"storage_url={spec!r}: {what}")
-
-    if spec.startswith("mooncake://"):
-        parts = urllib.parse.urlsplit(spec)
-        if parts.path not in ("", "/") or parts.fragment:
-            raise bad(f"unexpected path {parts.path!r}; options go after '?'")
-        master, opts = parts.netloc, {}
-        for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
-            if name in opts:
-                raise bad(f"option {name!r} given twice")
-            opts[name] = value
-    else:
-        try:
-            with open(spec) as f:
-                raw = json.load(f)
-        except OSError as e:
-            raise bad(f"neither a mooncake:// URL nor a readable JSON file ({e.strerror})") from e
-        except ValueError as e:
-            raise bad(f"invalid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise bad("the JSON file must hold an object")
-        opts = {str(k): str(v) for k, v in raw.items()}
-        master = opts.pop("master", "")
-    host, _, port = master.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise bad(f"master {master!r} is not HOST:PORT")
-    unknown = sorted(set(opts) - set(_OPTIONS))
-    if unknown:
-        raise bad(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(_OPTIONS)}")
-
-    def size(name: str, default: int) -> int:
-        text = opts.get(name, str(default)).strip().upper()
-        m = re.fullmatch(r"(\d+)\s*([KMGT]?)(I?B)?", text)
-        if not m:
-            raise bad(f"{name}={opts[name]!r} is not a size such as 64MB")
-        return int(m.group(1)) << _UNITS[m.group(2)]
-
-    protocol = opts.get("protocol", "tcp")
-    if protocol not in ("tcp", "rdma"):
-        raise bad(f"protocol={protocol!r} is not tcp or rdma")
-    try:
-        timeout_s = float(opts.get("timeout_s", 2.0))
-    except ValueError:
-        timeout_s = -1.0
-    if not 0 < timeout_s < float("inf"):
-        raise bad(f"timeout_s={opts['timeout_s']!r} is not a positive number of seconds")
-    loopback = host in ("127.0.0.1", "localhost", "::1")
-    return MooncakeSettings(
-        master=master,
-        metadata=opts.get("metadata") or f"http://{host}:8080/metadata",
-        protocol=protocol,
-        rdma_devices=opts.get("rdma_devices", ""),
-        segment=size("segment", 0),
-        local_buffer=size("local_buffer", 16 << 20),
-        bounce=max(size("bounce", 64 << 20), 1 << 20),
-        timeout_s=timeout_s,
-        local_host=opts.get("local_host") or ("127.0.0.1" if loopback else socket.getfqdn()),
-    )
 
 
 class _Worker:
@@ -208,6 +102,10 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
+def _span(a: np.ndarray) -> tuple[int, int]:
+    return _ptr(a), _ptr(a) + a.nbytes
+
+
 class MooncakeBackend(StorageBackend):
     """Objects in a Mooncake Store cluster, shared by every process connected to it.
 
@@ -244,10 +142,9 @@ class MooncakeBackend(StorageBackend):
         self._backoff, self._next_probe = _BACKOFF[0], 0.0
         self._reason = "not connected yet"
         self._counts: Counter[str] = Counter()
-        self._wanted: list[tuple[int, int]] = []
         self._regions: list[tuple[int, int]] = []
         self._headers = np.zeros(2 * _GROUP_KEYS * HEADER_BYTES, dtype=np.uint8)
-        self._wanted.append((_ptr(self._headers), _ptr(self._headers) + self._headers.nbytes))
+        self._wanted = [_span(self._headers)]
         self._bounce = [np.zeros(0, np.uint8), np.zeros(0, np.uint8)]  # allocated when needed
         self._data = _Worker("kvtier-mooncake-data")
         self._meta = _Worker("kvtier-mooncake-meta")
@@ -286,15 +183,7 @@ class MooncakeBackend(StorageBackend):
                 self._reason = f"{target}: {e}"
                 return False
         store = self._store_cls()
-        rc = store.setup(
-            s.local_host,
-            s.metadata,
-            s.segment,
-            s.local_buffer,
-            s.protocol,
-            s.rdma_devices,
-            s.master,
-        )
+        rc = store.setup(*s.setup_args())
         if rc != 0:
             self._reason = f"setup returned {rc}"
             store.close()
@@ -371,31 +260,37 @@ class MooncakeBackend(StorageBackend):
         else:
             self.fault("no_space" if code in _NO_SPACE else "io", message)
 
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
     def _ready(self) -> Any:
         """The client when calls may go to the store, else ``None`` (and maybe start a probe)."""
         with self._lock:
             client = self._client if self._healthy and not self._closed else None
-            if client is None:
-                self._counts["skipped"] += 1
         if client is None:
+            self._count(skipped=1)
             self._maybe_probe()
         return client
 
-    def _data_ready(self) -> Any:
-        """``_ready`` for reads and writes, which also need the data worker idle: a call that
-        outlived its timeout may still be using the header and bounce arenas."""
-        client = self._ready()
+    def _data_ready(
+        self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]
+    ) -> tuple[Any, list[np.ndarray]]:
+        """``_ready`` for reading or writing ``buffers`` under ``keys``, with their byte views.
+        Also needs the data worker idle: a call that outlived its timeout may still be using the
+        header and bounce arenas."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        client = self._ready() if keys else None
         if client is not None and not self._data.wait_idle(0):
-            with self._lock:
-                self._counts["skipped"] += 1
-            return None
-        return client
+            self._count(skipped=1)
+            client = None
+        return client, ([] if client is None else [_bytes_view(b) for b in buffers])
 
     def _submit(self, worker: _Worker, fn: Callable[[], Any]) -> Future | None:
         fut = worker.submit(fn)
         if fut is None:
-            with self._lock:
-                self._counts["skipped"] += 1
+            self._count(skipped=1)
         return fut
 
     def _wait(self, fut: Future | None, what: str, drain: bool = False) -> Any:
@@ -431,8 +326,8 @@ class MooncakeBackend(StorageBackend):
                     self._register(self._client, start, end)
 
     def _inside(self, a: np.ndarray) -> bool:
-        p = _ptr(a)
-        return any(s <= p and p + a.nbytes <= e for s, e in self._regions)
+        p, q = _span(a)
+        return any(s <= p and q <= e for s, e in self._regions)
 
     def _plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
         """Groups of consecutive objects, each with its objects' bounce offsets (-1: direct)."""
@@ -457,33 +352,37 @@ class MooncakeBackend(StorageBackend):
         with self._reg_lock:
             client = self._client
             for half, old in enumerate(self._bounce):
-                old_span = (_ptr(old), _ptr(old) + old.nbytes)
-                new = np.zeros(nbytes, np.uint8)
-                self._bounce[half] = new
+                self._bounce[half] = new = np.zeros(nbytes, np.uint8)
+                old_span, new_span = _span(old), _span(new)
                 if old_span in self._wanted:
                     self._wanted.remove(old_span)
-                self._wanted.append((_ptr(new), _ptr(new) + nbytes))
+                self._wanted.append(new_span)
                 if old_span in self._regions and client is not None:
                     self._regions.remove(old_span)
                     client.unregister_buffer(old_span[0])
                 if client is not None:
-                    self._register(client, _ptr(new), _ptr(new) + nbytes)
+                    self._register(client, *new_span)
+
+    def _header(self, g: int, j: int) -> np.ndarray:
+        """Header slot of object ``j`` of group ``g``; consecutive groups use different halves
+        of the arena, so one can be verified while the next is in flight."""
+        slot = ((g % 2) * _GROUP_KEYS + j) * HEADER_BYTES
+        return self._headers[slot : slot + HEADER_BYTES]
 
     def _layout(
-        self, g: int, rng: range, offs: list[int], views: list[np.ndarray]
-    ) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
-        """Buffer pointers and sizes of group ``g`` (header slot, payload), and where each
-        payload lies: the caller's buffer or a slice of the bounce arena."""
-        half = g % 2
-        ptrs, sizes, places = [], [], []
+        self, g: int, rng: range, offs: list[int], keys: Sequence[PageKey], views: list[np.ndarray]
+    ) -> tuple[list[str], list[list[int]], list[list[int]], list[np.ndarray]]:
+        """Store names, buffer pointers and sizes (header slot, payload) of group ``g``, and
+        where each payload lies: the caller's buffer or a slice of the bounce arena."""
+        names, ptrs, sizes, places = [], [], [], []
         for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
             v = views[i]
-            place = v if off < 0 else self._bounce[half][off : off + v.nbytes]
-            head = _ptr(self._headers) + (half * _GROUP_KEYS + j) * HEADER_BYTES
-            ptrs.append([head, _ptr(place)])
+            place = v if off < 0 else self._bounce[g % 2][off : off + v.nbytes]
+            names.append(self._prefix + keys[i])
+            ptrs.append([_ptr(self._header(g, j)), _ptr(place)])
             sizes.append([HEADER_BYTES, v.nbytes])
             places.append(place)
-        return ptrs, sizes, places
+        return names, ptrs, sizes, places
 
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Length of the leading run of ``keys`` present in the store (one batched call)."""
@@ -504,25 +403,19 @@ class MooncakeBackend(StorageBackend):
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys`` in order; stops at the first fault (``timeout``,
         ``unreachable``, ``no_space``, ``io``). Keys already stored count as stored."""
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        client = self._data_ready() if keys else None
+        client, views = self._data_ready(keys, buffers)
         if client is None:
             return 0
-        views = [_bytes_view(b) for b in buffers]
         done, pending = 0, None
         for g, (rng, offs) in enumerate(self._plan(views)):
-            ptrs, sizes, places = self._layout(g, rng, offs, views)
-            names = [self._prefix + keys[i] for i in rng]
+            names, ptrs, sizes, places = self._layout(g, rng, offs, keys, views)
             for j, (i, place) in enumerate(zip(rng, places, strict=True)):
                 v = views[i]
                 if place is not v:
                     place[:] = v
-                    with self._lock:
-                        self._counts["bytes_bounced"] += v.nbytes
+                    self._count(bytes_bounced=v.nbytes)
                 head = envelope.pack(self.namespace, keys[i], v.nbytes, envelope.crc(v))
-                slot = ((g % 2) * _GROUP_KEYS + j) * HEADER_BYTES
-                self._headers[slot : slot + HEADER_BYTES] = np.frombuffer(head, np.uint8)
+                self._header(g, j)[:] = np.frombuffer(head, np.uint8)
             if pending is not None:
                 stored = self._put_done(*pending)
                 done += stored
@@ -542,26 +435,20 @@ class MooncakeBackend(StorageBackend):
                 self._code_fault(code, "batch_put_from_multi_buffers")
                 break
             n += 1
-            with self._lock:
-                self._counts["bytes_put"] += views[i].nbytes
+            self._count(bytes_put=views[i].nbytes)
         return n
 
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Read and verify objects into ``buffers`` in order; stops at the first miss or fault
         (``foreign``, ``format``, ``checksum``, ``short_read``, ``timeout``, ``unreachable``,
         ``io``). Objects that fail verification are removed from the store."""
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        client = self._data_ready() if keys else None
+        client, views = self._data_ready(keys, buffers)
         if client is None:
             return 0
-        views = [_bytes_view(b) for b in buffers]
         groups = self._plan(views)
 
         def submit(g: int) -> tuple[Future | None, list[np.ndarray]]:
-            rng, offs = groups[g]
-            ptrs, sizes, places = self._layout(g, rng, offs, views)
-            names = [self._prefix + keys[i] for i in rng]
+            names, ptrs, sizes, places = self._layout(g, *groups[g], keys, views)
             fn = lambda: client.batch_get_into_multi_buffers(names, ptrs, sizes)  # noqa: E731
             return self._submit(self._data, fn), places
 
@@ -599,14 +486,13 @@ class MooncakeBackend(StorageBackend):
         n = 0
         for j, (i, code, place) in enumerate(zip(rng, codes, places, strict=True)):
             v, name = views[i], self._prefix + keys[i]
-            slot = ((g % 2) * _GROUP_KEYS + j) * HEADER_BYTES
             try:
                 if code in (-600, -800):
                     self._check_size(name, HEADER_BYTES + v.nbytes)
                 if code < 0:
                     self._code_fault(code, "batch_get_into_multi_buffers")
                     return n
-                head = self._headers[slot : slot + min(code, HEADER_BYTES)].tobytes()
+                head = self._header(g, j)[: min(code, HEADER_BYTES)].tobytes()
                 length, want = envelope.unpack(head, self.namespace, keys[i])
                 if code - HEADER_BYTES < length:
                     raise EnvelopeError("short_read", f"{code - HEADER_BYTES} of {length} B")
@@ -621,9 +507,7 @@ class MooncakeBackend(StorageBackend):
             if place is not v:
                 v[:] = place
             n += 1
-            with self._lock:
-                self._counts["bytes_got"] += v.nbytes
-                self._counts["bytes_bounced"] += 0 if place is v else v.nbytes
+            self._count(bytes_got=v.nbytes, bytes_bounced=0 if place is v else v.nbytes)
         return n
 
     def _check_size(self, name: str, want: int) -> None:
@@ -661,155 +545,3 @@ class MooncakeBackend(StorageBackend):
             log.warning("mooncake client left open: a store call is still running")
         self._data.stop()
         self._meta.stop()
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a child outliving a crashed parent would hold its ports and memory.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def _binary(name: str) -> str:
-    spec = importlib.util.find_spec("mooncake")
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(d, name)
-        if os.access(path, os.X_OK):
-            return path
-    raise RuntimeError(f"{name} not found in the mooncake package (pip install 'kvtier[mooncake]')")
-
-
-class LocalMooncake:
-    """A Mooncake cluster on 127.0.0.1 as child processes: ``mooncake_master`` with its HTTP
-    metadata server, and one storage node (``mooncake_client``) holding ``segment_bytes``, so
-    objects outlive the processes that wrote them. Ports are picked free at construction and
-    kept across master restarts; logs go to ``log_dir`` (a new temp dir by default). Children
-    are killed by ``stop``/context exit, and by the kernel if this process dies (Linux).
-    Readiness is polled (master ``/health``, node segment in ``/metrics``); ``RuntimeError``
-    with the log directory if a child exits or is not ready within ``ready_timeout_s``."""
-
-    def __init__(
-        self,
-        segment_bytes: int = 512 << 20,
-        log_dir: str | None = None,
-        ready_timeout_s: float = 30,
-    ) -> None:
-        self.segment_bytes = segment_bytes
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-mooncake-")
-        self.ready_timeout_s = ready_timeout_s
-        self.rpc_port, self.http_port, self.metrics_port, self.node_port = _free_ports(4)
-        self.master: subprocess.Popen | None = None
-        self.node: subprocess.Popen | None = None
-
-    def url(self, **options: object) -> str:
-        """``storage_url`` of this cluster, with extra ``options`` (e.g. ``timeout_s=1``)."""
-        opts = {
-            "metadata": f"http://127.0.0.1:{self.http_port}/metadata",
-            "local_host": "127.0.0.1",
-            **options,
-        }
-        query = "&".join(f"{k}={v}" for k, v in opts.items())
-        return f"mooncake://127.0.0.1:{self.rpc_port}?{query}"
-
-    def start(self) -> LocalMooncake:
-        """Start the master and the storage node; returns once the node's segment is mounted."""
-        try:
-            self.start_master()
-            self.node = self._spawn(
-                "node",
-                "mooncake_client",
-                f"-master_server_address=127.0.0.1:{self.rpc_port}",
-                f"-metadata_server=http://127.0.0.1:{self.http_port}/metadata",
-                f"-global_segment_size={self.segment_bytes}",
-                "-host=127.0.0.1",
-                f"-port={self.node_port}",
-                "-protocol=tcp",
-            )
-            self._wait_mounted()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def start_master(self) -> None:
-        """(Re)start the master on the same ports; returns once it serves and, when the node
-        runs, the node has mounted its segment again (the new master starts empty)."""
-        self.master = self._spawn(
-            "master",
-            "mooncake_master",
-            f"-rpc_port={self.rpc_port}",
-            "-rpc_address=127.0.0.1",
-            "-enable_http_metadata_server=true",
-            "-http_metadata_server_host=127.0.0.1",
-            f"-http_metadata_server_port={self.http_port}",
-            f"-metrics_port={self.metrics_port}",
-            "-metrics_host=127.0.0.1",
-        )
-        self._wait(lambda: b'"service_ready":true' in self._get("/health"), "master ready")
-        if self.node is not None:
-            self._wait_mounted()
-
-    def kill_master(self) -> None:
-        """SIGKILL the master (the node keeps running) and reap it."""
-        if self.master is not None:
-            self.master.kill()
-            self.master.wait()
-
-    def stop(self) -> None:
-        """Kill every child; idempotent."""
-        for proc in (self.node, self.master):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        self.node = self.master = None
-
-    def __enter__(self) -> LocalMooncake:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _spawn(self, name: str, binary: str, *args: str) -> subprocess.Popen:
-        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as logf:
-            return subprocess.Popen(
-                [_binary(binary), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
-            )
-
-    def _get(self, path: str) -> bytes:
-        with contextlib.suppress(OSError):
-            url = f"http://127.0.0.1:{self.metrics_port}{path}"
-            with urllib.request.urlopen(url, timeout=1) as r:
-                return r.read()
-        return b""
-
-    def _wait_mounted(self) -> None:
-        def mounted() -> bool:
-            m = re.search(rb"^master_total_capacity_bytes (\d+)", self._get("/metrics"), re.M)
-            return m is not None and int(m.group(1)) >= self.segment_bytes
-
-        self._wait(mounted, "storage node segment mounted")
-
-    def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not ready():
-            for name, proc in (("master", self.master), ("node", self.node)):
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(
-                        f"mooncake {name} exited with {proc.returncode}; logs in {self.log_dir}"
-                    )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake {what}: not within {self.ready_timeout_s} s")
-            time.sleep(0.02)
