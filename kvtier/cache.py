@@ -155,9 +155,14 @@ class TieredCache:
             raise IntegrityError("handle is already locked")
         handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
         handle.node = self.tree.lock(handle.locked)
+        path = handle.locked.path
         if self.config.write_policy == "write_through_selective":
-            hot = [n for n in handle.locked.path if n.hits >= self.config.write_threshold]
-            self.controller.backup_to_host(hot)
+            self.controller.backup_to_host(
+                [n for n in path if n.hits >= self.config.write_threshold]
+            )
+        # A host copy whose storage backup was dropped (store full or down) gets another try
+        # when it is used again.
+        self.controller.backup_to_storage([n for n in path if n.on_host and not n.in_storage])
 
     def unlock(self, handle: Handle) -> None:
         if handle.node is None:

@@ -220,7 +220,11 @@ class Controller:
     def backup_to_storage(self, nodes: list[Node]) -> None:
         if self.io is None:
             return
-        todo = [n for n in nodes if n.on_host and not n.in_storage and n.parent is not None]
+        todo = [
+            n
+            for n in nodes
+            if n.on_host and not n.in_storage and not n.host_io and n.parent is not None
+        ]
         if todo:
             keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
             self.io.write(todo, keys)

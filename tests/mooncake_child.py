@@ -11,7 +11,6 @@ import json
 import sys
 
 import torch
-
 from test_mooncake_e2e import GREEDY, make_llm
 
 

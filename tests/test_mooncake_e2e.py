@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from mooncake_harness import MooncakeCluster, mooncake_cluster  # noqa: F401 - fixture
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
-from mooncake_harness import MooncakeCluster, mooncake_cluster  # noqa: F401 - fixture
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 HERE = Path(__file__).parent
@@ -55,7 +55,10 @@ def cold(family: str, ps: list[list[int]]) -> list[list[int]]:
 def run_child(family: str, url: str, case: dict, tmp_path: Path) -> dict:
     path = tmp_path / f"case-{random.random()}.pt"
     torch.save(case, path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     child = subprocess.run(
         [sys.executable, str(HERE / "mooncake_child.py"), family, url, str(path)],
         capture_output=True,
@@ -106,7 +109,8 @@ def test_master_outage_mid_workload(
 ) -> None:
     url = mooncake_cluster.url(timeout_s=1)
     vocab = preset("tiny").vocab_size
-    ps = prompts(vocab, n=6, seed=3)
+    # Four prompts around the outage, then two with fresh content after it.
+    ps = prompts(vocab, n=4, seed=3) + prompts(vocab, n=2, seed=4)
     expected = cold("tiny", ps)
     llm = make_llm("tiny", url)
     backend = llm.cache.storage
@@ -133,4 +137,10 @@ def test_master_outage_mid_workload(
     again = [llm.generate([p], GREEDY)[0] for p in ps[4:]]
     assert [list(o.output_ids) for o in again] == expected[4:]
     assert sum(o.cached_storage for o in again) > 0  # hits resumed after the restart
+
+    # Pages whose backup was dropped during the outage are written once they are used again.
+    stored = llm.cache.stats()["storage_backup_pages"]
+    llm.generate([ps[3]], GREEDY)
+    llm.cache.drain()
+    assert llm.cache.stats()["storage_backup_pages"] > stored
     llm.close()

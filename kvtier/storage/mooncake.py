@@ -19,6 +19,7 @@ into the caller's buffers, which the caller frees as soon as the read returns.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import socket
@@ -139,6 +140,7 @@ class MooncakeBackend(StorageBackend):
         self._reg_lock = threading.Lock()
         self._client: Any = None
         self._healthy = self._closed = self._probing = False
+        self._probe_finished = threading.Event()
         self._backoff, self._next_probe = _BACKOFF[0], 0.0
         self._reason = "not connected yet"
         self._counts: Counter[str] = Counter()
@@ -240,6 +242,28 @@ class MooncakeBackend(StorageBackend):
             else:
                 self._next_probe = time.monotonic() + self._backoff
                 self._backoff = min(2 * self._backoff, _BACKOFF[1])
+        self._probe_finished.set()
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        """Probe (respecting the backoff) until the store answers or ``timeout_s`` passed;
+        returns whether it is healthy. Waits only on probe results and backoff deadlines."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._healthy or self._closed:
+                    return self._healthy and not self._closed
+                next_probe = self._next_probe
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fut = self._maybe_probe()
+            if fut is not None:
+                with contextlib.suppress(Exception):
+                    fut.result(timeout=left)
+                continue
+            # A probe is running or the backoff has not expired: wait for whichever ends first.
+            self._probe_finished.wait(min(left, max(next_probe - time.monotonic(), 0.001)))
+            self._probe_finished.clear()
 
     def _outage(self, kind: str, message: str) -> None:
         self.fault(kind, f"{self.settings.master}: {message}")
