@@ -29,7 +29,8 @@ print(sys.argv[1].rsplit("/", 1)[-1], "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["
 PY
   done
 done
-for model in tiny mla dsa dsa-compressed hybrid swa; do
+# Every family's demo on CUDA: set DEMOS=0 to skip.
+[ "${DEMOS:-1}" = 1 ] && for model in tiny mla dsa dsa-compressed hybrid swa; do
   python3 -m kvtier.cli demo --model "$model" --storage-dir "/tmp/kvtier-demo-$model" --json \
       > "/tmp/demo_cuda_$model.json" 2>/dev/null
   python3 -c "import json; d=json.load(open('/tmp/demo_cuda_$model.json')); print('demo $model', d['tiers'], d['oracle'])"

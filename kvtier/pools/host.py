@@ -54,11 +54,13 @@ class HostPool:
     def nbytes(self) -> int:
         return self.page_bytes * self.num_pages
 
-    def page_bytes_view(self, name: str) -> torch.Tensor:
-        """``[layers, pages, bytes-per-layer-page]`` raw view in either layout (no copy)."""
+    def page_bytes_view(self, name: str, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """``[layers, pages, bytes-per-layer-page]`` raw view in either layout (no copy) of
+        component ``name`` — or of ``buffer``, an alias of it (e.g. a device mapping)."""
+        buf = self.buffers[name] if buffer is None else buffer
         if self.layout == "layer_first":
-            return bytes_view(self.buffers[name], 0, self.num_pages)
-        return bytes_view(self.buffers[name], 1, self.num_pages).transpose(0, 1)
+            return bytes_view(buf, 0, self.num_pages)
+        return bytes_view(buf, 1, self.num_pages).transpose(0, 1)
 
     def page_view(self, name: str, page: int) -> torch.Tensor:
         """``[layers, rows, *shape]`` view of one page (page-first only: no copy)."""

@@ -17,6 +17,7 @@ import torch
 from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 
@@ -66,6 +67,13 @@ class Mover:
         self.debug_checks = debug_checks
         self.cuda = device_pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device_pool.device) if self.cuda else None
+        # Pinned host pools are reached by kernels through device views; an unpinned one
+        # goes through pinned staging copies instead.
+        self.mapped: dict[str, torch.Tensor] = {}
+        if self.cuda and host_pool.pinned:
+            for name, buf in host_pool.buffers.items():
+                view = map_pinned(buf, device_pool.device)
+                self.mapped[name] = host_pool.page_bytes_view(name, view)
 
     def _check(self, pages: torch.Tensor, what: str) -> None:
         if self.debug_checks:
@@ -85,6 +93,16 @@ class Mover:
         assert self.stream is not None
         idx = phys.to(self.dev.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        if self.mapped:
+            hp = host_pages.to(self.dev.device, non_blocking=True)
+            with torch.cuda.stream(self.stream):
+                for name, dst in self.mapped.items():
+                    gathered = self.dev.page_bytes_view(name).index_select(1, idx)
+                    _scatter_pages(dst, hp, gathered)
+                    op.keepalive.append(gathered)
+                op.event = torch.cuda.Event()
+                op.event.record(self.stream)
+            return op
         staged: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self.stream):
             for name in self.dev.buffers:
@@ -125,6 +143,16 @@ class Mover:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             idx = phys.to(self.dev.device, non_blocking=True)
+            if self.mapped:
+                hp = host_pages.to(self.dev.device, non_blocking=True)
+                for name, src in self.mapped.items():
+                    pages = _gather_pages(src, hp)
+                    self.dev.page_bytes_view(name).index_copy_(1, idx, pages)
+                    op.keepalive.append(pages)
+                op.event = torch.cuda.Event()
+                op.event.record(self.stream)
+                compute.wait_event(op.event)
+                return op
             for name in self.dev.buffers:
                 src = self.host.page_bytes_view(name)
                 pinned = torch.empty(
@@ -141,3 +169,19 @@ class Mover:
             op.event.record(self.stream)
         compute.wait_event(op.event)
         return op
+
+
+def _scatter_pages(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:, pages] = src`` for ``[layers, pages, words]`` views, writing whole pages
+    contiguously when ``dst`` is a page-first buffer seen through a transpose."""
+    if dst.stride(0) < dst.stride(1):  # page-first storage
+        dst.transpose(0, 1).index_copy_(0, pages, src.transpose(0, 1))
+    else:
+        dst.index_copy_(1, pages, src)
+
+
+def _gather_pages(src: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``src[:, pages]`` as ``[layers, n, words]``, reading page-first storage page by page."""
+    if src.stride(0) < src.stride(1):
+        return src.transpose(0, 1).index_select(0, pages).transpose(0, 1)
+    return src.index_select(1, pages)
