@@ -171,18 +171,20 @@ class TieredCache:
         handle.node = None
 
     # ---- host → device ------------------------------------------------------------------
-    def load(self, m: MatchResult) -> LoadResult:
+    def load(self, m: MatchResult, overlap: bool = False) -> LoadResult:
         """Device slots of the locked prefix, loading its host part into the device tier.
 
         If the device pool cannot take all of it, a shorter prefix is returned (for a model
-        with a state pool, one ending at a checkpoint).
+        with a state pool, one ending at a checkpoint). With ``overlap`` (CUDA) the compute
+        stream is not made to wait for the load: the caller waits on
+        ``layer_events[i]`` before reading anchor layer ``i`` (see ``LoadResult``).
         """
         h = m.handle
         if h.node is None or h.locked is None:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
         path = h.locked.path
         before = [(n.on_device, n.fetched) for n in path]
-        n = self.controller.load_back(path)
+        n, layer_events = self.controller.load_back(path, overlap)
         ps = self.page_size
         usable = sum(len(node.tokens) for node in path[:n])
         if n < len(path) and self.stateful:
@@ -211,7 +213,9 @@ class TieredCache:
                 if not spec.token_indexed:
                     self.metrics.inc("hit_pages", 1, (last_src, spec.name))
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
-        return LoadResult(locs, counts["device"], counts["host"], counts["storage"])
+        return LoadResult(
+            locs, counts["device"], counts["host"], counts["storage"], layer_events
+        )
 
     # ---- storage → host -----------------------------------------------------------------
     def prefetch(self, m: MatchResult) -> PrefetchOp | None:

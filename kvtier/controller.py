@@ -181,11 +181,12 @@ class Controller:
         self.backup_to_storage(stored)
 
     # ---- host → device ------------------------------------------------------------------
-    def load_back(self, path: list[Node]) -> int:
+    def load_back(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
         """Give the host-only nodes of a locked ``path`` device copies, in path order.
 
         Stops at the first node that does not fit; returns how many leading nodes of ``path``
-        are now device-resident.
+        are now device-resident, and with ``overlap`` the per-layer arrival events of the copy
+        (``None`` when nothing was copied or the copy completes before compute anyway).
         """
         entries: list[Entry] = []
         loaded = 0
@@ -205,9 +206,10 @@ class Controller:
             assert self.mover is not None
             host = torch.cat([e[1] for e in entries])
             dev = torch.cat([e[0].device for e in entries])
-            flight = InFlight(self.mover.host_to_device(host, dev), [[e[0], None] for e in entries])
-            self._loads.append(flight)
-        return loaded
+            op = self.mover.host_to_device(host, dev, overlap=overlap)
+            self._loads.append(InFlight(op, [[e[0], None] for e in entries]))
+            return loaded, op.layer_events
+        return loaded, None
 
     def _finish_load(self, flight: InFlight) -> None:
         flight.op.complete()

@@ -54,6 +54,10 @@ class LoadResult:
     device_tokens: int
     host_tokens: int
     storage_tokens: int
+    layer_events: list | None = None
+    """With ``load(..., overlap=True)`` on CUDA: ``torch.cuda.Event`` per anchor layer; wait
+    on event ``i`` before reading anchor layer ``i`` (earlier components arrive with layer 0).
+    ``None``: the data is there for every kernel issued after ``load``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class LLM:
         *,
         max_running: int = 16,
         max_prefill_tokens: int = 4096,
+        overlap_loads: bool = True,
     ) -> None:
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -58,7 +59,11 @@ class LLM:
         self.cache = TieredCache(cache_config, model.pool_specs())
         self.model = model.to(self.cache.device_pool.device)
         self.scheduler = Scheduler(
-            self.cache, max_running, max_prefill_tokens, self.model_config.eos_token_ids
+            self.cache,
+            max_running,
+            max_prefill_tokens,
+            self.model_config.eos_token_ids,
+            overlap_loads,
         )
         self.runner = ModelRunner(self.model, self.cache.device_pool, self.cache.page_size)
         self._ids = itertools.count()

@@ -8,7 +8,7 @@ loading a checkpoint is a name-for-name copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -290,6 +290,11 @@ class DecoderLM(nn.Module):
                 w = _default_init(name, p.shape, gens[offset], residual_scale)
             p.copy_(w.to(p.dtype))
 
+    def anchor_layers(self) -> list[int]:
+        """Model layers that read the anchor pool, in order (anchor layer ``j`` is read by the
+        ``j``-th of them). Every layer by default."""
+        return list(range(len(self.model.layers)))
+
     @torch.inference_mode()
     def forward(
         self,
@@ -298,6 +303,7 @@ class DecoderLM(nn.Module):
         seqs: Sequence[SeqSlots],
         kv: KVBuffers,
         all_logits: bool = False,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``sum(s.num_new)`` tokens of several sequences, writing their K/V into ``kv``.
 
@@ -305,11 +311,16 @@ class DecoderLM(nn.Module):
         Returns float32 logits of each sequence's last token (``[len(seqs), vocab]``), or of
         every token when ``all_logits``. Each sequence's attention is computed on its own, so
         the result depends only on its tokens and the batch's composition.
+        ``before_layer(j)`` is called before the first layer that reads anchor-pool layer ``j``
+        (and with 0 before layer 0): where a load that is still arriving is waited for.
         """
         self.check_batch(input_ids, seqs)
         b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
         x = self.model.embed_tokens(input_ids)
+        anchor = self.anchor_layers()
         for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(max(0, sum(1 for a in anchor if a <= i) - 1))
             x = x + self.mix(i, layer, layer.input_layernorm(x), b)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if not all_logits:

@@ -49,6 +49,8 @@ class Request:
     finish_reason: str | None = None
     state: list[torch.Tensor] | None = None
     """Stateful models: the running recurrent state after ``num_computed`` tokens."""
+    layer_events: list | None = None
+    """Per-anchor-layer arrival events of a host load the next forward must wait on."""
     checkpoints: set[int] = field(default_factory=set)
     """Stateful models: pages (by index in ``tokens``) whose state row this request wrote."""
 

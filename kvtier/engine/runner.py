@@ -39,11 +39,15 @@ class ModelRunner:
             if self.stateful:
                 self._attach_state(req, seq, start, end)
             seqs.append(seq)
+        waits = [w.req.layer_events for w in work if w.req.layer_events]
+        for w in work:
+            w.req.layer_events = None
         logits = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             seqs,
             self.kv,
+            before_layer=_layer_waiter(waits) if waits else None,
         ).cpu()
         return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
 
@@ -67,3 +71,15 @@ class ModelRunner:
             if (p + 1) % ps == 0 and (page + 1) % self.checkpoint_every == 0:
                 seq.state_out.append((p - start, int(locs[p]) // ps))
                 req.checkpoints.add(page)
+
+
+def _layer_waiter(waits: list[list]):  # noqa: ANN202 - a closure over CUDA events
+    """Make the compute stream wait, before anchor layer ``j`` is read, for that layer of every
+    host load in the batch (per-layer overlap of load-back and prefill)."""
+
+    def wait(j: int) -> None:
+        stream = torch.cuda.current_stream()
+        for events in waits:
+            stream.wait_event(events[min(j, len(events) - 1)])
+
+    return wait

@@ -41,8 +41,10 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
+        overlap_loads: bool = True,
     ) -> None:
         self.cache = cache
+        self.overlap_loads = overlap_loads
         self.page_size = cache.page_size
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -117,7 +119,8 @@ class Scheduler:
             if work and len(req.tokens) - m.cached_len > budget:
                 break
             self.cache.lock(m.handle)
-            ld = self.cache.load(m)  # may return less than m.cached_len when L1 is short
+            # may return less than m.cached_len when L1 is short
+            ld = self.cache.load(m, overlap=self.overlap_loads)
             num_new = len(req.tokens) - ld.locs.numel()
             try:
                 own = self.cache.alloc(num_new)
@@ -135,6 +138,7 @@ class Scheduler:
         req.locs = torch.cat((ld.locs, own)) if cached else own
         req.prefix_len = req.num_computed = cached
         req.handle = handle
+        req.layer_events = ld.layer_events
         req.status = Status.RUNNING
         num_new = len(req.tokens) - cached
         req.recomputed += num_new

@@ -29,6 +29,7 @@ class TransferOp:
     num_pages: int
     nbytes: int
     event: torch.cuda.Event | None = None
+    layer_events: list[torch.cuda.Event] | None = None
     finalize: Callable[[], None] | None = None
     keepalive: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
@@ -123,11 +124,16 @@ class Mover:
         op.finalize = finalize
         return op
 
-    def host_to_device(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> TransferOp:
+    def host_to_device(
+        self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
+    ) -> TransferOp:
         """Copy host pages into device pages (a load-back).
 
         On CUDA the compute stream is made to wait for the copy, so kernels issued after this
-        call read the loaded pages without the host ever blocking.
+        call read the loaded pages without the host ever blocking. With ``overlap`` (CUDA with
+        a pinned host pool) the compute stream is not made to wait: the anchor component is
+        copied layer by layer, after every other component, and ``op.layer_events[i]`` marks
+        anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
         self._check(device_pages, "host_to_device destination")
         phys = self.translator.device_physical(device_pages)
@@ -145,13 +151,19 @@ class Mover:
             idx = phys.to(self.dev.device, non_blocking=True)
             if self.mapped:
                 hp = host_pages.to(self.dev.device, non_blocking=True)
+                anchor = self.dev.specs[0].name
                 for name, src in self.mapped.items():
+                    if overlap and name == anchor:
+                        continue
                     pages = _gather_pages(src, hp)
                     self.dev.page_bytes_view(name).index_copy_(1, idx, pages)
                     op.keepalive.append(pages)
+                if overlap:
+                    op.layer_events = self._load_layers(anchor, hp, idx, op)
                 op.event = torch.cuda.Event()
                 op.event.record(self.stream)
-                compute.wait_event(op.event)
+                if not overlap:
+                    compute.wait_event(op.event)
                 return op
             for name in self.dev.buffers:
                 src = self.host.page_bytes_view(name)
@@ -169,6 +181,21 @@ class Mover:
             op.event.record(self.stream)
         compute.wait_event(op.event)
         return op
+
+    def _load_layers(
+        self, name: str, hp: torch.Tensor, idx: torch.Tensor, op: TransferOp
+    ) -> list[torch.cuda.Event]:
+        """Copy component ``name`` one layer at a time; one event per layer."""
+        src, dst = self.mapped[name], self.dev.page_bytes_view(name)
+        events = []
+        for layer in range(dst.shape[0]):
+            pages = src[layer].index_select(0, hp)
+            dst[layer].index_copy_(0, idx, pages)
+            op.keepalive.append(pages)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            events.append(ev)
+        return events
 
 
 def _scatter_pages(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:

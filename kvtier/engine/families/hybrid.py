@@ -218,6 +218,10 @@ class HybridModel(DecoderLM):
             PoolSpec("state", self.num_recurrent, (c.state_numel,), c.torch_dtype, kind="state"),
         ]
 
+    def anchor_layers(self) -> list[int]:
+        """Only the attention layers read the anchor (``kv``) pool."""
+        return list(self.config.attn_layers)
+
     def zero_state(self) -> list[torch.Tensor]:
         """A fresh running state (before any token): zeros, one tensor per recurrent layer."""
         c = self.config
