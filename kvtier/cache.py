@@ -213,9 +213,7 @@ class TieredCache:
                 if not spec.token_indexed:
                     self.metrics.inc("hit_pages", 1, (last_src, spec.name))
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
-        return LoadResult(
-            locs, counts["device"], counts["host"], counts["storage"], layer_events
-        )
+        return LoadResult(locs, counts["device"], counts["host"], counts["storage"], layer_events)
 
     # ---- storage → host -----------------------------------------------------------------
     def prefetch(self, m: MatchResult) -> PrefetchOp | None:

@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage}``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft}``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def _bench(args: argparse.Namespace) -> int:
             result = {"bench": "transfer", "families": {f: run(f) for f in FAMILIES}}
         else:
             result = run(args.family)
+    elif args.which == "ttft":
+        from kvtier.bench.ttft import bench_ttft
+
+        result = bench_ttft(prompt_tokens=args.prompt_tokens, device=args.device)
     else:
         from kvtier.bench.storage import bench_storage
 
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
-    b.add_argument("which", choices=("tree", "transfer", "storage"))
+    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft"))
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
     b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
     b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")
@@ -101,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or 'all'; default one GQA pool",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
+    b.add_argument(
+        "--prompt-tokens", type=_positive, default=32768, help="ttft: prompt length (tokens)"
+    )
     b.add_argument(
         "--backend", choices=("file", "mooncake"), default="file", help="storage: which L3 backend"
     )

@@ -98,6 +98,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+QUERY_CHUNK = 1024
+"""Queries per attention block in long prefills."""
+
+
 def paged_attention(
     q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor
 ) -> torch.Tensor:
@@ -107,6 +111,15 @@ def paged_attention(
     holding positions ``0 .. C-1``. Query at position ``p`` sees context positions ``<= p``.
     """
     n, heads, d = q.shape
+    if n > QUERY_CHUNK:
+        # Long prefills in query blocks, each against the context it can see: bounded memory
+        # (the score block is QUERY_CHUNK x context) instead of a full n x context matrix.
+        outs = []
+        for lo in range(0, n, QUERY_CHUNK):
+            hi = min(lo + QUERY_CHUNK, n)
+            end = int(q_pos[hi - 1]) + 1
+            outs.append(paged_attention(q[lo:hi], k_ctx[:end], v_ctx[:end], q_pos[lo:hi]))
+        return torch.cat(outs)
     kv_heads = k_ctx.shape[1]
     # query head h uses kv head h // groups: group the queries instead of copying K/V
     qg = q.view(n, kv_heads, heads // kv_heads, d)

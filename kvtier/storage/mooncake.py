@@ -14,6 +14,10 @@ starts unhealthy, logs a warning naming the master, and connects on a later prob
 restart the client reconnects by itself (the restarted master has lost every object). A read that
 timed out still waits (bounded) for its call to end, because the library may still be writing
 into the caller's buffers, which the caller frees as soon as the read returns.
+
+This module holds ``MooncakeBackend``: the storage contract (exists/get/set with envelope checks),
+health and probing. The worker threads, store error-code classes and the registered arenas with
+transfer-group planning are in ``kvtier.storage.mooncake_buffers``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import queue
 import socket
 import threading
 import time
@@ -39,6 +42,14 @@ from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, StorageCapabilities
 from kvtier.storage.envelope import HEADER_BYTES, EnvelopeError
+from kvtier.storage.mooncake_buffers import (
+    MISSING,
+    NO_SPACE,
+    UNREACHABLE,
+    TransferBuffers,
+    Worker,
+    bytes_view,
+)
 from kvtier.storage.mooncake_url import parse_storage_url
 
 if TYPE_CHECKING:
@@ -46,65 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.storage")
 
-_GROUP_KEYS = 128
-_GROUP_BYTES = 64 << 20
 _BACKOFF = (0.5, 10.0)
 _DRAIN_S = 35.0
 """How long a timed-out read may still write into its buffers: above the transfer engine's 30 s
 no-progress limit."""
-_MISSING = (-703, -704)  # replica not ready, object not found
-_UNREACHABLE = (-800, -900, -901, -1010, -1011)  # transfer/RPC failure, unavailable
-_NO_SPACE = (-200, -1700)  # no segment space, tenant quota
-
-
-class _Worker:
-    """A daemon thread running one store call at a time (daemon: a call stuck in the library
-    must not hold up interpreter exit)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._current: Future | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future | None:
-        """Start ``fn``; ``None`` while the previous call is still running."""
-        with self._lock:
-            if self._current is not None and not self._current.done():
-                return None
-            fut: Future = Future()
-            self._current = fut
-        self._jobs.put((fn, fut))
-        return fut
-
-    def wait_idle(self, timeout: float) -> bool:
-        cur = self._current
-        return cur is None or not concurrent.futures.wait([cur], timeout).not_done
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                fut.set_exception(e)
-
-
-def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"storage buffers must be contiguous CPU tensors, got {tensor.device}")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
-def _span(a: np.ndarray) -> tuple[int, int]:
-    return _ptr(a), _ptr(a) + a.nbytes
 
 
 class MooncakeBackend(StorageBackend):
@@ -137,19 +93,15 @@ class MooncakeBackend(StorageBackend):
         self.namespace = namespace
         self._prefix = f"kvtier/{namespace}/"
         self._lock = threading.Lock()
-        self._reg_lock = threading.Lock()
         self._client: Any = None
         self._healthy = self._closed = self._probing = False
         self._probe_finished = threading.Event()
         self._backoff, self._next_probe = _BACKOFF[0], 0.0
         self._reason = "not connected yet"
         self._counts: Counter[str] = Counter()
-        self._regions: list[tuple[int, int]] = []
-        self._headers = np.zeros(2 * _GROUP_KEYS * HEADER_BYTES, dtype=np.uint8)
-        self._wanted = [_span(self._headers)]
-        self._bounce = [np.zeros(0, np.uint8), np.zeros(0, np.uint8)]  # allocated when needed
-        self._data = _Worker("kvtier-mooncake-data")
-        self._meta = _Worker("kvtier-mooncake-meta")
+        self._buffers = TransferBuffers(self.settings.bounce, lambda: self._client)
+        self._data = Worker("kvtier-mooncake-data")
+        self._meta = Worker("kvtier-mooncake-meta")
         fut = self._maybe_probe()
         if fut is not None:
             concurrent.futures.wait([fut], max(self.settings.timeout_s, 5.0))
@@ -190,23 +142,16 @@ class MooncakeBackend(StorageBackend):
             self._reason = f"setup returned {rc}"
             store.close()
             return False
-        with self._reg_lock:
+        with self._buffers.lock:
             with self._lock:
                 closed = self._closed
                 if not closed:
-                    self._client, self._regions = store, []
+                    self._client = store
             if closed:
                 store.close()
                 return False
-            for start, end in self._wanted:
-                self._register(store, start, end)
+            self._buffers.attach(store)
         return True
-
-    def _register(self, store: Any, start: int, end: int) -> None:
-        if store.register_buffer(start, end - start) == 0:
-            self._regions.append((start, end))
-        else:
-            log.warning("mooncake register_buffer(%#x, %d) failed; bouncing", start, end - start)
 
     def _probe(self) -> bool:
         client = self._client
@@ -276,13 +221,13 @@ class MooncakeBackend(StorageBackend):
 
     def _code_fault(self, code: int, what: str) -> None:
         """Count a negative store code that is not a plain miss."""
-        if code in _MISSING:
+        if code in MISSING:
             return
         message = f"{what} answered {code}"
-        if code in _UNREACHABLE:
+        if code in UNREACHABLE:
             self._outage("unreachable", message)
         else:
-            self.fault("no_space" if code in _NO_SPACE else "io", message)
+            self.fault("no_space" if code in NO_SPACE else "io", message)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -309,9 +254,9 @@ class MooncakeBackend(StorageBackend):
         if client is not None and not self._data.wait_idle(0):
             self._count(skipped=1)
             client = None
-        return client, ([] if client is None else [_bytes_view(b) for b in buffers])
+        return client, ([] if client is None else [bytes_view(b) for b in buffers])
 
-    def _submit(self, worker: _Worker, fn: Callable[[], Any]) -> Future | None:
+    def _submit(self, worker: Worker, fn: Callable[[], Any]) -> Future | None:
         fut = worker.submit(fn)
         if fut is None:
             self._count(skipped=1)
@@ -337,76 +282,10 @@ class MooncakeBackend(StorageBackend):
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Register each contiguous CPU buffer once; reads and writes inside them skip the
         bounce arena."""
-        with self._reg_lock:
-            for b in buffers:
-                if b.device.type != "cpu" or not b.is_contiguous() or not b.numel():
-                    continue
-                start = b.data_ptr()
-                end = start + b.numel() * b.element_size()
-                if any(s <= start and end <= e for s, e in self._wanted):
-                    continue
-                self._wanted.append((start, end))
-                if self._client is not None:
-                    self._register(self._client, start, end)
+        self._buffers.register_buffers(buffers)
 
-    def _inside(self, a: np.ndarray) -> bool:
-        p, q = _span(a)
-        return any(s <= p and q <= e for s, e in self._regions)
-
-    def _plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
-        """Groups of consecutive objects, each with its objects' bounce offsets (-1: direct)."""
-        groups, start, size, staged, offs = [], 0, 0, 0, []
-        for i, v in enumerate(views):
-            need = 0 if self._inside(v) else v.nbytes
-            if need > self._bounce[0].nbytes:
-                self._grow_bounce(max(need, self.settings.bounce))
-            if offs and (
-                len(offs) == _GROUP_KEYS
-                or size + v.nbytes > _GROUP_BYTES
-                or staged + need > self._bounce[0].nbytes
-            ):
-                groups.append((range(start, i), offs))
-                start, size, staged, offs = i, 0, 0, []
-            offs.append(staged if need else -1)
-            size, staged = size + v.nbytes, staged + need
-        return [*groups, (range(start, len(views)), offs)] if offs else groups
-
-    def _grow_bounce(self, nbytes: int) -> None:
-        """Replace both bounce halves by ``nbytes`` ones (only while no data call runs)."""
-        with self._reg_lock:
-            client = self._client
-            for half, old in enumerate(self._bounce):
-                self._bounce[half] = new = np.zeros(nbytes, np.uint8)
-                old_span, new_span = _span(old), _span(new)
-                if old_span in self._wanted:
-                    self._wanted.remove(old_span)
-                self._wanted.append(new_span)
-                if old_span in self._regions and client is not None:
-                    self._regions.remove(old_span)
-                    client.unregister_buffer(old_span[0])
-                if client is not None:
-                    self._register(client, *new_span)
-
-    def _header(self, g: int, j: int) -> np.ndarray:
-        """Header slot of object ``j`` of group ``g``; consecutive groups use different halves
-        of the arena, so one can be verified while the next is in flight."""
-        slot = ((g % 2) * _GROUP_KEYS + j) * HEADER_BYTES
-        return self._headers[slot : slot + HEADER_BYTES]
-
-    def _layout(
-        self, g: int, rng: range, offs: list[int], keys: Sequence[PageKey], views: list[np.ndarray]
-    ) -> tuple[list[str], list[list[int]], list[list[int]], list[np.ndarray]]:
-        """Store names, buffer pointers and sizes (header slot, payload) of group ``g``, and
-        where each payload lies: the caller's buffer or a slice of the bounce arena."""
-        names, ptrs, sizes, places = [], [], [], []
-        for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
-            v = views[i]
-            place = v if off < 0 else self._bounce[g % 2][off : off + v.nbytes]
-            names.append(self._prefix + keys[i])
-            ptrs.append([_ptr(self._header(g, j)), _ptr(place)])
-            sizes.append([HEADER_BYTES, v.nbytes])
-            places.append(place)
-        return names, ptrs, sizes, places
+    def _names(self, keys: Sequence[PageKey], rng: range) -> list[str]:
+        return [self._prefix + keys[i] for i in rng]
 
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Length of the leading run of ``keys`` present in the store (one batched call)."""
@@ -431,15 +310,16 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             return 0
         done, pending = 0, None
-        for g, (rng, offs) in enumerate(self._plan(views)):
-            names, ptrs, sizes, places = self._layout(g, rng, offs, keys, views)
+        for g, (rng, offs) in enumerate(self._buffers.plan(views)):
+            names = self._names(keys, rng)
+            ptrs, sizes, places = self._buffers.layout(g, rng, offs, views)
             for j, (i, place) in enumerate(zip(rng, places, strict=True)):
                 v = views[i]
                 if place is not v:
                     place[:] = v
                     self._count(bytes_bounced=v.nbytes)
                 head = envelope.pack(self.namespace, keys[i], v.nbytes, envelope.crc(v))
-                self._header(g, j)[:] = np.frombuffer(head, np.uint8)
+                self._buffers.header(g, j)[:] = np.frombuffer(head, np.uint8)
             if pending is not None:
                 stored = self._put_done(*pending)
                 done += stored
@@ -469,10 +349,11 @@ class MooncakeBackend(StorageBackend):
         client, views = self._data_ready(keys, buffers)
         if client is None:
             return 0
-        groups = self._plan(views)
+        groups = self._buffers.plan(views)
 
         def submit(g: int) -> tuple[Future | None, list[np.ndarray]]:
-            names, ptrs, sizes, places = self._layout(g, *groups[g], keys, views)
+            names = self._names(keys, groups[g][0])
+            ptrs, sizes, places = self._buffers.layout(g, *groups[g], views)
             fn = lambda: client.batch_get_into_multi_buffers(names, ptrs, sizes)  # noqa: E731
             return self._submit(self._data, fn), places
 
@@ -516,7 +397,7 @@ class MooncakeBackend(StorageBackend):
                 if code < 0:
                     self._code_fault(code, "batch_get_into_multi_buffers")
                     return n
-                head = self._header(g, j)[: min(code, HEADER_BYTES)].tobytes()
+                head = self._buffers.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
                 length, want = envelope.unpack(head, self.namespace, keys[i])
                 if code - HEADER_BYTES < length:
                     raise EnvelopeError("short_read", f"{code - HEADER_BYTES} of {length} B")

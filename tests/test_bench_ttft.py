@@ -1,0 +1,27 @@
+"""The TTFT benchmark runs every scenario and every restore gives the cold run's first token."""
+
+from __future__ import annotations
+
+from kvtier.bench.ttft import bench_ttft
+
+
+def test_bench_ttft_tiny_cpu():
+    r = bench_ttft(
+        prompt_tokens=200,
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        dtype="float32",
+        repeats=1,
+        device="cpu",
+    )
+    s = r["scenarios"]
+    assert s["cold"]["recomputed"] == 200
+    assert s["device_hit"]["cached_device"] == 192
+    assert s["host_restore"]["cached_host"] == s["host_restore_overlap"]["cached_host"] == 192
+    assert s["storage_restore"]["cached_storage"] == 192
+    assert r["same_first_token"] and r["overlap_ratio"] > 0
