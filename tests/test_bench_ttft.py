@@ -20,7 +20,7 @@ def test_bench_ttft_tiny_cpu():
         device="cpu",
     )
     s = r["scenarios"]
-    assert s["cold"]["recomputed"] == 200
+    assert s["cold"]["recomputed"] == 200 and s["cold"]["cached_device"] == 0
     assert s["device_hit"]["cached_device"] == 192
     assert s["host_restore"]["cached_host"] == s["host_restore_overlap"]["cached_host"] == 192
     assert s["storage_restore"]["cached_storage"] == 192

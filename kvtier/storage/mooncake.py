@@ -1,4 +1,6 @@
-"""Mooncake Store L3 backend: page objects in a Mooncake distributed memory pool.
+"""Mooncake Store L3 backend, ``MooncakeBackend``: page objects in a Mooncake distributed memory
+pool. This module holds the storage contract (exists/get/set), health and probing; worker threads,
+store error codes and the registered arenas are in ``kvtier.storage.mooncake_buffers``.
 
 Configured by one string, ``CacheConfig.storage_url`` (format in ``kvtier.storage.mooncake_url``).
 Objects are stored under ``kvtier/<namespace>/<key>`` as envelope header + payload, written and
@@ -14,10 +16,6 @@ starts unhealthy, logs a warning naming the master, and connects on a later prob
 restart the client reconnects by itself (the restarted master has lost every object). A read that
 timed out still waits (bounded) for its call to end, because the library may still be writing
 into the caller's buffers, which the caller frees as soon as the read returns.
-
-This module holds ``MooncakeBackend``: the storage contract (exists/get/set with envelope checks),
-health and probing. The worker threads, store error-code classes and the registered arenas with
-transfer-group planning are in ``kvtier.storage.mooncake_buffers``.
 """
 
 from __future__ import annotations
@@ -284,9 +282,6 @@ class MooncakeBackend(StorageBackend):
         bounce arena."""
         self._buffers.register_buffers(buffers)
 
-    def _names(self, keys: Sequence[PageKey], rng: range) -> list[str]:
-        return [self._prefix + keys[i] for i in rng]
-
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Length of the leading run of ``keys`` present in the store (one batched call)."""
         client = self._ready() if keys else None
@@ -311,15 +306,14 @@ class MooncakeBackend(StorageBackend):
             return 0
         done, pending = 0, None
         for g, (rng, offs) in enumerate(self._buffers.plan(views)):
-            names = self._names(keys, rng)
-            ptrs, sizes, places = self._buffers.layout(g, rng, offs, views)
-            for j, (i, place) in enumerate(zip(rng, places, strict=True)):
-                v = views[i]
-                if place is not v:
-                    place[:] = v
-                    self._count(bytes_bounced=v.nbytes)
-                head = envelope.pack(self.namespace, keys[i], v.nbytes, envelope.crc(v))
-                self._buffers.header(g, j)[:] = np.frombuffer(head, np.uint8)
+            names = [self._prefix + keys[i] for i in rng]
+            heads = [
+                envelope.pack(self.namespace, keys[i], views[i].nbytes, envelope.crc(views[i]))
+                for i in rng
+            ]
+            ptrs, sizes, bounced = self._buffers.stage(g, rng, offs, views, heads)
+            if bounced:
+                self._count(bytes_bounced=bounced)
             if pending is not None:
                 stored = self._put_done(*pending)
                 done += stored
@@ -352,7 +346,7 @@ class MooncakeBackend(StorageBackend):
         groups = self._buffers.plan(views)
 
         def submit(g: int) -> tuple[Future | None, list[np.ndarray]]:
-            names = self._names(keys, groups[g][0])
+            names = [self._prefix + keys[i] for i in groups[g][0]]
             ptrs, sizes, places = self._buffers.layout(g, *groups[g], views)
             fn = lambda: client.batch_get_into_multi_buffers(names, ptrs, sizes)  # noqa: E731
             return self._submit(self._data, fn), places

@@ -189,3 +189,19 @@ class TransferBuffers:
             sizes.append([HEADER_BYTES, v.nbytes])
             places.append(place)
         return ptrs, sizes, places
+
+    def stage(
+        self, g: int, rng: range, offs: list[int], views: list[np.ndarray], heads: list[bytes]
+    ) -> tuple[list[list[int]], list[list[int]], int]:
+        """``layout`` of group ``g`` for writing: ``heads`` (packed envelope headers) copied
+        into its header slots and payloads outside registered memory into the bounce arena.
+        Returns pointers, sizes and the number of bytes bounced."""
+        ptrs, sizes, places = self.layout(g, rng, offs, views)
+        bounced = 0
+        for j, (i, place, head) in enumerate(zip(rng, places, heads, strict=True)):
+            v = views[i]
+            if place is not v:
+                place[:] = v
+                bounced += v.nbytes
+            self.header(g, j)[:] = np.frombuffer(head, np.uint8)
+        return ptrs, sizes, bounced
