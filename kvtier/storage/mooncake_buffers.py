@@ -88,8 +88,8 @@ class TransferBuffers:
     """Header and bounce arenas plus registered caller memory, for one backend.
 
     ``client`` returns the backend's connected client (``None`` before it connects and after
-    it closes); registrations go to it. ``plan``, ``header`` and ``layout`` are used by one data
-    call at a time and only while no earlier data call still runs.
+    it closes); registrations go to it. ``plan``, ``header``, ``layout`` and ``stage`` are used
+    by one data call at a time and only while no earlier data call still runs.
     """
 
     def __init__(self, bounce_bytes: int, client: Callable[[], Any]) -> None:
