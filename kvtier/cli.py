@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft}``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step}``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def _bench(args: argparse.Namespace) -> int:
             result = {"bench": "transfer", "families": {f: run(f) for f in FAMILIES}}
         else:
             result = run(args.family)
+    elif args.which == "step":
+        from kvtier.bench.step import bench_step
+
+        result = bench_step()
     elif args.which == "ttft":
         from kvtier.bench.ttft import bench_ttft
 
@@ -88,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
-    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft"))
+    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft", "step"))
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
     b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
     b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")

@@ -1,0 +1,118 @@
+"""CPU time the cache costs a scheduler, per step, with many requests in flight.
+
+The engine's own scheduler drives a ``TieredCache`` with ``concurrency`` requests (shared
+system prompt, distinct user turns), no model: every step decodes one token per running
+request, finished requests leave and new ones arrive. Every call into the cache is timed
+through a proxy; the result is kvtier's CPU time per step and per request-step, next to the
+scheduler's total step time measured in the same run (the peer).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from kvtier.cache import TieredCache
+from kvtier.config import CacheConfig
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.pools.spec import PoolSpec
+
+
+class _Timed:
+    """Forwards to the cache and accumulates the wall time of every method call."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        self._cache = cache
+        self.seconds = 0.0
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._cache, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed
+
+
+def bench_step(
+    concurrency: int = 1000,
+    steps: int = 200,
+    system_tokens: int = 512,
+    user_tokens: int = 256,
+    output_tokens: int = 64,
+    page_size: int = 16,
+    seed: int = 0,
+) -> dict:
+    """Per-step cache CPU time at ``concurrency`` running requests (see the module docstring)."""
+    per_req = (system_tokens + user_tokens + output_tokens) // page_size + 2
+    spec = PoolSpec("kv", 1, (2, 1, 8), torch.float16)
+    cfg = CacheConfig(
+        page_size=page_size,
+        device_pages=per_req * concurrency * 2,
+        host_ratio=1.0,
+        device="cpu",
+    )
+    cache = _Timed(TieredCache(cfg, [spec]))
+    sched = Scheduler(cache, concurrency, 1 << 30)  # type: ignore[arg-type]
+    rng = random.Random(seed)
+    system = [rng.randrange(32000) for _ in range(system_tokens)]
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    ids = iter(range(1 << 30))
+
+    def arrive(n: int) -> None:
+        for _ in range(n):
+            prompt = system + [rng.randrange(32000) for _ in range(user_tokens)]
+            sched.add(Request(next(ids), prompt, params, time.perf_counter(), None))
+
+    arrive(concurrency)
+    step_s, cache_s, running = [], [], []
+    # Stagger the first wave so requests finish (and new ones arrive) at every step.
+    for r in list(sched.waiting)[: concurrency // 2]:
+        r.params = SamplingParams(max_tokens=max(1, output_tokens // 2), ignore_eos=True)
+    for i in range(steps):
+        before = cache.seconds
+        t0 = time.perf_counter()
+        cache.poll()
+        work = sched.schedule()
+        finished = sched.update(work, [rng.randrange(32000) for _ in work])
+        arrive(len(finished))
+        step_s.append(time.perf_counter() - t0)
+        cache_s.append(cache.seconds - before)
+        running.append(len(sched.running))
+        if i % 50 == 0:
+            print(f"[bench step] step {i}: {len(sched.running)} running", file=sys.stderr)
+    warm = slice(steps // 4, None)  # skip the admission wave
+    kv = cache_s[warm]
+    out = {
+        "bench": "step",
+        "concurrency": concurrency,
+        "steps": steps,
+        "mean_running": statistics.mean(running[warm]),
+        "cache_ms_per_step": {
+            "mean": 1e3 * statistics.mean(kv),
+            "p50": 1e3 * statistics.median(kv),
+            "p99": 1e3 * sorted(kv)[int(0.99 * (len(kv) - 1))],
+        },
+        "cache_us_per_request_step": 1e6 * statistics.mean(kv) / statistics.mean(running[warm]),
+        "scheduler_ms_per_step": 1e3 * statistics.mean(step_s[warm]),
+        "cache_share_of_step": sum(kv) / sum(step_s[warm]),
+        "calls": dict(cache.calls),
+    }
+    cache._cache.check_integrity()
+    return out

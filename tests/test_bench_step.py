@@ -1,0 +1,12 @@
+"""The scheduler-step benchmark keeps its requests running and accounts every cache call."""
+
+from __future__ import annotations
+
+from kvtier.bench.step import bench_step
+
+
+def test_bench_step_tiny():
+    r = bench_step(concurrency=20, steps=24, system_tokens=32, user_tokens=16, output_tokens=8)
+    assert r["mean_running"] > 15
+    assert r["calls"]["poll"] == 24 and r["calls"]["finish"] > 0
+    assert 0 < r["cache_share_of_step"] <= 1
