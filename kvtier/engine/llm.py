@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from kvtier.cache import TieredCache
@@ -66,6 +67,12 @@ class LLM:
             overlap_loads,
         )
         self.runner = ModelRunner(self.model, self.cache.device_pool, self.cache.page_size)
+        # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
+        # that when load-back kernels and the forward overlap, the forward's blocks go first.
+        self._compute_stream = None
+        if self.cache.device.type == "cuda":
+            # Out-of-range priorities clamp to the highest the device has.
+            self._compute_stream = torch.cuda.Stream(self.cache.device, priority=-100)
         self._ids = itertools.count()
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
@@ -112,6 +119,12 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step (at most one forward); returns the requests that finished."""
+        if self._compute_stream is None:
+            return self._step()
+        with torch.cuda.stream(self._compute_stream):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.cache.poll()
         work = self.scheduler.schedule()
         if not work:
