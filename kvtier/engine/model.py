@@ -109,15 +109,17 @@ def paged_attention(
 
     ``q`` is ``[n, heads, d]`` at positions ``q_pos``; ``k_ctx``/``v_ctx`` are ``[C, kv_heads, d]``
     holding positions ``0 .. C-1``. Query at position ``p`` sees context positions ``<= p``.
+    The queries are the context's last ``n`` positions (new tokens after their prefix).
     """
     n, heads, d = q.shape
     if n > QUERY_CHUNK:
         # Long prefills in query blocks, each against the context it can see: bounded memory
         # (the score block is QUERY_CHUNK x context) instead of a full n x context matrix.
-        outs = []
+        # Block ends come from shapes, not from q_pos, so the GPU is never synchronised.
+        outs, first = [], k_ctx.shape[0] - n
         for lo in range(0, n, QUERY_CHUNK):
             hi = min(lo + QUERY_CHUNK, n)
-            end = int(q_pos[hi - 1]) + 1
+            end = first + hi
             outs.append(paged_attention(q[lo:hi], k_ctx[:end], v_ctx[:end], q_pos[lo:hi]))
         return torch.cat(outs)
     kv_heads = k_ctx.shape[1]

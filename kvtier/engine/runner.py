@@ -66,9 +66,10 @@ class ModelRunner:
             else:
                 req.state = self.model.zero_state()
         seq.state = req.state
-        for p in range(start, end):
+        # Only the last token of each page can end a checkpoint: step from page end to page end.
+        for p in range(start + (ps - 1 - start % ps), end, ps):
             page = p // ps
-            if (p + 1) % ps == 0 and (page + 1) % self.checkpoint_every == 0:
+            if (page + 1) % self.checkpoint_every == 0:
                 seq.state_out.append((p - start, int(locs[p]) // ps))
                 req.checkpoints.add(page)
 
