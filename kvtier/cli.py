@@ -45,7 +45,7 @@ def _bench(args: argparse.Namespace) -> int:
             return bench_transfer(
                 device=args.device,
                 page_size=args.page_size,
-                host_layout=args.host_layout,
+                host_layout=args.host_layout or "page_first",
                 family=family,
             )
 
@@ -60,7 +60,11 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.which == "ttft":
         from kvtier.bench.ttft import bench_ttft
 
-        result = bench_ttft(prompt_tokens=args.prompt_tokens, device=args.device)
+        result = bench_ttft(
+            prompt_tokens=args.prompt_tokens,
+            device=args.device,
+            host_layout=args.host_layout or "layer_first",
+        )
     else:
         from kvtier.bench.storage import bench_storage
 
@@ -99,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--host-layout",
         choices=("page_first", "layer_first"),
-        default="page_first",
-        help="transfer: host pool layout",
+        default=None,
+        help="transfer (default page_first), ttft (default layer_first): host pool layout",
     )
     b.add_argument(
         "--family",

@@ -52,6 +52,10 @@ class TransferOp:
             self.keepalive.clear()
 
 
+DMA_MIN_RUN = 8
+"""Mean pages per run below which scattered loads use gather kernels instead of copy engines."""
+
+
 class Mover:
     """Copies pages between one device pool and one host pool."""
 
@@ -149,6 +153,14 @@ class Mover:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             idx = phys.to(self.dev.device, non_blocking=True)
+            runs = self._dma_runs(host_pages, phys)
+            if runs is not None:
+                op.layer_events = self._dma_load(runs, overlap, op)
+                op.event = torch.cuda.Event()
+                op.event.record(self.stream)
+                if not overlap:
+                    compute.wait_event(op.event)
+                return op
             if self.mapped:
                 hp = host_pages.to(self.dev.device, non_blocking=True)
                 anchor = self.dev.specs[0].name
@@ -181,6 +193,43 @@ class Mover:
             op.event.record(self.stream)
         compute.wait_event(op.event)
         return op
+
+    def _dma_runs(
+        self, host_pages: torch.Tensor, device_pages: torch.Tensor
+    ) -> list[tuple[int, int, int]] | None:
+        """``(host start, device start, length)`` runs of pages consecutive on both sides, when
+        the host pool is layer-first (a layer of a run is then one contiguous block on each
+        side) and there are few enough runs for one copy-engine transfer per layer and run to
+        beat kernels; else ``None``."""
+        if self.host.layout != "layer_first" or not self.host.pinned or host_pages.numel() == 0:
+            return None
+        h, d = host_pages.cpu(), device_pages.cpu()
+        breaks = ((h[1:] - h[:-1] != 1) | (d[1:] - d[:-1] != 1)).nonzero().reshape(-1) + 1
+        if breaks.numel() + 1 > max(1, h.numel() // DMA_MIN_RUN):
+            return None
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), h.numel()]
+        return [(int(h[a]), int(d[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+
+    def _dma_load(
+        self, runs: list[tuple[int, int, int]], overlap: bool, op: TransferOp
+    ) -> list[torch.cuda.Event] | None:
+        """Host → device by copy engine, one transfer per layer and run; the anchor goes last,
+        layer by layer, with an event per layer when ``overlap``. Uses no SMs, so it does not
+        slow the forward it overlaps."""
+        anchor = self.dev.specs[0].name
+        names = [n for n in self.dev.buffers if n != anchor] + [anchor]
+        events: list[torch.cuda.Event] = []
+        for name in names:
+            src, dst = self.host.page_bytes_view(name), self.dev.page_bytes_view(name)
+            for layer in range(dst.shape[0]):
+                for h0, d0, k in runs:
+                    dst[layer, d0 : d0 + k].copy_(src[layer, h0 : h0 + k], non_blocking=True)
+                if overlap and name == anchor:
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    events.append(ev)
+        return events or None
 
     def _load_layers(
         self, name: str, hp: torch.Tensor, idx: torch.Tensor, op: TransferOp
