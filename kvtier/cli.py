@@ -45,7 +45,7 @@ def _bench(args: argparse.Namespace) -> int:
             return bench_transfer(
                 device=args.device,
                 page_size=args.page_size,
-                host_layout=args.host_layout or "page_first",
+                host_layout=args.host_layout,
                 family=family,
             )
 
@@ -63,7 +63,7 @@ def _bench(args: argparse.Namespace) -> int:
         result = bench_ttft(
             prompt_tokens=args.prompt_tokens,
             device=args.device,
-            host_layout=args.host_layout or "layer_first",
+            host_layout=args.host_layout,
         )
     else:
         from kvtier.bench.storage import bench_storage
@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--host-layout",
         choices=("page_first", "layer_first"),
-        default=None,
-        help="transfer (default page_first), ttft (default layer_first): host pool layout",
+        default="page_first",
+        help="transfer, ttft: host pool layout",
     )
     b.add_argument(
         "--family",

@@ -60,10 +60,10 @@ def bench_ttft(
     page_size: int = 16,
     repeats: int = 3,
     device: str | None = None,
-    host_layout: str = "layer_first",
+    host_layout: str = "page_first",
 ) -> dict:
     """Best-of-``repeats`` TTFT (seconds) per scenario (the cold one runs once); see the module
-    docstring. A ``layer_first`` host pool lets loads of page runs go by copy engine."""
+    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = ModelConfig(
         vocab_size=vocab_size,
