@@ -5,15 +5,13 @@ every component equal the originals byte for byte."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from childproc import run_json
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
@@ -123,20 +121,7 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
 
     case = tmp_path / "case.pt"
     torch.save({"prompts": ps_, "base": base, "rows": rows}, case)
-    here = Path(__file__).parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-    }
-    child = subprocess.run(
-        [sys.executable, str(here / "family_oracle_child.py"), family, storage, str(case)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = run_json("family_oracle_child.py", family, storage, str(case))
     assert result["outputs"] == expected
     assert result["rows_equal"]
     anchor = llm.cache.specs[0].name

@@ -3,15 +3,13 @@ a state pool), prefixes shared between engine processes, and a master outage mid
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from childproc import run_json
 from mooncake_harness import MooncakeCluster, mooncake_cluster  # noqa: F401 - fixture
 
 from kvtier.config import CacheConfig
@@ -55,20 +53,7 @@ def cold(family: str, ps: list[list[int]]) -> list[list[int]]:
 def run_child(family: str, url: str, case: dict, tmp_path: Path) -> dict:
     path = tmp_path / f"case-{random.random()}.pt"
     torch.save(case, path)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    child = subprocess.run(
-        [sys.executable, str(HERE / "mooncake_child.py"), family, url, str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_json("mooncake_child.py", family, url, str(path))
 
 
 @pytest.mark.parametrize("family", ["tiny", "hybrid"])

@@ -4,14 +4,12 @@ token, and restored KV bytes equal the originals byte for byte."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from childproc import run_json
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -97,21 +95,7 @@ def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
 
     case = tmp_path / "case.pt"
     torch.save({"prompts": prompts(), "base": base, "kv": kv}, case)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "oracle_child.py"), storage, str(case)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = run_json("oracle_child.py", storage, str(case))
     assert result["outputs"] == cold
     assert result["kv_equal"]
     # Every whole page of every prompt comes back (from storage, or from the device once an
