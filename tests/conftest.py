@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny cache and a helper that plays one request through it."""
+"""Shared fixtures: a tiny cache, a helper that plays one request through it, and an empty
+radix tree with the tree tests' page size."""
 
 from __future__ import annotations
 
@@ -56,3 +57,12 @@ def cache(tmp_path):
     c = make_cache(tmp_path)
     yield c
     c.close()
+
+
+@pytest.fixture
+def tree():  # noqa: ANN201 - a RadixTree
+    from tree_helpers import PS as TREE_PS
+
+    from kvtier.tree import RadixTree
+
+    return RadixTree(TREE_PS)
