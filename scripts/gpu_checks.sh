@@ -8,13 +8,14 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py \
-    tests/test_pool_sets.py tests/test_family_oracle.py 2>&1 | tail -15
+    tests/test_pool_sets.py tests/test_family_oracle.py tests/test_transfer.py tests/test_overlap.py \
+    2>&1 | tail -15
 python3 -m kvtier.cli bench transfer --family all --json "$OUT/transfer_families.json" > /dev/null
 python3 - "$OUT/transfer_families.json" <<'PY'
 import json, sys
 for name, r in json.load(open(sys.argv[1]))["families"].items():
-    print(f"{name:15s} page {r['sizes']['page_size']:3d}", "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["gbps"], r["d2h"]["ratio"]),
-          "h2d %.1f GB/s (ratio %.2f)" % (r["h2d"]["gbps"], r["h2d"]["ratio"]))
+    print(f"{name:15s} page {r['sizes']['page_size']:3d}",
+          *("%s %.1f GB/s (ratio %.2f) %s" % (d, r[d]["gbps"], r[d]["ratio"], r[d]["paths"]) for d in ("d2h", "h2d", "both")))
 PY
 # Single-pool sweeps over layouts and page sizes: set SWEEP=1 (writes six more JSON files).
 [ "${SWEEP:-0}" = 1 ] && for layout in page_first layer_first; do
@@ -24,8 +25,8 @@ PY
     python3 - "$OUT/transfer_${layout}_ps${ps}.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(sys.argv[1].rsplit("/", 1)[-1], "d2h %.1f GB/s (ratio %.2f)" % (r["d2h"]["gbps"], r["d2h"]["ratio"]),
-      "h2d %.1f GB/s (ratio %.2f)" % (r["h2d"]["gbps"], r["h2d"]["ratio"]))
+print(sys.argv[1].rsplit("/", 1)[-1],
+      *("%s %.1f GB/s (ratio %.2f) %s" % (d, r[d]["gbps"], r[d]["ratio"], r[d]["paths"]) for d in ("d2h", "h2d", "both")))
 PY
   done
 done
@@ -35,3 +36,6 @@ done
       > "/tmp/demo_cuda_$model.json" 2>/dev/null
   python3 -c "import json; d=json.load(open('/tmp/demo_cuda_$model.json')); print('demo $model', d['tiers'], d['oracle'])"
 done
+# Time to first token of a 32K-token prompt on a Llama-8B-sized model: set TTFT=1.
+[ "${TTFT:-0}" = 1 ] && python3 -m kvtier.cli bench ttft --json "$OUT/ttft.json" 2>&1 | grep "bench ttft"
+exit 0

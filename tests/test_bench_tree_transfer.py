@@ -67,6 +67,8 @@ def test_bench_transfer_tiny() -> None:
     assert sizes["reduced"] is False
     for direction in ("d2h", "h2d"):
         d = out[direction]
+        expect_paths = {"kv": "cpu"} if out["device"] == "cpu" else {"kv": "kernel"}
+        assert d.pop("paths") == expect_paths  # 1 KiB rows: kernels on CUDA
         assert set(d) == {
             "gbps",
             "median_gbps",
@@ -77,6 +79,7 @@ def test_bench_transfer_tiny() -> None:
         }
         assert all(v > 0 for v in d.values())
         assert d["ratio"] == pytest.approx(d["gbps"] / d["contiguous_gbps"])
+    assert (out["both"] is None) == (out["device"] == "cpu")
 
 
 def test_bench_transfer_layer_first_host() -> None:

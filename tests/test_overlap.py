@@ -64,7 +64,7 @@ def test_overlapped_host_restore_matches_cold(family):
 
 @cuda
 @pytest.mark.parametrize("overlap", [False, True])
-def test_copy_engine_load_of_page_runs_is_byte_exact(overlap):
+def test_layer_first_load_of_page_runs_is_byte_exact(overlap):
     spec = PoolSpec("kv", 3, (2, 2, 8), torch.bfloat16)
     side = PoolSpec("state", 2, (16,), torch.float32, kind="state")
     dev = DevicePool([spec, side], 32, 16, torch.device("cuda"))
@@ -73,9 +73,10 @@ def test_copy_engine_load_of_page_runs_is_byte_exact(overlap):
         buf.copy_(torch.randn(buf.shape).to(buf.dtype))
     mover = Mover(dev, host)
     hp, dp = torch.arange(4, 20), torch.cat([torch.arange(0, 8), torch.arange(16, 24)])
-    assert mover._dma_runs(hp, dp) == [(4, 0, 8), (12, 16, 8)]
     op = mover.host_to_device(hp, dp, overlap=overlap)
     assert (op.layer_events is not None) == overlap
+    assert op.paths["state"] == "kernel"  # 64-byte rows
+    assert op.paths["kv"].startswith("kernel")  # 8-page runs of 1 KiB rows: 8 KiB blocks
     op.wait()
     for s in (spec, side):
         got = dev.page_bytes_view(s.name)[:, dp].cpu()

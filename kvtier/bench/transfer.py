@@ -22,9 +22,9 @@ from kvtier.transfer.mover import Mover
 
 CPU_TRANSFER_BYTES = 64 << 20
 """Bytes moved per copy on CPU (sizes shrink to fit), which keeps the CPU run to seconds."""
-FOOTPRINT_COPIES = 9
+FOOTPRINT_COPIES = 11
 """Estimated peak memory in units of the transferred bytes: device and host pools of twice the
-transferred pages each, the contiguous pair, the verification snapshot and transfer staging."""
+transferred pages each, the contiguous pairs (two on CUDA), the verification snapshot and staging."""
 MIN_CPU_PAGES = 16
 """Pages kept on CPU before layers are cut instead."""
 SEED = 0
@@ -88,8 +88,12 @@ def bench_transfer(
     in the same transfer); ``num_layers``/``num_kv_heads``/``head_dim`` are ignored and on CPU
     only ``num_pages`` shrinks.
 
-    Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d"}`` where each
-    direction has ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
+    On CUDA ``both`` times a backup of the source pages (into the other host pages) issued
+    together with the load, against contiguous copies both ways at once; its GB/s count the bytes
+    of both directions.
+
+    Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d", "both"}`` where
+    each direction has ``paths`` (the mechanism per component), ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
     ``ratio`` (best scattered / best contiguous) and ``median_ratio``.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -149,9 +153,11 @@ def bench_transfer(
         _fill_random(buf, dgen)
     perm = torch.randperm(pool_pages, generator=gen)
     src, dst = perm[:num_pages], perm[num_pages:]
-    hpages = torch.randperm(pool_pages, generator=gen)[:num_pages]
+    hperm = torch.randperm(pool_pages, generator=gen)
+    hpages, hother = hperm[:num_pages], hperm[num_pages:]
     cdev = torch.empty(total, dtype=torch.uint8, device=dev)
     chost = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    paths: dict[str, dict[str, str]] = {}
 
     def sync() -> None:
         if cuda:
@@ -169,9 +175,32 @@ def bench_transfer(
         op = mover.device_to_host(src, hpages)
         op.wait()
         op.complete()
+        paths["d2h"] = op.paths
 
     def h2d() -> None:
-        mover.host_to_device(hpages, dst).wait()
+        op = mover.host_to_device(hpages, dst)
+        op.wait()
+        paths["h2d"] = op.paths
+
+    def both() -> None:
+        # A backup of the source pages into the other host pages while the load runs.
+        back = mover.device_to_host(src, hother)
+        load = mover.host_to_device(hpages, dst)
+        back.wait()
+        load.wait()
+        back.complete()
+
+    cdev2 = torch.empty(total, dtype=torch.uint8, device=dev) if cuda else cdev
+    chost2 = torch.empty(total, dtype=torch.uint8, pin_memory=True) if cuda else chost
+    side = torch.cuda.Stream(dev) if cuda else None
+
+    def contiguous_both() -> None:
+        assert side is not None
+        side.wait_stream(torch.cuda.current_stream(dev))
+        cdev.copy_(chost, non_blocking=True)
+        with torch.cuda.stream(side):
+            chost2.copy_(cdev2, non_blocking=True)
+        torch.cuda.current_stream(dev).wait_stream(side)
 
     def verify() -> None:
         orig = pages_of(src)
@@ -190,6 +219,8 @@ def bench_transfer(
         ("h2d", h2d),
         ("contiguous_h2d", lambda: cdev.copy_(chost)),
     ]
+    if cuda:  # both directions at once only mean something with two copy engines
+        phases += [("both", both), ("contiguous_both", contiguous_both)]
     for _, fn in phases[1::2]:
         fn()  # warm-up: first touch of the contiguous buffers
     times: dict[str, list[float]] = {name: [] for name, _ in phases}
@@ -201,13 +232,16 @@ def bench_transfer(
             sync()
             dt = time.perf_counter() - t0
             times[name].append(dt)
-            _log(f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s")
+            _log(f"repeat {r} {name}: {_gbps(2 * total if 'both' in name else total, dt):.2f} GB/s")
 
     def direction(name: str) -> dict:
-        best, med = _gbps(total, min(times[name])), _gbps(total, statistics.median(times[name]))
+        nbytes = 2 * total if name == "both" else total
+        best = _gbps(nbytes, min(times[name]))
+        med = _gbps(nbytes, statistics.median(times[name]))
         c = f"contiguous_{name}"
-        cbest, cmed = _gbps(total, min(times[c])), _gbps(total, statistics.median(times[c]))
+        cbest, cmed = _gbps(nbytes, min(times[c])), _gbps(nbytes, statistics.median(times[c]))
         return {
+            "paths": paths.get(name, {}),
             "gbps": best,
             "median_gbps": med,
             "contiguous_gbps": cbest,
@@ -223,6 +257,7 @@ def bench_transfer(
         "verified": True,
         "d2h": direction("d2h"),
         "h2d": direction("h2d"),
+        "both": direction("both") if cuda else None,
     }
     _log(
         f"ratio scattered/contiguous: d2h {out['d2h']['ratio']:.2f}, h2d {out['h2d']['ratio']:.2f}"

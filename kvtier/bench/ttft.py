@@ -5,6 +5,11 @@ overlap; storage restore (prefetch included). The peer is the link: the prefix's
 contiguous pinned host → device copy measured in the same run, so ``overlap_ratio`` is the
 overlapped host-restore TTFT over max(transfer time at link speed, device-hit TTFT) — the best
 a restore can do is to hide one behind the other.
+
+On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
+while device → host backups of the prefix's pages run back to back on the mover's backup stream,
+once with the chosen mechanisms (copy engines for these page sizes) and once with row kernels
+forced: the stall is the step-time ratio.
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ def bench_ttft(
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as tmp:
         cache = CacheConfig(
             page_size=page_size,
-            device_pages=pages,
-            host_pages=pages,
+            device_pages=pages + DECODE_PAGES,
+            host_pages=2 * pages,
             device=str(dev),
             storage="file",
             storage_dir=tmp,
@@ -94,7 +99,7 @@ def bench_ttft(
             prefetch_policy="wait_complete",
             host_layout=host_layout,
         )
-        llm = LLM(model, cache, max_running=1, max_prefill_tokens=prompt_tokens + 1)
+        llm = LLM(model, cache, max_running=DECODE_BATCH, max_prefill_tokens=prompt_tokens + 1)
         rng = random.Random(0)
         prompt = [rng.randrange(vocab_size) for _ in range(prompt_tokens)]
         params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -141,6 +146,9 @@ def bench_ttft(
         cached = res["device_hit"]["cached_device"]
         kv_bytes = cached * llm.cache.device_pool.page_bytes // llm.cache.page_size
         link = _link_gbps(kv_bytes, dev)
+        stall = (
+            _backup_during_decode(llm, rng, vocab_size, pages - 8) if dev.type == "cuda" else None
+        )
         llm.close()
     transfer_s = kv_bytes / (link * 1e9) if link else 0.0
     bound = max(transfer_s, res["device_hit"]["ttft_s"])
@@ -159,9 +167,104 @@ def bench_ttft(
         "transfer_at_link_s": transfer_s,
         "overlap_ratio": res["host_restore_overlap"]["ttft_s"] / bound if bound else 0.0,
         "same_first_token": len(tokens) == 1,
+        "backup_during_decode": stall,
     }
     _log(f"overlap ratio (vs max(transfer, device hit)): {out['overlap_ratio']:.2f}")
     return out
+
+
+DECODE_BATCH = 32
+"""Requests decoding together while backups run."""
+DECODE_PAGES = 512
+"""Device pages beyond the prompt's, for the decoding batch."""
+DECODE_STEPS = 24
+"""Decode steps timed per measurement."""
+BACKUPS_QUEUED = 8
+"""Whole-prefix backups queued before the timed steps (more than the steps take)."""
+
+
+def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: int) -> dict:
+    """Mean decode step time alone and under back-to-back backups of ``num_pages`` pages (into
+    host pages taken from the pool for the measurement and returned after)."""
+    mover = llm.cache.controller.mover
+    host = llm.cache.host_pool
+    assert mover is not None and host is not None
+    src = torch.arange(num_pages)
+    dst = host.allocator.alloc(num_pages)
+    if dst is None:
+        raise RuntimeError("bench ttft: no free host pages for the backup measurement")
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+
+    def steps(n: int) -> float:
+        for _ in range(DECODE_BATCH):
+            llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
+        llm.step()  # the batch's prefill
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.step()
+        dt = (time.perf_counter() - t0) / n
+        while llm.has_unfinished():
+            llm.step()
+        llm.cache.drain()
+        return dt
+
+    def under_backups(use_dma: bool) -> tuple[float, float, bool]:
+        saved, mover.dma = mover.dma, use_dma and mover.dma
+        try:
+            one = mover.device_to_host(src, dst)
+            one.wait()
+            t0 = time.perf_counter()
+            one = mover.device_to_host(src, dst)
+            one.wait()
+            backup_s = time.perf_counter() - t0
+            ops = [mover.device_to_host(src, dst) for _ in range(BACKUPS_QUEUED)]
+            step_s = steps(DECODE_STEPS)
+            covered = not ops[-1].done()  # backups were still running when decode ended
+            for op in ops:
+                op.wait()
+                op.complete()
+            return step_s, backup_s, covered
+        finally:
+            mover.dma = saved
+
+    try:
+        steps(4)  # warm-up
+        alone = steps(DECODE_STEPS)
+        chosen, chosen_backup, chosen_cov = under_backups(True)
+        kernel, kernel_backup, kernel_cov = under_backups(False)
+    finally:
+        host.allocator.free(dst)
+    nbytes = num_pages * llm.cache.device_pool.page_bytes
+    out = {
+        "batch": DECODE_BATCH,
+        "backup_bytes": nbytes,
+        "decode_step_ms": alone * 1e3,
+        "chosen": {
+            "paths": _paths(mover, src, dst),
+            "backup_gbps": nbytes / chosen_backup / 1e9,
+            "decode_step_ms": chosen * 1e3,
+            "stall": chosen / alone,
+            "backups_covered_decode": chosen_cov,
+        },
+        "kernels": {
+            "backup_gbps": nbytes / kernel_backup / 1e9,
+            "decode_step_ms": kernel * 1e3,
+            "stall": kernel / alone,
+            "backups_covered_decode": kernel_cov,
+        },
+    }
+    _log(
+        f"decode step {alone * 1e3:.2f} ms; under backups: chosen {chosen * 1e3:.2f} ms, "
+        f"kernels {kernel * 1e3:.2f} ms"
+    )
+    return out
+
+
+def _paths(mover, src: torch.Tensor, dst: torch.Tensor) -> dict[str, str]:  # noqa: ANN001
+    """The mechanisms a backup of ``src`` into ``dst`` uses."""
+    op = mover.device_to_host(src[:1], dst[:1])
+    op.wait()
+    return op.paths
 
 
 def _link_gbps(nbytes: int, dev: torch.device) -> float:

@@ -1,10 +1,12 @@
 """Device ↔ host page transfers.
 
-Both pools are viewed in the *object layout* ``[n_pages, layers, page_size, *row]`` so a batch
-is one gather on the source side and one scatter on the destination side per component, never a
-per-page Python loop. On CUDA the copy runs on the mover's own stream through pinned staging
-buffers and completes asynchronously: ``TransferOp.done()`` polls its event without blocking.
-On CPU copies are synchronous and ops are born done; the caller's visibility rules are the same.
+Every component of the pool set is seen as rows (one page of one layer; see
+``kvtier.transfer.plan``), and a batch is a handful of row copies per component, never a per-page
+Python loop: copy-engine block lists, one staging gather/scatter kernel per slice, or one row-copy
+kernel through a device view of the pinned host pool, chosen by block size. On CUDA loads and
+backups run on two streams of their own (a backup never delays a load) and complete
+asynchronously: ``TransferOp.done()`` polls an event without blocking. On CPU copies are
+synchronous and ops are born done; the caller's visibility rules are the same.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.spec import bytes_view
+from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
+from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, RowGeometry, choose
+from kvtier.transfer.rows import PCIE_CTAS, copy_rows
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 
@@ -32,6 +39,8 @@ class TransferOp:
     layer_events: list[torch.cuda.Event] | None = None
     finalize: Callable[[], None] | None = None
     keepalive: list[torch.Tensor] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)
+    """Mechanism used per component (``direct``, ``staged``, ``kernel``, ``cpu``, ``unpinned``)."""
     finished: bool = False
 
     def done(self) -> bool:
@@ -52,8 +61,14 @@ class TransferOp:
             self.keepalive.clear()
 
 
-DMA_MIN_RUN = 8
-"""Mean pages per run below which scattered loads use gather kernels instead of copy engines."""
+@dataclass(slots=True)
+class _Rows:
+    """One component's flat ``[rows, words]`` views and geometry."""
+
+    geo: RowGeometry
+    device: torch.Tensor
+    host: torch.Tensor
+    mapped: torch.Tensor | None
 
 
 class Mover:
@@ -71,62 +86,81 @@ class Mover:
         self.translator = translator or IdentityTranslator()
         self.debug_checks = debug_checks
         self.cuda = device_pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device_pool.device) if self.cuda else None
-        # Pinned host pools are reached by kernels through device views; an unpinned one
-        # goes through pinned staging copies instead.
-        self.mapped: dict[str, torch.Tensor] = {}
-        if self.cuda and host_pool.pinned:
-            for name, buf in host_pool.buffers.items():
-                view = map_pinned(buf, device_pool.device)
-                self.mapped[name] = host_pool.page_bytes_view(name, view)
+        self.load_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
+        self.backup_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
+        self.pinned = self.cuda and host_pool.pinned
+        self.dma = self.pinned and dma.available()
+        self.rows: dict[str, _Rows] = {}
+        for spec in device_pool.specs:
+            name = spec.name
+            dview = device_pool.page_bytes_view(name)
+            layers, _, words = dview.shape
+            page_dim = 1 if host_pool.layout == "page_first" else 0
+            hbuf = host_pool.buffers[name]
+            mapped = None
+            if self.pinned:
+                mapped = bytes_view(
+                    map_pinned(hbuf, device_pool.device), page_dim, host_pool.num_pages
+                )
+                mapped = mapped.reshape(-1, words)
+            geo = RowGeometry(
+                layers=layers,
+                row_bytes=words * dview.element_size(),
+                device_pages=device_pool.num_pages,
+                host_pages=host_pool.num_pages,
+                host_layout=host_pool.layout,
+            )
+            hview = bytes_view(hbuf, page_dim, host_pool.num_pages).reshape(-1, words)
+            self.rows[name] = _Rows(geo, dview.reshape(-1, words), hview, mapped)
 
     def _check(self, pages: torch.Tensor, what: str) -> None:
         if self.debug_checks:
             check_whole_pages(pages_to_locs(pages, self.dev.page_size), self.dev.page_size, what)
 
+    # -- device → host ------------------------------------------------------------------------
+
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
         """Copy device pages into host pages (a backup). The host copy is valid once done."""
         self._check(device_pages, "device_to_host source")
-        phys = self.translator.device_physical(device_pages)
+        phys = self.translator.device_physical(device_pages).cpu()
+        host_pages = host_pages.cpu()
         op = TransferOp("d2h", phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
-            for name in self.dev.buffers:
-                src, dst = self.dev.page_bytes_view(name), self.host.page_bytes_view(name)
-                for layer in range(src.shape[0]):  # one row gather + scatter per layer
-                    dst[layer].index_copy_(0, host_pages, src[layer].index_select(0, phys))
+            for name, r in self.rows.items():
+                copy_rows(r.device, r.geo.device_rows(phys), r.host, r.geo.host_rows(host_pages))
+                op.paths[name] = "cpu"
             return op
-        assert self.stream is not None
-        idx = phys.to(self.dev.device, non_blocking=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
-        if self.mapped:
-            hp = host_pages.to(self.dev.device, non_blocking=True)
-            with torch.cuda.stream(self.stream):
-                for name, dst in self.mapped.items():
-                    gathered = self.dev.page_bytes_view(name).index_select(1, idx)
-                    _scatter_pages(dst, hp, gathered)
-                    op.keepalive.append(gathered)
-                op.event = torch.cuda.Event()
-                op.event.record(self.stream)
-            return op
-        staged: dict[str, torch.Tensor] = {}
-        with torch.cuda.stream(self.stream):
-            for name in self.dev.buffers:
-                gathered = self.dev.page_bytes_view(name).index_select(1, idx)
-                pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-                pinned.copy_(gathered, non_blocking=True)
-                staged[name] = pinned
-                op.keepalive.append(gathered)
+        stream = self.backup_stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        finals: list[Callable[[], None]] = []
+        with torch.cuda.stream(stream):
+            for name, r in self.rows.items():
+                path = self._path(r, "d2h", host_pages, phys)
+                op.paths[name] = path
+                if path == DIRECT:
+                    self._direct(r, "d2h", host_pages, phys, None, stream)
+                elif path == STAGED:
+                    self._staged(r, "d2h", host_pages, phys, stream, op)
+                elif path == KERNEL:
+                    assert r.mapped is not None
+                    self._kernel(
+                        r.device, r.geo.device_rows(phys), r.mapped, r.geo.host_rows(host_pages), op
+                    )
+                else:
+                    finals.append(self._unpinned_d2h(r, host_pages, phys, op))
             op.event = torch.cuda.Event()
-            op.event.record(self.stream)
+            op.event.record(stream)
+        if finals:
 
-        def finalize() -> None:
-            for name, pinned in staged.items():
-                dst = self.host.page_bytes_view(name)
-                for layer in range(dst.shape[0]):
-                    dst[layer].index_copy_(0, host_pages, pinned[layer])
+            def finalize() -> None:
+                for f in finals:
+                    f()
 
-        op.finalize = finalize
+            op.finalize = finalize
         return op
+
+    # -- host → device ------------------------------------------------------------------------
 
     def host_to_device(
         self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
@@ -140,124 +174,179 @@ class Mover:
         anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
         self._check(device_pages, "host_to_device destination")
-        phys = self.translator.device_physical(device_pages)
+        phys = self.translator.device_physical(device_pages).cpu()
+        host_pages = host_pages.cpu()
         op = TransferOp("h2d", phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
-            for name in self.dev.buffers:
-                src, dst = self.host.page_bytes_view(name), self.dev.page_bytes_view(name)
-                for layer in range(src.shape[0]):
-                    dst[layer].index_copy_(0, phys, src[layer].index_select(0, host_pages))
+            for name, r in self.rows.items():
+                copy_rows(r.host, r.geo.host_rows(host_pages), r.device, r.geo.device_rows(phys))
+                op.paths[name] = "cpu"
             return op
-        assert self.stream is not None
+        stream = self.load_stream
+        assert stream is not None
         compute = torch.cuda.current_stream(self.dev.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            idx = phys.to(self.dev.device, non_blocking=True)
-            runs = self._dma_runs(host_pages, phys)
-            if runs is not None:
-                op.layer_events = self._dma_load(runs, overlap, op)
-                op.event = torch.cuda.Event()
-                op.event.record(self.stream)
-                if not overlap:
-                    compute.wait_event(op.event)
-                return op
-            if self.mapped:
-                hp = host_pages.to(self.dev.device, non_blocking=True)
-                anchor = self.dev.specs[0].name
-                for name, src in self.mapped.items():
-                    if overlap and name == anchor:
-                        continue
-                    pages = _gather_pages(src, hp)
-                    self.dev.page_bytes_view(name).index_copy_(1, idx, pages)
-                    op.keepalive.append(pages)
-                if overlap:
-                    op.layer_events = self._load_layers(anchor, hp, idx, op)
-                op.event = torch.cuda.Event()
-                op.event.record(self.stream)
-                if not overlap:
-                    compute.wait_event(op.event)
-                return op
-            for name in self.dev.buffers:
-                src = self.host.page_bytes_view(name)
-                pinned = torch.empty(
-                    (src.shape[0], host_pages.numel(), src.shape[2]),
-                    dtype=src.dtype,
-                    pin_memory=True,
-                )
-                for layer in range(src.shape[0]):
-                    torch.index_select(src[layer], 0, host_pages, out=pinned[layer])
-                on_dev = pinned.to(self.dev.device, non_blocking=True)
-                self.dev.page_bytes_view(name).index_copy_(1, idx, on_dev)
-                op.keepalive += [pinned, on_dev]
+        stream.wait_stream(compute)
+        overlap = overlap and self.pinned
+        anchor = self.dev.specs[0].name
+        with torch.cuda.stream(stream):
+            for name, r in self.rows.items():
+                if overlap and name == anchor:
+                    continue
+                path = self._path(r, "h2d", host_pages, phys)
+                op.paths[name] = path
+                if path == DIRECT:
+                    self._direct(r, "h2d", host_pages, phys, None, stream)
+                elif path == STAGED:
+                    self._staged(r, "h2d", host_pages, phys, stream, op)
+                elif path == KERNEL:
+                    assert r.mapped is not None
+                    self._kernel(
+                        r.mapped, r.geo.host_rows(host_pages), r.device, r.geo.device_rows(phys), op
+                    )
+                else:
+                    self._unpinned_h2d(r, host_pages, phys, op)
+            if overlap:
+                op.layer_events = self._load_layers(self.rows[anchor], host_pages, phys, stream, op)
+                op.paths[anchor] += " per layer"
             op.event = torch.cuda.Event()
-            op.event.record(self.stream)
-        compute.wait_event(op.event)
+            op.event.record(stream)
+        if not overlap:
+            compute.wait_event(op.event)
         return op
 
-    def _dma_runs(
-        self, host_pages: torch.Tensor, device_pages: torch.Tensor
-    ) -> list[tuple[int, int, int]] | None:
-        """``(host start, device start, length)`` runs of pages consecutive on both sides, when
-        the host pool is layer-first (a layer of a run is then one contiguous block on each
-        side) and there are few enough runs for one copy-engine transfer per layer and run to
-        beat kernels; else ``None``."""
-        if self.host.layout != "layer_first" or not self.host.pinned or host_pages.numel() == 0:
-            return None
-        h, d = host_pages.cpu(), device_pages.cpu()
-        breaks = ((h[1:] - h[:-1] != 1) | (d[1:] - d[:-1] != 1)).nonzero().reshape(-1) + 1
-        if breaks.numel() + 1 > max(1, h.numel() // DMA_MIN_RUN):
-            return None
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), h.numel()]
-        return [(int(h[a]), int(d[a]), b - a) for a, b in zip(starts, ends, strict=True)]
-
-    def _dma_load(
-        self, runs: list[tuple[int, int, int]], overlap: bool, op: TransferOp
-    ) -> list[torch.cuda.Event] | None:
-        """Host → device by copy engine, one transfer per layer and run; the anchor goes last,
-        layer by layer, with an event per layer when ``overlap``. Uses no SMs, so it does not
-        slow the forward it overlaps."""
-        anchor = self.dev.specs[0].name
-        names = [n for n in self.dev.buffers if n != anchor] + [anchor]
-        events: list[torch.cuda.Event] = []
-        for name in names:
-            src, dst = self.host.page_bytes_view(name), self.dev.page_bytes_view(name)
-            for layer in range(dst.shape[0]):
-                for h0, d0, k in runs:
-                    dst[layer, d0 : d0 + k].copy_(src[layer, h0 : h0 + k], non_blocking=True)
-                if overlap and name == anchor:
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    events.append(ev)
-        return events or None
-
     def _load_layers(
-        self, name: str, hp: torch.Tensor, idx: torch.Tensor, op: TransferOp
+        self,
+        r: _Rows,
+        host_pages: torch.Tensor,
+        phys: torch.Tensor,
+        stream: torch.cuda.Stream,
+        op: TransferOp,
     ) -> list[torch.cuda.Event]:
-        """Copy component ``name`` one layer at a time; one event per layer."""
-        src, dst = self.mapped[name], self.dev.page_bytes_view(name)
+        """Copy one component layer by layer; one event per layer."""
+        path = choose(r.geo, "h2d", host_pages, phys, per_layer=True, dma=self.dma)
+        op.paths[self.dev.specs[0].name] = path
         events = []
-        for layer in range(dst.shape[0]):
-            pages = src[layer].index_select(0, hp)
-            dst[layer].index_copy_(0, idx, pages)
-            op.keepalive.append(pages)
+        for layer in range(r.geo.layers):
+            if path == DIRECT:
+                self._direct(r, "h2d", host_pages, phys, layer, stream)
+            else:
+                assert r.mapped is not None
+                src, dst = r.geo.host_rows(host_pages, layer), r.geo.device_rows(phys, layer)
+                self._kernel(r.mapped, src, r.device, dst, op)
             ev = torch.cuda.Event()
-            ev.record(self.stream)
+            ev.record(stream)
             events.append(ev)
         return events
 
+    # -- mechanisms ---------------------------------------------------------------------------
 
-def _scatter_pages(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:, pages] = src`` for ``[layers, pages, words]`` views, writing whole pages
-    contiguously when ``dst`` is a page-first buffer seen through a transpose."""
-    if dst.stride(0) < dst.stride(1):  # page-first storage
-        dst.transpose(0, 1).index_copy_(0, pages, src.transpose(0, 1))
-    else:
-        dst.index_copy_(1, pages, src)
+    def _path(self, r: _Rows, direction: str, host_pages: torch.Tensor, phys: torch.Tensor) -> str:
+        if not self.pinned:
+            return "unpinned"
+        return choose(r.geo, direction, host_pages, phys, dma=self.dma)
+
+    def _kernel(
+        self,
+        src: torch.Tensor,
+        src_rows: torch.Tensor,
+        dst: torch.Tensor,
+        dst_rows: torch.Tensor,
+        op: TransferOp,
+    ) -> None:
+        si = src_rows.to(self.dev.device, non_blocking=True)
+        di = dst_rows.to(self.dev.device, non_blocking=True)
+        copy_rows(src, si, dst, di, ctas=PCIE_CTAS)
+        op.keepalive += [si, di]
+
+    def _direct(
+        self,
+        r: _Rows,
+        direction: str,
+        host_pages: torch.Tensor,
+        phys: torch.Tensor,
+        layer: int | None,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Copy-engine blocks, one per row (merged where contiguous on both sides)."""
+        rb = r.geo.row_bytes
+        h = _addresses(r.host, r.geo.host_rows(host_pages, layer), rb)
+        d = _addresses(r.device, r.geo.device_rows(phys, layer), rb)
+        sizes = np.full(h.size, rb, dtype=np.uint64)
+        dst, src = (h, d) if direction == "d2h" else (d, h)
+        dma.copy_blocks(*dma.coalesce(dst, src, sizes), stream)
+
+    def _staged(
+        self,
+        r: _Rows,
+        direction: str,
+        host_pages: torch.Tensor,
+        phys: torch.Tensor,
+        stream: torch.cuda.Stream,
+        op: TransferOp,
+    ) -> None:
+        """Whole host pages by copy engine through a device staging buffer, in slices.
+
+        Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
+        ``i`` has the byte layout of a page-first host page and moves as one block.
+        """
+        geo = r.geo
+        page_bytes = geo.layers * geo.row_bytes
+        per_slice = max(1, min(host_pages.numel(), STAGING_BYTES // page_bytes))
+        staging = torch.empty(
+            (per_slice * geo.layers, r.device.shape[1]),
+            dtype=r.device.dtype,
+            device=self.dev.device,
+        )
+        op.keepalive.append(staging)
+        for lo in range(0, host_pages.numel(), per_slice):
+            hp, dp = host_pages[lo : lo + per_slice], phys[lo : lo + per_slice]
+            k = hp.numel()
+            stage_rows = (
+                torch.arange(geo.layers)[:, None] + torch.arange(k)[None, :] * geo.layers
+            ).reshape(-1)
+            host_at = _addresses(r.host, hp, page_bytes)
+            stage_at = staging.data_ptr() + np.arange(k, dtype=np.uint64) * np.uint64(page_bytes)
+            sizes = np.full(k, page_bytes, dtype=np.uint64)
+            si = stage_rows.to(self.dev.device, non_blocking=True)
+            di = geo.device_rows(dp).to(self.dev.device, non_blocking=True)
+            op.keepalive += [si, di]
+            if direction == "d2h":
+                copy_rows(r.device, di, staging, si)
+                dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
+            else:
+                dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
+                copy_rows(staging, si, r.device, di)
+
+    def _unpinned_d2h(
+        self, r: _Rows, host_pages: torch.Tensor, phys: torch.Tensor, op: TransferOp
+    ) -> Callable[[], None]:
+        """Pageable host pool: gather on the device, one copy into pinned memory, scatter on the
+        host once the copy is done (the returned finaliser)."""
+        di = r.geo.device_rows(phys).to(self.dev.device, non_blocking=True)
+        gathered = r.device.index_select(0, di)
+        pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        pinned.copy_(gathered, non_blocking=True)
+        op.keepalive += [di, gathered]
+        hr = r.geo.host_rows(host_pages)
+
+        def scatter() -> None:
+            r.host.index_copy_(0, hr, pinned)
+
+        return scatter
+
+    def _unpinned_h2d(
+        self, r: _Rows, host_pages: torch.Tensor, phys: torch.Tensor, op: TransferOp
+    ) -> None:
+        hr = r.geo.host_rows(host_pages)
+        pinned = torch.empty((hr.numel(), r.host.shape[1]), dtype=r.host.dtype, pin_memory=True)
+        torch.index_select(r.host, 0, hr, out=pinned)
+        on_dev = pinned.to(self.dev.device, non_blocking=True)
+        di = r.geo.device_rows(phys).to(self.dev.device, non_blocking=True)
+        r.device.index_copy_(0, di, on_dev)
+        op.keepalive += [pinned, on_dev, di]
 
 
-def _gather_pages(src: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``src[:, pages]`` as ``[layers, n, words]``, reading page-first storage page by page."""
-    if src.stride(0) < src.stride(1):
-        return src.transpose(0, 1).index_select(0, pages).transpose(0, 1)
-    return src.index_select(1, pages)
+def _addresses(rows_view: torch.Tensor, rows: torch.Tensor, row_bytes: int) -> np.ndarray:
+    """Byte addresses of ``rows`` of a flat ``[rows, words]`` view (``row_bytes`` apart)."""
+    base = np.uint64(rows_view.data_ptr())
+    return base + rows.numpy().astype(np.uint64) * np.uint64(row_bytes)

@@ -1,0 +1,104 @@
+"""Row geometry of one component and the choice of copy mechanism.
+
+A *row* is one page of one layer of one component: ``row_bytes`` contiguous bytes in every pool.
+Row numbers in each pool's flat ``[rows, words]`` view:
+
+    pool                      row of (layer l, page p)    neighbours in memory
+    device (layer-first)      l * device_pages + p        pages of one layer
+    host page_first           p * layers + l              layers of one page
+    host layer_first          l * host_pages + p          pages of one layer
+
+Mechanisms, by measurement on an H200 (see ``kvtier.transfer.dma`` and ``kvtier.transfer.rows``):
+
+    direct   one copy-engine block per row (or run of rows contiguous on both sides)
+    staged   page_first host only: whole host pages (all layers) by copy engine into / out of a
+             device staging buffer, rows gathered / scattered on the device
+    kernel   rows copied by a kernel through a device view of pinned host memory
+
+Copy engines use no SMs (nothing the transfer overlaps slows down), so they win whenever their
+blocks are large enough to run at link speed; kernels take the small-block cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+H2D_DMA_MIN_BYTES = 64 << 10
+"""Smallest mean copy-engine block for host → device: 0.97 of a contiguous copy at 64 KiB,
+0.88 at 32 KiB (kernels: 0.91-0.92 at every size)."""
+D2H_DMA_MIN_BYTES = 256 << 10
+"""Smallest mean copy-engine block for device → host: 0.97 at 256 KiB, 0.88 at 64 KiB
+(kernels: 0.93-0.95)."""
+STAGING_BYTES = 256 << 20
+"""Device staging per staged transfer; larger batches go through it in slices."""
+
+KERNEL, DIRECT, STAGED = "kernel", "direct", "staged"
+
+
+@dataclass(frozen=True, slots=True)
+class RowGeometry:
+    """Where the rows of one component live in the device and host pools."""
+
+    layers: int
+    """Layers of the component."""
+    row_bytes: int
+    """Bytes of one page of one layer."""
+    device_pages: int
+    """Pages of the device pool."""
+    host_pages: int
+    """Pages of the host pool."""
+    host_layout: str
+    """``page_first`` or ``layer_first``."""
+
+    def device_rows(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Device row numbers of ``pages`` (CPU int64), layer-major: all pages of the first
+        layer, then the next layer's; one layer only when ``layer`` is given."""
+        return (self._layers(layer)[:, None] * self.device_pages + pages[None, :]).reshape(-1)
+
+    def host_rows(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Host row numbers of ``pages`` in the same order as :meth:`device_rows`."""
+        ls = self._layers(layer)[:, None]
+        if self.host_layout == "page_first":
+            return (pages[None, :] * self.layers + ls).reshape(-1)
+        return (ls * self.host_pages + pages[None, :]).reshape(-1)
+
+    def _layers(self, layer: int | None) -> torch.Tensor:
+        if layer is None:
+            return torch.arange(self.layers, dtype=torch.int64)
+        return torch.tensor([layer], dtype=torch.int64)
+
+    def mean_run(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> float:
+        """Mean rows per block when rows contiguous on both sides are merged (one layer)."""
+        n = host_pages.numel()
+        if n == 0 or (self.host_layout == "page_first" and self.layers > 1):
+            return 1.0
+        breaks = (host_pages[1:] - host_pages[:-1] != 1) | (
+            device_pages[1:] - device_pages[:-1] != 1
+        )
+        return n / (int(breaks.sum()) + 1)
+
+
+def choose(
+    geo: RowGeometry,
+    direction: str,
+    host_pages: torch.Tensor,
+    device_pages: torch.Tensor,
+    per_layer: bool = False,
+    dma: bool = True,
+) -> str:
+    """The mechanism for moving ``host_pages`` ↔ ``device_pages`` of one component.
+
+    ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
+    layer (staging moves whole pages, so it is never chosen then); ``dma`` is false where copy
+    engines cannot be used (no pinned host pool, no driver support).
+    """
+    if not dma:
+        return KERNEL
+    least = H2D_DMA_MIN_BYTES if direction == "h2d" else D2H_DMA_MIN_BYTES
+    if geo.row_bytes * geo.mean_run(host_pages, device_pages) >= least:
+        return DIRECT
+    if not per_layer and geo.host_layout == "page_first" and geo.layers * geo.row_bytes >= least:
+        return STAGED
+    return KERNEL

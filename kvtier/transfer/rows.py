@@ -1,0 +1,80 @@
+"""Row copies: ``dst[dst_idx[i]] = src[src_idx[i]]`` for 2-D ``[rows, words]`` views.
+
+Every transfer is expressed as rows — one row is one page of one layer of one component — so one
+primitive serves device ↔ host (through a device view of pinned memory), device ↔ staging and
+the CPU. On CUDA it is one Triton kernel launch with a bounded grid that loops over rows; measured
+on an H200 it moves 0.91-0.93 of a contiguous pinned copy's bandwidth across PCIe for 4 KiB to
+256 KiB rows in either direction, where ``index_select`` + ``index_copy_`` reached 0.88-0.90 and
+needed a temporary. Without Triton (or on CPU) the two torch index ops do it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PCIE_CTAS = 64
+"""Programs for copies that cross PCIe: enough to keep the link busy (32 measured as fast as 528)
+while leaving most SMs to the kernels the copy overlaps."""
+BLOCK_WORDS = 1024
+"""Words moved per program per loop iteration."""
+FALLBACK_TEMP_BYTES = 4 << 20
+"""Largest temporary of the torch fallback (rows are gathered and scattered in chunks)."""
+
+
+@functools.cache
+def _kernel():  # noqa: ANN202
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_rows_kernel(
+        src, dst, src_idx, dst_idx, n_rows, WORDS: tl.constexpr, BLOCK: tl.constexpr
+    ):  # noqa: E501, N803
+        first = tl.program_id(0)
+        step = tl.num_programs(0)
+        for r in range(first, n_rows, step):
+            s = tl.load(src_idx + r).to(tl.int64) * WORDS
+            d = tl.load(dst_idx + r).to(tl.int64) * WORDS
+            for o in tl.range(0, WORDS, BLOCK):
+                offs = o + tl.arange(0, BLOCK)
+                mask = offs < WORDS
+                tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+    return copy_rows_kernel, triton.next_power_of_2
+
+
+def copy_rows(
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+    dst_idx: torch.Tensor,
+    ctas: int | None = None,
+) -> None:
+    """Copy rows ``src[src_idx]`` into ``dst[dst_idx]`` (contiguous ``[rows, words]`` tensors of
+    one dtype; index tensors on the tensors' device). On CUDA the copy is queued on the current
+    stream with at most ``ctas`` programs (default: four per SM)."""
+    n = src_idx.numel()
+    if n == 0:
+        return
+    kernel = _kernel() if src.is_cuda else None
+    if kernel is None:
+        # Bounded temporaries: a fresh multi-MiB one per call costs more in page faults (CPU)
+        # than the copy itself; small ones are recycled by the allocator.
+        step = max(1, FALLBACK_TEMP_BYTES // (src.shape[1] * src.element_size()))
+        for lo in range(0, n, step):
+            dst.index_copy_(
+                0, dst_idx[lo : lo + step], src.index_select(0, src_idx[lo : lo + step])
+            )
+        return
+    fn, pow2 = kernel
+    words = src.shape[1]
+    if ctas is None:
+        ctas = 4 * torch.cuda.get_device_properties(src.device).multi_processor_count
+    fn[(min(n, ctas),)](
+        src, dst, src_idx, dst_idx, n, WORDS=words, BLOCK=min(BLOCK_WORDS, pow2(words))
+    )

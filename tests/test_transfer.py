@@ -1,0 +1,144 @@
+"""Row geometry, mechanism choice and byte-exact copies through ``Mover``.
+
+The CUDA cases force each mechanism in turn (copy-engine blocks, staging, row kernel) and are
+skipped without a GPU; ``scripts/gpu_checks.sh`` runs them on one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.pools import DevicePool, HostPool, PoolSpec
+from kvtier.transfer import Mover
+from kvtier.transfer import mover as mover_mod
+from kvtier.transfer.dma import coalesce
+from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def geo(layout: str, row_bytes: int = 4096, layers: int = 3) -> RowGeometry:
+    return RowGeometry(layers, row_bytes, device_pages=10, host_pages=7, host_layout=layout)
+
+
+def test_row_numbers_are_layer_major_in_every_pool():
+    pages = torch.tensor([4, 1])
+    assert geo("page_first").device_rows(pages).tolist() == [4, 1, 14, 11, 24, 21]
+    assert geo("page_first").host_rows(pages).tolist() == [12, 3, 13, 4, 14, 5]
+    assert geo("layer_first").host_rows(pages).tolist() == [4, 1, 11, 8, 18, 15]
+    assert geo("layer_first").host_rows(pages, layer=2).tolist() == [18, 15]
+    assert geo("page_first").device_rows(pages, layer=1).tolist() == [14, 11]
+
+
+def test_mean_run_counts_pages_contiguous_on_both_sides():
+    g = geo("layer_first")
+    hp = torch.tensor([4, 5, 6, 9, 10])
+    assert g.mean_run(hp, torch.tensor([0, 1, 2, 3, 4])) == 2.5  # breaks at host 6 → 9
+    assert g.mean_run(hp, torch.tensor([0, 1, 5, 6, 7])) == 5 / 3
+    assert geo("page_first").mean_run(hp, torch.tensor([0, 1, 2, 3, 4])) == 1.0
+
+
+def test_choice_follows_block_size_and_direction():
+    one, runs = torch.tensor([3, 0]), torch.arange(8)
+    kv16 = geo("page_first", row_bytes=64 << 10, layers=32)
+    assert choose(kv16, "h2d", one, one) == DIRECT
+    assert choose(kv16, "d2h", one, one) == STAGED
+    small = geo("page_first", row_bytes=4 << 10, layers=32)  # 128 KiB pages
+    assert choose(small, "h2d", one, one) == STAGED
+    assert choose(small, "h2d", one, one, per_layer=True) == KERNEL
+    assert choose(small, "d2h", one, one) == KERNEL
+    lf = geo("layer_first", row_bytes=16 << 10, layers=32)
+    assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
+    assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs: 128 KiB blocks
+    assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
+
+
+def test_coalesce_merges_blocks_contiguous_on_both_sides_only():
+    dst = np.array([0, 8, 16, 40, 48], dtype=np.uint64)
+    src = np.array([100, 108, 200, 208, 216], dtype=np.uint64)
+    size = np.full(5, 8, dtype=np.uint64)
+    d, s, z = coalesce(dst, src, size)
+    assert d.tolist() == [0, 16, 40] and s.tolist() == [100, 200, 208] and z.tolist() == [16, 8, 16]
+
+
+def pool_set() -> list[PoolSpec]:
+    return [
+        PoolSpec("kv", 3, (2, 2, 8), torch.bfloat16),
+        PoolSpec("idx", 3, (5,), torch.uint8, kind="sidecar"),  # 80-byte rows: byte words
+        PoolSpec("state", 2, (16,), torch.float32, kind="state"),
+    ]
+
+
+def make_pools(layout: str, device: str) -> tuple[DevicePool, HostPool]:
+    specs = pool_set()
+    dev = DevicePool(specs, 24, 16, torch.device(device))
+    host = HostPool(specs, 20, 16, layout, pin=device == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    for buf in [*dev.buffers.values(), *host.buffers.values()]:
+        raw = torch.randint(
+            0, 256, (buf.numel() * buf.element_size(),), generator=gen, dtype=torch.uint8
+        )
+        buf.view(-1).view(torch.uint8).copy_(raw)
+    return dev, host
+
+
+def assert_same(dev: DevicePool, dp, host: HostPool, hp) -> None:  # noqa: ANN001
+    for s in dev.specs:
+        got = dev.page_bytes_view(s.name)[:, dp].cpu()
+        assert torch.equal(got, host.page_bytes_view(s.name)[:, hp]), s.name
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_cpu_roundtrip_is_byte_exact(layout):
+    dev, host = make_pools(layout, "cpu")
+    mover = Mover(dev, host)
+    dp, hp = torch.tensor([7, 2, 3, 19]), torch.tensor([0, 11, 12, 5])
+    op = mover.device_to_host(dp, hp)
+    assert op.done() and op.paths == {"kv": "cpu", "idx": "cpu", "state": "cpu"}
+    assert_same(dev, dp, host, hp)
+    back = torch.tensor([1, 23, 8, 9])
+    mover.host_to_device(hp, back).complete()
+    assert_same(dev, back, host, hp)
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
+    if path == STAGED and layout == "layer_first":
+        pytest.skip("staging is for page-first host pools")
+    forced = path
+
+    def force(geo, direction, hp, dp, per_layer=False, dma=True):  # noqa: ANN001, ANN202
+        return KERNEL if per_layer and forced == STAGED else forced
+
+    monkeypatch.setattr(mover_mod, "choose", force)
+    monkeypatch.setattr(mover_mod, "STAGING_BYTES", 1)  # one page per staging slice
+    dev, host = make_pools(layout, "cuda")
+    mover = Mover(dev, host)
+    dp, hp = torch.tensor([7, 2, 3, 4, 19]), torch.tensor([0, 11, 12, 13, 5])
+    op = mover.device_to_host(dp, hp)
+    op.wait()
+    op.complete()
+    assert set(op.paths.values()) == {path}
+    assert_same(dev, dp, host, hp)
+    back = torch.tensor([1, 23, 8, 9, 10])
+    op = mover.host_to_device(hp, back, overlap=overlap)
+    if overlap:
+        assert op.layer_events is not None and len(op.layer_events) == 3
+        op.layer_events[-1].synchronize()
+    op.wait()
+    assert_same(dev, back, host, hp)
+
+
+@cuda
+def test_cuda_default_choice_uses_copy_engines_for_large_pages():
+    specs = [PoolSpec("kv", 4, (2, 8, 128), torch.bfloat16)]  # 64 KiB rows at page 16
+    dev = DevicePool(specs, 16, 16, torch.device("cuda"))
+    host = HostPool(specs, 16, 16, "page_first", pin=True)
+    op = Mover(dev, host).host_to_device(torch.tensor([3, 1]), torch.tensor([0, 5]), overlap=True)
+    op.wait()
+    assert op.paths == {"kv": "direct per layer"}
