@@ -20,7 +20,8 @@ PY
 # Single-pool sweeps over layouts and page sizes: set SWEEP=1 (writes six more JSON files).
 [ "${SWEEP:-0}" = 1 ] && for layout in page_first layer_first; do
   for ps in 1 16 64; do
-    python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" \
+    # About 1 GiB per batch at every page size (512 pages of 16 tokens).
+    python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" --num-pages $((8192 / ps)) \
         --json "$OUT/transfer_${layout}_ps${ps}.json" > /dev/null
     python3 - "$OUT/transfer_${layout}_ps${ps}.json" <<'PY'
 import json, sys

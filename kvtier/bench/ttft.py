@@ -7,7 +7,7 @@ overlapped host-restore TTFT over max(transfer time at link speed, device-hit TT
 a restore can do is to hide one behind the other.
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
-while device → host backups of the prefix's pages run back to back on the mover's backup stream,
+while device → host backups of the prefix's pages are kept running on the mover's backup stream,
 once with the chosen mechanisms (copy engines for these page sizes) and once with row kernels
 forced: the stall is the step-time ratio.
 """
@@ -126,9 +126,14 @@ def bench_ttft(
             _log(f"{label}: {best['ttft_s'] * 1e3:.1f} ms")
             return best
 
-        def overlap(on: bool):  # noqa: ANN202
+        mover = llm.cache.controller.mover
+        copy_engines = mover is not None and mover.dma
+
+        def overlap(on: bool, engines: bool = True):  # noqa: ANN202
             def prep() -> None:
                 llm.scheduler.overlap_loads = on
+                if mover is not None:
+                    mover.dma = engines and copy_engines
                 llm.cache.flush(host=False)
 
             return prep
@@ -142,6 +147,11 @@ def bench_ttft(
         res["device_hit"] = run("device hit", lambda: None)
         res["host_restore"] = run("host restore", overlap(False))
         res["host_restore_overlap"] = run("host restore, per-layer overlap", overlap(True))
+        if copy_engines:  # the same with row kernels instead of copy engines, for comparison
+            res["host_restore_overlap_kernels"] = run(
+                "host restore, per-layer overlap, row kernels", overlap(True, engines=False)
+            )
+            overlap(False)()
         res["storage_restore"] = run("storage restore", flush_all)
         cached = res["device_hit"]["cached_device"]
         kv_bytes = cached * llm.cache.device_pool.page_bytes // llm.cache.page_size
@@ -166,6 +176,11 @@ def bench_ttft(
         "link_h2d_gbps": link,
         "transfer_at_link_s": transfer_s,
         "overlap_ratio": res["host_restore_overlap"]["ttft_s"] / bound if bound else 0.0,
+        "overlap_ratio_kernels": (
+            res["host_restore_overlap_kernels"]["ttft_s"] / bound
+            if bound and "host_restore_overlap_kernels" in res
+            else None
+        ),
         "same_first_token": len(tokens) == 1,
         "backup_during_decode": stall,
     }
@@ -179,8 +194,8 @@ DECODE_PAGES = 512
 """Device pages beyond the prompt's, for the decoding batch."""
 DECODE_STEPS = 24
 """Decode steps timed per measurement."""
-BACKUPS_QUEUED = 8
-"""Whole-prefix backups queued before the timed steps (more than the steps take)."""
+BACKUPS_IN_FLIGHT = 2
+"""Whole-prefix backups kept queued during the timed steps (topped up before every step)."""
 
 
 def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: int) -> dict:
@@ -195,41 +210,46 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         raise RuntimeError("bench ttft: no free host pages for the backup measurement")
     params = SamplingParams(max_tokens=64, ignore_eos=True)
 
-    def steps(n: int) -> float:
+    def steps(n: int, backups: bool = False) -> tuple[float, int]:
+        """Mean step time over ``n`` decode steps, and how many of them ended with a backup
+        still running (all, when backups are kept in flight)."""
         for _ in range(DECODE_BATCH):
             llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
         llm.step()  # the batch's prefill
-        t0 = time.perf_counter()
+        ops: list = []
+        covered = 0
+        total = 0.0
         for _ in range(n):
+            if backups:
+                ops = [op for op in ops if not op.done()]
+                ops += [mover.device_to_host(src, dst) for _ in range(BACKUPS_IN_FLIGHT - len(ops))]
+            t0 = time.perf_counter()
             llm.step()
-        dt = (time.perf_counter() - t0) / n
+            total += time.perf_counter() - t0
+            covered += any(not op.done() for op in ops)
+        for op in ops:
+            op.wait()
+            op.complete()
         while llm.has_unfinished():
             llm.step()
         llm.cache.drain()
-        return dt
+        return total / n, covered
 
-    def under_backups(use_dma: bool) -> tuple[float, float, bool]:
+    def under_backups(use_dma: bool) -> tuple[float, float, int]:
         saved, mover.dma = mover.dma, use_dma and mover.dma
         try:
-            one = mover.device_to_host(src, dst)
-            one.wait()
+            mover.device_to_host(src, dst).wait()
             t0 = time.perf_counter()
-            one = mover.device_to_host(src, dst)
-            one.wait()
+            mover.device_to_host(src, dst).wait()
             backup_s = time.perf_counter() - t0
-            ops = [mover.device_to_host(src, dst) for _ in range(BACKUPS_QUEUED)]
-            step_s = steps(DECODE_STEPS)
-            covered = not ops[-1].done()  # backups were still running when decode ended
-            for op in ops:
-                op.wait()
-                op.complete()
+            step_s, covered = steps(DECODE_STEPS, backups=True)
             return step_s, backup_s, covered
         finally:
             mover.dma = saved
 
     try:
         steps(4)  # warm-up
-        alone = steps(DECODE_STEPS)
+        alone = steps(DECODE_STEPS)[0]
         chosen, chosen_backup, chosen_cov = under_backups(True)
         kernel, kernel_backup, kernel_cov = under_backups(False)
     finally:
@@ -237,6 +257,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
     nbytes = num_pages * llm.cache.device_pool.page_bytes
     out = {
         "batch": DECODE_BATCH,
+        "steps": DECODE_STEPS,
         "backup_bytes": nbytes,
         "decode_step_ms": alone * 1e3,
         "chosen": {
@@ -244,13 +265,13 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
             "backup_gbps": nbytes / chosen_backup / 1e9,
             "decode_step_ms": chosen * 1e3,
             "stall": chosen / alone,
-            "backups_covered_decode": chosen_cov,
+            "steps_ending_under_backup": chosen_cov,
         },
         "kernels": {
             "backup_gbps": nbytes / kernel_backup / 1e9,
             "decode_step_ms": kernel * 1e3,
             "stall": kernel / alone,
-            "backups_covered_decode": kernel_cov,
+            "steps_ending_under_backup": kernel_cov,
         },
     }
     _log(

@@ -36,6 +36,9 @@ class _Attributes(ctypes.Structure):
     ]
 
 
+BATCH_BLOCKS = 512
+"""Blocks per driver call. The driver spends about 0.7 µs per block before the copy engines
+start on a call, so long lists go in slices: the first copies run while later ones are queued."""
 _SRC_ACCESS_ORDER_STREAM = 1
 """The source is read in stream order (it may be written by earlier work on the stream)."""
 
@@ -91,18 +94,21 @@ def copy_blocks(
     d, s, z = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, size))
     attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM)
     attr_index = (ctypes.c_size_t * 1)(0)
-    args = [
-        ctypes.c_void_p(d.ctypes.data),
-        ctypes.c_void_p(s.ctypes.data),
-        ctypes.c_void_p(z.ctypes.data),
-        ctypes.c_size_t(n),
-        ctypes.byref(attrs),
-        attr_index,
-        ctypes.c_size_t(1),
-    ]
     failed = ctypes.c_size_t(0)
-    if fail_index:
-        args.append(ctypes.byref(failed))
-    rc = fn(*args, ctypes.c_void_p(stream.cuda_stream))  # type: ignore[operator]
-    if rc != 0:
-        raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc} ({n} blocks)")
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    for lo in range(0, n, BATCH_BLOCKS):
+        k = min(BATCH_BLOCKS, n - lo)
+        args = [
+            ctypes.c_void_p(d.ctypes.data + 8 * lo),
+            ctypes.c_void_p(s.ctypes.data + 8 * lo),
+            ctypes.c_void_p(z.ctypes.data + 8 * lo),
+            ctypes.c_size_t(k),
+            ctypes.byref(attrs),
+            attr_index,
+            ctypes.c_size_t(1),
+        ]
+        if fail_index:
+            args.append(ctypes.byref(failed))
+        rc = fn(*args, handle)  # type: ignore[operator]
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc} ({k} blocks)")
