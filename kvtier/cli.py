@@ -47,6 +47,7 @@ def _bench(args: argparse.Namespace) -> int:
                 page_size=args.page_size,
                 host_layout=args.host_layout,
                 family=family,
+                num_pages=args.num_pages,
             )
 
         if args.family == "all":
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="transfer: a model family's pool set (dense, mla, dsa, dsa-compressed, hybrid, swa) "
         "or 'all'; default one GQA pool",
+    )
+    b.add_argument(
+        "--num-pages", type=_positive, default=512, help="transfer: pages moved per copy"
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(
