@@ -48,6 +48,7 @@ def test_choice_follows_block_size_and_direction():
     small = geo("page_first", row_bytes=4 << 10, layers=32)  # 128 KiB pages
     assert choose(small, "h2d", one, one) == STAGED
     assert choose(small, "h2d", one, one, per_layer=True) == KERNEL
+    assert choose(kv16, "h2d", one, one, per_layer=True) == KERNEL  # the CPU issues the forward
     assert choose(small, "d2h", one, one) == KERNEL
     lf = geo("layer_first", row_bytes=16 << 10, layers=32)
     assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
@@ -115,6 +116,8 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
     def force(geo, direction, hp, dp, per_layer=False, dma=True):  # noqa: ANN001, ANN202
         return KERNEL if per_layer and forced == STAGED else forced
 
+    # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).
+
     monkeypatch.setattr(mover_mod, "choose", force)
     monkeypatch.setattr(mover_mod, "STAGING_BYTES", 1)  # one page per staging slice
     dev, host = make_pools(layout, "cuda")
@@ -135,10 +138,13 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
 
 
 @cuda
-def test_cuda_default_choice_uses_copy_engines_for_large_pages():
+def test_cuda_default_choice_uses_copy_engines_for_large_pages_unless_per_layer():
     specs = [PoolSpec("kv", 4, (2, 8, 128), torch.bfloat16)]  # 64 KiB rows at page 16
     dev = DevicePool(specs, 16, 16, torch.device("cuda"))
     host = HostPool(specs, 16, 16, "page_first", pin=True)
     op = Mover(dev, host).host_to_device(torch.tensor([3, 1]), torch.tensor([0, 5]), overlap=True)
     op.wait()
-    assert op.paths == {"kv": "direct per layer"}
+    assert op.paths == {"kv": "kernel per layer"}
+    op = Mover(dev, host).host_to_device(torch.tensor([3, 1]), torch.tensor([0, 5]))
+    op.wait()
+    assert op.paths == {"kv": "direct"}

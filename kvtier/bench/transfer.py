@@ -189,6 +189,7 @@ def bench_transfer(
         back.wait()
         load.wait()
         back.complete()
+        paths["both"] = {n: f"d2h {back.paths[n]}, h2d {load.paths[n]}" for n in load.paths}
 
     cdev2 = torch.empty(total, dtype=torch.uint8, device=dev) if cuda else cdev
     chost2 = torch.empty(total, dtype=torch.uint8, pin_memory=True) if cuda else chost

@@ -24,7 +24,7 @@ from kvtier.pools.spec import bytes_view
 from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, RowGeometry, choose
-from kvtier.transfer.rows import PCIE_CTAS, copy_rows
+from kvtier.transfer.rows import PCIE_CTAS, STAGING_CTAS, copy_rows
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 
@@ -88,6 +88,10 @@ class Mover:
         self.cuda = device_pool.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
         self.backup_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
+        # Staging gathers and scatters run beside the copy engines on streams of their own.
+        self.helpers = (
+            {d: torch.cuda.Stream(device_pool.device) for d in ("d2h", "h2d")} if self.cuda else {}
+        )
         self.pinned = self.cuda and host_pool.pinned
         self.dma = self.pinned and dma.available()
         self.rows: dict[str, _Rows] = {}
@@ -252,10 +256,12 @@ class Mover:
         dst: torch.Tensor,
         dst_rows: torch.Tensor,
         op: TransferOp,
+        ctas: int = PCIE_CTAS,
     ) -> None:
+        """Row-copy kernel on the current stream (row numbers are moved to the device first)."""
         si = src_rows.to(self.dev.device, non_blocking=True)
         di = dst_rows.to(self.dev.device, non_blocking=True)
-        copy_rows(src, si, dst, di, ctas=PCIE_CTAS)
+        copy_rows(src, si, dst, di, ctas=ctas)
         op.keepalive += [si, di]
 
     def _direct(
@@ -284,38 +290,64 @@ class Mover:
         stream: torch.cuda.Stream,
         op: TransferOp,
     ) -> None:
-        """Whole host pages by copy engine through a device staging buffer, in slices.
+        """Whole host pages by copy engine through two device staging buffers, in slices.
 
         Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
-        ``i`` has the byte layout of a page-first host page and moves as one block.
+        ``i`` has the byte layout of a page-first host page and moves as one block. The rows are
+        gathered (d2h) or scattered (h2d) on a helper stream, so the copy engine moves one slice
+        while the other buffer is filled or emptied:
+
+            d2h   helper: gather k ──> stream: copy k ──> (buffer free) helper: gather k + 2
+            h2d   stream: copy k ──> helper: scatter k ──> (buffer free) stream: copy k + 2
         """
         geo = r.geo
         page_bytes = geo.layers * geo.row_bytes
-        per_slice = max(1, min(host_pages.numel(), STAGING_BYTES // page_bytes))
-        staging = torch.empty(
-            (per_slice * geo.layers, r.device.shape[1]),
-            dtype=r.device.dtype,
-            device=self.dev.device,
-        )
-        op.keepalive.append(staging)
-        for lo in range(0, host_pages.numel(), per_slice):
+        n = host_pages.numel()
+        per_slice = max(1, min(n, STAGING_BYTES // (2 * page_bytes)))
+        helper = self.helpers[direction]
+        helper.wait_stream(stream)  # ``stream`` already follows the compute stream
+        slices = range(0, n, per_slice)
+        words = r.device.shape[1]
+        bufs = [
+            torch.empty(
+                (per_slice * geo.layers, words), dtype=r.device.dtype, device=self.dev.device
+            )
+            for _ in range(min(2, len(slices)))
+        ]
+        op.keepalive += bufs
+        freed: list[torch.cuda.Event | None] = [None, None]
+        for j, lo in enumerate(slices):
+            buf = bufs[j % 2]
             hp, dp = host_pages[lo : lo + per_slice], phys[lo : lo + per_slice]
             k = hp.numel()
             stage_rows = (
                 torch.arange(geo.layers)[:, None] + torch.arange(k)[None, :] * geo.layers
             ).reshape(-1)
             host_at = _addresses(r.host, hp, page_bytes)
-            stage_at = staging.data_ptr() + np.arange(k, dtype=np.uint64) * np.uint64(page_bytes)
+            stage_at = np.uint64(buf.data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(
+                page_bytes
+            )
             sizes = np.full(k, page_bytes, dtype=np.uint64)
-            si = stage_rows.to(self.dev.device, non_blocking=True)
-            di = geo.device_rows(dp).to(self.dev.device, non_blocking=True)
-            op.keepalive += [si, di]
             if direction == "d2h":
-                copy_rows(r.device, di, staging, si)
+                with torch.cuda.stream(helper):
+                    if freed[j % 2] is not None:
+                        helper.wait_event(freed[j % 2])
+                    self._kernel(r.device, geo.device_rows(dp), buf, stage_rows, op, STAGING_CTAS)
+                    ready = _record(helper)
+                stream.wait_event(ready)
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
+                freed[j % 2] = _record(stream)
             else:
+                if freed[j % 2] is not None:
+                    stream.wait_event(freed[j % 2])
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
-                copy_rows(staging, si, r.device, di)
+                arrived = _record(stream)
+                with torch.cuda.stream(helper):
+                    helper.wait_event(arrived)
+                    self._kernel(buf, stage_rows, r.device, geo.device_rows(dp), op, STAGING_CTAS)
+                    freed[j % 2] = _record(helper)
+        if direction == "h2d":
+            stream.wait_stream(helper)
 
     def _unpinned_d2h(
         self, r: _Rows, host_pages: torch.Tensor, phys: torch.Tensor, op: TransferOp
@@ -344,6 +376,12 @@ class Mover:
         di = r.geo.device_rows(phys).to(self.dev.device, non_blocking=True)
         r.device.index_copy_(0, di, on_dev)
         op.keepalive += [pinned, on_dev, di]
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
 
 
 def _addresses(rows_view: torch.Tensor, rows: torch.Tensor, row_bytes: int) -> np.ndarray:

@@ -17,6 +17,9 @@ import torch
 PCIE_CTAS = 64
 """Programs for copies that cross PCIe: enough to keep the link busy (32 measured as fast as 528)
 while leaving most SMs to the kernels the copy overlaps."""
+STAGING_CTAS = 16
+"""Programs for device-local staging gathers and scatters: at a tenth of HBM speed they still
+outrun PCIe several times over, and they leave the SMs to the decode or forward beside them."""
 BLOCK_WORDS = 1024
 """Words moved per program per loop iteration."""
 FALLBACK_TEMP_BYTES = 4 << 20
