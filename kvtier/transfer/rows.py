@@ -21,7 +21,9 @@ STAGING_CTAS = 16
 """Programs for device-local staging gathers and scatters: at a tenth of HBM speed they still
 outrun PCIe several times over, and they leave the SMs to the decode or forward beside them."""
 BLOCK_WORDS = 1024
-"""Words moved per program per loop iteration."""
+"""Most words of one row moved per loop iteration."""
+TILE_WORDS = 4096
+"""Words per program per iteration: ``TILE_WORDS // BLOCK`` rows at once (32 KiB in flight)."""
 FALLBACK_TEMP_BYTES = 4 << 20
 """Largest temporary of the torch fallback (rows are gathered and scattered in chunks)."""
 
@@ -36,17 +38,28 @@ def _kernel():  # noqa: ANN202
 
     @triton.jit
     def copy_rows_kernel(
-        src, dst, src_idx, dst_idx, n_rows, WORDS: tl.constexpr, BLOCK: tl.constexpr
-    ):  # noqa: E501, N803
-        first = tl.program_id(0)
-        step = tl.num_programs(0)
-        for r in range(first, n_rows, step):
-            s = tl.load(src_idx + r).to(tl.int64) * WORDS
-            d = tl.load(dst_idx + r).to(tl.int64) * WORDS
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        n_rows,
+        n_tiles,
+        WORDS: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
+        ROWS: tl.constexpr,  # noqa: N803
+    ):
+        # Each iteration moves a ROWS x BLOCK tile: many independent loads in flight per
+        # program, which is what hides PCIe (and HBM) latency when rows are small.
+        for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+            r = t * ROWS + tl.arange(0, ROWS)
+            live = r < n_rows
+            s = tl.load(src_idx + r, mask=live, other=0).to(tl.int64) * WORDS
+            d = tl.load(dst_idx + r, mask=live, other=0).to(tl.int64) * WORDS
             for o in tl.range(0, WORDS, BLOCK):
                 offs = o + tl.arange(0, BLOCK)
-                mask = offs < WORDS
-                tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+                mask = live[:, None] & (offs < WORDS)[None, :]
+                v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
+                tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
 
     return copy_rows_kernel, triton.next_power_of_2
 
@@ -78,6 +91,9 @@ def copy_rows(
     words = src.shape[1]
     if ctas is None:
         ctas = 4 * torch.cuda.get_device_properties(src.device).multi_processor_count
-    fn[(min(n, ctas),)](
-        src, dst, src_idx, dst_idx, n, WORDS=words, BLOCK=min(BLOCK_WORDS, pow2(words))
+    block = min(BLOCK_WORDS, pow2(words))
+    rows = TILE_WORDS // block
+    tiles = -(-n // rows)
+    fn[(min(tiles, ctas),)](
+        src, dst, src_idx, dst_idx, n, tiles, WORDS=words, BLOCK=block, ROWS=rows
     )
