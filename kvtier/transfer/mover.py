@@ -24,7 +24,13 @@ from kvtier.pools.spec import bytes_view
 from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, RowGeometry, choose
-from kvtier.transfer.rows import PCIE_CTAS, STAGING_CTAS, copy_rows
+from kvtier.transfer.rows import (
+    PCIE_CTAS,
+    PCIE_TILE_WORDS,
+    STAGING_CTAS,
+    TILE_WORDS,
+    copy_rows,
+)
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 
@@ -261,7 +267,8 @@ class Mover:
         """Row-copy kernel on the current stream (row numbers are moved to the device first)."""
         si = src_rows.to(self.dev.device, non_blocking=True)
         di = dst_rows.to(self.dev.device, non_blocking=True)
-        copy_rows(src, si, dst, di, ctas=ctas)
+        tile = PCIE_TILE_WORDS if ctas == PCIE_CTAS else TILE_WORDS
+        copy_rows(src, si, dst, di, ctas=ctas, tile_words=tile)
         op.keepalive += [si, di]
 
     def _direct(
