@@ -262,13 +262,16 @@ class Mover:
         dst: torch.Tensor,
         dst_rows: torch.Tensor,
         op: TransferOp,
-        ctas: int = PCIE_CTAS,
+        staging: bool = False,
     ) -> None:
-        """Row-copy kernel on the current stream (row numbers are moved to the device first)."""
+        """Row-copy kernel on the current stream (row numbers are moved to the device first):
+        gentle across PCIe, wide tiles on few programs for device-local staging copies."""
         si = src_rows.to(self.dev.device, non_blocking=True)
         di = dst_rows.to(self.dev.device, non_blocking=True)
-        tile = PCIE_TILE_WORDS if ctas == PCIE_CTAS else TILE_WORDS
-        copy_rows(src, si, dst, di, ctas=ctas, tile_words=tile)
+        if staging:
+            copy_rows(src, si, dst, di, ctas=STAGING_CTAS, tile_words=TILE_WORDS)
+        else:
+            copy_rows(src, si, dst, di, ctas=PCIE_CTAS, tile_words=PCIE_TILE_WORDS)
         op.keepalive += [si, di]
 
     def _direct(
@@ -339,7 +342,7 @@ class Mover:
                 with torch.cuda.stream(helper):
                     if freed[j % 2] is not None:
                         helper.wait_event(freed[j % 2])
-                    self._kernel(r.device, geo.device_rows(dp), buf, stage_rows, op, STAGING_CTAS)
+                    self._kernel(r.device, geo.device_rows(dp), buf, stage_rows, op, staging=True)
                     ready = _record(helper)
                 stream.wait_event(ready)
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
@@ -351,7 +354,7 @@ class Mover:
                 arrived = _record(stream)
                 with torch.cuda.stream(helper):
                     helper.wait_event(arrived)
-                    self._kernel(buf, stage_rows, r.device, geo.device_rows(dp), op, STAGING_CTAS)
+                    self._kernel(buf, stage_rows, r.device, geo.device_rows(dp), op, staging=True)
                     freed[j % 2] = _record(helper)
         if direction == "h2d":
             stream.wait_stream(helper)
