@@ -25,9 +25,10 @@ BLOCK_WORDS = 1024
 TILE_WORDS = 4096
 """Words per program per iteration for device-local copies: ``TILE_WORDS // BLOCK`` rows at once
 (32 KiB in flight), which staging needs to keep ahead of the copy engine with 4 KiB rows."""
-PCIE_TILE_WORDS = BLOCK_WORDS
-"""Words per program per iteration across PCIe. Larger tiles took more from a forward pass running
-beside a per-layer load (TTFT 107 ms against 89 ms with one 8 KiB row per iteration)."""
+PCIE_TILE_WORDS = 1
+"""Words per program per iteration across PCIe: one row at a time. Wider tiles took more from a
+forward pass running beside a per-layer load (H200, 32K-token prefix: TTFT 107 ms with 32 KiB
+tiles against 89 ms with one row)."""
 FALLBACK_TEMP_BYTES = 4 << 20
 """Largest temporary of the torch fallback (rows are gathered and scattered in chunks)."""
 
