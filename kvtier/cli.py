@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step}``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step} | plot``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         print(demo.format_table(summary))
     return 0 if summary["oracle"]["mismatches"] == 0 else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from kvtier.bench.plot import plot
+
+    try:
+        plot(args.out, args.results)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"kvtier plot: {e}", file=sys.stderr)
+        return 2
+    print(args.out)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -129,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="storage, mooncake: storage_url of a cluster (default: start a local one)",
     )
     b.set_defaults(func=_bench)
+
+    pl = sub.add_parser("plot", help="SVG chart of bench transfer results or one bench ttft result")
+    pl.add_argument("out", help="SVG file to write")
+    pl.add_argument("results", nargs="+", help="bench JSON files")
+    pl.set_defaults(func=_plot)
     return p
 
 

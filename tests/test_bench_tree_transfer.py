@@ -108,3 +108,20 @@ def test_bench_transfer_shrinks_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bench_transfer_rejects_unknown_dtype() -> None:
     with pytest.raises(ConfigError, match="dtype"):
         bench_transfer(dtype="bfloat17", num_pages=1)
+
+
+def test_plot_draws_one_bar_per_direction_and_configuration(tmp_path) -> None:
+    import xml.etree.ElementTree as ET
+
+    from kvtier.bench.plot import plot
+
+    out = bench_transfer(num_layers=2, num_kv_heads=1, head_dim=8, num_pages=4, repeats=1)
+    src = tmp_path / "t.json"
+    src.write_text(json.dumps(out))
+    svg = tmp_path / "t.svg"
+    plot(svg, [src, src])
+    root = ET.parse(svg).getroot()
+    bars = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("height") != "10"]
+    assert len(bars) == 2 * 2  # two files x (d2h, h2d); no "both" on CPU
+    with pytest.raises(ValueError, match="transfer results or one ttft"):
+        plot(tmp_path / "x.svg", [])

@@ -194,8 +194,6 @@ DECODE_PAGES = 512
 """Device pages beyond the prompt's, for the decoding batch."""
 DECODE_STEPS = 24
 """Decode steps timed per measurement."""
-BACKUPS_IN_FLIGHT = 2
-"""Whole-prefix backups kept queued during the timed steps (topped up before every step)."""
 
 
 def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: int) -> dict:
@@ -210,7 +208,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         raise RuntimeError("bench ttft: no free host pages for the backup measurement")
     params = SamplingParams(max_tokens=64, ignore_eos=True)
 
-    def steps(n: int, backups: bool = False) -> tuple[float, int]:
+    def steps(n: int, backups: bool = False, in_flight: int = 0) -> tuple[float, int]:
         """Mean step time over ``n`` decode steps, and how many of them ended with a backup
         still running (all, when backups are kept in flight)."""
         for _ in range(DECODE_BATCH):
@@ -222,7 +220,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         for _ in range(n):
             if backups:
                 ops = [op for op in ops if not op.done()]
-                ops += [mover.device_to_host(src, dst) for _ in range(BACKUPS_IN_FLIGHT - len(ops))]
+                ops += [mover.device_to_host(src, dst) for _ in range(in_flight - len(ops))]
             t0 = time.perf_counter()
             llm.step()
             total += time.perf_counter() - t0
@@ -242,7 +240,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
             t0 = time.perf_counter()
             mover.device_to_host(src, dst).wait()
             backup_s = time.perf_counter() - t0
-            step_s, covered = steps(DECODE_STEPS, backups=True)
+            step_s, covered = steps(DECODE_STEPS, backups=True, in_flight=in_flight)
             return step_s, backup_s, covered
         finally:
             mover.dma = saved
@@ -250,6 +248,12 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
     try:
         steps(4)  # warm-up
         alone = steps(DECODE_STEPS)[0]
+        mover.device_to_host(src, dst).wait()
+        t0 = time.perf_counter()
+        mover.device_to_host(src, dst).wait()
+        # Enough backups queued before each step to outlast it (steps_ending_under_backup then
+        # equals the step count).
+        in_flight = math.ceil(alone / (time.perf_counter() - t0)) + 1
         chosen, chosen_backup, chosen_cov = under_backups(True)
         kernel, kernel_backup, kernel_cov = under_backups(False)
     finally:
@@ -258,6 +262,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
     out = {
         "batch": DECODE_BATCH,
         "steps": DECODE_STEPS,
+        "backups_in_flight": in_flight,
         "backup_bytes": nbytes,
         "decode_step_ms": alone * 1e3,
         "chosen": {

@@ -27,10 +27,10 @@ import torch
 
 H2D_DMA_MIN_BYTES = 64 << 10
 """Smallest mean copy-engine block for host → device: 0.97 of a contiguous copy at 64 KiB,
-0.88 at 32 KiB (kernels: 0.91-0.92 at every size)."""
+0.88 at 32 KiB (kernels: 0.89-0.92 at every size)."""
 D2H_DMA_MIN_BYTES = 256 << 10
 """Smallest mean copy-engine block for device → host: 0.97 at 256 KiB, 0.88 at 64 KiB
-(kernels: 0.93-0.95)."""
+(kernels: 0.91-0.95)."""
 STAGING_BYTES = 256 << 20
 """Device staging per staged transfer; larger batches go through it in slices."""
 

@@ -3,9 +3,9 @@
 Every transfer is expressed as rows — one row is one page of one layer of one component — so one
 primitive serves device ↔ host (through a device view of pinned memory), device ↔ staging and
 the CPU. On CUDA it is one Triton kernel launch with a bounded grid that loops over rows; measured
-on an H200 it moves 0.91-0.93 of a contiguous pinned copy's bandwidth across PCIe for 4 KiB to
-256 KiB rows in either direction, where ``index_select`` + ``index_copy_`` reached 0.88-0.90 and
-needed a temporary. Without Triton (or on CPU) the two torch index ops do it.
+on an H200 (1 GiB batches of 4 KiB to 256 KiB rows) it moves 0.89-0.92 of a contiguous pinned
+copy's bandwidth host → device and 0.91-0.95 device → host, where ``index_select`` +
+``index_copy_`` reached 0.88-0.90 and needed a temporary. Without Triton (or on CPU) the two torch index ops do it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TILE_WORDS = 4096
 """Words per program per iteration for device-local copies: ``TILE_WORDS // BLOCK`` rows at once
 (32 KiB in flight), which staging needs to keep ahead of the copy engine with 4 KiB rows."""
 PCIE_TILE_WORDS = 1
-"""Words per program per iteration across PCIe: one row at a time. Wider tiles took more from a
+"""Tile across PCIe (1: one row per program per iteration). Wider tiles took more from a
 forward pass running beside a per-layer load (H200, 32K-token prefix: TTFT 107 ms with 32 KiB
 tiles against 89 ms with one row)."""
 FALLBACK_TEMP_BYTES = 4 << 20
