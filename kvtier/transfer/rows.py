@@ -18,23 +18,22 @@ PCIE_CTAS = 64
 """Programs for copies that cross PCIe: enough to keep the link busy (32 measured as fast as 528)
 while leaving most SMs to the kernels the copy overlaps."""
 STAGING_CTAS = 16
-"""Programs for device-local staging gathers and scatters: at a tenth of HBM speed they still
-outrun PCIe several times over, and they leave the SMs to the decode or forward beside them."""
+"""Programs for device-local staging gathers and scatters, which only need to keep ahead of the
+copy engine; few programs leave the SMs to the decode or forward beside them."""
 BLOCK_WORDS = 1024
 """Most words of one row moved per loop iteration."""
+ONE_ROW = 1
+"""``tile_words`` for one row per program per iteration: the gentlest on kernels running beside."""
 TILE_WORDS = 4096
-"""Words per program per iteration for device-local copies: ``TILE_WORDS // BLOCK`` rows at once
-(32 KiB in flight), which staging needs to keep ahead of the copy engine with 4 KiB rows."""
-PCIE_TILE_WORDS = 1
-"""Tile across PCIe (1: one row per program per iteration). Wider tiles took more from a
-forward pass running beside a per-layer load (H200, 32K-token prefix: TTFT 107 ms with 32 KiB
-tiles against 89 ms with one row)."""
+"""``tile_words`` for ``TILE_WORDS // BLOCK`` rows per program per iteration (32 KiB in flight),
+for copies that must be fast with small rows."""
 FALLBACK_TEMP_BYTES = 4 << 20
 """Largest temporary of the torch fallback (rows are gathered and scattered in chunks)."""
 
 
 @functools.cache
-def _kernel():  # noqa: ANN202
+def _kernels():  # noqa: ANN202
+    """``(row kernel, tile kernel, next_power_of_2)``, or ``None`` without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -48,13 +47,31 @@ def _kernel():  # noqa: ANN202
         src_idx,
         dst_idx,
         n_rows,
+        WORDS: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
+    ):
+        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            s = tl.load(src_idx + r).to(tl.int64) * WORDS
+            d = tl.load(dst_idx + r).to(tl.int64) * WORDS
+            for o in tl.range(0, WORDS, BLOCK):
+                offs = o + tl.arange(0, BLOCK)
+                mask = offs < WORDS
+                tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def copy_tiles_kernel(
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        n_rows,
         n_tiles,
         WORDS: tl.constexpr,  # noqa: N803
         BLOCK: tl.constexpr,  # noqa: N803
         ROWS: tl.constexpr,  # noqa: N803
     ):
         # Each iteration moves a ROWS x BLOCK tile: many independent loads in flight per
-        # program, which is what hides PCIe (and HBM) latency when rows are small.
+        # program, which is what hides latency when rows are small.
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             r = t * ROWS + tl.arange(0, ROWS)
             live = r < n_rows
@@ -66,7 +83,7 @@ def _kernel():  # noqa: ANN202
                 v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
                 tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
 
-    return copy_rows_kernel, triton.next_power_of_2
+    return copy_rows_kernel, copy_tiles_kernel, triton.next_power_of_2
 
 
 def copy_rows(
@@ -75,17 +92,17 @@ def copy_rows(
     dst: torch.Tensor,
     dst_idx: torch.Tensor,
     ctas: int | None = None,
-    tile_words: int = TILE_WORDS,
+    tile_words: int = ONE_ROW,
 ) -> None:
     """Copy rows ``src[src_idx]`` into ``dst[dst_idx]`` (contiguous ``[rows, words]`` tensors of
     one dtype; index tensors on the tensors' device). On CUDA the copy is queued on the current
-    stream with at most ``ctas`` programs (default: four per SM), each moving ``tile_words`` words
-    (whole rows) per iteration."""
+    stream with at most ``ctas`` programs (default: four per SM), each moving whole rows,
+    ``tile_words`` words' worth (at least one row), per iteration."""
     n = src_idx.numel()
     if n == 0:
         return
-    kernel = _kernel() if src.is_cuda else None
-    if kernel is None:
+    kernels = _kernels() if src.is_cuda else None
+    if kernels is None:
         # Bounded temporaries: a fresh multi-MiB one per call costs more in page faults (CPU)
         # than the copy itself; small ones are recycled by the allocator.
         step = max(1, FALLBACK_TEMP_BYTES // (src.shape[1] * src.element_size()))
@@ -94,13 +111,16 @@ def copy_rows(
                 0, dst_idx[lo : lo + step], src.index_select(0, src_idx[lo : lo + step])
             )
         return
-    fn, pow2 = kernel
+    rows_kernel, tiles_kernel, pow2 = kernels
     words = src.shape[1]
+    block = min(BLOCK_WORDS, pow2(words))
     if ctas is None:
         ctas = 4 * torch.cuda.get_device_properties(src.device).multi_processor_count
-    block = min(BLOCK_WORDS, pow2(words))
-    rows = max(1, tile_words // block)
+    rows = tile_words // block
+    if rows <= 1:
+        rows_kernel[(min(n, ctas),)](src, dst, src_idx, dst_idx, n, WORDS=words, BLOCK=block)
+        return
     tiles = -(-n // rows)
-    fn[(min(tiles, ctas),)](
+    tiles_kernel[(min(tiles, ctas),)](
         src, dst, src_idx, dst_idx, n, tiles, WORDS=words, BLOCK=block, ROWS=rows
     )
