@@ -148,3 +148,33 @@ def test_cuda_default_choice_uses_copy_engines_for_large_pages_unless_per_layer(
     op = Mover(dev, host).host_to_device(torch.tensor([3, 1]), torch.tensor([0, 5]))
     op.wait()
     assert op.paths == {"kv": "direct"}
+
+
+def test_copy_blocks_without_driver_support_raises_dma_error(monkeypatch):
+    from kvtier.transfer import dma
+
+    monkeypatch.setattr(dma, "_entry", lambda: None)
+    assert not dma.available()
+    one = np.ones(1, dtype=np.uint64)
+    with pytest.raises(dma.DmaError, match="not available"):
+        dma.copy_blocks(one, one, one, stream=None)  # type: ignore[arg-type]
+
+
+@cuda
+def test_refused_copy_engine_list_falls_back_to_kernels(monkeypatch):
+    from kvtier.transfer import dma
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise dma.DmaError("refused")
+
+    monkeypatch.setattr(dma, "copy_blocks", refuse)
+    specs = [PoolSpec("kv", 4, (2, 8, 128), torch.bfloat16)]  # 64 KiB rows: direct by default
+    dev = DevicePool(specs, 16, 16, torch.device("cuda"))
+    host = HostPool(specs, 16, 16, "page_first", pin=True)
+    host.buffers["kv"].copy_(torch.randn(host.buffers["kv"].shape).to(torch.bfloat16))
+    mover = Mover(dev, host)
+    hp, dp = torch.tensor([3, 1, 9]), torch.tensor([0, 5, 7])
+    op = mover.host_to_device(hp, dp)
+    op.wait()
+    assert op.paths == {"kv": "kernel"} and mover.dma is False
+    assert_same(dev, dp, host, hp)

@@ -21,6 +21,10 @@ import numpy as np
 import torch
 
 
+class DmaError(RuntimeError):
+    """The driver refused a copy-engine list (raised before or while queueing it)."""
+
+
 class _Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -86,7 +90,7 @@ def copy_blocks(
     the driver which is which). Returns once queued; the arrays may be dropped then."""
     entry = _entry()
     if entry is None:
-        raise RuntimeError("cuMemcpyBatchAsync is not available in this CUDA driver")
+        raise DmaError("cuMemcpyBatchAsync is not available in this CUDA driver")
     fn, fail_index = entry
     n = int(size.size)
     if n == 0:
@@ -111,4 +115,4 @@ def copy_blocks(
             args.append(ctypes.byref(failed))
         rc = fn(*args, handle)  # type: ignore[operator]
         if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc} ({k} blocks)")
+            raise DmaError(f"cuMemcpyBatchAsync failed with CUresult {rc} ({k} blocks)")

@@ -11,6 +11,7 @@ synchronous and ops are born done; the caller's visibility rules are the same.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from kvtier.transfer.rows import (
     copy_rows,
 )
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -142,25 +145,16 @@ class Mover:
             return op
         stream = self.backup_stream
         assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.dev.device))
         finals: list[Callable[[], None]] = []
-        with torch.cuda.stream(stream):
-            for name, r in self.rows.items():
-                path = self._path(r, "d2h", host_pages, phys)
-                op.paths[name] = path
-                if path == DIRECT:
-                    self._direct(r, "d2h", host_pages, phys, None, stream)
-                elif path == STAGED:
-                    self._staged(r, "d2h", host_pages, phys, stream, op)
-                elif path == KERNEL:
-                    assert r.mapped is not None
-                    self._kernel(
-                        r.device, r.geo.device_rows(phys), r.mapped, r.geo.host_rows(host_pages), op
-                    )
-                else:
-                    finals.append(self._unpinned_d2h(r, host_pages, phys, op))
-            op.event = torch.cuda.Event()
-            op.event.record(stream)
+        with torch.cuda.device(self.dev.device):
+            stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # the data's writer
+            with torch.cuda.stream(stream):
+                for name, r in self.rows.items():
+                    final = self._component(name, r, "d2h", host_pages, phys, stream, op)
+                    if final is not None:
+                        finals.append(final)
+                op.event = torch.cuda.Event()
+                op.event.record(stream)
         if finals:
 
             def finalize() -> None:
@@ -194,34 +188,24 @@ class Mover:
             return op
         stream = self.load_stream
         assert stream is not None
-        compute = torch.cuda.current_stream(self.dev.device)
-        stream.wait_stream(compute)
         overlap = overlap and self.pinned
         anchor = self.dev.specs[0].name
-        with torch.cuda.stream(stream):
-            for name, r in self.rows.items():
-                if overlap and name == anchor:
-                    continue
-                path = self._path(r, "h2d", host_pages, phys)
-                op.paths[name] = path
-                if path == DIRECT:
-                    self._direct(r, "h2d", host_pages, phys, None, stream)
-                elif path == STAGED:
-                    self._staged(r, "h2d", host_pages, phys, stream, op)
-                elif path == KERNEL:
-                    assert r.mapped is not None
-                    self._kernel(
-                        r.mapped, r.geo.host_rows(host_pages), r.device, r.geo.device_rows(phys), op
+        with torch.cuda.device(self.dev.device):
+            compute = torch.cuda.current_stream(self.dev.device)
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                for name, r in self.rows.items():
+                    if not (overlap and name == anchor):
+                        self._component(name, r, "h2d", host_pages, phys, stream, op)
+                if overlap:
+                    op.layer_events = self._load_layers(
+                        self.rows[anchor], host_pages, phys, stream, op
                     )
-                else:
-                    self._unpinned_h2d(r, host_pages, phys, op)
-            if overlap:
-                op.layer_events = self._load_layers(self.rows[anchor], host_pages, phys, stream, op)
-                op.paths[anchor] += " per layer"
-            op.event = torch.cuda.Event()
-            op.event.record(stream)
-        if not overlap:
-            compute.wait_event(op.event)
+                    op.paths[anchor] += " per layer"
+                op.event = torch.cuda.Event()
+                op.event.record(stream)
+            if not overlap:
+                compute.wait_event(op.event)
         return op
 
     def _load_layers(
@@ -250,10 +234,54 @@ class Mover:
 
     # -- mechanisms ---------------------------------------------------------------------------
 
-    def _path(self, r: _Rows, direction: str, host_pages: torch.Tensor, phys: torch.Tensor) -> str:
-        if not self.pinned:
-            return "unpinned"
-        return choose(r.geo, direction, host_pages, phys, dma=self.dma)
+    def _component(
+        self,
+        name: str,
+        r: _Rows,
+        direction: str,
+        host_pages: torch.Tensor,
+        phys: torch.Tensor,
+        stream: torch.cuda.Stream,
+        op: TransferOp,
+    ) -> Callable[[], None] | None:
+        """Queue one component's copy by its mechanism; returns the host-side finaliser a
+        pageable host pool needs after a d2h copy, else ``None``.
+
+        Should the driver refuse a copy-engine list, copy engines are switched off for this mover
+        (with a warning) and the component is copied again by kernel: the rows already queued
+        are rewritten with the same bytes, so nothing is lost.
+        """
+        path = (
+            "unpinned"
+            if not self.pinned
+            else choose(r.geo, direction, host_pages, phys, dma=self.dma)
+        )
+        if path in (DIRECT, STAGED):
+            try:
+                if path == DIRECT:
+                    self._direct(r, direction, host_pages, phys, None, stream)
+                else:
+                    self._staged(r, direction, host_pages, phys, stream, op)
+                op.paths[name] = path
+                return None
+            except dma.DmaError as e:
+                log.warning("copy engines disabled, transfers fall back to kernels: %s", e)
+                self.dma = False
+                path = KERNEL
+                stream.wait_stream(self.helpers[direction])  # staging work already queued
+        op.paths[name] = path
+        dev_rows, host_rows = r.geo.device_rows(phys), r.geo.host_rows(host_pages)
+        if path == KERNEL:
+            assert r.mapped is not None
+            if direction == "d2h":
+                self._kernel(r.device, dev_rows, r.mapped, host_rows, op)
+            else:
+                self._kernel(r.mapped, host_rows, r.device, dev_rows, op)
+            return None
+        if direction == "d2h":
+            return self._unpinned_d2h(r, host_pages, phys, op)
+        self._unpinned_h2d(r, host_pages, phys, op)
+        return None
 
     def _kernel(
         self,
