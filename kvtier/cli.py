@@ -60,6 +60,7 @@ def _bench(args: argparse.Namespace) -> int:
                 host_layout=args.host_layout,
                 family=family,
                 num_pages=args.num_pages,
+                staging_mib=args.staging_mib,
             )
 
         if args.family == "all":
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--num-pages", type=_positive, default=512, help="transfer: pages moved per copy"
+    )
+    b.add_argument(
+        "--staging-mib",
+        type=_positive,
+        default=None,
+        help="transfer: device staging memory per staged copy, MiB (default 256)",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(

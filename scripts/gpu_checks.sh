@@ -37,6 +37,12 @@ done
       > "/tmp/demo_cuda_$model.json" 2>/dev/null
   python3 -c "import json; d=json.load(open('/tmp/demo_cuda_$model.json')); print('demo $model', d['tiers'], d['oracle'])"
 done
+# Staging memory sweep for the staged families (device → host is the one below 0.9): STAGING=1.
+[ "${STAGING:-0}" = 1 ] && for mib in 16 64 256; do for fam in mla dsa dense; do
+  python3 -m kvtier.cli bench transfer --family "$fam" --staging-mib "$mib" 2>/dev/null | python3 -c "
+import json, sys; r = json.load(sys.stdin)
+print('staging', $mib, 'MiB', '$fam', *('%s %.2f' % (d, r[d]['ratio']) for d in ('d2h', 'h2d', 'both')))"
+done; done
 # Time to first token of a 32K-token prompt on a Llama-8B-sized model: set TTFT=1.
 [ "${TTFT:-0}" = 1 ] && python3 -m kvtier.cli bench ttft --json "$OUT/ttft.json" 2>&1 | grep "bench ttft"
 exit 0

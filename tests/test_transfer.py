@@ -119,9 +119,8 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
     # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).
 
     monkeypatch.setattr(mover_mod, "choose", force)
-    monkeypatch.setattr(mover_mod, "STAGING_BYTES", 1)  # one page per staging slice
     dev, host = make_pools(layout, "cuda")
-    mover = Mover(dev, host)
+    mover = Mover(dev, host, staging_bytes=1)  # one page per staging slice
     dp, hp = torch.tensor([7, 2, 3, 4, 19]), torch.tensor([0, 11, 12, 13, 5])
     op = mover.device_to_host(dp, hp)
     op.wait()
@@ -178,3 +177,10 @@ def test_refused_copy_engine_list_falls_back_to_kernels(monkeypatch):
     op.wait()
     assert op.paths == {"kv": "kernel"} and mover.dma is False
     assert_same(dev, dp, host, hp)
+
+
+def test_staging_memory_must_be_positive():
+    dev, host = make_pools("page_first", "cpu")
+    with pytest.raises(ValueError, match="staging_bytes=0"):
+        Mover(dev, host, staging_bytes=0)
+    assert Mover(dev, host, staging_bytes=1 << 20).staging_bytes == 1 << 20

@@ -19,6 +19,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size
 from kvtier.transfer.mover import Mover
+from kvtier.transfer.plan import STAGING_BYTES
 
 CPU_TRANSFER_BYTES = 64 << 20
 """Bytes moved per copy on CPU (sizes shrink to fit), which keeps the CPU run to seconds."""
@@ -67,6 +68,7 @@ def bench_transfer(
     repeats: int = 5,
     host_layout: str = "page_first",
     family: str | None = None,
+    staging_mib: int | None = None,
 ) -> dict:
     """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
     contiguous ``copy_`` of the same byte count, in each direction, in the same process.
@@ -82,6 +84,8 @@ def bench_transfer(
     synchronise. One untimed d2h → h2d roundtrip (into a second set of device pages) first checks
     that the host copy and the restored device pages are byte-identical to the originals and
     raises ``RuntimeError`` otherwise. Figures are the best and the median of ``repeats``.
+
+    ``staging_mib`` sets the mover's device staging memory (default ``plan.STAGING_BYTES``).
 
     ``family`` replaces the single GQA pool by that family's whole pool set (see
     ``kvtier.bench.pool_sets``; a page is then the family's tree page and every component moves
@@ -121,7 +125,8 @@ def bench_transfer(
     pool_pages = 2 * num_pages
     dpool = DevicePool(specs, pool_pages, page_size, dev)
     hpool = HostPool(specs, pool_pages, page_size, layout=host_layout, pin=cuda)
-    mover = Mover(dpool, hpool)
+    staging = STAGING_BYTES if staging_mib is None else staging_mib << 20
+    mover = Mover(dpool, hpool, staging_bytes=staging)
     total = num_pages * dpool.page_bytes
     sizes = {
         "family": family or "single GQA pool",
@@ -137,6 +142,7 @@ def bench_transfer(
         "device_pool_pages": pool_pages,
         "host_pool_pages": pool_pages,
         "host_layout": host_layout,
+        "staging_bytes": mover.staging_bytes,
         "pinned": cuda,
         "estimated_peak_bytes": FOOTPRINT_COPIES * total,
         "requested": requested,

@@ -89,11 +89,16 @@ class Mover:
         host_pool: HostPool,
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
         self.translator = translator or IdentityTranslator()
         self.debug_checks = debug_checks
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes={staging_bytes} must be positive")
+        self.staging_bytes = staging_bytes
+        """Device staging memory of one staged component copy (two buffers of half each)."""
         self.cuda = device_pool.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
         self.backup_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
@@ -345,7 +350,7 @@ class Mover:
         geo = r.geo
         page_bytes = geo.layers * geo.row_bytes
         n = host_pages.numel()
-        per_slice = max(1, min(n, STAGING_BYTES // (2 * page_bytes)))
+        per_slice = max(1, min(n, self.staging_bytes // (2 * page_bytes)))
         helper = self.helpers[direction]
         helper.wait_stream(stream)  # ``stream`` already follows the compute stream
         slices = range(0, n, per_slice)
