@@ -184,3 +184,30 @@ def test_staging_memory_must_be_positive():
     with pytest.raises(ValueError, match="staging_bytes=0"):
         Mover(dev, host, staging_bytes=0)
     assert Mover(dev, host, staging_bytes=1 << 20).staging_bytes == 1 << 20
+
+
+@cuda
+@pytest.mark.parametrize("row_heads", [1, 8])  # 4 KiB rows (kernels, staging) and 64 KiB (direct)
+def test_cuda_transfers_never_synchronise_the_host(row_heads):
+    specs = [
+        PoolSpec("kv", 4, (2, row_heads, 128), torch.bfloat16),
+        PoolSpec("state", 2, (16,), torch.float32, kind="state"),
+    ]
+    dev = DevicePool(specs, 16, 16, torch.device("cuda"))
+    host = HostPool(specs, 16, 16, "page_first", pin=True)
+    mover = Mover(dev, host)
+    hp, dp = torch.tensor([3, 1, 9]), torch.tensor([0, 5, 7])
+
+    def both_ways() -> None:
+        mover.device_to_host(dp, hp)
+        mover.host_to_device(hp, dp)
+        mover.host_to_device(hp, dp, overlap=True)
+
+    both_ways()  # first calls compile kernels and allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        both_ways()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
