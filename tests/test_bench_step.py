@@ -6,7 +6,11 @@ from kvtier.bench.step import bench_step
 
 
 def test_bench_step_tiny():
-    r = bench_step(concurrency=20, steps=24, system_tokens=32, user_tokens=16, output_tokens=8)
+    r = bench_step(concurrency=20, steps=48, system_tokens=32, user_tokens=16, output_tokens=8)
     assert r["mean_running"] > 15
-    assert r["calls"]["poll"] == 24 and r["calls"]["finish"] > 0
+    assert r["calls"]["poll"] == 48 and r["calls"]["finish"] > 0
     assert 0 < r["cache_share_of_step"] <= 1
+    full = r["under_eviction"]
+    assert full["device_pages"] < r["device_pages"] and full["mean_running"] > 15
+    assert full["evicted_pages"]["device"] > 0 and r["evicted_pages"]["device"] == 0
+    assert 0 < full["cache_share_of_step"] <= 1

@@ -50,6 +50,10 @@ class _Timed:
         return timed
 
 
+FULL_POOL_FACTOR = 1.05
+"""Device pages per page the running requests need, in the ``under_eviction`` run."""
+
+
 def bench_step(
     concurrency: int = 1000,
     steps: int = 200,
@@ -59,13 +63,37 @@ def bench_step(
     page_size: int = 16,
     seed: int = 0,
 ) -> dict:
-    """Per-step cache CPU time at ``concurrency`` running requests (see the module docstring)."""
+    """Per-step cache CPU time at ``concurrency`` running requests (see the module docstring).
+
+    The top-level figures come from a device pool twice what the running requests need (the
+    cache grows without evicting); ``under_eviction`` repeats the run with a device pool of
+    ``FULL_POOL_FACTOR`` times that need and a host pool twice the device pool, so finished
+    requests' pages are evicted from both tiers every few steps, as in a full serving cache.
+    """
+    args = (concurrency, steps, system_tokens, user_tokens, output_tokens, page_size, seed)
+    out = _run(2.0, 1.0, *args)
+    full = _run(FULL_POOL_FACTOR, 2.0, *args)
+    out["under_eviction"] = {k: v for k, v in full.items() if k not in ("bench", "concurrency")}
+    return out
+
+
+def _run(
+    pool_factor: float,
+    host_ratio: float,
+    concurrency: int,
+    steps: int,
+    system_tokens: int,
+    user_tokens: int,
+    output_tokens: int,
+    page_size: int,
+    seed: int,
+) -> dict:
     per_req = (system_tokens + user_tokens + output_tokens) // page_size + 2
     spec = PoolSpec("kv", 1, (2, 1, 8), torch.float16)
     cfg = CacheConfig(
         page_size=page_size,
-        device_pages=per_req * concurrency * 2,
-        host_ratio=1.0,
+        device_pages=int(per_req * concurrency * pool_factor),
+        host_ratio=host_ratio,
         device="cpu",
     )
     cache = _Timed(TieredCache(cfg, [spec]))
@@ -102,6 +130,7 @@ def bench_step(
     out = {
         "bench": "step",
         "concurrency": concurrency,
+        "device_pages": cfg.device_pages,
         "steps": steps,
         "mean_running": statistics.mean(running[warm]),
         "cache_ms_per_step": {
@@ -113,6 +142,9 @@ def bench_step(
         "scheduler_ms_per_step": 1e3 * statistics.mean(step_s[warm]),
         "cache_share_of_step": sum(kv) / sum(step_s[warm]),
         "calls": dict(cache.calls),
+        "evicted_pages": {
+            t: cache._cache.stats()[f"evicted_{t}_pages"] for t in ("device", "host")
+        },
     }
     cache._cache.check_integrity()
     return out

@@ -44,6 +44,12 @@ class RadixTree:
         # Device-resident nodes without a device-resident child: the only nodes device eviction
         # can take, kept incrementally so eviction does not scan the whole tree.
         self._device_leaves: set[Node] = set()
+        # Eviction queue over those leaves, kept across calls. Entries go stale (the node left the
+        # leaf set, got locked, or was accessed since) and are dropped or re-queued when they reach
+        # the top, which is sound because priorities only grow. Invariant: every unlocked device
+        # leaf has an entry (pushed when it becomes a leaf and when its last lock is released).
+        self._device_heap: list[tuple] = []
+        self._seq = itertools.count()
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
@@ -115,6 +121,8 @@ class RadixTree:
             if n.lock_ref <= 0:
                 raise IntegrityError(f"unlock below zero at {n!r}")
             n.lock_ref -= 1
+            if not n.lock_ref and n in self._device_leaves:
+                self._queue(n)
             n = n.parent
 
     # ---- insertion ----------------------------------------------------------------------
@@ -207,9 +215,20 @@ class RadixTree:
             and node.device is not None
             and not any(c.device is not None for c in node.children.values())
         ):
-            self._device_leaves.add(node)
+            if node not in self._device_leaves:
+                self._device_leaves.add(node)
+                self._queue(node)
         else:
             self._device_leaves.discard(node)
+
+    def _queue(self, node: Node) -> None:
+        """Give ``node`` an eviction-queue entry at its current priority."""
+        heap = self._device_heap
+        if len(heap) > 2 * len(self._device_leaves) + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self._device_leaves if not n.lock_ref]
+            heapq.heapify(heap)
+            return  # ``node`` is a leaf: queued by the rebuild unless locked
+        heapq.heappush(heap, self._entry(node))
 
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
@@ -259,12 +278,20 @@ class RadixTree:
         subtree.
         """
         out = Evicted()
-        heap = [self._entry(n) for n in self._device_leaves if self._device_evictable(n)]
-        heapq.heapify(heap)
+        heap = self._device_heap
+        aside: list[tuple] = []  # candidates busy now (I/O, refused): queued again at the end
         freed = 0
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)[-1]
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node not in self._device_leaves or node.lock_ref:
+                continue  # stale, or locked: ``unlock`` queues it again
+            current = self._entry(node)
+            if current[0] != entry[0]:  # accessed since queued: back at its new priority
+                heapq.heappush(heap, current)
+                continue
             if not self._device_evictable(node) or (prepare is not None and not prepare(node)):
+                aside.append(entry)
                 continue
             assert node.device is not None
             out.device_pages.append(node.device)
@@ -275,9 +302,9 @@ class RadixTree:
             if not node.on_host:
                 self._remove_subtree(node, out)
             if parent is not None:
-                self._refresh_leaf(parent)
-            if parent is not None and self._device_evictable(parent):
-                heapq.heappush(heap, self._entry(parent))
+                self._refresh_leaf(parent)  # queues the parent when it became a leaf
+        for entry in aside:
+            heapq.heappush(heap, entry)
         return out
 
     def evict_host(self, num_pages: int) -> Evicted:
@@ -303,7 +330,8 @@ class RadixTree:
         return out
 
     def _entry(self, node: Node) -> tuple:
-        return (self.policy.priority(node), node.id, node)
+        # The sequence number keeps two entries of one node from ever comparing nodes.
+        return (self.policy.priority(node), next(self._seq), node)
 
     def _device_evictable(self, node: Node) -> bool:
         if node is self.root or node.device is None or node.lock_ref or node.device_io:
@@ -395,4 +423,10 @@ class RadixTree:
         if leaves != self._device_leaves:
             raise IntegrityError(
                 f"device leaf index out of date: {len(leaves ^ self._device_leaves)} nodes differ"
+            )
+        queued = {id(e[-1]) for e in self._device_heap}
+        missing = [n.id for n in leaves if not n.lock_ref and id(n) not in queued]
+        if missing:
+            raise IntegrityError(
+                f"unlocked device leaves missing from the eviction queue: {missing}"
             )
