@@ -288,3 +288,17 @@ def test_check_integrity_detects_device_io_without_copy() -> None:
     n.device_io = 1
     with pytest.raises(IntegrityError, match="device I/O"):
         tree.check_integrity()
+
+
+def test_eviction_queue_follows_accesses_and_locks_between_calls(tree: RadixTree) -> None:
+    trunk, a, b, c = three_branches(tree)
+    held = tree.lock(tree.match(seq(0, 2)))  # b: locked, and now the most recent
+    tree.unlock(tree.lock(tree.match(seq(0, 3))))  # c after b
+    assert [L(p) for p in tree.evict_device(1).device_pages] == [[10]]  # a: oldest, unlocked
+    tree.check_integrity()
+    assert [L(p) for p in tree.evict_device(1).device_pages] == [[30]]  # b is still locked
+    assert tree.evict_device(1).device_pages == []  # only locked pages remain
+    tree.check_integrity()
+    tree.unlock(held)  # b queued again on release; then the trunk once b is gone
+    assert [L(p) for p in tree.evict_device(2).device_pages] == [[20], [1]]
+    tree.check_integrity()
