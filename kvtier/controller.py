@@ -171,7 +171,7 @@ class Controller:
         for node, pages in flight.entries:
             node.device_io -= 1
             if node.host is None and node.parent is not None:
-                node.host = pages
+                self.tree.set_host(node, pages)
                 stored.append(node)
             else:
                 self.host.allocator.free(pages)

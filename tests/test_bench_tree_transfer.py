@@ -27,6 +27,7 @@ def test_bench_tree_tiny() -> None:
         "insert",
         "lock_unlock",
         "evict_device",
+        "evict_host",
         "prompt_cold_match",
         "prompt_cold_insert",
         "prompt_hit_match",
@@ -34,7 +35,7 @@ def test_bench_tree_tiny() -> None:
         "prompt_diverge_insert",
     }
     assert set(out["ops"]) == tree_ops
-    assert set(out["flat_table"]) == tree_ops - {"lock_unlock", "evict_device"}
+    assert set(out["flat_table"]) == tree_ops - {"lock_unlock", "evict_device", "evict_host"}
     assert set(out["ratio"]) == set(out["flat_table"])
     for stats in (*out["ops"].values(), *out["flat_table"].values()):
         assert set(stats) >= STAT_KEYS
@@ -45,6 +46,7 @@ def test_bench_tree_tiny() -> None:
     assert out["ops"]["prompt_diverge_match"]["pages_per_op"] == 1024 // 16 // 2
     assert "us_per_page" not in out["ops"]["match_miss"]
     assert out["ops"]["evict_device"]["pages_per_op"] >= 16
+    assert out["ops"]["evict_host"]["pages_per_op"] >= 16
 
 
 def test_bench_tree_rejects_short_prompt() -> None:

@@ -83,7 +83,7 @@ def test_lock_splits_partially_matched_node(tree: RadixTree) -> None:
     x = find(tree, seq(1, 2, 3))
     child = tree.insert(seq(1, 2, 3, 4), P(90, 91, 92, 13)).taken[0]
     assert child.parent is x and L(child.device) == [13]
-    x.host = P(70, 71, 72)
+    tree.set_host(x, P(70, 71, 72))
     ids_before = {n.id for n in tree.nodes()}
 
     m = tree.match(seq(1, 2, 9))
@@ -235,7 +235,7 @@ def test_cached_len_counts_only_the_leading_prefix(tree: RadixTree) -> None:
     tree.insert(seq(1, 2, 4), P(7, 8, 3))
     a, b = find(tree, seq(1, 2)), find(tree, seq(1, 2, 3))
     assert (L(a.host), L(b.host)) == ([8], [9])
-    a.host = None  # [2] keeps only its device copy; [1] and [3] have host copies
+    tree.drop_host(a)  # [2] keeps only its device copy; [1] and [3] have host copies
     tree.check_integrity()
     out = tree.insert(seq(1, 2, 3), P(60, 61, 62), tier="host")
     assert out.cached_len == 4 and L(out.duplicates) == [60, 62]

@@ -125,7 +125,7 @@ def test_evict_device_without_host_removes_host_only_subtree(tree: RadixTree) ->
     tree.insert(seq(1, 4), P(50, 53), tier="host")  # [1] adopts host 50
     out = tree.insert(seq(1, 4, 5), P(90, 91, 54), tier="host")
     assert out.cached_len == 8 and L(out.duplicates) == [90, 91]
-    root_node.host = None  # only the device copy remains at the top
+    tree.drop_host(root_node)  # only the device copy remains at the top
     tree.check_integrity()
     assert sorted(tree.held_pages("host").tolist()) == [51, 52, 53, 54]
 
@@ -173,7 +173,7 @@ def test_evict_device_prepare_refuses_or_backs_up(tree: RadixTree) -> None:
         if node is b:
             return False
         if node is c:
-            node.host = P(70)
+            tree.set_host(node, P(70))
         return True
 
     ev = tree.evict_device(100, prepare=prepare)
@@ -283,7 +283,7 @@ def test_check_integrity_detects_corruption(corrupt, match: str) -> None:
 def test_check_integrity_detects_device_io_without_copy() -> None:
     tree = RadixTree(PS)
     n = tree.insert(seq(1), P(0)).last
-    n.host = P(1)
+    tree.set_host(n, P(1))
     n.device = None
     n.device_io = 1
     with pytest.raises(IntegrityError, match="device I/O"):

@@ -215,7 +215,7 @@ class TreeMachine(RuleBasedStateMachine):
                 return node.id % 2 == 1
             if node.host is None:
                 pages = self.host.alloc(node.num_pages(PS))
-                node.host = pages
+                self.tree.set_host(node, pages)
                 backed.append((node, pages.tolist()))
             return True
 

@@ -120,7 +120,8 @@ def bench_tree(
     misses), inserts extending existing prefixes, lock+unlock of a match, and
     ``evict_device(EVICT_BATCH)`` (evicted sequences are re-inserted untimed so the size stays
     steady). Part (b) times a ``prompt_tokens`` prompt: cold match and insert, full-hit match,
-    and match and insert of a prompt diverging at its middle page. Matches and inserts are also
+    and match and insert of a prompt diverging at its middle page. Last, every node is given a
+    host copy and ``evict_host(EVICT_BATCH)`` is timed (evicted copies given back untimed). Matches and inserts are also
     run through the flat hash table peer on the same inputs; a matched length that differs
     between the two raises ``RuntimeError``. The tree is trimmed back to ~``num_pages`` pages
     (untimed) after phases that grow it. Times are per op with the garbage collector paused;
@@ -321,9 +322,29 @@ def bench_tree(
     _log(f"evict_device({EVICT_BATCH}): {_stats(evict_ns, evict_pages)['mean_us']:.1f} us")
     tree.check_integrity()
 
+    # ---- (b) host eviction: every node gets a host copy, evicted ones get one back ----------
+    def give_host_copies() -> None:
+        for node in tree.nodes():
+            if node.host is None:
+                tree.set_host(node, new_pages(node.num_pages(ps)))
+
+    give_host_copies()
+    host_ns: list[int] = []
+    host_pages: list[int] = []
+    for _ in range(min(EVICT_OPS, max(20, num_pages // 500))):
+        with _no_gc():
+            a = time.perf_counter_ns()
+            ev = tree.evict_host(EVICT_BATCH)
+            host_ns.append(time.perf_counter_ns() - a)
+        host_pages.append(ev.num_host())
+        give_host_copies()
+    _log(f"evict_host({EVICT_BATCH}): {_stats(host_ns, host_pages)['mean_us']:.1f} us")
+    tree.check_integrity()
+
     ops = {name: _stats(ns, op_pages.get(name)) for name, ns in tree_ns.items()}
     ops["lock_unlock"] = _stats(lock_ns)
     ops["evict_device"] = _stats(evict_ns, evict_pages)
+    ops["evict_host"] = _stats(host_ns, host_pages)
     flat = {name: _stats(ns, op_pages.get(name)) for name, ns in flat_ns.items()}
     ratio = {name: ops[name]["mean_us"] / flat[name]["mean_us"] for name in flat}
     out = {

@@ -50,6 +50,10 @@ class RadixTree:
         # leaf has an entry (pushed when it becomes a leaf and when its last lock is released).
         self._device_heap: list[tuple] = []
         self._seq = itertools.count()
+        # The same for host eviction, over nodes whose host copy can go (device-resident, or an
+        # unlocked leaf): every such node has an entry; ``_hosted`` counts host copies.
+        self._host_heap: list[tuple] = []
+        self._hosted = 0
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
@@ -121,8 +125,11 @@ class RadixTree:
             if n.lock_ref <= 0:
                 raise IntegrityError(f"unlock below zero at {n!r}")
             n.lock_ref -= 1
-            if not n.lock_ref and n in self._device_leaves:
-                self._queue(n)
+            if not n.lock_ref:
+                if n in self._device_leaves:
+                    self._queue(n)
+                if n.host is not None and not n.children:
+                    self._queue_host(n)
             n = n.parent
 
     # ---- insertion ----------------------------------------------------------------------
@@ -198,7 +205,7 @@ class RadixTree:
         if tier == "device":
             self.set_device(node, pages)
         elif tier == "host":
-            node.host = pages
+            self.set_host(node, pages)
         else:
             raise IntegrityError(f"unknown tier {tier!r}")
 
@@ -208,6 +215,25 @@ class RadixTree:
         self._refresh_leaf(node)
         if node.parent is not None:
             self._refresh_leaf(node.parent)
+        if node.host is not None:
+            self._queue_host(node)
+
+    def drop_host(self, node: Node) -> torch.Tensor:
+        """Forget ``node``'s host copy (it must keep a device copy); returns the pages, which the
+        caller frees."""
+        if node.host is None or node.device is None:
+            raise IntegrityError(f"drop_host of {node!r}: needs a host and a device copy")
+        pages, node.host = node.host, None
+        self._hosted -= 1
+        return pages
+
+    def set_host(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as the host copy of ``node``, which has none."""
+        if node.host is not None:
+            raise IntegrityError(f"{node!r} already has a host copy")
+        node.host = pages
+        self._hosted += 1
+        self._queue_host(node)
 
     def _refresh_leaf(self, node: Node) -> None:
         if (
@@ -230,6 +256,15 @@ class RadixTree:
             return  # ``node`` is a leaf: queued by the rebuild unless locked
         heapq.heappush(heap, self._entry(node))
 
+    def _queue_host(self, node: Node) -> None:
+        """Give ``node`` a host-eviction entry (checked when it reaches the top)."""
+        heap = self._host_heap
+        if len(heap) > 2 * self._hosted + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self.nodes() if self._host_candidate(n)]
+            heapq.heapify(heap)
+            return
+        heapq.heappush(heap, self._entry(node))
+
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
         ps, k = self.page_size, n * self.page_size
@@ -241,6 +276,7 @@ class RadixTree:
         new.keys = node.keys[:n] if node.keys is not None else None
         new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
         new.in_storage, new.fetched = node.in_storage, node.fetched
+        self._hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
         parent.children[node.tokens[:ps]] = new
@@ -252,6 +288,8 @@ class RadixTree:
         node.parent = new
         new.children[node.tokens[:ps]] = node
         self._refresh_leaf(new)
+        if new.host is not None:
+            self._queue_host(new)
         for hook in self.split_hooks:
             hook(new, node, n)
         return new
@@ -310,23 +348,31 @@ class RadixTree:
     def evict_host(self, num_pages: int) -> Evicted:
         """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
         out = Evicted()
-        heap = [self._entry(n) for n in self.nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
+        heap = self._host_heap
+        aside: list[tuple] = []  # candidates with host I/O in flight: queued again at the end
         freed = 0
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)[-1]
-            if not self._host_evictable(node):
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node.parent is None or not self._host_candidate(node):
+                continue  # stale: whatever makes it a candidate again queues it
+            current = self._entry(node)
+            if current[0] != entry[0]:  # accessed since queued: back at its new priority
+                heapq.heappush(heap, current)
+                continue
+            if node.host_io:
+                aside.append(entry)
                 continue
             assert node.host is not None
             out.host_pages.append(node.host)
             freed += node.host.numel()
             node.host = None
-            parent = node.parent
+            self._hosted -= 1
             if not node.on_device:
-                self._detach(node)
+                self._detach(node)  # queues the parent when it became a host-only leaf
                 out.removed_nodes += 1
-            if parent is not None and self._host_evictable(parent):
-                heapq.heappush(heap, self._entry(parent))
+        for entry in aside:
+            heapq.heappush(heap, entry)
         return out
 
     def _entry(self, node: Node) -> tuple:
@@ -340,8 +386,10 @@ class RadixTree:
             return False
         return node.on_host or not any(d.host_io for d in self._subtree(node))
 
-    def _host_evictable(self, node: Node) -> bool:
-        if node is self.root or node.host is None or node.host_io:
+    def _host_candidate(self, node: Node) -> bool:
+        """Whether ``node``'s host copy can go, I/O aside: the device copy stays, or it is an
+        unlocked leaf."""
+        if node is self.root or node.host is None:
             return False
         return node.on_device or (not node.children and not node.lock_ref)
 
@@ -351,6 +399,7 @@ class RadixTree:
             if d is not node and d.host is not None:
                 out.host_pages.append(d.host)
                 d.host = None
+                self._hosted -= 1
             out.removed_nodes += 1
         self._detach(node)
 
@@ -360,6 +409,8 @@ class RadixTree:
             raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
         del parent.children[node.tokens[: self.page_size]]
         node.parent = None
+        if parent.host is not None and not parent.children and parent is not self.root:
+            self._queue_host(parent)
 
     # ---- traversal and checks -----------------------------------------------------------
     def nodes(self) -> Iterator[Node]:
@@ -430,3 +481,10 @@ class RadixTree:
             raise IntegrityError(
                 f"unlocked device leaves missing from the eviction queue: {missing}"
             )
+        queued = {id(e[-1]) for e in self._host_heap}
+        missing = [n.id for n in self.nodes() if self._host_candidate(n) and id(n) not in queued]
+        if missing:
+            raise IntegrityError(f"host eviction candidates missing from the queue: {missing}")
+        hosted = sum(n.host is not None for n in self.nodes())
+        if hosted != self._hosted:
+            raise IntegrityError(f"{hosted} nodes hold host copies, {self._hosted} counted")
