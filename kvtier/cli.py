@@ -61,6 +61,7 @@ def _bench(args: argparse.Namespace) -> int:
                 family=family,
                 num_pages=args.num_pages,
                 staging_mib=args.staging_mib,
+                target_mib=args.target_mib,
             )
 
         if args.family == "all":
@@ -134,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="transfer: device staging memory per staged copy, MiB (default 256)",
+    )
+    b.add_argument(
+        "--target-mib",
+        type=_positive,
+        default=None,
+        help="transfer: move about this many MiB per copy (overrides --num-pages)",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(

@@ -127,3 +127,12 @@ def test_plot_draws_one_bar_per_direction_and_configuration(tmp_path) -> None:
     assert len(bars) == 2 * 2  # two files x (d2h, h2d); no "both" on CPU
     with pytest.raises(ValueError, match="transfer results or one ttft"):
         plot(tmp_path / "x.svg", [])
+
+
+def test_bench_transfer_target_mib_sets_the_page_count() -> None:
+    out = bench_transfer(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", repeats=1, target_mib=1
+    )
+    assert out["sizes"]["page_bytes"] == 4096 and out["sizes"]["num_pages"] == 256
+    with pytest.raises(ConfigError, match="target_mib=0"):
+        bench_transfer(target_mib=0)

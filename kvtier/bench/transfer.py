@@ -69,6 +69,7 @@ def bench_transfer(
     host_layout: str = "page_first",
     family: str | None = None,
     staging_mib: int | None = None,
+    target_mib: int | None = None,
 ) -> dict:
     """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
     contiguous ``copy_`` of the same byte count, in each direction, in the same process.
@@ -85,7 +86,8 @@ def bench_transfer(
     that the host copy and the restored device pages are byte-identical to the originals and
     raises ``RuntimeError`` otherwise. Figures are the best and the median of ``repeats``.
 
-    ``staging_mib`` sets the mover's device staging memory (default ``plan.STAGING_BYTES``).
+    ``staging_mib`` sets the mover's device staging memory (default ``plan.STAGING_BYTES``);
+    ``target_mib`` replaces ``num_pages`` by the page count that moves about that many MiB.
 
     ``family`` replaces the single GQA pool by that family's whole pool set (see
     ``kvtier.bench.pool_sets``; a page is then the family's tree page and every component moves
@@ -106,12 +108,19 @@ def bench_transfer(
         raise ConfigError(f"dtype={dtype!r} is not a torch dtype name")
     if num_pages <= 0 or repeats <= 0:
         raise ConfigError(f"num_pages={num_pages} and repeats={repeats} must be positive")
+    if target_mib is not None and target_mib <= 0:
+        raise ConfigError(f"target_mib={target_mib} must be positive")
     cuda = dev.type == "cuda"
-    requested = {"num_pages": num_pages, "num_layers": num_layers}
     row = (2, num_kv_heads, head_dim)
     if family is not None:
         specs = family_pool_set(family, tdtype)
         page_size = tree_page_size(page_size, specs)
+    else:
+        specs = [PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)]
+    if target_mib is not None:
+        num_pages = max(1, (target_mib << 20) // sum(s.page_bytes(page_size) for s in specs))
+    requested = {"num_pages": num_pages, "num_layers": num_layers}
+    if family is not None:
         if not cuda:
             page_bytes = sum(s.page_bytes(page_size) for s in specs)
             num_pages = max(1, min(num_pages, CPU_TRANSFER_BYTES // page_bytes))
