@@ -12,5 +12,5 @@ def test_bench_step_tiny():
     assert 0 < r["cache_share_of_step"] <= 1
     full = r["under_eviction"]
     assert full["device_pages"] < r["device_pages"] and full["mean_running"] > 15
-    assert full["evicted_pages"]["device"] > 0 and r["evicted_pages"]["device"] == 0
+    assert full["evicted_pages"]["device"] > r["evicted_pages"]["device"]
     assert 0 < full["cache_share_of_step"] <= 1

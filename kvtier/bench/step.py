@@ -1,8 +1,8 @@
 """CPU time the cache costs a scheduler, per step, with many requests in flight.
 
 The engine's own scheduler drives a ``TieredCache`` with ``concurrency`` requests (shared
-system prompt, distinct user turns), no model: every step decodes one token per running
-request, finished requests leave and new ones arrive. Every call into the cache is timed
+system prompt, distinct user turns, output lengths spread up to ``output_tokens``), no model:
+every step decodes one token per running request, finished requests leave and new ones arrive. Every call into the cache is timed
 through a proxy; the result is kvtier's CPU time per step and per request-step, next to the
 scheduler's total step time measured in the same run (the peer).
 """
@@ -100,19 +100,18 @@ def _run(
     sched = Scheduler(cache, concurrency, 1 << 30)  # type: ignore[arg-type]
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(system_tokens)]
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     ids = iter(range(1 << 30))
 
     def arrive(n: int) -> None:
+        # Output lengths spread over [1, output_tokens] so requests finish, and new ones
+        # arrive, at every step rather than in waves.
         for _ in range(n):
             prompt = system + [rng.randrange(32000) for _ in range(user_tokens)]
+            params = SamplingParams(max_tokens=rng.randint(1, output_tokens), ignore_eos=True)
             sched.add(Request(next(ids), prompt, params, time.perf_counter(), None))
 
     arrive(concurrency)
     step_s, cache_s, running = [], [], []
-    # Stagger the first wave so requests finish (and new ones arrive) at every step.
-    for r in list(sched.waiting)[: concurrency // 2]:
-        r.params = SamplingParams(max_tokens=max(1, output_tokens // 2), ignore_eos=True)
     for i in range(steps):
         before = cache.seconds
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: two requests are never "equal"
 class Request:
     """Mutable state of one request.
 
