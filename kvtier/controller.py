@@ -28,7 +28,8 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.prefetch import PrefetchOp, StorageIO
 from kvtier.storage.base import StorageBackend
-from kvtier.transfer.mover import Mover, TransferOp
+from kvtier.transfer.mover import Mover
+from kvtier.transfer.op import TransferOp
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import Evicted

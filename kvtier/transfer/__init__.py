@@ -1,7 +1,8 @@
 """Batched page copies between the device pool and the host pool, on a side stream when on GPU.
 Logical page ids are translated to physical ones here and nowhere else."""
 
-from kvtier.transfer.mover import Mover, TransferOp
+from kvtier.transfer.mover import Mover
+from kvtier.transfer.op import TransferOp
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 __all__ = ["IdentityTranslator", "Mover", "PageTranslator", "TransferOp"]

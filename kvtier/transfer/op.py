@@ -1,0 +1,41 @@
+"""The handle of one batched copy between the device and host pools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class TransferOp:
+    """One batched copy. ``finalize`` runs once, on the host, after the copy completed."""
+
+    direction: str
+    num_pages: int
+    nbytes: int
+    event: torch.cuda.Event | None = None
+    layer_events: list[torch.cuda.Event] | None = None
+    finalize: Callable[[], None] | None = None
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)
+    """Mechanism used per component (``direct``, ``staged``, ``kernel``, ``cpu``, ``unpinned``)."""
+    finished: bool = False
+
+    def done(self) -> bool:
+        """True once the copy completed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block the host until the copy completed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def complete(self) -> None:
+        """Run the host-side finalisation exactly once (call only when ``done()``)."""
+        if not self.finished:
+            self.finished = True
+            if self.finalize is not None:
+                self.finalize()
+            self.keepalive.clear()
