@@ -7,11 +7,11 @@ never allocates or frees memory: ``insert`` reports the caller's pages it did no
 Lock protocol: ``match`` is read-only and returns a ``TreeMatch``; the caller ``lock``s the match
 before any other tree call (which may split the matched node so the lock covers exactly the
 matched pages) and ``unlock``s it when done. A locked node keeps a usable copy in some tier.
+Residency changes and eviction are in ``kvtier.tree.eviction``.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
@@ -19,9 +19,10 @@ import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
+from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
+from kvtier.tree.results import InsertOutcome, TreeMatch
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -31,7 +32,7 @@ SplitHook = Callable[[Node, Node, int], None]
 parent ``prefix``; owners of in-flight work on ``suffix`` re-attribute it."""
 
 
-class RadixTree:
+class RadixTree(EvictionIndex):
     """Pages of ``page_size`` tokens; nodes split only on page boundaries."""
 
     def __init__(self, page_size: int, policy: EvictionPolicy | str = "lru") -> None:
@@ -41,19 +42,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self.root = Node(id=0, parent=None, tokens=())
         self.split_hooks: list[SplitHook] = []
-        # Device-resident nodes without a device-resident child: the only nodes device eviction
-        # can take, kept incrementally so eviction does not scan the whole tree.
-        self._device_leaves: set[Node] = set()
-        # Eviction queue over those leaves, kept across calls. Entries go stale (the node left the
-        # leaf set, got locked, or was accessed since) and are dropped or re-queued when they reach
-        # the top, which is sound because priorities only grow. Invariant: every unlocked device
-        # leaf has an entry (pushed when it becomes a leaf and when its last lock is released).
-        self._device_heap: list[tuple] = []
-        self._seq = itertools.count()
-        # The same for host eviction, over nodes whose host copy can go (device-resident, or an
-        # unlocked leaf): every such node has an entry; ``_hosted`` counts host copies.
-        self._host_heap: list[tuple] = []
-        self._hosted = 0
+        self._init_eviction()
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
@@ -209,62 +198,6 @@ class RadixTree:
         else:
             raise IntegrityError(f"unknown tier {tier!r}")
 
-    def set_device(self, node: Node, pages: torch.Tensor) -> None:
-        """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
-        node.device = pages
-        self._refresh_leaf(node)
-        if node.parent is not None:
-            self._refresh_leaf(node.parent)
-        if node.host is not None:
-            self._queue_host(node)
-
-    def drop_host(self, node: Node) -> torch.Tensor:
-        """Forget ``node``'s host copy (it must keep a device copy); returns the pages, which the
-        caller frees."""
-        if node.host is None or node.device is None:
-            raise IntegrityError(f"drop_host of {node!r}: needs a host and a device copy")
-        pages, node.host = node.host, None
-        self._hosted -= 1
-        return pages
-
-    def set_host(self, node: Node, pages: torch.Tensor) -> None:
-        """Record ``pages`` as the host copy of ``node``, which has none."""
-        if node.host is not None:
-            raise IntegrityError(f"{node!r} already has a host copy")
-        node.host = pages
-        self._hosted += 1
-        self._queue_host(node)
-
-    def _refresh_leaf(self, node: Node) -> None:
-        if (
-            node is not self.root
-            and node.device is not None
-            and not any(c.device is not None for c in node.children.values())
-        ):
-            if node not in self._device_leaves:
-                self._device_leaves.add(node)
-                self._queue(node)
-        else:
-            self._device_leaves.discard(node)
-
-    def _queue(self, node: Node) -> None:
-        """Give ``node`` an eviction-queue entry at its current priority."""
-        heap = self._device_heap
-        if len(heap) > 2 * len(self._device_leaves) + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self._device_leaves if not n.lock_ref]
-            heapq.heapify(heap)
-            return  # ``node`` is a leaf: queued by the rebuild unless locked
-        heapq.heappush(heap, self._entry(node))
-
-    def _queue_host(self, node: Node) -> None:
-        """Give ``node`` a host-eviction entry (checked when it reaches the top)."""
-        heap = self._host_heap
-        if len(heap) > 2 * self._hosted + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self.nodes() if self._host_candidate(n)]
-            heapq.heapify(heap)
-            return
-        heapq.heappush(heap, self._entry(node))
-
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
         ps, k = self.page_size, n * self.page_size
@@ -304,113 +237,6 @@ class RadixTree:
                 prev = self.ensure_keys(parent, namespace)[-1]
             node.keys = chain_keys(namespace, node.tokens, self.page_size, prev)
         return node.keys
-
-    # ---- eviction -----------------------------------------------------------------------
-    def evict_device(
-        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
-    ) -> Evicted:
-        """Drop device copies of at least ``num_pages`` pages (fewer if not possible).
-
-        Candidates are unlocked, idle device leaves. ``prepare(node)`` may refuse one (return
-        False) or make a host copy first. A node left with no copy is removed with its host-only
-        subtree.
-        """
-        out = Evicted()
-        heap = self._device_heap
-        aside: list[tuple] = []  # candidates busy now (I/O, refused): queued again at the end
-        freed = 0
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            node = entry[-1]
-            if node not in self._device_leaves or node.lock_ref:
-                continue  # stale, or locked: ``unlock`` queues it again
-            current = self._entry(node)
-            if current[0] != entry[0]:  # accessed since queued: back at its new priority
-                heapq.heappush(heap, current)
-                continue
-            if not self._device_evictable(node) or (prepare is not None and not prepare(node)):
-                aside.append(entry)
-                continue
-            assert node.device is not None
-            out.device_pages.append(node.device)
-            freed += node.device.numel()
-            node.device = None
-            self._device_leaves.discard(node)
-            parent = node.parent
-            if not node.on_host:
-                self._remove_subtree(node, out)
-            if parent is not None:
-                self._refresh_leaf(parent)  # queues the parent when it became a leaf
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        return out
-
-    def evict_host(self, num_pages: int) -> Evicted:
-        """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
-        out = Evicted()
-        heap = self._host_heap
-        aside: list[tuple] = []  # candidates with host I/O in flight: queued again at the end
-        freed = 0
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            node = entry[-1]
-            if node.parent is None or not self._host_candidate(node):
-                continue  # stale: whatever makes it a candidate again queues it
-            current = self._entry(node)
-            if current[0] != entry[0]:  # accessed since queued: back at its new priority
-                heapq.heappush(heap, current)
-                continue
-            if node.host_io:
-                aside.append(entry)
-                continue
-            assert node.host is not None
-            out.host_pages.append(node.host)
-            freed += node.host.numel()
-            node.host = None
-            self._hosted -= 1
-            if not node.on_device:
-                self._detach(node)  # queues the parent when it became a host-only leaf
-                out.removed_nodes += 1
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        return out
-
-    def _entry(self, node: Node) -> tuple:
-        # The sequence number keeps two entries of one node from ever comparing nodes.
-        return (self.policy.priority(node), next(self._seq), node)
-
-    def _device_evictable(self, node: Node) -> bool:
-        if node is self.root or node.device is None or node.lock_ref or node.device_io:
-            return False
-        if any(c.on_device for c in node.children.values()):
-            return False
-        return node.on_host or not any(d.host_io for d in self._subtree(node))
-
-    def _host_candidate(self, node: Node) -> bool:
-        """Whether ``node``'s host copy can go, I/O aside: the device copy stays, or it is an
-        unlocked leaf."""
-        if node is self.root or node.host is None:
-            return False
-        return node.on_device or (not node.children and not node.lock_ref)
-
-    def _remove_subtree(self, node: Node, out: Evicted) -> None:
-        for d in self._subtree(node):
-            self._device_leaves.discard(d)
-            if d is not node and d.host is not None:
-                out.host_pages.append(d.host)
-                d.host = None
-                self._hosted -= 1
-            out.removed_nodes += 1
-        self._detach(node)
-
-    def _detach(self, node: Node) -> None:
-        parent = node.parent
-        if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
-            raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
-        del parent.children[node.tokens[: self.page_size]]
-        node.parent = None
-        if parent.host is not None and not parent.children and parent is not self.root:
-            self._queue_host(parent)
 
     # ---- traversal and checks -----------------------------------------------------------
     def nodes(self) -> Iterator[Node]:
@@ -475,16 +301,4 @@ class RadixTree:
             raise IntegrityError(
                 f"device leaf index out of date: {len(leaves ^ self._device_leaves)} nodes differ"
             )
-        queued = {id(e[-1]) for e in self._device_heap}
-        missing = [n.id for n in leaves if not n.lock_ref and id(n) not in queued]
-        if missing:
-            raise IntegrityError(
-                f"unlocked device leaves missing from the eviction queue: {missing}"
-            )
-        queued = {id(e[-1]) for e in self._host_heap}
-        missing = [n.id for n in self.nodes() if self._host_candidate(n) and id(n) not in queued]
-        if missing:
-            raise IntegrityError(f"host eviction candidates missing from the queue: {missing}")
-        hosted = sum(n.host is not None for n in self.nodes())
-        if hosted != self._hosted:
-            raise IntegrityError(f"{hosted} nodes hold host copies, {self._hosted} counted")
+        self._check_eviction(leaves)

@@ -1,0 +1,227 @@
+"""Residency bookkeeping and eviction for ``RadixTree`` (a base class: the same object).
+
+Device eviction takes device leaves (device-resident nodes without a device-resident child);
+host eviction takes host copies whose node keeps a device copy, or that are unlocked leaves. Both
+keep a priority queue across calls instead of scanning the tree per call. Entries go stale (the
+node stopped being a candidate, got locked, or was accessed since) and are dropped or re-queued
+when they reach the top, which is sound because priorities only grow. Invariants, checked by
+``check_integrity``: every unlocked device leaf has a device entry; every host candidate has a
+host entry. Entries are pushed when a node becomes a candidate, and when its last lock goes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.errors import IntegrityError
+from kvtier.tree.node import Node
+from kvtier.tree.results import Evicted
+
+if TYPE_CHECKING:
+    from kvtier.tree.policy import EvictionPolicy
+
+
+class EvictionIndex:
+    """The eviction half of ``RadixTree``; the tree provides ``root``, ``page_size``, ``policy``,
+    ``nodes()`` and ``_subtree()``."""
+
+    root: Node
+    page_size: int
+    policy: EvictionPolicy
+
+    if TYPE_CHECKING:
+
+        def nodes(self) -> Iterator[Node]: ...
+
+        @staticmethod
+        def _subtree(node: Node) -> Iterator[Node]: ...
+
+    def _init_eviction(self) -> None:
+        self._device_leaves: set[Node] = set()
+        self._device_heap: list[tuple] = []
+        self._host_heap: list[tuple] = []
+        self._hosted = 0  # nodes holding a host copy (sizes the host queue's compaction)
+        self._seq = itertools.count()
+
+    def set_device(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
+        node.device = pages
+        self._refresh_leaf(node)
+        if node.parent is not None:
+            self._refresh_leaf(node.parent)
+        if node.host is not None:
+            self._queue_host(node)
+
+    def drop_host(self, node: Node) -> torch.Tensor:
+        """Forget ``node``'s host copy (it must keep a device copy); returns the pages, which the
+        caller frees."""
+        if node.host is None or node.device is None:
+            raise IntegrityError(f"drop_host of {node!r}: needs a host and a device copy")
+        pages, node.host = node.host, None
+        self._hosted -= 1
+        return pages
+
+    def set_host(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as the host copy of ``node``, which has none."""
+        if node.host is not None:
+            raise IntegrityError(f"{node!r} already has a host copy")
+        node.host = pages
+        self._hosted += 1
+        self._queue_host(node)
+
+    def _refresh_leaf(self, node: Node) -> None:
+        if (
+            node is not self.root
+            and node.device is not None
+            and not any(c.device is not None for c in node.children.values())
+        ):
+            if node not in self._device_leaves:
+                self._device_leaves.add(node)
+                self._queue(node)
+        else:
+            self._device_leaves.discard(node)
+
+    def _queue(self, node: Node) -> None:
+        """Give ``node`` an eviction-queue entry at its current priority."""
+        heap = self._device_heap
+        if len(heap) > 2 * len(self._device_leaves) + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self._device_leaves if not n.lock_ref]
+            heapq.heapify(heap)
+            return  # ``node`` is a leaf: queued by the rebuild unless locked
+        heapq.heappush(heap, self._entry(node))
+
+    def _queue_host(self, node: Node) -> None:
+        """Give ``node`` a host-eviction entry (checked when it reaches the top)."""
+        heap = self._host_heap
+        if len(heap) > 2 * self._hosted + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self.nodes() if self._host_candidate(n)]
+            heapq.heapify(heap)
+            return
+        heapq.heappush(heap, self._entry(node))
+
+    def evict_device(
+        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
+    ) -> Evicted:
+        """Drop device copies of at least ``num_pages`` pages (fewer if not possible).
+
+        Candidates are unlocked, idle device leaves. ``prepare(node)`` may refuse one (return
+        False) or make a host copy first. A node left with no copy is removed with its host-only
+        subtree.
+        """
+        out = Evicted()
+        heap = self._device_heap
+        aside: list[tuple] = []  # candidates busy now (I/O, refused): queued again at the end
+        freed = 0
+        while freed < num_pages and heap:
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node not in self._device_leaves or node.lock_ref:
+                continue  # stale, or locked: ``unlock`` queues it again
+            current = self._entry(node)
+            if current[0] != entry[0]:  # accessed since queued: back at its new priority
+                heapq.heappush(heap, current)
+                continue
+            if not self._device_evictable(node) or (prepare is not None and not prepare(node)):
+                aside.append(entry)
+                continue
+            assert node.device is not None
+            out.device_pages.append(node.device)
+            freed += node.device.numel()
+            node.device = None
+            self._device_leaves.discard(node)
+            parent = node.parent
+            if not node.on_host:
+                self._remove_subtree(node, out)
+            if parent is not None:
+                self._refresh_leaf(parent)  # queues the parent when it became a leaf
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return out
+
+    def evict_host(self, num_pages: int) -> Evicted:
+        """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
+        out = Evicted()
+        heap = self._host_heap
+        aside: list[tuple] = []  # candidates with host I/O in flight: queued again at the end
+        freed = 0
+        while freed < num_pages and heap:
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node.parent is None or not self._host_candidate(node):
+                continue  # stale: whatever makes it a candidate again queues it
+            current = self._entry(node)
+            if current[0] != entry[0]:  # accessed since queued: back at its new priority
+                heapq.heappush(heap, current)
+                continue
+            if node.host_io:
+                aside.append(entry)
+                continue
+            assert node.host is not None
+            out.host_pages.append(node.host)
+            freed += node.host.numel()
+            node.host = None
+            self._hosted -= 1
+            if not node.on_device:
+                self._detach(node)  # queues the parent when it became a host-only leaf
+                out.removed_nodes += 1
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return out
+
+    def _entry(self, node: Node) -> tuple:
+        # The sequence number keeps two entries of one node from ever comparing nodes.
+        return (self.policy.priority(node), next(self._seq), node)
+
+    def _device_evictable(self, node: Node) -> bool:
+        if node is self.root or node.device is None or node.lock_ref or node.device_io:
+            return False
+        if any(c.on_device for c in node.children.values()):
+            return False
+        return node.on_host or not any(d.host_io for d in self._subtree(node))
+
+    def _host_candidate(self, node: Node) -> bool:
+        """Whether ``node``'s host copy can go, I/O aside: the device copy stays, or it is an
+        unlocked leaf."""
+        if node is self.root or node.host is None:
+            return False
+        return node.on_device or (not node.children and not node.lock_ref)
+
+    def _remove_subtree(self, node: Node, out: Evicted) -> None:
+        for d in self._subtree(node):
+            self._device_leaves.discard(d)
+            if d is not node and d.host is not None:
+                out.host_pages.append(d.host)
+                d.host = None
+                self._hosted -= 1
+            out.removed_nodes += 1
+        self._detach(node)
+
+    def _detach(self, node: Node) -> None:
+        parent = node.parent
+        if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+            raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
+        del parent.children[node.tokens[: self.page_size]]
+        node.parent = None
+        if parent.host is not None and not parent.children and parent is not self.root:
+            self._queue_host(parent)
+
+    def _check_eviction(self, leaves: set[Node]) -> None:
+        """The queue invariants (``leaves``: the device leaves, recomputed by the caller)."""
+        queued = {id(e[-1]) for e in self._device_heap}
+        missing = [n.id for n in leaves if not n.lock_ref and id(n) not in queued]
+        if missing:
+            raise IntegrityError(
+                f"unlocked device leaves missing from the eviction queue: {missing}"
+            )
+        queued = {id(e[-1]) for e in self._host_heap}
+        missing = [n.id for n in self.nodes() if self._host_candidate(n) and id(n) not in queued]
+        if missing:
+            raise IntegrityError(f"host eviction candidates missing from the queue: {missing}")
+        hosted = sum(n.host is not None for n in self.nodes())
+        if hosted != self._hosted:
+            raise IntegrityError(f"{hosted} nodes hold host copies, {self._hosted} counted")
