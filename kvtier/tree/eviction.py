@@ -114,24 +114,11 @@ class EvictionIndex:
         subtree.
         """
         out = Evicted()
-        heap = self._device_heap
-        aside: list[tuple] = []  # candidates busy now (I/O, refused): queued again at the end
-        freed = 0
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            node = entry[-1]
-            if node not in self._device_leaves or node.lock_ref:
-                continue  # stale, or locked: ``unlock`` queues it again
-            current = self._entry(node)
-            if current[0] != entry[0]:  # accessed since queued: back at its new priority
-                heapq.heappush(heap, current)
-                continue
-            if not self._device_evictable(node) or (prepare is not None and not prepare(node)):
-                aside.append(entry)
-                continue
+
+        def take(node: Node) -> int:
             assert node.device is not None
             out.device_pages.append(node.device)
-            freed += node.device.numel()
+            n = node.device.numel()
             node.device = None
             self._device_leaves.discard(node)
             parent = node.parent
@@ -139,39 +126,75 @@ class EvictionIndex:
                 self._remove_subtree(node, out)
             if parent is not None:
                 self._refresh_leaf(parent)  # queues the parent when it became a leaf
-        for entry in aside:
-            heapq.heappush(heap, entry)
+            return n
+
+        self._drain(
+            self._device_heap,
+            num_pages,
+            # stale, or locked: ``unlock`` queues it again
+            candidate=lambda n: n in self._device_leaves and not n.lock_ref,
+            busy=lambda n: (
+                not self._device_evictable(n) or (prepare is not None and not prepare(n))
+            ),
+            take=take,
+        )
         return out
 
     def evict_host(self, num_pages: int) -> Evicted:
         """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
         out = Evicted()
-        heap = self._host_heap
-        aside: list[tuple] = []  # candidates with host I/O in flight: queued again at the end
-        freed = 0
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            node = entry[-1]
-            if node.parent is None or not self._host_candidate(node):
-                continue  # stale: whatever makes it a candidate again queues it
-            current = self._entry(node)
-            if current[0] != entry[0]:  # accessed since queued: back at its new priority
-                heapq.heappush(heap, current)
-                continue
-            if node.host_io:
-                aside.append(entry)
-                continue
+
+        def take(node: Node) -> int:
             assert node.host is not None
             out.host_pages.append(node.host)
-            freed += node.host.numel()
+            n = node.host.numel()
             node.host = None
             self._hosted -= 1
             if not node.on_device:
                 self._detach(node)  # queues the parent when it became a host-only leaf
                 out.removed_nodes += 1
+            return n
+
+        self._drain(
+            self._host_heap,
+            num_pages,
+            candidate=lambda n: n.parent is not None and self._host_candidate(n),
+            busy=lambda n: bool(n.host_io),
+            take=take,
+        )
+        return out
+
+    def _drain(
+        self,
+        heap: list[tuple],
+        num_pages: int,
+        candidate: Callable[[Node], bool],
+        busy: Callable[[Node], bool],
+        take: Callable[[Node], int],
+    ) -> None:
+        """Pop ``heap`` until ``take`` freed ``num_pages`` pages or it is empty.
+
+        Entries whose node is no longer a ``candidate`` are dropped (whatever makes it one again
+        queues it); entries older than their node's priority are re-queued at it; ``busy``
+        candidates are set aside and queued again at the end.
+        """
+        aside: list[tuple] = []
+        freed = 0
+        while freed < num_pages and heap:
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if not candidate(node):
+                continue
+            current = self._entry(node)
+            if current[0] != entry[0]:  # accessed since queued
+                heapq.heappush(heap, current)
+                continue
+            if busy(node):
+                aside.append(entry)
+                continue
+            freed += take(node)
         for entry in aside:
             heapq.heappush(heap, entry)
-        return out
 
     def _entry(self, node: Node) -> tuple:
         # The sequence number keeps two entries of one node from ever comparing nodes.
