@@ -233,29 +233,31 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         llm.cache.drain()
         return total / n, covered
 
-    def under_backups(use_dma: bool) -> tuple[float, float, int]:
+    def timed_backup() -> tuple[float, dict[str, str]]:
+        """Seconds of one whole backup (after a warm-up one) and the mechanisms it used."""
+        mover.device_to_host(src, dst).wait()
+        t0 = time.perf_counter()
+        op = mover.device_to_host(src, dst)
+        op.wait()
+        return time.perf_counter() - t0, op.paths
+
+    def under_backups(use_dma: bool) -> tuple[float, float, int, dict[str, str]]:
         saved, mover.dma = mover.dma, use_dma and mover.dma
         try:
-            mover.device_to_host(src, dst).wait()
-            t0 = time.perf_counter()
-            mover.device_to_host(src, dst).wait()
-            backup_s = time.perf_counter() - t0
+            backup_s, paths = timed_backup()
             step_s, covered = steps(DECODE_STEPS, backups=True, in_flight=in_flight)
-            return step_s, backup_s, covered
+            return step_s, backup_s, covered, paths
         finally:
             mover.dma = saved
 
     try:
         steps(4)  # warm-up
         alone = steps(DECODE_STEPS)[0]
-        mover.device_to_host(src, dst).wait()
-        t0 = time.perf_counter()
-        mover.device_to_host(src, dst).wait()
         # Enough backups queued before each step to outlast it (steps_ending_under_backup then
         # equals the step count).
-        in_flight = math.ceil(alone / (time.perf_counter() - t0)) + 1
-        chosen, chosen_backup, chosen_cov = under_backups(True)
-        kernel, kernel_backup, kernel_cov = under_backups(False)
+        in_flight = math.ceil(alone / timed_backup()[0]) + 1
+        chosen, chosen_backup, chosen_cov, chosen_paths = under_backups(True)
+        kernel, kernel_backup, kernel_cov, _ = under_backups(False)
     finally:
         host.allocator.free(dst)
     nbytes = num_pages * llm.cache.device_pool.page_bytes
@@ -266,7 +268,7 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         "backup_bytes": nbytes,
         "decode_step_ms": alone * 1e3,
         "chosen": {
-            "paths": _paths(mover, src, dst),
+            "paths": chosen_paths,
             "backup_gbps": nbytes / chosen_backup / 1e9,
             "decode_step_ms": chosen * 1e3,
             "stall": chosen / alone,
@@ -284,13 +286,6 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         f"kernels {kernel * 1e3:.2f} ms"
     )
     return out
-
-
-def _paths(mover, src: torch.Tensor, dst: torch.Tensor) -> dict[str, str]:  # noqa: ANN001
-    """The mechanisms a backup of ``src`` into ``dst`` uses."""
-    op = mover.device_to_host(src[:1], dst[:1])
-    op.wait()
-    return op.paths
 
 
 def _link_gbps(nbytes: int, dev: torch.device) -> float:
