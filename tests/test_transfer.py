@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvtier.pools import DevicePool, HostPool, PoolSpec
-from kvtier.transfer import Mover
+from kvtier.transfer import Mover, plan
 from kvtier.transfer import mover as mover_mod
+from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
-from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose
+from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -54,6 +55,17 @@ def test_choice_follows_block_size_and_direction():
     assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
     assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs: 128 KiB blocks
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
+
+
+def test_staging_slices_grow_away_from_the_unoverlapped_end():
+    mib = 1 << 20
+    # 1 MiB pages, 16 MiB staging (8-page buffers): 4 MiB first, then half again per slice.
+    assert staging_slices(40, mib, 16 * mib, "d2h") == [4, 6, 8, 8, 8, 6]
+    assert staging_slices(40, mib, 16 * mib, "h2d") == [6, 8, 8, 8, 6, 4]
+    assert staging_slices(3, mib, 16 * mib, "d2h") == [3]
+    assert staging_slices(5, 8 * mib, 16 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
+    assert staging_slices(7, 64 << 10, 256 * mib, "d2h") == [7]
+    assert staging_slices(0, mib, 16 * mib, "d2h") == []
 
 
 def test_coalesce_merges_blocks_contiguous_on_both_sides_only():
@@ -133,6 +145,22 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
         assert op.layer_events is not None and len(op.layer_events) == 3
         op.layer_events[-1].synchronize()
     op.wait()
+    assert_same(dev, back, host, hp)
+
+
+@cuda
+def test_cuda_staged_slices_of_every_size_are_byte_exact(monkeypatch):
+    monkeypatch.setattr(plan, "FIRST_SLICE_BYTES", 1)
+    monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: STAGED)
+    dev, host = make_pools("page_first", "cuda")
+    geos = [ComponentRows.of(dev, host, s.name, mapped=False).geo for s in dev.specs]
+    big = max(g.layers * g.row_bytes for g in geos)
+    mover = Mover(dev, host, staging_bytes=8 * big)  # slices of 1, 2, 3, 4, 4, ... pages
+    dp, hp = torch.arange(3, 20), torch.tensor([19, *range(16)])
+    mover.device_to_host(dp, hp).wait()
+    assert_same(dev, dp, host, hp)
+    back = torch.arange(0, 17).flip(0)
+    mover.host_to_device(hp, back).wait()
     assert_same(dev, back, host, hp)
 
 

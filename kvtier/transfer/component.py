@@ -19,7 +19,7 @@ from kvtier.pools.spec import bytes_view
 from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.plan import RowGeometry
+from kvtier.transfer.plan import RowGeometry, staging_slices
 from kvtier.transfer.rows import ONE_ROW, PCIE_CTAS, STAGING_CTAS, TILE_WORDS, copy_rows
 
 
@@ -120,21 +120,21 @@ class ComponentRows:
         """
         geo = self.geo
         page_bytes = geo.layers * geo.row_bytes
-        n = host_pages.numel()
-        per_slice = max(1, min(n, staging_bytes // (2 * page_bytes)))
+        sizes_in_pages = staging_slices(host_pages.numel(), page_bytes, staging_bytes, direction)
         helper.wait_stream(stream)  # ``stream`` already follows the compute stream
-        slices = range(0, n, per_slice)
         words, dtype, device = self.device.shape[1], self.device.dtype, self.device.device
+        largest = max(sizes_in_pages)
         bufs = [
-            torch.empty((per_slice * geo.layers, words), dtype=dtype, device=device)
-            for _ in range(min(2, len(slices)))
+            torch.empty((largest * geo.layers, words), dtype=dtype, device=device)
+            for _ in range(min(2, len(sizes_in_pages)))
         ]
         op.keepalive += bufs
         freed: list[torch.cuda.Event | None] = [None, None]
-        for j, lo in enumerate(slices):
+        lo = 0
+        for j, k in enumerate(sizes_in_pages):
             buf = bufs[j % 2]
-            hp, dp = host_pages[lo : lo + per_slice], phys[lo : lo + per_slice]
-            k = hp.numel()
+            hp, dp = host_pages[lo : lo + k], phys[lo : lo + k]
+            lo += k
             stage_rows = (
                 torch.arange(geo.layers)[:, None] + torch.arange(k)[None, :] * geo.layers
             ).reshape(-1)
