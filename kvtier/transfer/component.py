@@ -20,7 +20,7 @@ from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import RowGeometry, staging_slices
-from kvtier.transfer.rows import ONE_ROW, PCIE_CTAS, STAGING_CTAS, TILE_WORDS, copy_rows
+from kvtier.transfer.rows import ONE_BLOCK, PCIE_CTAS, STAGING_CTAS, TILE_WORDS, copy_rows
 
 
 @dataclass(slots=True)
@@ -207,7 +207,7 @@ def queue_rows(
     dst_rows: torch.Tensor,
     op: TransferOp,
     ctas: int = PCIE_CTAS,
-    tile_words: int = ONE_ROW,
+    tile_words: int = ONE_BLOCK,
 ) -> None:
     """Row-copy kernel on the current stream (row numbers are moved to the device first).
 

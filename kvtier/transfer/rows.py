@@ -22,8 +22,10 @@ STAGING_CTAS = 16
 copy engine; few programs leave the SMs to the decode or forward beside them."""
 BLOCK_WORDS = 1024
 """Most words of one row moved per loop iteration."""
-ONE_ROW = 1
-"""``tile_words`` for one row per program per iteration: the gentlest on kernels running beside."""
+ONE_BLOCK = BLOCK_WORDS
+"""``tile_words`` for one block per program per iteration: one row when rows are at least a block
+long, else as many rows as fill one (a lone 1 KiB row in flight per program left PCIe copies of
+MLA rows at page size 1 at 0.75 of a contiguous copy). The gentlest on kernels running beside."""
 TILE_WORDS = 4096
 """``tile_words`` for ``TILE_WORDS // BLOCK`` rows per program per iteration (32 KiB in flight),
 for copies that must be fast with small rows."""
@@ -92,7 +94,7 @@ def copy_rows(
     dst: torch.Tensor,
     dst_idx: torch.Tensor,
     ctas: int | None = None,
-    tile_words: int = ONE_ROW,
+    tile_words: int = ONE_BLOCK,
 ) -> None:
     """Copy rows ``src[src_idx]`` into ``dst[dst_idx]`` (contiguous ``[rows, words]`` tensors of
     one dtype; index tensors on the tensors' device). On CUDA the copy is queued on the current
