@@ -50,7 +50,7 @@ def timed(fn, total):
         t0 = time.perf_counter()
         op = fn()
         t1 = time.perf_counter()
-        if op is not None:
+        if hasattr(op, "complete"):
             op.wait()
             op.complete()
         torch.cuda.synchronize()
