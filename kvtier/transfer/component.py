@@ -24,6 +24,35 @@ from kvtier.transfer.rows import ONE_BLOCK, PCIE_CTAS, STAGING_CTAS, TILE_WORDS,
 
 
 @dataclass(slots=True)
+class PageLists:
+    """The pages of one transfer, in matching order.
+
+    ``host`` and ``device`` (physical pages) live on the CPU: the mechanism choice and copy-engine
+    addresses read them. Kernels need row numbers on the GPU; :meth:`upload` queues one copy of
+    both lists there and the rows are computed on the GPU from them, so a batch never builds or
+    uploads its (layers x pages) row lists on the CPU (which for page size 1 took longer than the
+    copy itself).
+    """
+
+    host: torch.Tensor
+    device: torch.Tensor
+    host_gpu: torch.Tensor | None = None
+    device_gpu: torch.Tensor | None = None
+
+    def upload(self, device: torch.device, op: TransferOp) -> None:
+        """Queue the GPU copies on the current stream (from pinned memory: the host never waits)."""
+        both = torch.stack([self.host, self.device]).pin_memory().to(device, non_blocking=True)
+        self.host_gpu, self.device_gpu = both[0], both[1]
+        op.keepalive.append(both)
+
+    def on_gpu(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(host_gpu, device_gpu)``; :meth:`upload` must have run."""
+        if self.host_gpu is None or self.device_gpu is None:
+            raise RuntimeError("PageLists.upload() must run before kernels use the pages")
+        return self.host_gpu, self.device_gpu
+
+
+@dataclass(slots=True)
 class ComponentRows:
     """Flat ``[rows, words]`` views of one component in the device pool, the host pool and
     (pinned host pools on CUDA) the device view of the host pool."""
@@ -53,19 +82,9 @@ class ComponentRows:
         hview = bytes_view(hbuf, page_dim, host.num_pages).reshape(-1, words)
         return cls(geo, dview.reshape(-1, words), hview, view)
 
-    def _ends(
-        self, direction: str, host_pages: torch.Tensor, phys: torch.Tensor, layer: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(src, src_rows, dst, dst_rows)`` through the device view of the host pool."""
-        h, d = self.geo.host_rows(host_pages, layer), self.geo.device_rows(phys, layer)
-        assert self.mapped is not None
-        if direction == "d2h":
-            return self.device, d, self.mapped, h
-        return self.mapped, h, self.device, d
-
-    def cpu(self, direction: str, host_pages: torch.Tensor, phys: torch.Tensor) -> None:
+    def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous copy between CPU tensors."""
-        h, d = self.geo.host_rows(host_pages), self.geo.device_rows(phys)
+        h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
         if direction == "d2h":
             copy_rows(self.device, d, self.host, h)
         else:
@@ -74,26 +93,39 @@ class ComponentRows:
     def kernel(
         self,
         direction: str,
-        host_pages: torch.Tensor,
-        phys: torch.Tensor,
+        pages: PageLists,
         op: TransferOp,
-        layer: int | None = None,
+        after_layer: Callable[[], None] | None = None,
     ) -> None:
-        """Row kernel across PCIe (all layers, or one)."""
-        queue_rows(*self._ends(direction, host_pages, phys, layer), op)
+        """Row kernel across PCIe through the device view of the host pool: one launch for all
+        layers, or with ``after_layer`` one launch per layer, each followed by that call."""
+        assert self.mapped is not None
+        hg, dg = pages.on_gpu()
+        h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
+        src, si, dst, di = (
+            (self.device, d, self.mapped, h)
+            if direction == "d2h"
+            else (self.mapped, h, self.device, d)
+        )
+        if after_layer is None:
+            queue_rows(src, si, dst, di, op)
+            return
+        n = hg.numel()
+        for lo in range(0, si.numel(), n):
+            queue_rows(src, si[lo : lo + n], dst, di[lo : lo + n], op)
+            after_layer()
 
     def direct(
         self,
         direction: str,
-        host_pages: torch.Tensor,
-        phys: torch.Tensor,
+        pages: PageLists,
         stream: torch.cuda.Stream,
         layer: int | None = None,
     ) -> None:
         """Copy-engine blocks, one per row (merged where contiguous on both sides)."""
         rb = self.geo.row_bytes
-        h = _addresses(self.host, self.geo.host_rows(host_pages, layer), rb)
-        d = _addresses(self.device, self.geo.device_rows(phys, layer), rb)
+        h = _addresses(self.host, self.geo.host_rows(pages.host, layer), rb)
+        d = _addresses(self.device, self.geo.device_rows(pages.device, layer), rb)
         sizes = np.full(h.size, rb, dtype=np.uint64)
         dst, src = (h, d) if direction == "d2h" else (d, h)
         dma.copy_blocks(*dma.coalesce(dst, src, sizes), stream)
@@ -101,85 +133,77 @@ class ComponentRows:
     def staged(
         self,
         direction: str,
-        host_pages: torch.Tensor,
-        phys: torch.Tensor,
+        pages: PageLists,
         stream: torch.cuda.Stream,
         helper: torch.cuda.Stream,
         staging_bytes: int,
         op: TransferOp,
     ) -> None:
-        """Whole host pages by copy engine through two device staging buffers, in slices.
+        """Whole host pages by copy engine through two device staging buffers, in slices
+        (``plan.staging_slices``).
 
         Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
-        ``i`` has the byte layout of a page-first host page and moves as one block. The rows are
-        gathered (d2h) or scattered (h2d) on ``helper``, so the copy engine moves one slice while
-        the other buffer is filled or emptied:
+        ``i`` has the byte layout of a page-first host page and moves as one block, and a slice's
+        device rows are one range of the page-major row list. The rows are gathered (d2h) or
+        scattered (h2d) on ``helper``, so the copy engine moves one slice while the other buffer
+        is filled or emptied:
 
             d2h   helper: gather k ──> stream: copy k ──> (buffer free) helper: gather k + 2
             h2d   stream: copy k ──> helper: scatter k ──> (buffer free) stream: copy k + 2
         """
         geo = self.geo
-        page_bytes = geo.layers * geo.row_bytes
-        sizes_in_pages = staging_slices(host_pages.numel(), page_bytes, staging_bytes, direction)
-        helper.wait_stream(stream)  # ``stream`` already follows the compute stream
+        layers, page_bytes = geo.layers, geo.layers * geo.row_bytes
+        slices = staging_slices(pages.host.numel(), page_bytes, staging_bytes, direction)
         words, dtype, device = self.device.shape[1], self.device.dtype, self.device.device
-        largest = max(sizes_in_pages)
+        largest = max(slices)
+        rows = geo.device_rows(pages.on_gpu()[1], page_major=True)
+        stage_rows = torch.arange(largest * layers, device=device)
         bufs = [
-            torch.empty((largest * geo.layers, words), dtype=dtype, device=device)
-            for _ in range(min(2, len(sizes_in_pages)))
+            torch.empty((largest * layers, words), dtype=dtype, device=device)
+            for _ in range(min(2, len(slices)))
         ]
-        op.keepalive += bufs
+        op.keepalive += [rows, stage_rows, *bufs]
+        helper.wait_stream(stream)  # the page lists, and ``stream`` follows the compute stream
         freed: list[torch.cuda.Event | None] = [None, None]
         lo = 0
-        for j, k in enumerate(sizes_in_pages):
-            buf = bufs[j % 2]
-            hp, dp = host_pages[lo : lo + k], phys[lo : lo + k]
-            lo += k
-            stage_rows = (
-                torch.arange(geo.layers)[:, None] + torch.arange(k)[None, :] * geo.layers
-            ).reshape(-1)
-            host_at = _addresses(self.host, hp, page_bytes)
+        for j, k in enumerate(slices):
+            buf, b = bufs[j % 2], j % 2
+            dev_rows, st_rows = rows[lo * layers : (lo + k) * layers], stage_rows[: k * layers]
+            host_at = _addresses(self.host, pages.host[lo : lo + k], page_bytes)
             stage_at = np.uint64(buf.data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(
                 page_bytes
             )
             sizes = np.full(k, page_bytes, dtype=np.uint64)
+            lo += k
             if direction == "d2h":
                 with torch.cuda.stream(helper):
-                    if freed[j % 2] is not None:
-                        helper.wait_event(freed[j % 2])
-                    queue_rows(self.device, geo.device_rows(dp), buf, stage_rows, op, STAGING_CTAS)
+                    if freed[b] is not None:
+                        helper.wait_event(freed[b])
+                    queue_rows(self.device, dev_rows, buf, st_rows, op, STAGING_CTAS)
                     ready = _record(helper)
                 stream.wait_event(ready)
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
-                freed[j % 2] = _record(stream)
+                freed[b] = _record(stream)
             else:
-                if freed[j % 2] is not None:
-                    stream.wait_event(freed[j % 2])
+                if freed[b] is not None:
+                    stream.wait_event(freed[b])
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
                 arrived = _record(stream)
                 with torch.cuda.stream(helper):
                     helper.wait_event(arrived)
-                    queue_rows(
-                        buf,
-                        stage_rows,
-                        self.device,
-                        geo.device_rows(dp),
-                        op,
-                        STAGING_CTAS,
-                        TILE_WORDS,
-                    )
-                    freed[j % 2] = _record(helper)
+                    queue_rows(buf, st_rows, self.device, dev_rows, op, STAGING_CTAS, TILE_WORDS)
+                    freed[b] = _record(helper)
         if direction == "h2d":
             stream.wait_stream(helper)
 
     def unpinned(
-        self, direction: str, host_pages: torch.Tensor, phys: torch.Tensor, op: TransferOp
+        self, direction: str, pages: PageLists, op: TransferOp
     ) -> Callable[[], None] | None:
         """Pageable host pool: through a pinned temporary. d2h gathers on the device, copies into
         pinned memory and returns the host-side scatter to run once the copy is done."""
         device = self.device.device
-        hr = self.geo.host_rows(host_pages)
-        di = self.geo.device_rows(phys).to(device, non_blocking=True)
+        hr = self.geo.host_rows(pages.host)
+        di = self.geo.device_rows(pages.device).to(device, non_blocking=True)
         if direction == "d2h":
             gathered = self.device.index_select(0, di)
             pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -209,18 +233,16 @@ def queue_rows(
     ctas: int = PCIE_CTAS,
     tile_words: int = ONE_BLOCK,
 ) -> None:
-    """Row-copy kernel on the current stream (row numbers are moved to the device first).
+    """Row-copy kernel on the current stream (row numbers already on the GPU).
 
-    Settings, by measurement on an H200 (results/h200-dma): across PCIe one row per program per
+    Settings, by measurement on an H200 (results/h200-dma): across PCIe one block per program per
     iteration (wider tiles took more from the forward a per-layer load overlaps: TTFT 107 ms
     against 89 ms); backup staging gathers alike (a decode step under backups took 0.97x its time
     alone, 1.22x with wide tiles); load staging scatters in wide tiles (page size 1 loads at 0.84
     of a contiguous copy, 0.70 with one row per iteration).
     """
-    si = src_rows.to(src.device, non_blocking=True)
-    di = dst_rows.to(src.device, non_blocking=True)
-    copy_rows(src, si, dst, di, ctas=ctas, tile_words=tile_words)
-    op.keepalive += [si, di]
+    copy_rows(src, src_rows, dst, dst_rows, ctas=ctas, tile_words=tile_words)
+    op.keepalive += [src_rows, dst_rows]
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:

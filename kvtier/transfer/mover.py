@@ -21,7 +21,7 @@ from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows
+from kvtier.transfer.component import ComponentRows, PageLists
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
@@ -66,26 +66,26 @@ class Mover:
 
     def _begin(
         self, direction: str, device_pages: torch.Tensor, host_pages: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, TransferOp]:
-        """Physical device pages, host pages (both on the CPU) and the op; on CPU the copy is
-        done here and the op is born done."""
+    ) -> tuple[PageLists, TransferOp]:
+        """The page lists (host and physical device pages, on the CPU) and the op; on CPU the
+        copy is done here and the op is born done."""
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
                 pages_to_locs(device_pages, self.dev.page_size), self.dev.page_size, what
             )
         phys = self.translator.device_physical(device_pages).cpu()
-        host_pages = host_pages.cpu()
+        pages = PageLists(host_pages.cpu().long(), phys.long())
         op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
             for name, r in self.rows.items():
-                r.cpu(direction, host_pages, phys)
+                r.cpu(direction, pages)
                 op.paths[name] = "cpu"
-        return phys, host_pages, op
+        return pages, op
 
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
         """Copy device pages into host pages (a backup). The host copy is valid once done."""
-        phys, host_pages, op = self._begin("d2h", device_pages, host_pages)
+        pages, op = self._begin("d2h", device_pages, host_pages)
         if not self.cuda:
             return op
         stream = self.backup_stream
@@ -94,8 +94,10 @@ class Mover:
         with torch.cuda.device(self.dev.device):
             stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # the data's writer
             with torch.cuda.stream(stream):
+                if self.pinned:
+                    pages.upload(self.dev.device, op)
                 for name, r in self.rows.items():
-                    final = self._component(name, r, "d2h", host_pages, phys, stream, op)
+                    final = self._component(name, r, "d2h", pages, stream, op)
                     if final is not None:
                         finals.append(final)
                 op.event = torch.cuda.Event()
@@ -120,7 +122,7 @@ class Mover:
         copied layer by layer, after every other component, and ``op.layer_events[i]`` marks
         anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
-        phys, host_pages, op = self._begin("h2d", device_pages, host_pages)
+        pages, op = self._begin("h2d", device_pages, host_pages)
         if not self.cuda:
             return op
         stream = self.load_stream
@@ -131,13 +133,13 @@ class Mover:
             compute = torch.cuda.current_stream(self.dev.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
+                if self.pinned:
+                    pages.upload(self.dev.device, op)
                 for name, r in self.rows.items():
                     if not (overlap and name == anchor):
-                        self._component(name, r, "h2d", host_pages, phys, stream, op)
+                        self._component(name, r, "h2d", pages, stream, op)
                 if overlap:
-                    op.layer_events = self._load_layers(
-                        self.rows[anchor], host_pages, phys, stream, op
-                    )
+                    op.layer_events = self._load_layers(self.rows[anchor], pages, stream, op)
                     op.paths[anchor] += " per layer"
                 op.event = torch.cuda.Event()
                 op.event.record(stream)
@@ -148,23 +150,25 @@ class Mover:
     def _load_layers(
         self,
         r: ComponentRows,
-        host_pages: torch.Tensor,
-        phys: torch.Tensor,
+        pages: PageLists,
         stream: torch.cuda.Stream,
         op: TransferOp,
     ) -> list[torch.cuda.Event]:
         """Copy one component layer by layer; one event per layer."""
-        path = choose(r.geo, "h2d", host_pages, phys, per_layer=True, dma=self.dma)
+        path = choose(r.geo, "h2d", pages.host, pages.device, per_layer=True, dma=self.dma)
         op.paths[self.dev.specs[0].name] = path
-        events = []
-        for layer in range(r.geo.layers):
-            if path == DIRECT:
-                r.direct("h2d", host_pages, phys, stream, layer)
-            else:
-                r.kernel("h2d", host_pages, phys, op, layer)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            events.append(ev)
+        events: list[torch.cuda.Event] = []
+
+        def arrived() -> None:
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
+
+        if path == DIRECT:
+            for layer in range(r.geo.layers):
+                r.direct("h2d", pages, stream, layer)
+                arrived()
+        else:
+            r.kernel("h2d", pages, op, after_layer=arrived)
         return events
 
     def _component(
@@ -172,8 +176,7 @@ class Mover:
         name: str,
         r: ComponentRows,
         direction: str,
-        host_pages: torch.Tensor,
-        phys: torch.Tensor,
+        pages: PageLists,
         stream: torch.cuda.Stream,
         op: TransferOp,
     ) -> Callable[[], None] | None:
@@ -186,20 +189,20 @@ class Mover:
         """
         if not self.pinned:
             op.paths[name] = "unpinned"
-            return r.unpinned(direction, host_pages, phys, op)
-        path = choose(r.geo, direction, host_pages, phys, dma=self.dma)
+            return r.unpinned(direction, pages, op)
+        path = choose(r.geo, direction, pages.host, pages.device, dma=self.dma)
         try:
             if path == DIRECT:
-                r.direct(direction, host_pages, phys, stream)
+                r.direct(direction, pages, stream)
             elif path == STAGED:
                 helper = self.helpers[direction]
-                r.staged(direction, host_pages, phys, stream, helper, self.staging_bytes, op)
+                r.staged(direction, pages, stream, helper, self.staging_bytes, op)
         except dma.DmaError as e:
             log.warning("copy engines disabled, transfers fall back to kernels: %s", e)
             self.dma = False
             path = KERNEL
             stream.wait_stream(self.helpers[direction])  # staging work already queued
         if path == KERNEL:
-            r.kernel(direction, host_pages, phys, op)
+            r.kernel(direction, pages, op)
         op.paths[name] = path
         return None

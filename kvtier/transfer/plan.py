@@ -54,22 +54,28 @@ class RowGeometry:
     host_layout: str
     """``page_first`` or ``layer_first``."""
 
-    def device_rows(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """Device row numbers of ``pages`` (CPU int64), layer-major: all pages of the first
-        layer, then the next layer's; one layer only when ``layer`` is given."""
-        return (self._layers(layer)[:, None] * self.device_pages + pages[None, :]).reshape(-1)
+    def device_rows(
+        self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False
+    ) -> torch.Tensor:
+        """Device row numbers of ``pages`` (int64, on the pages' device), layer-major: all pages
+        of the first layer, then the next layer's; one layer only when ``layer`` is given;
+        ``page_major`` orders them all layers of the first page, then the next page's."""
+        rows = self._layers(layer, pages.device)[:, None] * self.device_pages + pages[None, :]
+        return _flat(rows, page_major)
 
-    def host_rows(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+    def host_rows(
+        self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False
+    ) -> torch.Tensor:
         """Host row numbers of ``pages`` in the same order as :meth:`device_rows`."""
-        ls = self._layers(layer)[:, None]
+        ls = self._layers(layer, pages.device)[:, None]
         if self.host_layout == "page_first":
-            return (pages[None, :] * self.layers + ls).reshape(-1)
-        return (ls * self.host_pages + pages[None, :]).reshape(-1)
+            return _flat(pages[None, :] * self.layers + ls, page_major)
+        return _flat(ls * self.host_pages + pages[None, :], page_major)
 
-    def _layers(self, layer: int | None) -> torch.Tensor:
+    def _layers(self, layer: int | None, device: torch.device) -> torch.Tensor:
         if layer is None:
-            return torch.arange(self.layers, dtype=torch.int64)
-        return torch.tensor([layer], dtype=torch.int64)
+            return torch.arange(self.layers, dtype=torch.int64, device=device)
+        return torch.tensor([layer], dtype=torch.int64, device=device)
 
     def mean_run(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> float:
         """Mean rows per block when rows contiguous on both sides are merged (one layer)."""
@@ -80,6 +86,11 @@ class RowGeometry:
             device_pages[1:] - device_pages[:-1] != 1
         )
         return n / (int(breaks.sum()) + 1)
+
+
+def _flat(rows: torch.Tensor, page_major: bool) -> torch.Tensor:
+    """``[layers, pages]`` row numbers as one list, layer-major or page-major."""
+    return (rows.t() if page_major else rows).reshape(-1)
 
 
 def choose(
