@@ -88,7 +88,7 @@ for fam, ps in [
         "contig_d2h": timed(lambda: chost.copy_(cdev, non_blocking=True), total)[0],
         "contig_h2d": timed(lambda: cdev.copy_(chost, non_blocking=True), total)[0],
     }
-    for variant in ("base", "flat", "g32", "wide", "onerow"):
+    for variant in ("base", "flat", "g32", "wide"):
         patch(variant)
         mover = Mover(dpool, hpool)
         d2h = timed(lambda: mover.device_to_host(src, hp), total)
