@@ -59,11 +59,11 @@ def test_choice_follows_block_size_and_direction():
 
 def test_staging_slices_grow_away_from_the_unoverlapped_end():
     mib = 1 << 20
-    # 1 MiB pages, 16 MiB staging (8-page buffers): 4 MiB first, then half again per slice.
-    assert staging_slices(40, mib, 16 * mib, "d2h") == [4, 6, 8, 8, 8, 6]
-    assert staging_slices(40, mib, 16 * mib, "h2d") == [6, 8, 8, 8, 6, 4]
-    assert staging_slices(3, mib, 16 * mib, "d2h") == [3]
-    assert staging_slices(5, 8 * mib, 16 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
+    # 4 MiB pages, 64 MiB staging (8-page buffers): 16 MiB first, then half again per slice.
+    assert staging_slices(40, 4 * mib, 64 * mib, "d2h") == [4, 6, 8, 8, 8, 6]
+    assert staging_slices(40, 4 * mib, 64 * mib, "h2d") == [6, 8, 8, 8, 6, 4]
+    assert staging_slices(3, 4 * mib, 64 * mib, "d2h") == [3]
+    assert staging_slices(5, 32 * mib, 64 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
     assert staging_slices(7, 64 << 10, 256 * mib, "d2h") == [7]
     assert staging_slices(0, mib, 16 * mib, "d2h") == []
 

@@ -179,7 +179,9 @@ class ComponentRows:
                 with torch.cuda.stream(helper):
                     if freed[b] is not None:
                         helper.wait_event(freed[b])
-                    queue_rows(self.device, dev_rows, buf, st_rows, op, STAGING_CTAS)
+                    # The first gather runs alone: all programs, so the copy engine starts soon.
+                    ctas = PCIE_CTAS if j == 0 else STAGING_CTAS
+                    queue_rows(self.device, dev_rows, buf, st_rows, op, ctas)
                     ready = _record(helper)
                 stream.wait_event(ready)
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)

@@ -31,7 +31,7 @@ orig_queue = component.queue_rows
 
 
 def patch(variant: str) -> None:
-    plan.FIRST_SLICE_BYTES = 1 << 50 if variant == "flat" else 4 << 20
+    plan.FIRST_SLICE_BYTES = {"flat": 1 << 50, "first4": 4 << 20}.get(variant, 16 << 20)
     component.STAGING_CTAS = 32 if variant == "g32" else 16
     tw = {"wide": rows.TILE_WORDS, "onerow": 1}.get(variant)
 
@@ -88,7 +88,7 @@ for fam, ps in [
         "contig_d2h": timed(lambda: chost.copy_(cdev, non_blocking=True), total)[0],
         "contig_h2d": timed(lambda: cdev.copy_(chost, non_blocking=True), total)[0],
     }
-    for variant in ("base", "flat", "g32", "wide"):
+    for variant in ("base", "first4", "flat", "wide"):
         patch(variant)
         mover = Mover(dpool, hpool)
         d2h = timed(lambda: mover.device_to_host(src, hp), total)

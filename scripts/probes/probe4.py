@@ -53,7 +53,7 @@ for fam in ("mla", "dense", "hybrid"):
     row = {}
     for hold in (False, True):
         row[f"contig hold={hold}"] = measure(lambda: chost.copy_(cdev, non_blocking=True), total, hold)
-        for first in (4 << 20, 1 << 50):
+        for first in (4 << 20, 16 << 20, 1 << 50):
             plan.FIRST_SLICE_BYTES = first
             m = Mover(dpool, hpool)
             row[f"staged first={first >> 20}MiB hold={hold}"] = measure(
