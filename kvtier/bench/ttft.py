@@ -9,7 +9,9 @@ a restore can do is to hide one behind the other.
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
 while device → host backups of the prefix's pages are kept running on the mover's backup stream,
 once with the chosen mechanisms (copy engines for these page sizes) and once with row kernels
-forced: the stall is the step-time ratio.
+forced, with more backup work queued than the link moves in a step; then with the chosen
+mechanisms and only as much as the link moves in a step (``chosen_within_link``). The stall is
+the step-time ratio.
 """
 
 from __future__ import annotations
@@ -241,11 +243,11 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         op.wait()
         return time.perf_counter() - t0, op.paths
 
-    def under_backups(use_dma: bool) -> tuple[float, float, int, dict[str, str]]:
+    def under_backups(use_dma: bool, depth: int) -> tuple[float, float, int, dict[str, str]]:
         saved, mover.dma = mover.dma, use_dma and mover.dma
         try:
             backup_s, paths = timed_backup()
-            step_s, covered = steps(DECODE_STEPS, backups=True, in_flight=in_flight)
+            step_s, covered = steps(DECODE_STEPS, backups=True, in_flight=depth)
             return step_s, backup_s, covered, paths
         finally:
             mover.dma = saved
@@ -253,11 +255,14 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
     try:
         steps(4)  # warm-up
         alone = steps(DECODE_STEPS)[0]
-        # Enough backups queued before each step to outlast it (steps_ending_under_backup then
-        # equals the step count).
-        in_flight = math.ceil(alone / timed_backup()[0]) + 1
-        chosen, chosen_backup, chosen_cov, chosen_paths = under_backups(True)
-        kernel, kernel_backup, kernel_cov, _ = under_backups(False)
+        one = timed_backup()[0]
+        # Enough backups queued before each step to outlast it (more copy work than the link
+        # moves in a step), and as many as the link moves within a step.
+        in_flight = math.ceil(alone / one) + 1
+        within = max(1, math.floor(alone / one))
+        chosen, chosen_backup, chosen_cov, chosen_paths = under_backups(True, in_flight)
+        kernel, kernel_backup, kernel_cov, _ = under_backups(False, in_flight)
+        fit, fit_backup, fit_cov, _ = under_backups(True, within)
     finally:
         host.allocator.free(dst)
     nbytes = num_pages * llm.cache.device_pool.page_bytes
@@ -280,10 +285,18 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
             "stall": kernel / alone,
             "steps_ending_under_backup": kernel_cov,
         },
+        "chosen_within_link": {
+            "backups_in_flight": within,
+            "backup_gbps": nbytes / fit_backup / 1e9,
+            "decode_step_ms": fit * 1e3,
+            "stall": fit / alone,
+            "steps_ending_under_backup": fit_cov,
+        },
     }
     _log(
         f"decode step {alone * 1e3:.2f} ms; under backups: chosen {chosen * 1e3:.2f} ms, "
-        f"kernels {kernel * 1e3:.2f} ms"
+        f"kernels {kernel * 1e3:.2f} ms ({in_flight} in flight); chosen, {within} in flight "
+        f"{fit * 1e3:.2f} ms"
     )
     return out
 
