@@ -370,5 +370,7 @@ class Controller:
 
     def close(self) -> None:
         self.drain()
+        if self.mover is not None:
+            self.mover.close()
         if self.io is not None:
             self.io.close()

@@ -17,6 +17,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import bytes_view
 from kvtier.transfer import dma
+from kvtier.transfer.feeder import Window
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import RowGeometry, staging_slices
@@ -121,14 +122,28 @@ class ComponentRows:
         pages: PageLists,
         stream: torch.cuda.Stream,
         layer: int | None = None,
+        window: Window | None = None,
+        chunk: int = 0,
     ) -> None:
-        """Copy-engine blocks, one per row (merged where contiguous on both sides)."""
+        """Copy-engine blocks, one per row (merged where contiguous on both sides); with a
+        ``window``, in chunks of about ``chunk`` bytes, each waiting for room in it."""
         rb = self.geo.row_bytes
         h = _addresses(self.host, self.geo.host_rows(pages.host, layer), rb)
         d = _addresses(self.device, self.geo.device_rows(pages.device, layer), rb)
         sizes = np.full(h.size, rb, dtype=np.uint64)
         dst, src = (h, d) if direction == "d2h" else (d, h)
-        dma.copy_blocks(*dma.coalesce(dst, src, sizes), stream)
+        dst, src, sizes = dma.coalesce(dst, src, sizes)
+        if window is None:
+            dma.copy_blocks(dst, src, sizes, stream)
+            return
+        ends = np.cumsum(sizes)
+        lo = 0
+        while lo < sizes.size:
+            hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + chunk, "right")))
+            window.admit()
+            dma.copy_blocks(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream)
+            window.issued(stream)
+            lo = hi
 
     def staged(
         self,
@@ -138,9 +153,10 @@ class ComponentRows:
         helper: torch.cuda.Stream,
         staging_bytes: int,
         op: TransferOp,
+        window: Window | None = None,
     ) -> None:
         """Whole host pages by copy engine through two device staging buffers, in slices
-        (``plan.staging_slices``).
+        (``plan.staging_slices``); with a ``window``, each slice's copy waits for room in it.
 
         Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
         ``i`` has the byte layout of a page-first host page and moves as one block, and a slice's
@@ -184,13 +200,17 @@ class ComponentRows:
                     queue_rows(self.device, dev_rows, buf, st_rows, op, ctas)
                     ready = _record(helper)
                 stream.wait_event(ready)
+                if window is not None:
+                    window.admit()
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
-                freed[b] = _record(stream)
+                freed[b] = window.issued(stream) if window is not None else _record(stream)
             else:
                 if freed[b] is not None:
                     stream.wait_event(freed[b])
+                if window is not None:
+                    window.admit()
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
-                arrived = _record(stream)
+                arrived = window.issued(stream) if window is not None else _record(stream)
                 with torch.cuda.stream(helper):
                     helper.wait_event(arrived)
                     queue_rows(buf, st_rows, self.device, dev_rows, op, STAGING_CTAS, TILE_WORDS)

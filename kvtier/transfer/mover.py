@@ -13,6 +13,7 @@ visibility rules are the same.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
 from kvtier.transfer.component import ComponentRows, PageLists
+from kvtier.transfer.feeder import Feeder, Window
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
@@ -41,6 +43,7 @@ class Mover:
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
         staging_bytes: int = STAGING_BYTES,
+        feed_backups: bool = True,
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
@@ -57,6 +60,9 @@ class Mover:
         self.helpers = (
             {d: torch.cuda.Stream(device_pool.device) for d in ("d2h", "h2d")} if self.cuda else {}
         )
+        self.feed_backups = feed_backups
+        """Backups queued by the feeder thread a window at a time (CUDA); else by the caller."""
+        self._feeder: Feeder | None = None
         self.pinned = self.cuda and host_pool.pinned
         self.dma = self.pinned and dma.available()
         self.rows = {
@@ -84,24 +90,53 @@ class Mover:
         return pages, op
 
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
-        """Copy device pages into host pages (a backup). The host copy is valid once done."""
+        """Copy device pages into host pages (a backup). The host copy is valid once done.
+
+        On CUDA the call returns at once: the mover's feeder thread queues the copies a window at
+        a time (``kvtier.transfer.feeder``), after the work already queued on the caller's stream
+        (the data's writer). The device pages must stay unchanged until the op is done.
+        """
         pages, op = self._begin("d2h", device_pages, host_pages)
         if not self.cuda:
             return op
+        start = torch.cuda.Event()
+        start.record(torch.cuda.current_stream(self.dev.device))
+        if not self.feed_backups:
+            self._queue_backup(pages, op, start, None)
+            return op
+        if self._feeder is None:
+            self._feeder = Feeder(self.dev.device)
+        feeder = self._feeder
+        issued = op.issued = threading.Event()
+
+        def job() -> None:
+            try:
+                self._queue_backup(pages, op, start, feeder.window)
+            except BaseException as e:  # noqa: BLE001 - raised by op.done() / op.wait()
+                op.error = e
+            finally:
+                issued.set()
+
+        feeder.submit(job)
+        return op
+
+    def _queue_backup(
+        self, pages: PageLists, op: TransferOp, start: torch.cuda.Event, window: Window | None
+    ) -> None:
+        """Queue a backup's copies on the backup stream, after ``start``."""
         stream = self.backup_stream
         assert stream is not None
         finals: list[Callable[[], None]] = []
-        with torch.cuda.device(self.dev.device):
-            stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # the data's writer
-            with torch.cuda.stream(stream):
-                if self.pinned:
-                    pages.upload(self.dev.device, op)
-                for name, r in self.rows.items():
-                    final = self._component(name, r, "d2h", pages, stream, op)
-                    if final is not None:
-                        finals.append(final)
-                op.event = torch.cuda.Event()
-                op.event.record(stream)
+        with torch.cuda.device(self.dev.device), torch.cuda.stream(stream):
+            stream.wait_event(start)
+            if self.pinned:
+                pages.upload(self.dev.device, op)
+            for name, r in self.rows.items():
+                final = self._component(name, r, "d2h", pages, stream, op, window)
+                if final is not None:
+                    finals.append(final)
+            op.event = torch.cuda.Event()
+            op.event.record(stream)
         if finals:
 
             def finalize() -> None:
@@ -109,7 +144,12 @@ class Mover:
                     f()
 
             op.finalize = finalize
-        return op
+
+    def close(self) -> None:
+        """Let the backups already submitted be queued, then stop the feeder thread."""
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
 
     def host_to_device(
         self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
@@ -179,9 +219,11 @@ class Mover:
         pages: PageLists,
         stream: torch.cuda.Stream,
         op: TransferOp,
+        window: Window | None = None,
     ) -> Callable[[], None] | None:
         """Queue one component's copy by its mechanism; returns the host-side finaliser a
-        pageable host pool needs after a d2h copy, else ``None``.
+        pageable host pool needs after a d2h copy, else ``None``. Copy-engine work waits for
+        room in ``window`` chunk by chunk when one is given.
 
         Should the driver refuse a copy-engine list, copy engines are switched off for this mover
         (with a warning) and the component is copied again by kernel: the rows already queued
@@ -193,10 +235,10 @@ class Mover:
         path = choose(r.geo, direction, pages.host, pages.device, dma=self.dma)
         try:
             if path == DIRECT:
-                r.direct(direction, pages, stream)
+                r.direct(direction, pages, stream, window=window, chunk=self.staging_bytes // 2)
             elif path == STAGED:
                 helper = self.helpers[direction]
-                r.staged(direction, pages, stream, helper, self.staging_bytes, op)
+                r.staged(direction, pages, stream, helper, self.staging_bytes, op, window)
         except dma.DmaError as e:
             log.warning("copy engines disabled, transfers fall back to kernels: %s", e)
             self.dma = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,15 +23,30 @@ class TransferOp:
     paths: dict[str, str] = field(default_factory=dict)
     """Mechanism used per component (``direct``, ``staged``, ``kernel``, ``cpu``, ``unpinned``)."""
     finished: bool = False
+    issued: threading.Event | None = None
+    """Set once every copy of the op is queued on the GPU, where another thread queues them
+    (``None``: the call that made the op queued them); ``event`` is valid from then on."""
+    error: BaseException | None = None
+    """Why queueing the copies failed on that thread (raised by :meth:`done` and :meth:`wait`)."""
 
     def done(self) -> bool:
         """True once the copy completed (never blocks)."""
+        if self.issued is not None and not self.issued.is_set():
+            return False
+        self._raise()
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
         """Block the host until the copy completed."""
+        if self.issued is not None:
+            self.issued.wait()
+        self._raise()
         if self.event is not None:
             self.event.synchronize()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"{self.direction} transfer failed") from self.error
 
     def complete(self) -> None:
         """Run the host-side finalisation exactly once (call only when ``done()``)."""
