@@ -1,7 +1,10 @@
-"""Does a small device → host read on the compute stream wait behind queued backups?
+"""Small reads behind queued backups, with and without the feeder thread.
 
 Queues ``k`` backups of 1 GiB (dense pool set, page size 16) on the mover's backup stream, then
-times ``x.cpu()`` of 4 bytes on the compute stream, with copy-engine (chosen) and kernel backups.
+times ``x.cpu()`` of 4 bytes on the compute stream (a sampler's token read), with copy-engine
+backups queued whole by the caller (``feed_backups=False``), fed a window at a time by the
+feeder thread, and with row-kernel backups. Then the feeder's backup rate while the calling
+thread runs Python without pause (as a CPU-bound scheduler does) against it waiting idle.
 """
 
 import json
@@ -24,11 +27,11 @@ src = torch.randperm(2 * n)[:n]
 hp = torch.randperm(2 * n)[:n]
 x = torch.ones(1, device=dev)
 res = {}
-for dma in (True, False):
-    m = Mover(dpool, hpool)
+for name, feed, dma in (("whole", False, True), ("fed", True, True), ("kernels", True, False)):
+    m = Mover(dpool, hpool, feed_backups=feed)
     m.dma = m.dma and dma
     m.device_to_host(src, hp).wait()
-    for k in (0, 1, 4):
+    for k in (1, 4):
         torch.cuda.synchronize()
         ops = [m.device_to_host(src, hp) for _ in range(k)]
         t0 = time.perf_counter()
@@ -37,9 +40,23 @@ for dma in (True, False):
         for op in ops:
             op.wait()
         t2 = time.perf_counter()
-        res[f"{'chosen' if dma else 'kernels'} backups={k}"] = {
+        res[f"{name} backups={k}"] = {
             "readback_ms": round((t1 - t0) * 1e3, 3),
-            "backups_ms": round((t2 - t0) * 1e3, 2),
+            "backups_gbps": round(k * n * dpool.page_bytes / (t2 - t0) / 1e9, 2),
         }
-        print(res, flush=True)
+        print(name, k, res[f"{name} backups={k}"], flush=True)
+    if name == "fed":
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ops = [m.device_to_host(src, hp) for _ in range(4)]
+        spins = 0
+        while not all(op.done() for op in ops):
+            for _ in range(20000):  # pure Python, as a scheduler step is
+                spins += 1
+        t2 = time.perf_counter()
+        res["fed backups=4, caller busy"] = {
+            "backups_gbps": round(4 * n * dpool.page_bytes / (t2 - t0) / 1e9, 2)
+        }
+        print(res["fed backups=4, caller busy"], flush=True)
+    m.close()
 json.dump(res, open(f"{OUT}/probe5.json", "w"), indent=1)
