@@ -60,6 +60,8 @@ class Feeder:
     """
 
     def __init__(self, device: torch.device, name: str = "kvtier-backups") -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.window = Window()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
