@@ -79,7 +79,14 @@ class Controller:
         self.namespace = namespace
         self.metrics = metrics
         self.mover = (
-            Mover(device_pool, host_pool, debug_checks=config.debug_checks) if host_pool else None
+            Mover(
+                device_pool,
+                host_pool,
+                debug_checks=config.debug_checks,
+                feed_backups=config.backup_feeder,
+            )
+            if host_pool
+            else None
         )
         self.io: StorageIO | None = None
         if storage is not None and host_pool is not None:

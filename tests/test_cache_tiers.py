@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import PS, kv_of, make_cache, run_request
+from conftest import PS, SPEC, kv_of, make_cache, run_request
 
 TOKENS = list(range(100, 117))  # 17 tokens: 4 whole pages + 1
 
@@ -56,6 +56,21 @@ def test_write_through_backs_up_on_insert(tmp_path):
     c.close()
 
 
+def test_write_through_with_the_backup_feeder(tmp_path):
+    c = make_cache(tmp_path, write_policy="write_through", storage=None, backup_feeder=True)
+    assert c.controller.mover is not None and c.controller.mover.feed_backups
+    run_request(c, TOKENS)
+    c.drain()
+    (node,) = c.tree.nodes()
+    assert node.host is not None and node.host.tolist() == [0, 1, 2, 3]
+    assert node.device is not None
+    host = c.host_pool.page_bytes_view(SPEC.name)[:, node.host]
+    dev = c.device_pool.page_bytes_view(SPEC.name)[:, node.device.to(c.device_pool.device)]
+    assert torch.equal(host, dev.cpu())
+    c.check_integrity()
+    c.close()
+
+
 def test_write_through_selective_waits_for_threshold(tmp_path):
     c = make_cache(
         tmp_path, write_policy="write_through_selective", write_threshold=2, storage=None
@@ -68,7 +83,7 @@ def test_write_through_selective_waits_for_threshold(tmp_path):
         m = c.match(TOKENS)
         c.lock(m.handle)
         c.unlock(m.handle)
-        c.poll()
+        c.drain()  # any backup started lands
         assert (node.host is not None) is expect_host
     c.check_integrity()
     c.close()

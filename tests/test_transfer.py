@@ -265,9 +265,12 @@ def test_window_admits_a_chunk_only_when_an_older_one_finished():
 
 
 @cuda
-def test_queued_backups_land_byte_exact_through_the_feeder():
+@pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
+def test_queued_backups_land_byte_exact_through_the_feeder(monkeypatch, path):
+    monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: path)
     dev, host = make_pools("page_first", "cuda")
-    mover = Mover(dev, host, staging_bytes=1)  # one page per slice: many windowed chunks
+    # One page per staging slice, one block per copy-engine chunk: many windowed chunks.
+    mover = Mover(dev, host, staging_bytes=1, feed_backups=True)
     mover.device_to_host(torch.tensor([0]), torch.tensor([0])).wait()  # compile kernels
     pairs = [
         (torch.tensor([7, 2, 3]), torch.tensor([0, 11, 12])),
@@ -277,6 +280,7 @@ def test_queued_backups_land_byte_exact_through_the_feeder():
     for op in ops:
         op.wait()
         op.complete()
+        assert set(op.paths.values()) == {path}
     for dp, hp in pairs:
         assert_same(dev, dp, host, hp)
     mover.close()
@@ -286,7 +290,7 @@ def test_queued_backups_land_byte_exact_through_the_feeder():
 @cuda
 def test_a_backup_that_fails_on_the_feeder_raises_on_wait(monkeypatch):
     dev, host = make_pools("page_first", "cuda")
-    mover = Mover(dev, host)
+    mover = Mover(dev, host, feed_backups=True)
 
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise ValueError("no such page")

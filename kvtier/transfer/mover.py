@@ -43,7 +43,7 @@ class Mover:
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
         staging_bytes: int = STAGING_BYTES,
-        feed_backups: bool = True,
+        feed_backups: bool = False,
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
@@ -61,7 +61,8 @@ class Mover:
             {d: torch.cuda.Stream(device_pool.device) for d in ("d2h", "h2d")} if self.cuda else {}
         )
         self.feed_backups = feed_backups
-        """Backups queued by the feeder thread a window at a time (CUDA); else by the caller."""
+        """Backups queued by the feeder thread a window at a time (CUDA); else by the caller
+        (see ``CacheConfig.backup_feeder`` for the trade-off)."""
         self._feeder: Feeder | None = None
         self.pinned = self.cuda and host_pool.pinned
         self.dma = self.pinned and dma.available()
@@ -92,9 +93,10 @@ class Mover:
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
         """Copy device pages into host pages (a backup). The host copy is valid once done.
 
-        On CUDA the call returns at once: the mover's feeder thread queues the copies a window at
-        a time (``kvtier.transfer.feeder``), after the work already queued on the caller's stream
-        (the data's writer). The device pages must stay unchanged until the op is done.
+        On CUDA the copies follow the work already queued on the caller's stream (the data's
+        writer); the device pages must stay unchanged until the op is done. With
+        ``feed_backups`` the call returns at once and the mover's feeder thread queues the copies
+        a window at a time (``kvtier.transfer.feeder``); else this call queues them all.
         """
         pages, op = self._begin("d2h", device_pages, host_pages)
         if not self.cuda:
