@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.bench.ttft import bench_ttft
 
 
-def test_bench_ttft_tiny_cpu():
+@pytest.mark.parametrize("feeder", [False, True])
+def test_bench_ttft_tiny_cpu(feeder):
     r = bench_ttft(
         prompt_tokens=200,
         num_layers=2,
@@ -18,6 +21,7 @@ def test_bench_ttft_tiny_cpu():
         dtype="float32",
         repeats=1,
         device="cpu",
+        backup_feeder=feeder,
     )
     s = r["scenarios"]
     assert s["cold"]["recomputed"] == 200 and s["cold"]["cached_device"] == 0
@@ -25,3 +29,5 @@ def test_bench_ttft_tiny_cpu():
     assert s["host_restore"]["cached_host"] == s["host_restore_overlap"]["cached_host"] == 192
     assert s["storage_restore"]["cached_storage"] == 192
     assert r["same_first_token"] and r["overlap_ratio"] > 0
+    assert r["reference_token"] == s["device_hit"]["token"]
+    assert r["backup_feeder"] is feeder

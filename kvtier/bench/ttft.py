@@ -70,9 +70,11 @@ def bench_ttft(
     repeats: int = 3,
     device: str | None = None,
     host_layout: str = "page_first",
+    backup_feeder: bool = False,
 ) -> dict:
     """Best-of-``repeats`` TTFT (seconds) per scenario (the cold one runs once); see the module
-    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine."""
+    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine;
+    ``backup_feeder`` sets ``CacheConfig.backup_feeder`` (backups during decode go through it)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = ModelConfig(
         vocab_size=vocab_size,
@@ -102,6 +104,7 @@ def bench_ttft(
             storage_bytes=1 << 40,
             prefetch_policy="wait_complete",
             host_layout=host_layout,
+            backup_feeder=backup_feeder,
         )
         llm = LLM(model, cache, max_running=DECODE_BATCH, max_prefill_tokens=prompt_tokens + 1)
         rng = random.Random(0)
@@ -176,6 +179,7 @@ def bench_ttft(
         },
         "prompt_tokens": prompt_tokens,
         "host_layout": host_layout,
+        "backup_feeder": backup_feeder,
         "scenarios": res,
         "prefix_kv_bytes": kv_bytes,
         "link_h2d_gbps": link,
