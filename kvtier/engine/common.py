@@ -1,6 +1,6 @@
-"""What every model family's config shares: element types, field validation whose errors name
-the concrete config class, and the fingerprint that names a model inside kvtier's L3 key
-namespace."""
+"""What every model family's config shares: the common decoder fields, element types, field
+validation whose errors name the concrete config class, and the fingerprint that names a model
+inside kvtier's L3 key namespace."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -22,9 +23,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+@dataclass(frozen=True)
 class ConfigBase:
-    """Mixin of the families' frozen config dataclasses; the fields annotated here are the ones
-    every family has (the shared decoder pieces in ``kvtier.engine.model`` read them)."""
+    """Base of the families' frozen config dataclasses: the fields every family has (the shared
+    decoder pieces in ``kvtier.engine.model`` read them), element types, validation whose errors
+    name the concrete class, and the fingerprint. A family adds its own fields after these and
+    may redeclare one to change its default."""
 
     family: ClassVar[str] = ""
     """Tag hashed into the fingerprint so that two families' configs with equal field values
@@ -33,14 +37,29 @@ class ConfigBase:
     """Fields that change neither the pool bytes nor their meaning, so that deployments
     differing only in them (stop tokens, say) still share L3 objects."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    rms_norm_eps: float
-    dtype: str
-    seed: int
-    eos_token_ids: tuple[int, ...]
+    vocab_size: int = 512
+    """Number of token ids; valid ids are ``[0, vocab_size)``."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 4
+    """Decoder layers (each holds one layer in every pool that has them)."""
+    num_heads: int = 4
+    """Query (attention) heads."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    max_position: int = 4096
+    """Context length: prompt plus generated tokens never exceed it."""
+    dtype: str = "float32"
+    """Weights, activations and pool element type: ``float32``, ``bfloat16``, ``float16`` or
+    ``float64``."""
+    seed: int = 0
+    """Seed of the deterministic random weights (ignored once a checkpoint is loaded)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request sets ``ignore_eos``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -42,20 +42,10 @@ class HybridConfig(ConfigBase):
     family: ClassVar[str] = "hybrid"
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "checkpoint_every"})
 
-    vocab_size: int = 512
-    """Number of token ids; valid ids are ``[0, vocab_size)``."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    intermediate_size: int = 256
-    """Width of the SwiGLU MLP that follows every mixer."""
-    num_layers: int = 4
-    """Decoder layers, recurrent and attention together."""
     attn_every: int = 2
     """Every ``attn_every``-th layer is attention (layers ``attn_every - 1``,
     ``2 * attn_every - 1``, ...), the rest recurrent; ``2`` gives ``RARA...``. Between 2 and
     ``num_layers`` so that both kinds exist."""
-    num_heads: int = 4
-    """Query heads of the attention layers."""
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
     head_dim: int = 32
@@ -67,19 +57,6 @@ class HybridConfig(ConfigBase):
     (none for ``1``)."""
     d_state: int = 8
     """SSM state size per channel."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    max_position: int = 4096
-    """Context length: prompt plus generated tokens never exceed it."""
-    dtype: str = "float32"
-    """Weights, activations, KV and state element type: ``float32``, ``bfloat16``,
-    ``float16`` or ``float64``."""
-    seed: int = 0
-    """Seed of the deterministic random weights."""
-    eos_token_ids: tuple[int, ...] = ()
-    """Tokens that end generation unless a request sets ``ignore_eos``."""
     checkpoint_every: int = 2
     """The engine writes a state checkpoint at the end of every ``checkpoint_every``-th cache
     page (pages ``checkpoint_every - 1``, ``2 * checkpoint_every - 1``, ...); a cached prefix is

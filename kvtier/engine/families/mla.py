@@ -41,16 +41,9 @@ class MLAConfig(ConfigBase):
 
     family: ClassVar[str] = "mla"
 
-    vocab_size: int = 512
-    """Number of token ids; valid ids are ``[0, vocab_size)``."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    intermediate_size: int = 256
-    """Width of the SwiGLU MLP."""
     num_layers: int = 3
     """Decoder layers (each holds one layer in every pool)."""
-    num_heads: int = 4
-    """Attention heads (all share one latent)."""
+
     kv_lora_rank: int = 32
     """Width of the normalised KV latent ``c_kv`` stored per token."""
     qk_nope_head_dim: int = 16
@@ -59,19 +52,6 @@ class MLAConfig(ConfigBase):
     """Per-head query width with RoPE; the RoPE key part is shared by all heads and stored."""
     v_head_dim: int = 16
     """Per-head value width (decompressed from ``c_kv``)."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    max_position: int = 4096
-    """Context length: prompt plus generated tokens never exceed it."""
-    dtype: str = "float32"
-    """Weights, activations and pool element type: ``float32``, ``bfloat16``, ``float16`` or
-    ``float64``."""
-    seed: int = 0
-    """Seed of the deterministic random weights."""
-    eos_token_ids: tuple[int, ...] = ()
-    """Tokens that end generation unless a request sets ``ignore_eos``."""
     variant: str = "mla"
     """``mla`` (dense latent attention), ``dsa`` (per-token indexer keys, top-k tokens) or
     ``dsa-compressed`` (one indexer row per token group, top-k groups)."""

@@ -25,33 +25,10 @@ class SWAConfig(ConfigBase):
 
     family: ClassVar[str] = "swa"
 
-    vocab_size: int = 512
-    """Number of token ids; valid ids are ``[0, vocab_size)``."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    intermediate_size: int = 256
-    """Width of the SwiGLU MLP."""
-    num_layers: int = 4
-    """Decoder layers (each holds one KV layer in the pool)."""
-    num_heads: int = 4
-    """Query heads."""
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
     head_dim: int = 32
     """Per-head width of q, k and v (even, for RoPE)."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    max_position: int = 4096
-    """Context length: prompt plus generated tokens never exceed it."""
-    dtype: str = "float32"
-    """Weights, activations and KV pool element type: ``float32``, ``bfloat16``, ``float16`` or
-    ``float64``."""
-    seed: int = 0
-    """Seed of the deterministic random weights."""
-    eos_token_ids: tuple[int, ...] = ()
-    """Tokens that end generation unless a request sets ``ignore_eos``."""
     sliding_window: int = 48
     """Positions a sliding layer sees: the query at ``p`` attends to ``(p - window, p]``."""
     full_every: int = 2
