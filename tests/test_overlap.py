@@ -31,14 +31,22 @@ def test_forward_waits_for_the_anchor_layer_each_layer_reads(family, expect):
     assert seen == expect
 
 
-@cuda
-def test_layer_by_layer_load_is_byte_exact():
-    spec = PoolSpec("kv", 4, (2, 2, 8), torch.bfloat16)
+def cuda_pools(
+    kv_layers: int, num_pages: int, layout: str
+) -> tuple[PoolSpec, PoolSpec, DevicePool, HostPool]:
+    """A KV pool and a state pool on CUDA, with random host contents."""
+    spec = PoolSpec("kv", kv_layers, (2, 2, 8), torch.bfloat16)
     side = PoolSpec("state", 2, (16,), torch.float32, kind="state")
-    dev = DevicePool([spec, side], 8, 16, torch.device("cuda"))
-    host = HostPool([spec, side], 8, 16, "page_first", pin=True)
+    dev = DevicePool([spec, side], num_pages, 16, torch.device("cuda"))
+    host = HostPool([spec, side], num_pages, 16, layout, pin=True)
     for buf in host.buffers.values():
         buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+    return spec, side, dev, host
+
+
+@cuda
+def test_layer_by_layer_load_is_byte_exact():
+    spec, side, dev, host = cuda_pools(4, 8, "page_first")
     op = Mover(dev, host).host_to_device(torch.tensor([5, 2]), torch.tensor([1, 6]), overlap=True)
     assert op.layer_events is not None and len(op.layer_events) == 4
     op.layer_events[-1].synchronize()
@@ -65,12 +73,7 @@ def test_overlapped_host_restore_matches_cold(family):
 @cuda
 @pytest.mark.parametrize("overlap", [False, True])
 def test_layer_first_load_of_page_runs_is_byte_exact(overlap):
-    spec = PoolSpec("kv", 3, (2, 2, 8), torch.bfloat16)
-    side = PoolSpec("state", 2, (16,), torch.float32, kind="state")
-    dev = DevicePool([spec, side], 32, 16, torch.device("cuda"))
-    host = HostPool([spec, side], 32, 16, "layer_first", pin=True)
-    for buf in host.buffers.values():
-        buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+    spec, side, dev, host = cuda_pools(3, 32, "layer_first")
     mover = Mover(dev, host)
     hp, dp = torch.arange(4, 20), torch.cat([torch.arange(0, 8), torch.arange(16, 24)])
     op = mover.host_to_device(hp, dp, overlap=overlap)

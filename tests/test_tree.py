@@ -299,16 +299,7 @@ def test_insert_last_is_the_end_of_the_inserted_path(tree: RadixTree) -> None:
 
 
 def test_insert_with_keys_marks_storage(tree: RadixTree) -> None:
-    ns = namespace_digest(
-        model_fingerprint="m",
-        dtype="bf16",
-        page_size=PS,
-        tree_page_size=PS,
-        components=["kv"],
-        rank=0,
-        world_size=1,
-    )
-    keys = chain_keys(ns, seq(1, 2, 3), PS)
+    keys = chain_keys(NS, seq(1, 2, 3), PS)
     out = tree.insert(seq(1, 2, 3), P(5, 6, 7), tier="host", keys=keys)
     (n,) = out.taken
     assert n.in_storage and n.keys == keys
