@@ -29,28 +29,24 @@ class PageLists:
     """The pages of one transfer, in matching order.
 
     ``host`` and ``device`` (physical pages) live on the CPU: the mechanism choice and copy-engine
-    addresses read them. Kernels need row numbers on the GPU; :meth:`upload` queues one copy of
-    both lists there and the rows are computed on the GPU from them, so a batch never builds or
+    addresses read them. Kernels need row numbers on the GPU; :meth:`on_gpu` copies both lists
+    there once and the rows are computed on the GPU from them, so a batch never builds or
     uploads its (layers x pages) row lists on the CPU (which for page size 1 took longer than the
     copy itself).
     """
 
     host: torch.Tensor
     device: torch.Tensor
-    host_gpu: torch.Tensor | None = None
-    device_gpu: torch.Tensor | None = None
+    _gpu: torch.Tensor | None = None
 
-    def upload(self, device: torch.device, op: TransferOp) -> None:
-        """Queue the GPU copies on the current stream (from pinned memory: the host never waits)."""
-        both = torch.stack([self.host, self.device]).pin_memory().to(device, non_blocking=True)
-        self.host_gpu, self.device_gpu = both[0], both[1]
-        op.keepalive.append(both)
-
-    def on_gpu(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(host_gpu, device_gpu)``; :meth:`upload` must have run."""
-        if self.host_gpu is None or self.device_gpu is None:
-            raise RuntimeError("PageLists.upload() must run before kernels use the pages")
-        return self.host_gpu, self.device_gpu
+    def on_gpu(self, device: torch.device, op: TransferOp) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(host, device)`` page lists on ``device``. The first call queues the copy on the
+        current stream, from pinned memory (the host never waits); ``op`` keeps it alive."""
+        if self._gpu is None:
+            both = torch.stack([self.host, self.device]).pin_memory()
+            self._gpu = both.to(device, non_blocking=True)
+            op.keepalive.append(self._gpu)
+        return self._gpu[0], self._gpu[1]
 
 
 @dataclass(slots=True)
@@ -101,7 +97,7 @@ class ComponentRows:
         """Row kernel across PCIe through the device view of the host pool: one launch for all
         layers, or with ``after_layer`` one launch per layer, each followed by that call."""
         assert self.mapped is not None
-        hg, dg = pages.on_gpu()
+        hg, dg = pages.on_gpu(self.device.device, op)
         h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
         src, si, dst, di = (
             (self.device, d, self.mapped, h)
@@ -172,7 +168,7 @@ class ComponentRows:
         slices = staging_slices(pages.host.numel(), page_bytes, staging_bytes, direction)
         words, dtype, device = self.device.shape[1], self.device.dtype, self.device.device
         largest = max(slices)
-        rows = geo.device_rows(pages.on_gpu()[1], page_major=True)
+        rows = geo.device_rows(pages.on_gpu(device, op)[1], page_major=True)
         stage_rows = torch.arange(largest * layers, device=device)
         bufs = [
             torch.empty((largest * layers, words), dtype=dtype, device=device)

@@ -131,8 +131,6 @@ class Mover:
         finals: list[Callable[[], None]] = []
         with torch.cuda.device(self.dev.device), torch.cuda.stream(stream):
             stream.wait_event(start)
-            if self.pinned:
-                pages.upload(self.dev.device, op)
             for name, r in self.rows.items():
                 final = self._component(name, r, "d2h", pages, stream, op, window)
                 if final is not None:
@@ -175,8 +173,6 @@ class Mover:
             compute = torch.cuda.current_stream(self.dev.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                if self.pinned:
-                    pages.upload(self.dev.device, op)
                 for name, r in self.rows.items():
                     if not (overlap and name == anchor):
                         self._component(name, r, "h2d", pages, stream, op)
