@@ -79,7 +79,6 @@ def _bench(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             device=args.device,
             host_layout=args.host_layout,
-            backup_feeder=args.backup_feeder,
         )
     else:
         from kvtier.bench.storage import bench_storage
@@ -146,11 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(
         "--prompt-tokens", type=_positive, default=32768, help="ttft: prompt length (tokens)"
-    )
-    b.add_argument(
-        "--backup-feeder",
-        action="store_true",
-        help="ttft: queue backups through the feeder thread (CacheConfig.backup_feeder)",
     )
     b.add_argument(
         "--backend", choices=("file", "mooncake"), default="file", help="storage: which L3 backend"

@@ -83,14 +83,12 @@ class CacheConfig:
     """Number of shards."""
     debug_checks: bool = False
     """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
-    backup_feeder: bool = False
-    """CUDA: queue device → host backups from a thread of their own, two copy-engine chunks at a
-    time, instead of whole from the calling thread. Copy engines serve queued copies in order, so
-    a small device → host read (a sampler's tokens) queued behind a whole backup waits for all of
-    it (17.5 ms behind 1 GiB on an H200; 0.13 ms with the feeder). The feeder needs the GIL for
-    every chunk: with a caller that runs Python without pause its backups slowed to 1.65 GB/s
-    (52-54 GB/s with a caller that waits on the GPU). Worth it where the scheduler waits on the
-    GPU each step and backups are large."""
+    backup_share: float = 0.8
+    """CUDA: the share of the time between two ``cache.poll()`` calls that device → host backups
+    queued at a poll may keep the link busy (``kvtier.transfer.pacer``); 0 queues every backup
+    whole when it is made. Copy engines serve queued copies in order, so a small device → host
+    read (a sampler's tokens) waits behind every backup byte queued before it: pacing keeps what
+    a step queues within what the link moves during it (measured: rate and poll interval)."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)
     """Additional strings mixed into the key namespace."""
 
@@ -106,9 +104,11 @@ class CacheConfig:
         if not isinstance(self.prefetch_min_pages, int) or self.prefetch_min_pages < 1:
             raise ConfigError(f"prefetch_min_pages must be >= 1, got {self.prefetch_min_pages!r}")
         _choice("host_layout", self.host_layout, HOST_LAYOUTS)
-        for opt in ("debug_checks", "backup_feeder"):
-            if not isinstance(getattr(self, opt), bool):
-                raise ConfigError(f"{opt} must be true or false, got {getattr(self, opt)!r}")
+        if not isinstance(self.debug_checks, bool):
+            raise ConfigError(f"debug_checks must be true or false, got {self.debug_checks!r}")
+        share = self.backup_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ConfigError(f"backup_share must be a number in [0, 1], got {share!r}")
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)

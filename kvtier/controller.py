@@ -83,7 +83,7 @@ class Controller:
                 device_pool,
                 host_pool,
                 debug_checks=config.debug_checks,
-                feed_backups=config.backup_feeder,
+                backup_share=config.backup_share,
             )
             if host_pool
             else None
@@ -338,7 +338,10 @@ class Controller:
 
     # ---- progress -----------------------------------------------------------------------
     def poll(self) -> None:
-        """Complete finished transfers and make their copies visible. Never blocks."""
+        """Queue paced backup chunks, complete finished transfers and make their copies
+        visible. Never blocks."""
+        if self.mover is not None:
+            self.mover.pump()
         for flight in [f for f in self._backups if f.op.done()]:
             self._finish_backup(flight)
         for flight in [f for f in self._loads if f.op.done()]:

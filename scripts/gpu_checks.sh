@@ -6,7 +6,6 @@
 #              sizes 1, 16 and 64, about 1 GiB per copy (default: families at page size 16)
 #   STAGING=1  staging-memory sweep (16, 64, 256 MiB) for the staged families
 #   TTFT=1     time to first token of a 32K-token prompt on a Llama-8B-sized model
-#   FEEDER=1   the same with backups queued by the feeder thread (CacheConfig.backup_feeder)
 #   DEMOS=0    skip every family's demo on CUDA
 #   TESTS=0    skip the CUDA tests
 set -uo pipefail
@@ -66,10 +65,6 @@ if [ "${DEMOS:-1}" = 1 ]; then
 fi
 if [ "${TTFT:-0}" = 1 ]; then
   python3 -m kvtier.cli bench ttft --json "$J/ttft.json" 2>&1 | grep "bench ttft"
-fi
-if [ "${FEEDER:-0}" = 1 ]; then
-  python3 -m kvtier.cli bench ttft --backup-feeder --json "$J/ttft_feeder.json" 2>&1 \
-      | grep "bench ttft"
 fi
 tar -C "$OUT" -czf "$OUT/gpu_results.tgz" json && rm -rf "$J"
 exit 0

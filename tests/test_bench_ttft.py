@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from kvtier.bench.ttft import bench_ttft
 
 
-@pytest.mark.parametrize("feeder", [False, True])
-def test_bench_ttft_tiny_cpu(feeder):
+def test_bench_ttft_tiny_cpu():
     r = bench_ttft(
         prompt_tokens=200,
         num_layers=2,
@@ -21,7 +18,6 @@ def test_bench_ttft_tiny_cpu(feeder):
         dtype="float32",
         repeats=1,
         device="cpu",
-        backup_feeder=feeder,
     )
     s = r["scenarios"]
     assert s["cold"]["recomputed"] == 200 and s["cold"]["cached_device"] == 0
@@ -30,4 +26,3 @@ def test_bench_ttft_tiny_cpu(feeder):
     assert s["storage_restore"]["cached_storage"] == 192
     assert r["same_first_token"] and r["overlap_ratio"] > 0
     assert r["reference_token"] == s["device_hit"]["token"]
-    assert r["backup_feeder"] is feeder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import PS, SPEC, kv_of, make_cache, run_request
 
@@ -56,10 +57,14 @@ def test_write_through_backs_up_on_insert(tmp_path):
     c.close()
 
 
-def test_write_through_with_the_backup_feeder(tmp_path):
-    c = make_cache(tmp_path, write_policy="write_through", storage=None, backup_feeder=True)
-    assert c.controller.mover is not None and c.controller.mover.feed_backups
+@pytest.mark.parametrize("share", [0.0, 0.8])
+def test_write_through_paced_or_whole(tmp_path, share):
+    c = make_cache(tmp_path, write_policy="write_through", storage=None, backup_share=share)
+    mover = c.controller.mover
+    assert mover is not None
+    assert (mover.pacer is not None) == (share > 0 and mover.cuda)
     run_request(c, TOKENS)
+    c.poll()  # paced: queues the backup's first chunk
     c.drain()
     (node,) = c.tree.nodes()
     assert node.host is not None and node.host.tolist() == [0, 1, 2, 3]

@@ -31,7 +31,9 @@ SPEC = PoolSpec("kv", 2, (2, 1, 4), torch.float32)
         ({"rank": 2, "world_size": 2}, "rank=2"),
         ({"enable_host": False, "storage": "file"}, "storage requires enable_host"),
         ({"enable_host": False, "write_policy": "write_back"}, "write_back"),
-        ({"backup_feeder": "yes"}, "backup_feeder must be true or false, got 'yes'"),
+        ({"backup_share": "yes"}, "backup_share must be a number in [0, 1], got 'yes'"),
+        ({"backup_share": 1.5}, "backup_share must be a number in [0, 1], got 1.5"),
+        ({"backup_share": True}, "backup_share must be a number in"),
     ],
 )
 def test_invalid_options_name_the_option(kwargs, needle):

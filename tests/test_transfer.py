@@ -6,8 +6,6 @@ skipped without a GPU; ``scripts/gpu_checks.sh`` runs them on one.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +15,6 @@ from kvtier.transfer import Mover, plan
 from kvtier.transfer import mover as mover_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
-from kvtier.transfer.feeder import Feeder, Window
-from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -227,16 +223,14 @@ def test_cuda_transfers_never_synchronise_the_host(row_heads):
     ]
     dev = DevicePool(specs, 16, 16, torch.device("cuda"))
     host = HostPool(specs, 16, 16, "page_first", pin=True)
-    # Backups queued by the calling thread: the feeder thread waits on the GPU by design.
-    mover = Mover(dev, host, feed_backups=False)
+    mover = Mover(dev, host, backup_share=0.8)
     hp, dp = torch.tensor([3, 1, 9]), torch.tensor([0, 5, 7])
 
     def both_ways() -> list:
-        return [
-            mover.device_to_host(dp, hp),
-            mover.host_to_device(hp, dp),
-            mover.host_to_device(hp, dp, overlap=True),
-        ]
+        ops = [mover.device_to_host(dp, hp)]
+        mover.pump()  # paced: the backup's first chunk
+        mover.pump()
+        return [*ops, mover.host_to_device(hp, dp), mover.host_to_device(hp, dp, overlap=True)]
 
     both_ways()  # first calls compile kernels and allocate
     torch.cuda.synchronize()
@@ -248,83 +242,3 @@ def test_cuda_transfers_never_synchronise_the_host(row_heads):
     for op in ops:
         op.wait()
     assert_same(dev, dp, host, hp)
-
-
-@cuda
-def test_window_admits_a_chunk_only_when_an_older_one_finished():
-    window, stream = Window(depth=2), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(20_000_000)  # keeps the chunks behind it unfinished for a while
-        first = window.issued(stream)
-        second = window.issued(stream)
-        assert window.unfinished() == 2
-        window.admit()  # blocks until the first finished
-        assert first.query()
-        assert window.unfinished() <= 1
-    second.synchronize()
-
-
-@cuda
-@pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
-def test_queued_backups_land_byte_exact_through_the_feeder(monkeypatch, path):
-    monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: path)
-    dev, host = make_pools("page_first", "cuda")
-    # One page per staging slice, one block per copy-engine chunk: many windowed chunks.
-    mover = Mover(dev, host, staging_bytes=1, feed_backups=True)
-    mover.device_to_host(torch.tensor([0]), torch.tensor([0])).wait()  # compile kernels
-    pairs = [
-        (torch.tensor([7, 2, 3]), torch.tensor([0, 11, 12])),
-        (torch.tensor([4, 19]), torch.tensor([5, 6])),
-    ]
-    ops = [mover.device_to_host(dp, hp) for dp, hp in pairs]
-    for op in ops:
-        op.wait()
-        op.complete()
-        assert set(op.paths.values()) == {path}
-    for dp, hp in pairs:
-        assert_same(dev, dp, host, hp)
-    mover.close()
-    mover.close()  # idempotent
-
-
-@cuda
-def test_a_backup_that_fails_on_the_feeder_raises_on_wait(monkeypatch):
-    dev, host = make_pools("page_first", "cuda")
-    mover = Mover(dev, host, feed_backups=True)
-
-    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise ValueError("no such page")
-
-    monkeypatch.setattr(mover, "_queue_backup", broken)
-    op = mover.device_to_host(torch.tensor([1]), torch.tensor([2]))
-    with pytest.raises(RuntimeError, match="d2h transfer failed") as info:
-        op.wait()
-    assert isinstance(info.value.__cause__, ValueError)
-    with pytest.raises(RuntimeError, match="d2h transfer failed"):
-        op.done()
-    mover.close()
-
-
-def test_feeder_runs_jobs_in_order_and_reports_an_escaped_error():
-    feeder = Feeder(torch.device("cpu"))
-    seen: list[int] = []
-    for i in range(5):
-        feeder.submit(lambda i=i: seen.append(i))
-    feeder.close()
-    assert seen == [0, 1, 2, 3, 4]
-    with pytest.raises(RuntimeError, match="after close"):
-        feeder.submit(lambda: None)
-    failing = Feeder(torch.device("cpu"))
-    failing.submit(lambda: 1 / 0)
-    with pytest.raises(RuntimeError, match="failed on the feeder thread"):
-        failing.close()
-
-
-def test_op_issued_elsewhere_is_not_done_until_issued_and_raises_its_error():
-    op = TransferOp("d2h", 1, 8, issued=threading.Event())
-    assert not op.done()
-    op.error = OSError("lost")
-    op.issued.set()
-    with pytest.raises(RuntimeError, match="d2h transfer failed"):
-        op.done()
-    assert TransferOp("h2d", 1, 8).done()

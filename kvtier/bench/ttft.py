@@ -9,11 +9,11 @@ holds it); the prompt itself is then computed cold once, untimed, and ``same_fir
 whether every cached scenario reproduced that run's first token (``reference_token``).
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
-while device → host backups of the prefix's pages are kept running on the mover's backup stream,
-once with the chosen mechanisms (copy engines for these page sizes) and once with row kernels
-forced, with more backup work queued than the link moves in a step; then with the chosen
-mechanisms and only as much as the link moves in a step (``chosen_within_link``). The stall is
-the step-time ratio.
+while device → host backups of the prefix's pages are kept waiting, more than the link moves in a
+step: paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (copy engines
+for these page sizes) and with row kernels forced, and queued whole (``unpaced``). The stall is
+the step-time ratio; ``backup_gbps_while_decoding`` is the bytes of backups completed during the
+timed steps over their time.
 """
 
 from __future__ import annotations
@@ -70,11 +70,9 @@ def bench_ttft(
     repeats: int = 3,
     device: str | None = None,
     host_layout: str = "page_first",
-    backup_feeder: bool = False,
 ) -> dict:
     """Best-of-``repeats`` TTFT (seconds) per scenario (the cold one runs once); see the module
-    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine;
-    ``backup_feeder`` sets ``CacheConfig.backup_feeder`` (backups during decode go through it)."""
+    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = ModelConfig(
         vocab_size=vocab_size,
@@ -104,7 +102,6 @@ def bench_ttft(
             storage_bytes=1 << 40,
             prefetch_policy="wait_complete",
             host_layout=host_layout,
-            backup_feeder=backup_feeder,
         )
         llm = LLM(model, cache, max_running=DECODE_BATCH, max_prefill_tokens=prompt_tokens + 1)
         rng = random.Random(0)
@@ -179,7 +176,6 @@ def bench_ttft(
         },
         "prompt_tokens": prompt_tokens,
         "host_layout": host_layout,
-        "backup_feeder": backup_feeder,
         "scenarios": res,
         "prefix_kv_bytes": kv_bytes,
         "link_h2d_gbps": link,
@@ -218,30 +214,30 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         raise RuntimeError("bench ttft: no free host pages for the backup measurement")
     params = SamplingParams(max_tokens=64, ignore_eos=True)
 
-    def steps(n: int, backups: bool = False, in_flight: int = 0) -> tuple[float, int]:
-        """Mean step time over ``n`` decode steps, and how many of them ended with a backup
-        still running (all, when backups are kept in flight)."""
+    def steps(n: int, in_flight: int = 0) -> tuple[float, int]:
+        """Mean step time over ``n`` decode steps, and the bytes of the backups (``in_flight``
+        of them kept waiting) that completed during them."""
         for _ in range(DECODE_BATCH):
             llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
         llm.step()  # the batch's prefill
         ops: list = []
-        covered = 0
+        backed_up = 0
         total = 0.0
         for _ in range(n):
-            if backups:
-                ops = [op for op in ops if not op.done()]
-                ops += [mover.device_to_host(src, dst) for _ in range(in_flight - len(ops))]
+            ops += [mover.device_to_host(src, dst) for _ in range(in_flight - len(ops))]
             t0 = time.perf_counter()
             llm.step()
             total += time.perf_counter() - t0
-            covered += any(not op.done() for op in ops)
+            finished = [op for op in ops if op.done()]
+            backed_up += sum(op.nbytes for op in finished)
+            ops = [op for op in ops if op not in finished]
         for op in ops:
             op.wait()
             op.complete()
         while llm.has_unfinished():
             llm.step()
         llm.cache.drain()
-        return total / n, covered
+        return total / n, backed_up
 
     def timed_backup() -> tuple[float, dict[str, str]]:
         """Seconds of one whole backup (after a warm-up one) and the mechanisms it used."""
@@ -251,62 +247,54 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         op.wait()
         return time.perf_counter() - t0, op.paths
 
-    def under_backups(use_dma: bool, depth: int) -> tuple[float, float, int, dict[str, str]]:
-        saved, mover.dma = mover.dma, use_dma and mover.dma
+    def under_backups(in_flight: int, use_dma: bool, paced: bool) -> dict:
+        saved = mover.dma, mover.pacer
+        mover.dma = use_dma and mover.dma
+        mover.pacer = mover.pacer if paced else None
         try:
             backup_s, paths = timed_backup()
-            step_s, covered = steps(DECODE_STEPS, backups=True, in_flight=depth)
-            return step_s, backup_s, covered, paths
+            step_s, backed_up = steps(DECODE_STEPS, in_flight)
+            budget = mover.pacer.budget() if mover.pacer is not None else None
         finally:
-            mover.dma = saved
+            mover.dma, mover.pacer = saved
+        return {
+            "paths": paths,
+            "backup_gbps_alone": nbytes / backup_s / 1e9,
+            "decode_step_ms": step_s * 1e3,
+            "stall": step_s / alone,
+            "backup_gbps_while_decoding": backed_up / (step_s * DECODE_STEPS) / 1e9,
+            "pace_budget_mb": None if budget is None else budget / 1e6,
+        }
 
+    nbytes = num_pages * llm.cache.device_pool.page_bytes
     try:
         steps(4)  # warm-up
         alone = steps(DECODE_STEPS)[0]
         one = timed_backup()[0]
-        # Enough backups queued before each step to outlast it (more copy work than the link
-        # moves in a step), and as many as the link moves within a step.
+        # More backup work waiting before each step than the link moves in it.
         in_flight = math.ceil(alone / one) + 1
-        within = max(1, math.floor(alone / one))
-        chosen, chosen_backup, chosen_cov, chosen_paths = under_backups(True, in_flight)
-        kernel, kernel_backup, kernel_cov, _ = under_backups(False, in_flight)
-        fit, fit_backup, fit_cov, _ = under_backups(True, within)
+        runs = {
+            "paced": under_backups(in_flight, use_dma=True, paced=True),
+            "paced_kernels": under_backups(in_flight, use_dma=False, paced=True),
+            "unpaced": under_backups(in_flight, use_dma=True, paced=False),
+        }
     finally:
         host.allocator.free(dst)
-    nbytes = num_pages * llm.cache.device_pool.page_bytes
-    out = {
+    _log(
+        f"decode step {alone * 1e3:.2f} ms alone; {in_flight} backups waiting: "
+        + ", ".join(
+            f"{k} {r['decode_step_ms']:.2f} ms ({r['backup_gbps_while_decoding']:.1f} GB/s)"
+            for k, r in runs.items()
+        )
+    )
+    return {
         "batch": DECODE_BATCH,
         "steps": DECODE_STEPS,
         "backups_in_flight": in_flight,
         "backup_bytes": nbytes,
         "decode_step_ms": alone * 1e3,
-        "chosen": {
-            "paths": chosen_paths,
-            "backup_gbps": nbytes / chosen_backup / 1e9,
-            "decode_step_ms": chosen * 1e3,
-            "stall": chosen / alone,
-            "steps_ending_under_backup": chosen_cov,
-        },
-        "kernels": {
-            "backup_gbps": nbytes / kernel_backup / 1e9,
-            "decode_step_ms": kernel * 1e3,
-            "stall": kernel / alone,
-            "steps_ending_under_backup": kernel_cov,
-        },
-        "chosen_within_link": {
-            "backups_in_flight": within,
-            "backup_gbps": nbytes / fit_backup / 1e9,
-            "decode_step_ms": fit * 1e3,
-            "stall": fit / alone,
-            "steps_ending_under_backup": fit_cov,
-        },
+        **runs,
     }
-    _log(
-        f"decode step {alone * 1e3:.2f} ms; under backups: chosen {chosen * 1e3:.2f} ms, "
-        f"kernels {kernel * 1e3:.2f} ms ({in_flight} in flight); chosen, {within} in flight "
-        f"{fit * 1e3:.2f} ms"
-    )
-    return out
 
 
 def _link_gbps(nbytes: int, dev: torch.device) -> float:

@@ -7,7 +7,7 @@ CUDA stream (or the streams passed in) and never waits for the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,6 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import bytes_view
 from kvtier.transfer import dma
-from kvtier.transfer.feeder import Window
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import RowGeometry, staging_slices
@@ -88,14 +87,11 @@ class ComponentRows:
             copy_rows(self.host, h, self.device, d)
 
     def kernel(
-        self,
-        direction: str,
-        pages: PageLists,
-        op: TransferOp,
-        after_layer: Callable[[], None] | None = None,
-    ) -> None:
-        """Row kernel across PCIe through the device view of the host pool: one launch for all
-        layers, or with ``after_layer`` one launch per layer, each followed by that call."""
+        self, direction: str, pages: PageLists, op: TransferOp, chunk: int = 0
+    ) -> Iterator[int]:
+        """Row kernel across PCIe through the device view of the host pool. A generator of
+        chunks (see ``kvtier.transfer.pacer``): yields a launch's bytes, then queues it when
+        resumed; one launch for all rows, or launches of about ``chunk`` bytes."""
         assert self.mapped is not None
         hg, dg = pages.on_gpu(self.device.device, op)
         h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
@@ -104,13 +100,18 @@ class ComponentRows:
             if direction == "d2h"
             else (self.mapped, h, self.device, d)
         )
-        if after_layer is None:
-            queue_rows(src, si, dst, di, op)
-            return
-        n = hg.numel()
-        for lo in range(0, si.numel(), n):
-            queue_rows(src, si[lo : lo + n], dst, di[lo : lo + n], op)
-            after_layer()
+        n, rb = si.numel(), self.geo.row_bytes
+        step = n if chunk <= 0 else max(1, chunk // rb)
+        for lo in range(0, n, step):
+            yield (min(n, lo + step) - lo) * rb
+            queue_rows(src, si[lo : lo + step], dst, di[lo : lo + step], op)
+
+    def kernel_layers(
+        self, direction: str, pages: PageLists, op: TransferOp, after_layer: Callable[[], None]
+    ) -> None:
+        """Like :meth:`kernel`, one launch per layer, each followed by ``after_layer()``."""
+        chunk = pages.host.numel() * self.geo.row_bytes
+        queue_all(self.kernel(direction, pages, op, chunk), after_layer)
 
     def direct(
         self,
@@ -118,27 +119,24 @@ class ComponentRows:
         pages: PageLists,
         stream: torch.cuda.Stream,
         layer: int | None = None,
-        window: Window | None = None,
         chunk: int = 0,
-    ) -> None:
-        """Copy-engine blocks, one per row (merged where contiguous on both sides); with a
-        ``window``, in chunks of about ``chunk`` bytes, each waiting for room in it."""
+    ) -> Iterator[int]:
+        """Copy-engine blocks, one per row (merged where contiguous on both sides). A generator
+        of chunks (see :meth:`kernel`): one block list, or lists of about ``chunk`` bytes."""
         rb = self.geo.row_bytes
         h = _addresses(self.host, self.geo.host_rows(pages.host, layer), rb)
         d = _addresses(self.device, self.geo.device_rows(pages.device, layer), rb)
         sizes = np.full(h.size, rb, dtype=np.uint64)
         dst, src = (h, d) if direction == "d2h" else (d, h)
         dst, src, sizes = dma.coalesce(dst, src, sizes)
-        if window is None:
-            dma.copy_blocks(dst, src, sizes, stream)
-            return
         ends = np.cumsum(sizes)
         lo = 0
         while lo < sizes.size:
-            hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + chunk, "right")))
-            window.admit()
+            hi = sizes.size
+            if chunk > 0:
+                hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + chunk, "right")))
+            yield int(ends[hi - 1] - ends[lo] + sizes[lo])
             dma.copy_blocks(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream)
-            window.issued(stream)
             lo = hi
 
     def staged(
@@ -149,10 +147,9 @@ class ComponentRows:
         helper: torch.cuda.Stream,
         staging_bytes: int,
         op: TransferOp,
-        window: Window | None = None,
-    ) -> None:
+    ) -> Iterator[int]:
         """Whole host pages by copy engine through two device staging buffers, in slices
-        (``plan.staging_slices``); with a ``window``, each slice's copy waits for room in it.
+        (``plan.staging_slices``). A generator of chunks (see :meth:`kernel`), one per slice.
 
         Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
         ``i`` has the byte layout of a page-first host page and moves as one block, and a slice's
@@ -196,17 +193,15 @@ class ComponentRows:
                     queue_rows(self.device, dev_rows, buf, st_rows, op, ctas)
                     ready = _record(helper)
                 stream.wait_event(ready)
-                if window is not None:
-                    window.admit()
+                yield k * page_bytes
                 dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
-                freed[b] = window.issued(stream) if window is not None else _record(stream)
+                freed[b] = _record(stream)
             else:
                 if freed[b] is not None:
                     stream.wait_event(freed[b])
-                if window is not None:
-                    window.admit()
+                yield k * page_bytes
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
-                arrived = window.issued(stream) if window is not None else _record(stream)
+                arrived = _record(stream)
                 with torch.cuda.stream(helper):
                     helper.wait_event(arrived)
                     queue_rows(buf, st_rows, self.device, dev_rows, op, STAGING_CTAS, TILE_WORDS)
@@ -240,6 +235,18 @@ class ComponentRows:
         self.device.index_copy_(0, di, on_dev)
         op.keepalive += [pinned, on_dev, di]
         return None
+
+
+def queue_all(chunks: Iterator[int], after: Callable[[], None] | None = None) -> None:
+    """Queue every chunk of a chunk generator now, calling ``after()`` once each is queued."""
+    if next(chunks, None) is None:
+        return
+    while True:
+        more = next(chunks, None) is not None
+        if after is not None:
+            after()
+        if not more:
+            return
 
 
 def queue_rows(

@@ -12,9 +12,9 @@ visibility rules are the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,9 +22,9 @@ from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows, PageLists
-from kvtier.transfer.feeder import Feeder, Window
+from kvtier.transfer.component import ComponentRows, PageLists, queue_all
 from kvtier.transfer.op import TransferOp
+from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
 from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
@@ -43,7 +43,7 @@ class Mover:
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
         staging_bytes: int = STAGING_BYTES,
-        feed_backups: bool = False,
+        backup_share: float = 0.0,
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
@@ -60,10 +60,13 @@ class Mover:
         self.helpers = (
             {d: torch.cuda.Stream(device_pool.device) for d in ("d2h", "h2d")} if self.cuda else {}
         )
-        self.feed_backups = feed_backups
-        """Backups queued by the feeder thread a window at a time (CUDA); else by the caller
-        (see ``CacheConfig.backup_feeder`` for the trade-off)."""
-        self._feeder: Feeder | None = None
+        self.pacer = (
+            Pacer(backup_share, self._mark, self._on_backup_stream)
+            if self.cuda and backup_share > 0
+            else None
+        )
+        """Queues backups chunk by chunk at :meth:`pump` (``CacheConfig.backup_share``); without
+        one a backup is queued whole by the call that makes it."""
         self.pinned = self.cuda and host_pool.pinned
         self.dma = self.pinned and dma.available()
         self.rows = {
@@ -94,49 +97,53 @@ class Mover:
         """Copy device pages into host pages (a backup). The host copy is valid once done.
 
         On CUDA the copies follow the work already queued on the caller's stream (the data's
-        writer); the device pages must stay unchanged until the op is done. With
-        ``feed_backups`` the call returns at once and the mover's feeder thread queues the copies
-        a window at a time (``kvtier.transfer.feeder``); else this call queues them all.
+        writer); the device pages must stay unchanged until the op is done. With a :attr:`pacer`
+        the copies are queued chunk by chunk at later :meth:`pump` calls (``op.wait()`` queues
+        the rest at once); else this call queues them all.
         """
         pages, op = self._begin("d2h", device_pages, host_pages)
         if not self.cuda:
             return op
         start = torch.cuda.Event()
         start.record(torch.cuda.current_stream(self.dev.device))
-        if not self.feed_backups:
-            self._queue_backup(pages, op, start, None)
-            return op
-        if self._feeder is None:
-            self._feeder = Feeder(self.dev.device)
-        feeder = self._feeder
-        issued = op.issued = threading.Event()
-
-        def job() -> None:
-            try:
-                self._queue_backup(pages, op, start, feeder.window)
-            except BaseException as e:  # noqa: BLE001 - raised by op.done() / op.wait()
-                op.error = e
-            finally:
-                issued.set()
-
-        feeder.submit(job)
+        chunk = self.staging_bytes // 2 if self.pacer is not None else 0
+        chunks = self._backup(pages, op, start, chunk)
+        if self.pacer is not None:
+            self.pacer.submit(op, chunks)
+        else:
+            with self._on_backup_stream():
+                queue_all(chunks)
         return op
 
-    def _queue_backup(
-        self, pages: PageLists, op: TransferOp, start: torch.cuda.Event, window: Window | None
-    ) -> None:
-        """Queue a backup's copies on the backup stream, after ``start``."""
+    def pump(self) -> None:
+        """Queue paced backup chunks within the pacer's budget (once per scheduler step)."""
+        if self.pacer is not None:
+            self.pacer.pump()
+
+    def _on_backup_stream(self) -> contextlib.ExitStack:
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(torch.cuda.device(self.dev.device))
+        ctx.enter_context(torch.cuda.stream(self.backup_stream))
+        return ctx
+
+    def _mark(self) -> _TimingMark:
+        return _TimingMark(self.backup_stream)
+
+    def _backup(
+        self, pages: PageLists, op: TransferOp, start: torch.cuda.Event, chunk: int
+    ) -> Iterator[int]:
+        """A backup's chunks (see ``kvtier.transfer.pacer``), on the backup stream after
+        ``start``; the last resumption records ``op.event``."""
         stream = self.backup_stream
         assert stream is not None
+        stream.wait_event(start)
         finals: list[Callable[[], None]] = []
-        with torch.cuda.device(self.dev.device), torch.cuda.stream(stream):
-            stream.wait_event(start)
-            for name, r in self.rows.items():
-                final = self._component(name, r, "d2h", pages, stream, op, window)
-                if final is not None:
-                    finals.append(final)
-            op.event = torch.cuda.Event()
-            op.event.record(stream)
+        for name, r in self.rows.items():
+            final = yield from self._component(name, r, "d2h", pages, stream, op, chunk)
+            if final is not None:
+                finals.append(final)
+        op.event = torch.cuda.Event()
+        op.event.record(stream)
         if finals:
 
             def finalize() -> None:
@@ -146,10 +153,9 @@ class Mover:
             op.finalize = finalize
 
     def close(self) -> None:
-        """Let the backups already submitted be queued, then stop the feeder thread."""
-        if self._feeder is not None:
-            self._feeder.close()
-            self._feeder = None
+        """Queue every paced backup chunk still waiting (the copies then finish on their own)."""
+        if self.pacer is not None:
+            self.pacer.flush()
 
     def host_to_device(
         self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
@@ -175,7 +181,7 @@ class Mover:
             with torch.cuda.stream(stream):
                 for name, r in self.rows.items():
                     if not (overlap and name == anchor):
-                        self._component(name, r, "h2d", pages, stream, op)
+                        queue_all(self._component(name, r, "h2d", pages, stream, op))
                 if overlap:
                     op.layer_events = self._load_layers(self.rows[anchor], pages, stream, op)
                     op.paths[anchor] += " per layer"
@@ -203,10 +209,10 @@ class Mover:
 
         if path == DIRECT:
             for layer in range(r.geo.layers):
-                r.direct("h2d", pages, stream, layer)
+                queue_all(r.direct("h2d", pages, stream, layer))
                 arrived()
         else:
-            r.kernel("h2d", pages, op, after_layer=arrived)
+            r.kernel_layers("h2d", pages, op, after_layer=arrived)
         return events
 
     def _component(
@@ -217,11 +223,11 @@ class Mover:
         pages: PageLists,
         stream: torch.cuda.Stream,
         op: TransferOp,
-        window: Window | None = None,
-    ) -> Callable[[], None] | None:
-        """Queue one component's copy by its mechanism; returns the host-side finaliser a
-        pageable host pool needs after a d2h copy, else ``None``. Copy-engine work waits for
-        room in ``window`` chunk by chunk when one is given.
+        chunk: int = 0,
+    ) -> Iterator[int]:
+        """One component's copy by its mechanism, as a generator of chunks of about ``chunk``
+        bytes (one chunk per slice or block list when 0; see ``kvtier.transfer.pacer``). Returns
+        the host-side finaliser a pageable host pool needs after a d2h copy, else ``None``.
 
         Should the driver refuse a copy-engine list, copy engines are switched off for this mover
         (with a warning) and the component is copied again by kernel: the rows already queued
@@ -229,20 +235,37 @@ class Mover:
         """
         if not self.pinned:
             op.paths[name] = "unpinned"
+            yield pages.host.numel() * r.geo.layers * r.geo.row_bytes
             return r.unpinned(direction, pages, op)
         path = choose(r.geo, direction, pages.host, pages.device, dma=self.dma)
         try:
             if path == DIRECT:
-                r.direct(direction, pages, stream, window=window, chunk=self.staging_bytes // 2)
+                yield from r.direct(direction, pages, stream, chunk=chunk)
             elif path == STAGED:
                 helper = self.helpers[direction]
-                r.staged(direction, pages, stream, helper, self.staging_bytes, op, window)
+                yield from r.staged(direction, pages, stream, helper, self.staging_bytes, op)
         except dma.DmaError as e:
             log.warning("copy engines disabled, transfers fall back to kernels: %s", e)
             self.dma = False
             path = KERNEL
             stream.wait_stream(self.helpers[direction])  # staging work already queued
         if path == KERNEL:
-            r.kernel(direction, pages, op)
+            yield from r.kernel(direction, pages, op, chunk)
         op.paths[name] = path
         return None
+
+
+class _TimingMark:
+    """A timing event recorded on ``stream`` (a :class:`kvtier.transfer.pacer.Mark`)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def seconds_to(self, end: _TimingMark) -> float:
+        return self.event.elapsed_time(end.event) / 1e3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,23 +22,23 @@ class TransferOp:
     paths: dict[str, str] = field(default_factory=dict)
     """Mechanism used per component (``direct``, ``staged``, ``kernel``, ``cpu``, ``unpinned``)."""
     finished: bool = False
-    issued: threading.Event | None = None
-    """Set once every copy of the op is queued on the GPU, where another thread queues them
-    (``None``: the call that made the op queued them); ``event`` is valid from then on."""
+    pending: Callable[[], None] | None = None
+    """Set while some copies of the op are not yet queued on the GPU (a paced backup, see
+    ``kvtier.transfer.pacer``): queues them all. ``event`` is valid once it is ``None``."""
     error: BaseException | None = None
-    """Why queueing the copies failed on that thread (raised by :meth:`done` and :meth:`wait`)."""
+    """Why queueing the copies failed (raised by :meth:`done` and :meth:`wait`)."""
 
     def done(self) -> bool:
         """True once the copy completed (never blocks)."""
-        if self.issued is not None and not self.issued.is_set():
+        if self.pending is not None:
             return False
         self._raise()
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
         """Block the host until the copy completed."""
-        if self.issued is not None:
-            self.issued.wait()
+        if self.pending is not None:
+            self.pending()
         self._raise()
         if self.event is not None:
             self.event.synchronize()
