@@ -10,7 +10,8 @@ Request flow (engine's view)::
     locs = cache.alloc(n)            # fresh whole pages for the uncached suffix
     ... compute ...
     cache.finish(tokens, all_locs, prefix_len=ld.locs.numel(), handle=m.handle)
-    cache.poll()                     # once per step: completes transfers, makes copies visible
+    cache.poll()                     # once per step, right after the step's device → host read:
+                                     # completes transfers, makes copies visible, queues backups
 
 Range table of one finished request's slots (``ps`` = page size)::
 
@@ -326,7 +327,10 @@ class TieredCache:
 
     # ---- progress and introspection -----------------------------------------------------
     def poll(self) -> None:
-        """Complete finished transfers and make their copies visible. Call once per step."""
+        """Complete finished transfers, make their copies visible and queue paced backup chunks
+        (``CacheConfig.backup_share``). Call once per step, right after the step's device → host
+        read (an engine's sampled tokens or logits): the chunks queued then get until the next
+        step's read, measured as the time between polls. Never blocks."""
         self.controller.poll()
         if self.config.debug_checks:
             self.check_integrity()

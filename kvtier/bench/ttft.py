@@ -5,8 +5,12 @@ overlap; storage restore (prefetch included). The peer is the link: the prefix's
 contiguous pinned host → device copy measured in the same run, so ``overlap_ratio`` is the
 overlapped host-restore TTFT over max(transfer time at link speed, device-hit TTFT) — the best
 a restore can do is to hide one behind the other. The cold scenario times a fresh prompt (no tier
-holds it); the prompt itself is then computed cold once, untimed, and ``same_first_token`` says
-whether every cached scenario reproduced that run's first token (``reference_token``).
+holds it). ``same_first_token`` says whether every restore gave the device hit's first token: a
+restore that is not byte-exact shows up as a different token. The prompt is also computed whole
+in one forward, untimed (``reference_token``; ``reference_matches``): in bf16 that forward and
+the cached-prefix one (a short suffix attending to stored KV) round differently, so with random
+weights their argmax may differ with every tier correct; the tests' content oracle
+(``tests/test_oracle.py``, float32) is the exactness check against a cold run.
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
 while device → host backups of the prefix's pages are kept waiting, more than the link moves in a
@@ -146,7 +150,7 @@ def bench_ttft(
             llm.cache.flush()
 
         res = {"cold": run("cold prefill", lambda: None, fresh, times=1)}
-        # Computes the prompt cold (the token every restore must reproduce) and caches it.
+        # The prompt computed whole, cold; its pages stay cached for the scenarios below.
         reference = llm.generate([prompt], params)[0].output_ids[0]
         llm.cache.drain()
         res["device_hit"] = run("device hit", lambda: None)
@@ -167,7 +171,7 @@ def bench_ttft(
         llm.close()
     transfer_s = kv_bytes / (link * 1e9) if link else 0.0
     bound = max(transfer_s, res["device_hit"]["ttft_s"])
-    tokens = {r["token"] for name, r in res.items() if name != "cold"}
+    hit = res["device_hit"]["token"]
     out = {
         "bench": "ttft",
         "device": str(dev),
@@ -187,7 +191,8 @@ def bench_ttft(
             else None
         ),
         "reference_token": reference,
-        "same_first_token": tokens == {reference},
+        "reference_matches": hit == reference,
+        "same_first_token": all(r["token"] == hit for k, r in res.items() if k != "cold"),
         "backup_during_decode": stall,
     }
     _log(f"overlap ratio (vs max(transfer, device hit)): {out['overlap_ratio']:.2f}")

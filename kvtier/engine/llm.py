@@ -125,13 +125,17 @@ class LLM:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        self.cache.poll()
         work = self.scheduler.schedule()
         if not work:
+            self.cache.poll()
             if self.scheduler.prefetching():  # nothing to compute until storage reads land
                 self.cache.wait_prefetch(self.scheduler.prefetch_ops(), timeout=0.05)
             return []
-        finished = self.scheduler.update(work, self.runner.run(work))
+        logits = self.runner.forward(work)
+        # Right after the step's device → host read: the backups the poll queues have until the
+        # next step's read to finish (``CacheConfig.backup_share``), so none delays it.
+        self.cache.poll()
+        finished = self.scheduler.update(work, self.runner.sample(work, logits))
         return [r.to_output(self._decode(r.output)) for r in finished]
 
     def _decode(self, ids: list[int]) -> str | None:

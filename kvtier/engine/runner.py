@@ -25,6 +25,11 @@ class ModelRunner:
 
     def run(self, work: list[Work]) -> list[int]:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
+        return self.sample(work, self.forward(work))
+
+    def forward(self, work: list[Work]) -> torch.Tensor:
+        """One forward over ``work``; returns each item's last logits, read back to the CPU
+        (the step's one device → host read)."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -42,13 +47,16 @@ class ModelRunner:
         waits = [w.req.layer_events for w in work if w.req.layer_events]
         for w in work:
             w.req.layer_events = None
-        logits = self.model(
+        return self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             seqs,
             self.kv,
             before_layer=_layer_waiter(waits) if waits else None,
         ).cpu()
+
+    def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
+        """Each item's next token from its row of ``logits`` (on the CPU)."""
         return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
 
     def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:

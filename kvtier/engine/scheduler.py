@@ -76,6 +76,10 @@ class Scheduler:
         if not preempted:
             work += self._admit()
         if not work and not preempted and self.waiting and not self.prefetching():
+            # Pages that in-flight transfers hold become evictable once those land.
+            self.cache.drain()
+            work = self._admit()
+        if not work and not preempted and self.waiting and not self.prefetching():
             raise CapacityError(
                 f"{len(self.waiting)} request(s) wait but none can be admitted: the device pool "
                 "has no free or evictable pages"
