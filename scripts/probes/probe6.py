@@ -49,7 +49,8 @@ b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 res["contiguous d2h"] = best(lambda: b.copy_(a, non_blocking=True))
 res["contiguous h2d"] = best(lambda: a.copy_(b, non_blocking=True))
 print(res, flush=True)
-for block in (512, 1024, 2048, 4096):
+SWEEP = os.environ.get("SWEEP", "1") == "1"
+for block in (512, 1024, 2048, 4096) if SWEEP else ():
     rows.BLOCK_WORDS = block
     for ctas in (32, 64, 128, 264, 528):
         for tile in (block, 4 * block):
@@ -66,7 +67,7 @@ rb = r.geo.row_bytes
 h = np.uint64(r.host.data_ptr()) + r.geo.host_rows(hp).numpy().astype(np.uint64) * np.uint64(rb)
 d = np.uint64(r.device.data_ptr()) + r.geo.device_rows(dp).numpy().astype(np.uint64) * np.uint64(rb)
 z = np.full(h.size, rb, dtype=np.uint64)
-s = torch.cuda.current_stream()
+s = torch.cuda.Stream()  # copy-engine lists refuse the legacy default stream
 res["blocks d2h"] = best(lambda: dma.copy_blocks(h, d, z, s))
 res["blocks h2d"] = best(lambda: dma.copy_blocks(d, h, z, s))
 m = Mover(dpool, hpool)
@@ -79,4 +80,19 @@ res["mover chosen h2d"] = best(lambda: m.host_to_device(hp, dp).wait())
 for k in ("blocks d2h", "blocks h2d", "mover kernel d2h", "mover kernel h2d", "mover chosen d2h",
           "mover chosen h2d"):
     print(k, res[k], flush=True)
+# Where the mover's time goes: wall time of the call, of the wait, and the GPU ops it ran.
+m.dma = False
+for _ in range(3):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    op = m.device_to_host(dp, hp)
+    t1 = time.perf_counter()
+    op.wait()
+    t2 = time.perf_counter()
+    print(f"mover kernel d2h: call {(t1 - t0) * 1e3:.3f} ms, total {(t2 - t0) * 1e3:.3f} ms")
+with torch.profiler.profile(
+    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+) as prof:
+    m.device_to_host(dp, hp).wait()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 json.dump(res, open(f"{OUT}/probe6.json", "w"), indent=1)
