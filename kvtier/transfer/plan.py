@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 H2D_DMA_MIN_BYTES = 64 << 10
@@ -85,10 +86,11 @@ class RowGeometry:
         n = host_pages.numel()
         if n == 0 or (self.host_layout == "page_first" and self.layers > 1):
             return 1.0
-        breaks = (host_pages[1:] - host_pages[:-1] != 1) | (
-            device_pages[1:] - device_pages[:-1] != 1
-        )
-        return n / (int(breaks.sum()) + 1)
+        # numpy: a handful of torch CPU ops cost ~0.2 ms here, a tenth of that in numpy, and this
+        # runs before the first copy of every batch is queued.
+        h, d = host_pages.numpy(), device_pages.numpy()
+        breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != 1))
+        return n / (breaks + 1)
 
 
 def _flat(rows: torch.Tensor, page_major: bool) -> torch.Tensor:
