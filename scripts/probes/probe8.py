@@ -107,9 +107,9 @@ def run(label, in_flight, use_dma=True, paced=True, n=16):  # noqa: ANN001, ANN2
     llm.cache.drain()
     out = {"step_ms": round(statistics.mean(walls) * 1e3, 2)}
     for k, v in times.items():
-        out[k + "_ms"] = round(statistics.mean(v[-n:]) * 1e3, 2)
+        out[k + "_ms"] = round(statistics.mean(v[:n]) * 1e3, 2)
     out["read_ms"] = round(out["forward+read_ms"] - out["launch_ms"], 2)
-    out["gpu_forward_ms"] = round(statistics.mean(s.elapsed_time(e) for s, e in gpu[-n:]), 2)
+    out["gpu_forward_ms"] = round(statistics.mean(s.elapsed_time(e) for s, e in gpu[:n]), 2)
     if pacer is not None and paced:
         out["budget_mb"] = round(pacer.budget() / 1e6, 1)
         out["rate_gbps"] = round(statistics.median(pacer._rates) / 1e9, 2)  # noqa: SLF001
