@@ -135,18 +135,23 @@ def test_share_must_lie_in_0_1(share):
 def test_budget_takes_medians_of_recent_rates_and_poll_intervals():
     rig = Rig(share=1.0)
     rig.submit("a", [100] * 50)
+    chunks = rig.pacer._chunks  # noqa: SLF001 - unfinished chunks, oldest first
+
+    def finish(seconds: list[float], at: float) -> None:
+        for c, s in zip(list(chunks), seconds, strict=False):
+            c.start.at, c.end.at = at, at + s
+            at += s
+
     rig.pump_at(0.0)
-    rig.marks[0].at, rig.marks[1].at = 0.0, 0.25  # 400 B/s
+    finish([0.25], at=0.0)  # 400 B/s
     assert len(rig.pump_at(1.0)) == 4  # budget 1 x 400 B/s x 1 s: four chunks of 100
     assert rig.pacer.budget() == 400.0
-    # The next four chunks: one outlier at 4000 B/s among 400 B/s.
-    for k, seconds in zip(range(1, 5), [0.25, 0.25, 0.025, 0.25], strict=True):
-        rig.marks[2 * k].at, rig.marks[2 * k + 1].at = 1.0 + k, 1.0 + k + seconds
+    # Chunks queued back to back share marks: each one's start is the one before's end.
+    assert all(chunks[i].start is chunks[i - 1].end for i in range(1, 4))
+    finish([0.25, 0.25, 0.025, 0.25], at=1.0)  # one outlier at 4000 B/s
     rig.pump_at(11.0)  # intervals 1 s and 10 s
     assert rig.pacer.budget() == 400.0 * 5.5
-    for k in range(0, len(rig.marks), 2):
-        if rig.marks[k].at is None:
-            rig.marks[k].at, rig.marks[k + 1].at = 11.0, 11.25
+    finish([0.25] * len(chunks), at=11.0)
     rig.pump_at(12.0)  # intervals 1, 10, 1: median 1 s
     assert rig.pacer.budget() == 400.0
 

@@ -113,25 +113,31 @@ class Pacer:
             self._intervals.append(now - self._last_pump)
         self._last_pump = now
         self._retire()
+        if not self._jobs:
+            return
         budget = self.budget()
         unfinished = sum(c.nbytes for c in self._chunks)
-        while self._jobs:
-            nbytes = self._jobs[0].next_bytes
-            if unfinished and unfinished + nbytes > budget:
-                break
-            self._advance()
-            unfinished += nbytes
+        start = None
+        with self._context():
+            while self._jobs:
+                nbytes = self._jobs[0].next_bytes
+                if unfinished and unfinished + nbytes > budget:
+                    break
+                start = self._advance(start)
+                unfinished += nbytes
 
     def flush(self, op: TransferOp | None = None) -> None:
         """Queue every chunk of every job up to ``op`` (all jobs when ``None``)."""
         if op is not None and all(j.op is not op for j in self._jobs):
             return
-        while self._jobs:
-            head = self._jobs[0]
-            while self._jobs and self._jobs[0] is head:
-                self._advance()
-            if head.op is op:
-                return
+        start = None
+        with self._context():
+            while self._jobs:
+                head = self._jobs[0]
+                while self._jobs and self._jobs[0] is head:
+                    start = self._advance(start)
+                if head.op is op:
+                    return
 
     def budget(self) -> float:
         """Bytes the unfinished chunks may add up to at a pump (0 until measured)."""
@@ -143,23 +149,26 @@ class Pacer:
         """Jobs with chunks not yet queued."""
         return len(self._jobs)
 
-    def _advance(self) -> None:
-        """Queue the head job's next chunk; retire the job when it has no more."""
+    def _advance(self, start: Mark | None) -> Mark:
+        """Queue the head job's next chunk (inside the context), after ``start`` — the end of
+        the chunk queued just before it, else a fresh mark; returns the chunk's end. Retires
+        the job when it has no more chunks."""
         job = self._jobs[0]
-        start = self._mark()
+        start = start or self._mark()
         try:
-            with self._context():
-                nxt = next(job.chunks, None)
+            nxt = next(job.chunks, None)
         except Exception as e:  # noqa: BLE001 - the op reports it (done() / wait())
             job.op.error = e
             nxt = None
-        self._chunks.append(_Chunk(job.next_bytes, start, self._mark()))
+        end = self._mark()
+        self._chunks.append(_Chunk(job.next_bytes, start, end))
         self.queued_bytes += job.next_bytes
         if nxt is None:
             self._jobs.popleft()
             job.op.pending = None
         else:
             job.next_bytes = nxt
+        return end
 
     def _retire(self) -> None:
         """Drop finished chunks, sampling the link rate from each."""
