@@ -124,7 +124,13 @@ t0 = time.perf_counter()
 mover.device_to_host(src, dst).wait()
 one = time.perf_counter() - t0
 k = math.ceil(res["alone"]["step_ms"] / 1e3 / one) + 1
-run("paced", k)
-run("paced kernels", k, use_dma=False)
-run("unpaced", k, paced=False)
-json.dump(res, open(f"{OUT}/probe8.json", "w"), indent=1)
+SHARES = [float(x) for x in os.environ.get("SHARES", "").split(",") if x]
+if SHARES:  # only the pacer's share varies
+    for share in SHARES:
+        pacer.share = share
+        run(f"paced share {share}", k)
+else:
+    run("paced", k)
+    run("paced kernels", k, use_dma=False)
+    run("unpaced", k, paced=False)
+json.dump(res, open(f"{OUT}/probe8{'_shares' if SHARES else ''}.json", "w"), indent=1)
