@@ -327,10 +327,8 @@ class TieredCache:
 
     # ---- progress and introspection -----------------------------------------------------
     def poll(self) -> None:
-        """Complete finished transfers, make their copies visible and queue paced backup chunks
-        (``CacheConfig.backup_share``). Call once per step, right after the step's device → host
-        read (an engine's sampled tokens or logits): the chunks queued then get until the next
-        step's read, measured as the time between polls. Never blocks."""
+        """Complete finished transfers, make copies visible, queue paced backups. Never blocks.
+        Call once per step, right after its device → host read (``CacheConfig.backup_share``)."""
         self.controller.poll()
         if self.config.debug_checks:
             self.check_integrity()

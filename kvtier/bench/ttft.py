@@ -233,9 +233,13 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
             t0 = time.perf_counter()
             llm.step()
             total += time.perf_counter() - t0
-            finished = [op for op in ops if op.done()]
-            backed_up += sum(op.nbytes for op in finished)
-            ops = [op for op in ops if op not in finished]
+            waiting = []
+            for op in ops:
+                if op.done():
+                    backed_up += op.nbytes
+                else:
+                    waiting.append(op)
+            ops = waiting
         for op in ops:
             op.wait()
             op.complete()

@@ -79,11 +79,11 @@ class Scheduler:
             # Pages that in-flight transfers hold become evictable once those land.
             self.cache.drain()
             work = self._admit()
-        if not work and not preempted and self.waiting and not self.prefetching():
-            raise CapacityError(
-                f"{len(self.waiting)} request(s) wait but none can be admitted: the device pool "
-                "has no free or evictable pages"
-            )
+            if not work:
+                raise CapacityError(
+                    f"{len(self.waiting)} request(s) wait but none can be admitted: the device pool "
+                    "has no free or evictable pages"
+                )
         return work
 
     def _reserve_decode_slots(self) -> bool:

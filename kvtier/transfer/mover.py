@@ -106,7 +106,7 @@ class Mover:
             return op
         start = torch.cuda.Event()
         start.record(torch.cuda.current_stream(self.dev.device))
-        chunk = self.staging_bytes // 2 if self.pacer is not None else 0
+        chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
         chunks = self._backup(pages, op, start, chunk)
         if self.pacer is not None:
             self.pacer.submit(op, chunks)
