@@ -32,7 +32,7 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.controller import Controller
-from kvtier.errors import CapacityError, ConfigError, IntegrityError
+from kvtier.errors import CapacityError, ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
@@ -42,6 +42,7 @@ from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
 from kvtier.prefetch import PrefetchOp
 from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
+from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
 from kvtier.tree.radix import RadixTree
@@ -103,8 +104,12 @@ class TieredCache:
             self.namespace,
             self.metrics,
         )
-        self._engine_pages = 0
+        self.engine_pages = EnginePages(self.device_pool.num_pages, ps)
         self._closed = False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RequestError(f"TieredCache.{what}() after close()")
 
     def _check_capabilities(self, backend: StorageBackend) -> None:
         """Gate features on what ``backend`` declares (contract 9)."""
@@ -133,6 +138,7 @@ class TieredCache:
         prefetch brought storage's pages in. ``probe_storage=False`` skips the storage lookup
         (hashing and ``batch_exists``), e.g. when a prefetch for these tokens already ran.
         """
+        self._check_open("match")
         ps = self.page_size
         tm = self.tree.match(tokens)
         t = tuple(tokens[: align_down(len(tokens), ps)])
@@ -152,6 +158,7 @@ class TieredCache:
     # ---- lock protocol ------------------------------------------------------------------
     def lock(self, handle: Handle) -> None:
         """Pin the matched prefix. Call right after ``match``, before other cache calls."""
+        self._check_open("lock")
         if handle.node is not None:
             raise IntegrityError("handle is already locked")
         handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
@@ -170,6 +177,7 @@ class TieredCache:
             raise IntegrityError("unlock of a handle that is not locked")
         self.tree.unlock(handle.node)
         handle.node = None
+        handle.loaded = None
 
     # ---- host → device ------------------------------------------------------------------
     def load(self, m: MatchResult, overlap: bool = False) -> LoadResult:
@@ -180,6 +188,7 @@ class TieredCache:
         stream is not made to wait for the load: the caller waits on
         ``layer_events[i]`` before reading anchor layer ``i`` (see ``LoadResult``).
         """
+        self._check_open("load")
         h = m.handle
         if h.node is None or h.locked is None:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
@@ -200,25 +209,25 @@ class TieredCache:
             counts[src] += take
             last_src = src
             node.fetched = node.fetched and was_dev
-            assert node.device is not None
+            if node.device is None:
+                raise IntegrityError(f"node {node.id}: loaded but has no device copy")
             pages.append(node.device[: take // ps])
             left -= take
-        for src, v in counts.items():
-            self.metrics.inc(f"{src}_hit_tokens", v)
-            if v:
-                for spec in self.specs:
-                    if spec.token_indexed:
-                        self.metrics.inc("hit_pages", v // ps, (src, spec.name))
-        if last_src is not None:
-            for spec in self.specs:
-                if not spec.token_indexed:
-                    self.metrics.inc("hit_pages", 1, (last_src, spec.name))
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
-        return LoadResult(locs, counts["device"], counts["host"], counts["storage"], layer_events)
+        h.loaded = locs
+        return LoadResult(
+            locs, counts["device"], counts["host"], counts["storage"], layer_events, last_src
+        )
+
+    def record_hits(self, ld: LoadResult) -> None:
+        """Count an admitted request's cached prefix per tier: once per request, as a server
+        reports it in ``usage`` (a load whose admission is abandoned is not counted)."""
+        self.metrics.count_hits(ld, self.specs, self.page_size)
 
     # ---- storage → host -----------------------------------------------------------------
     def prefetch(self, m: MatchResult) -> PrefetchOp | None:
         """Start fetching ``m.storage_len`` tokens from storage into the host tier."""
+        self._check_open("prefetch")
         if m.storage_len == 0 or self.controller.io is None:
             return None
         h = m.handle
@@ -257,6 +266,7 @@ class TieredCache:
     # ---- engine-owned pages -------------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor:
         """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed."""
+        self._check_open("alloc")
         n = math.ceil(num_tokens / self.page_size)
         pages = self.controller.alloc_device(n)
         if pages is None:
@@ -264,16 +274,22 @@ class TieredCache:
                 f"device pool: {n} pages requested, {self.device_pool.allocator.available} free "
                 f"of {self.device_pool.num_pages} after evicting every unlocked cached page"
             )
-        self._engine_pages += n
+        self.engine_pages.take(pages)
         return pages_to_locs(pages, self.page_size)
 
     def free(self, locs: torch.Tensor) -> None:
-        """Free the whole pages containing ``locs`` (engine-owned pages only)."""
+        """Free the whole pages containing ``locs``; they must be the engine's (from ``alloc``,
+        not given to the tree), else ``RequestError`` and nothing is freed."""
+        self._check_open("free")
         if locs.numel() == 0:
             return
-        pages = torch.unique(locs.to(torch.int64) // self.page_size)
+        pages = torch.unique(self.engine_pages.pages_of(locs, "free"))
+        self.engine_pages.require_owned(pages, "free")
+        self._free_pages(pages)
+
+    def _free_pages(self, pages: torch.Tensor) -> None:
+        self.engine_pages.release(pages)
         self.device_pool.free_pages(pages)
-        self._engine_pages -= pages.numel()
 
     def insert(
         self, tokens: Sequence[int], locs: torch.Tensor, checkpoints: torch.Tensor | None = None
@@ -283,17 +299,28 @@ class TieredCache:
 
         ``checkpoints`` (models with a state pool; bool per whole page, or longer) flags the
         pages whose state row holds the state after the page's last token. Omitted: none do.
+        Slots outside the pool, or pages that are neither the engine's nor the cached page at
+        their position, raise ``RequestError`` before anything changes.
         """
+        self._check_open("insert")
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
+        self.engine_pages.pages_of(locs[:n], "insert")
         pages = locs_to_pages(locs[:n].cpu(), self.page_size)
+        self.engine_pages.check_insert(self.tree, tokens[:n], pages, "insert")
+        return self._insert(tokens[:n], pages, checkpoints)
+
+    def _insert(
+        self, tokens: Sequence[int], pages: torch.Tensor, checkpoints: torch.Tensor | None
+    ) -> InsertResult:
         flags = None
         if self.stateful:
             k = pages.numel()
             flags = torch.zeros(k, dtype=torch.bool)
             if checkpoints is not None:
                 flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
-        out = self.tree.insert(tokens[:n], pages, tier="device", checkpoints=flags)
-        self._engine_pages -= sum(len(t.tokens) for t in out.taken) // self.page_size
+        out = self.tree.insert(tokens, pages, tier="device", checkpoints=flags)
+        # Duplicates only ever precede cached_len (a device copy's parent has one too).
+        self.engine_pages.release(pages[out.cached_len // self.page_size :])
         if self.config.write_policy == "write_through":
             self.controller.backup_to_host(out.taken)
         return InsertResult(out.cached_len)
@@ -310,14 +337,23 @@ class TieredCache:
 
         ``tokens[i]``'s KV is at ``locs[i]`` (``locs`` may run on to the end of the last
         allocated page); ``checkpoints`` as for ``insert``. Returns the tokens now cached.
+        ``prefix_len`` must be the length ``load`` returned for ``handle`` (0 without one) and
+        ``locs`` must start with those slots; every other page must be the engine's. A
+        violation (a second ``finish``, a wrong ``prefix_len``, foreign slots) raises
+        ``RequestError`` before anything changes.
         """
-        n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        r = self.insert(tokens, locs, checkpoints)
-        if r.cached_len > prefix_len:
-            self.free(locs[prefix_len : r.cached_len])
-        if locs.numel() > n:
-            self.free(locs[n:])
-        if handle is not None and handle.node is not None:
+        self._check_open("finish")
+        ps = self.page_size
+        all_pages = self.engine_pages.check_finish(locs, prefix_len, handle)
+        n = align_down(min(len(tokens), locs.numel()), ps)
+        pages = locs_to_pages(locs[:n].cpu(), ps)
+        self.engine_pages.check_insert(self.tree, tokens[:n], pages, "finish")
+        self._insert(tokens[:n], pages, checkpoints)
+        rest = torch.unique(all_pages)
+        rest = rest[self.engine_pages.owned(rest)]
+        if rest.numel():
+            self._free_pages(rest)
+        if handle is not None:
             self.unlock(handle)
         return n
 
@@ -329,6 +365,7 @@ class TieredCache:
     def poll(self) -> None:
         """Complete finished transfers, make copies visible, queue paced backups. Never blocks.
         Call once per step, right after its device → host read (``CacheConfig.backup_share``)."""
+        self._check_open("poll")
         self.controller.poll()
         if self.config.debug_checks:
             self.check_integrity()
@@ -372,11 +409,13 @@ class TieredCache:
         self.tree.check_integrity()
         self.device_pool.check_integrity()
         held = self.tree.held_pages("device").numel()
-        if self.device_pool.allocator.used != held + self._engine_pages:
+        owned = self.engine_pages.count
+        if self.device_pool.allocator.used != held + owned:
             raise IntegrityError(
                 f"device pages: {self.device_pool.allocator.used} used != {held} cached + "
-                f"{self._engine_pages} engine-owned"
+                f"{owned} engine-owned"
             )
+        self.engine_pages.check_disjoint(self.tree.held_pages("device"))
         if self.host_pool is not None:
             self.host_pool.check_integrity()
             held = self.tree.held_pages("host").numel()

@@ -66,6 +66,22 @@ class Metrics:
                 raise KeyError(f"unknown metric {name!r}")
             self._c[name] += value
 
+    def count_hits(self, ld: Any, specs: Any, page_size: int) -> None:
+        """Count one admitted request's cached prefix (a ``LoadResult``) per tier, and per
+        component in ``hit_pages``: token-indexed components by pages, state components by the
+        one checkpoint the request resumed from."""
+        by_tier = {"device": ld.device_tokens, "host": ld.host_tokens}
+        by_tier["storage"] = ld.storage_tokens
+        for tier, tokens in by_tier.items():
+            self.inc(f"{tier}_hit_tokens", tokens)
+            for spec in specs:
+                if tokens and spec.token_indexed:
+                    self.inc("hit_pages", tokens // page_size, (tier, spec.name))
+        if ld.state_source is not None:
+            for spec in specs:
+                if not spec.token_indexed:
+                    self.inc("hit_pages", 1, (ld.state_source, spec.name))
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             snap: dict[str, Any] = dict(self._c)

@@ -26,6 +26,8 @@ class Handle:
     storage_keys: list[PageKey]
     node: Node | None = None
     locked: TreeMatch | None = None
+    loaded: torch.Tensor | None = None
+    """The slots ``load`` returned while locked (``finish`` checks the engine hands them back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,9 @@ class LoadResult:
     """With ``load(..., overlap=True)`` on CUDA: ``torch.cuda.Event`` per anchor layer; wait
     on event ``i`` before reading anchor layer ``i`` (earlier components arrive with layer 0).
     ``None``: the data is there for every kernel issued after ``load``."""
+    state_source: str | None = None
+    """Tier the last loaded node came from (``device``/``host``/``storage``): where a state
+    pool's resume row came from. ``None`` when nothing was cached."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from kvtier.engine.model import CausalLM
 from kvtier.engine.request import Request, RequestOutput
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import Scheduler, Work
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
 from kvtier.errors import ConfigError, RequestError
 
@@ -74,9 +74,11 @@ class LLM:
             # Out-of-range priorities clamp to the highest the device has.
             self._compute_stream = torch.cuda.Stream(self.cache.device, priority=-100)
         self._ids = itertools.count()
+        self._closed = False
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Validate and queue one request; returns its id. Raises ``RequestError``."""
+        self._check_open("add_request")
         req = self._make_request(prompt, params or SamplingParams())
         self.scheduler.add(req)
         return req.id
@@ -118,7 +120,11 @@ class LLM:
         return [int(t) for t in prompt]
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step (at most one forward); returns the requests that finished."""
+        """One scheduler step (at most one forward); returns the requests that finished.
+
+        A request whose forward or sampling raises is finished with ``finish_reason="error"``
+        and the error in ``RequestOutput.error``; its pages go back and the others go on."""
+        self._check_open("step")
         if self._compute_stream is None:
             return self._step()
         with torch.cuda.stream(self._compute_stream):
@@ -131,12 +137,42 @@ class LLM:
             if self.scheduler.prefetching():  # nothing to compute until storage reads land
                 self.cache.wait_prefetch(self.scheduler.prefetch_ops(), timeout=0.05)
             return []
-        logits = self.runner.forward(work)
+        work, logits, failed = self._forward(work)
         # Right after the step's device → host read: the backups the poll queues have until the
         # next step's read to finish (``CacheConfig.backup_share``), so none delays it.
         self.cache.poll()
-        finished = self.scheduler.update(work, self.runner.sample(work, logits))
+        tokens: list[int] = []
+        for i, w in enumerate(list(work)):
+            try:
+                tokens += self.runner.sample([w], logits[i : i + 1])
+            except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                failed.append((w.req, e))
+                work.remove(w)
+        finished = self.scheduler.update(work, tokens)
+        finished += [self.scheduler.abort(req, e) for req, e in failed]
         return [r.to_output(self._decode(r.output)) for r in finished]
+
+    def _forward(
+        self, work: list[Work]
+    ) -> tuple[list[Work], torch.Tensor, list[tuple[Request, Exception]]]:
+        """The step's forward. If it raises, the requests are run one by one to find the ones
+        that fail (a stateful model's running state may be half updated: the whole batch
+        fails); the failures come back to be finished with their error."""
+        try:
+            return work, self.runner.forward(work), []
+        except Exception as e:  # noqa: BLE001 - isolated below, re-raised per request
+            if len(work) == 1 or self.runner.stateful:
+                return [], torch.empty(0), [(w.req, e) for w in work]
+        ok: list[Work] = []
+        rows: list[torch.Tensor] = []
+        failed: list[tuple[Request, Exception]] = []
+        for w in work:
+            try:
+                rows.append(self.runner.forward([w]))
+                ok.append(w)
+            except Exception as e:  # noqa: BLE001
+                failed.append((w.req, e))
+        return ok, torch.cat(rows) if rows else torch.empty(0), failed
 
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
@@ -154,6 +190,7 @@ class LLM:
         Every prompt is validated before any is queued. Requests queued earlier with
         ``add_request`` also run, but their outputs are not returned here.
         """
+        self._check_open("generate")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -174,7 +211,12 @@ class LLM:
 
     def close(self) -> None:
         """Let in-flight cache transfers land (storage writes included) and release L3."""
+        self._closed = True
         self.cache.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RequestError(f"LLM.{what}() after close()")
 
     def __enter__(self) -> LLM:
         return self

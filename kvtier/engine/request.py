@@ -39,6 +39,10 @@ class Request:
     prefix_len: int = 0
     handle: Any = None
     prefetch: Any = None
+    storage_wanted: int = 0
+    """Tokens storage held beyond the cached prefix when last matched (0: nothing to fetch)."""
+    prefetch_epoch: int = -1
+    """The scheduler's release count at the last prefetch attempt."""
     first_token_time: float | None = None
     admitted: bool = False
     cached_device: int = 0
@@ -47,6 +51,7 @@ class Request:
     recomputed: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
+    error: str | None = None
     state: list[torch.Tensor] | None = None
     """Stateful models: the running recurrent state after ``num_computed`` tokens."""
     layer_events: list | None = None
@@ -80,6 +85,7 @@ class Request:
             recomputed=self.recomputed,
             preemptions=self.preemptions,
             text=text,
+            error=self.error,
         )
 
 
@@ -94,7 +100,8 @@ class RequestOutput:
     output_ids: list[int]
     """Generated token ids (a stop token, when one ended the request, is the last)."""
     finish_reason: str | None
-    """``length`` (max_tokens reached), ``stop`` (eos or a stop token) or ``None``."""
+    """``length`` (max_tokens reached), ``stop`` (eos or a stop token), ``error`` (see
+    ``error``) or ``None``."""
     ttft_s: float | None
     """Seconds from submission to the first generated token."""
     cached_device: int
@@ -109,6 +116,8 @@ class RequestOutput:
     """Times the request was sent back to the waiting queue for lack of pages."""
     text: str | None = None
     """Decoded output when the model directory has a usable tokenizer."""
+    error: str | None = None
+    """Why the request failed (``finish_reason == "error"``); the engine served the others."""
 
     @property
     def cached_tokens(self) -> int:

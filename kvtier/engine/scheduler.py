@@ -3,6 +3,8 @@ batch mixing new prefills with one decode token for every running request."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -11,10 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.engine.request import Request, Status
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, IntegrityError
 
 if TYPE_CHECKING:
     from kvtier.cache import Handle, LoadResult, TieredCache
+
+log = logging.getLogger("kvtier.engine")
 
 
 @dataclass(slots=True)
@@ -51,6 +55,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._epoch = 0
+        """Counts releases of running requests (whose locks pin host and device pages)."""
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -64,13 +70,26 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue ``req`` and start pulling its storage-only prefix into host memory."""
-        m = self.cache.match(req.tokens[:-1])
-        if m.storage_len > 0:
-            req.prefetch = self.cache.prefetch(m)
+        self._try_prefetch(req)
         self.waiting.append(req)
 
+    def _try_prefetch(self, req: Request) -> None:
+        """Start fetching what storage holds beyond ``req``'s cached prefix. A fetch that got
+        less than storage holds (host tier short) is retried when locks were released."""
+        m = self.cache.match(req.tokens[:-1])
+        req.prefetch_epoch = self._epoch
+        req.storage_wanted = m.storage_len
+        if m.storage_len > 0:
+            req.prefetch = self.cache.prefetch(m)
+
     def schedule(self) -> list[Work]:
-        """This step's batch: one decode token per running request, then admitted prefills."""
+        """This step's batch: one decode token per running request, then admitted prefills.
+
+        Admission always makes progress or fails: every fetch that finished is consumed (its
+        pages committed and its locks released) before anything is admitted, so no waiting
+        request pins pages the head of the queue needs; and a queue that cannot move with
+        nothing running and nothing in flight raises ``CapacityError``.
+        """
         preempted = self._reserve_decode_slots()
         work = [Work(r, 1) for r in self.running]
         if not preempted:
@@ -79,19 +98,28 @@ class Scheduler:
             # Pages that in-flight transfers hold become evictable once those land.
             self.cache.drain()
             work = self._admit()
-            if not work:
-                raise CapacityError(
-                    f"{len(self.waiting)} request(s) wait but none can be admitted: the device pool "
-                    "has no free or evictable pages"
-                )
+            if not work and not self.prefetching():
+                raise CapacityError(self._stuck_message())
         return work
+
+    def _stuck_message(self) -> str:
+        head = self.waiting[0]
+        st = self.cache.stats()
+        return (
+            f"{len(self.waiting)} request(s) wait but none can be admitted: request {head.id} "
+            f"needs {-(-len(head.tokens) // self.page_size)} device pages; the pool has "
+            f"{st['device_pages_total'] - st['device_pages_used']} free, "
+            f"{st['device_pages_cached']} cached and locked, "
+            f"{self.cache.engine_pages.count} held by running requests"
+        )
 
     def _reserve_decode_slots(self) -> bool:
         preempted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            assert req.locs is not None
+            if req.locs is None:
+                raise IntegrityError(f"request {req.id} runs without slots")
             if req.locs.numel() >= len(req.tokens):
                 i += 1
                 continue
@@ -108,17 +136,27 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _collect_prefetches(self) -> None:
+        """Consume every finished fetch, wherever its request waits in the queue, and retry
+        the short ones once locks were released since their last try (``_epoch``)."""
+        for req in self.waiting:
+            if req.prefetch is not None and self.cache.prefetch_ready(req.prefetch):
+                self.cache.finish_prefetch(req.prefetch)
+                req.prefetch = None
+        window = self.max_running - len(self.running)
+        for req in itertools.islice(self.waiting, max(window, 0)):
+            if req.prefetch is None and req.storage_wanted and req.prefetch_epoch != self._epoch:
+                self._try_prefetch(req)
+
     def _admit(self) -> list[Work]:
+        self._collect_prefetches()
         work: list[Work] = []
         budget = self.max_prefill_tokens
         for req in list(self.waiting):
             if len(self.running) >= self.max_running:
                 break
             if req.prefetch is not None:
-                if not self.cache.prefetch_ready(req.prefetch):
-                    continue
-                self.cache.finish_prefetch(req.prefetch)
-                req.prefetch = None
+                continue  # its storage pages are still arriving; those behind may go first
             m = self.cache.match(req.tokens[:-1], probe_storage=False)
             if work and len(req.tokens) - m.cached_len > budget:
                 break
@@ -129,6 +167,7 @@ class Scheduler:
             try:
                 own = self.cache.alloc(num_new)
             except CapacityError:
+                # First come, first served: the head waits for running requests to free pages.
                 self.cache.unlock(m.handle)
                 break
             self.waiting.remove(req)
@@ -149,6 +188,7 @@ class Scheduler:
         self.cache.record_prefill(num_new)
         if not req.admitted:
             req.admitted = True
+            self.cache.record_hits(ld)
             req.cached_device = ld.device_tokens
             req.cached_host = ld.host_tokens
             req.cached_storage = ld.storage_tokens
@@ -156,7 +196,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Hand the request's computed pages to the cache and drop its slots and lock."""
-        assert req.locs is not None
+        if req.locs is None:
+            raise IntegrityError(f"request {req.id} released without slots")
+        self._epoch += 1  # its locks are gone: short fetches may find host room now
         ckpt = None
         if req.checkpoints:
             ckpt = torch.zeros(req.num_computed // self.page_size, dtype=torch.bool)
@@ -168,6 +210,20 @@ class Scheduler:
         req.locs, req.handle = None, None
         req.num_computed = req.prefix_len = 0
         self.running.remove(req)
+
+    def abort(self, req: Request, error: BaseException) -> Request:
+        """Finish ``req`` with ``error``: its own pages are freed (nothing it computed is
+        cached) and its lock released. Returns it."""
+        log.warning("request %d failed: %s: %s", req.id, type(error).__name__, error)
+        if req in self.running:
+            req.num_computed = req.prefix_len  # hand back only the cache's own prefix
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = "error"
+        req.error = f"{type(error).__name__}: {error}"
+        return req
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -133,9 +133,7 @@ class EvictionIndex:
             num_pages,
             # stale, or locked: ``unlock`` queues it again
             candidate=lambda n: n in self._device_leaves and not n.lock_ref,
-            busy=lambda n: (
-                not self._device_evictable(n) or (prepare is not None and not prepare(n))
-            ),
+            busy=lambda n: not self._device_evictable(n, prepare),
             take=take,
         )
         return out
@@ -200,10 +198,14 @@ class EvictionIndex:
         # The sequence number keeps two entries of one node from ever comparing nodes.
         return (self.policy.priority(node), next(self._seq), node)
 
-    def _device_evictable(self, node: Node) -> bool:
+    def _device_evictable(self, node: Node, prepare: Callable[[Node], bool] | None = None) -> bool:
+        """Whether ``node``'s device copy can go now. ``prepare`` runs before the check that
+        nothing below reads host pages: a host copy it makes keeps that subtree attached."""
         if node is self.root or node.device is None or node.lock_ref or node.device_io:
             return False
         if any(c.on_device for c in node.children.values()):
+            return False
+        if prepare is not None and not prepare(node):
             return False
         return node.on_host or not any(d.host_io for d in self._subtree(node))
 
