@@ -200,28 +200,39 @@ class TieredCache:
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
         counts = {"device": 0, "host": 0, "storage": 0}
-        pages, left, last_src = [], usable, None
-        for node, (was_dev, fetched) in zip(path, before, strict=True):
+        pages, left, last_src, fetched = [], usable, None, []
+        for node, (was_dev, was_fetched) in zip(path, before, strict=True):
             if left <= 0:
                 break
             take = min(len(node.tokens), left)
-            src = "device" if was_dev else ("storage" if fetched else "host")
+            # A fetched node stays "storage" until an admission that used it is counted: a
+            # load whose admission failed leaves it on device but not yet served.
+            src = "storage" if was_fetched else ("device" if was_dev else "host")
             counts[src] += take
             last_src = src
-            node.fetched = node.fetched and was_dev
+            if was_fetched:
+                fetched.append(node)
             if node.device is None:
                 raise IntegrityError(f"node {node.id}: loaded but has no device copy")
             pages.append(node.device[: take // ps])
             left -= take
         locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
-        h.loaded = locs
-        return LoadResult(
+        ld = LoadResult(
             locs, counts["device"], counts["host"], counts["storage"], layer_events, last_src
         )
+        h.loaded, h.load_result, h.fetched_nodes = locs, ld, fetched
+        return ld
 
-    def record_hits(self, ld: LoadResult) -> None:
-        """Count an admitted request's cached prefix per tier: once per request, as a server
-        reports it in ``usage`` (a load whose admission is abandoned is not counted)."""
+    def record_hits(self, handle: Handle) -> None:
+        """Count the cached prefix of an admitted request (its handle's last ``load``) per
+        tier: once per request, as a server reports it in ``usage``; a load whose admission
+        was abandoned is not counted. Pages fetched from storage count as device hits after."""
+        ld = handle.load_result
+        if ld is None:
+            raise RequestError("record_hits of a handle that was not loaded")
+        for node in handle.fetched_nodes:
+            node.fetched = False
+        handle.fetched_nodes = []
         self.metrics.count_hits(ld, self.specs, self.page_size)
 
     # ---- storage → host -----------------------------------------------------------------

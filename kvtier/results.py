@@ -3,7 +3,7 @@ the lock protocol passes around."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,10 @@ class Handle:
     locked: TreeMatch | None = None
     loaded: torch.Tensor | None = None
     """The slots ``load`` returned while locked (``finish`` checks the engine hands them back)."""
+    load_result: LoadResult | None = None
+    """What the last ``load`` returned (``record_hits`` counts it)."""
+    fetched_nodes: list[Node] = field(default_factory=list)
+    """Nodes that load served from storage fetches, not yet counted."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ def test_device_hit_then_host_restore_is_byte_exact(tmp_path):
     assert (ld.device_tokens, ld.host_tokens, ld.storage_tokens) == (0, 16, 0)
     assert torch.equal(kv_of(c, ld.locs), orig)
     assert c.stats()["host_hit_tokens"] == 0  # counted once the request is admitted
-    c.record_hits(ld)
+    c.record_hits(m.handle)
     c.unlock(m.handle)
     c.drain()
     c.check_integrity()

@@ -293,7 +293,8 @@ def test_hit_metrics_by_tier_and_component(tmp_path):
     c.controller.evict_device(100)
     m = c.match(tokens)
     c.lock(m.handle)
-    c.record_hits(c.load(m))
+    c.load(m)
+    c.record_hits(m.handle)
     c.unlock(m.handle)
     c.drain()
     assert c.stats()["hit_pages"] == {"host/kv": 4, "host/state": 1}

@@ -43,6 +43,8 @@ class Request:
     """Tokens storage held beyond the cached prefix when last matched (0: nothing to fetch)."""
     prefetch_epoch: int = -1
     """The scheduler's release count at the last prefetch attempt."""
+    prefetch_tries: int = 0
+    """Prefetch attempts so far."""
     first_token_time: float | None = None
     admitted: bool = False
     cached_device: int = 0

@@ -3,7 +3,6 @@ batch mixing new prefills with one decode token for every running request."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -19,6 +18,9 @@ if TYPE_CHECKING:
     from kvtier.cache import Handle, LoadResult, TieredCache
 
 log = logging.getLogger("kvtier.engine")
+
+MAX_PREFETCH_TRIES = 4
+"""Fetch attempts after which a request whose stored prefix finds no host room stops waiting."""
 
 
 @dataclass(slots=True)
@@ -74,10 +76,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def _try_prefetch(self, req: Request) -> None:
-        """Start fetching what storage holds beyond ``req``'s cached prefix. A fetch that got
-        less than storage holds (host tier short) is retried when locks were released."""
+        """Start fetching what storage holds beyond ``req``'s cached prefix. What the host tier
+        could not take is fetched when the request comes up for admission after running
+        requests released pages (``_epoch``)."""
         m = self.cache.match(req.tokens[:-1])
         req.prefetch_epoch = self._epoch
+        req.prefetch_tries += 1
         req.storage_wanted = m.storage_len
         if m.storage_len > 0:
             req.prefetch = self.cache.prefetch(m)
@@ -85,10 +89,10 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         """This step's batch: one decode token per running request, then admitted prefills.
 
-        Admission always makes progress or fails: every fetch that finished is consumed (its
-        pages committed and its locks released) before anything is admitted, so no waiting
-        request pins pages the head of the queue needs; and a queue that cannot move with
-        nothing running and nothing in flight raises ``CapacityError``.
+        Admission always makes progress or fails: when the head of the queue cannot get its
+        pages, every finished fetch behind it is consumed (its locks released), so no waiting
+        request pins pages the head needs; a queue that cannot move with nothing running and
+        nothing in flight raises ``CapacityError``.
         """
         preempted = self._reserve_decode_slots()
         work = [Work(r, 1) for r in self.running]
@@ -109,7 +113,7 @@ class Scheduler:
             f"{len(self.waiting)} request(s) wait but none can be admitted: request {head.id} "
             f"needs {-(-len(head.tokens) // self.page_size)} device pages; the pool has "
             f"{st['device_pages_total'] - st['device_pages_used']} free, "
-            f"{st['device_pages_cached']} cached and locked, "
+            f"{st['device_pages_cached']} cached (locked or in flight), "
             f"{self.cache.engine_pages.count} held by running requests"
         )
 
@@ -136,27 +140,46 @@ class Scheduler:
             i += 1
         return preempted
 
-    def _collect_prefetches(self) -> None:
-        """Consume every finished fetch, wherever its request waits in the queue, and retry
-        the short ones once locks were released since their last try (``_epoch``)."""
+    def _release_finished_fetches(self) -> None:
+        """Consume every finished fetch wherever its request waits: committed pages are no
+        longer pinned by the fetch's lock, so a blocked head of the queue can evict them."""
         for req in self.waiting:
             if req.prefetch is not None and self.cache.prefetch_ready(req.prefetch):
-                self.cache.finish_prefetch(req.prefetch)
-                req.prefetch = None
-        window = self.max_running - len(self.running)
-        for req in itertools.islice(self.waiting, max(window, 0)):
-            if req.prefetch is None and req.storage_wanted and req.prefetch_epoch != self._epoch:
-                self._try_prefetch(req)
+                self._consume(req)
+
+    def _consume(self, req: Request) -> None:
+        self.cache.finish_prefetch(req.prefetch)
+        req.prefetch = None
+        self._epoch += 1  # the fetch's locks are gone: host room may have freed up
+
+    def _wait_for_host(self, req: Request) -> bool:
+        """Whether ``req``, whose stored prefix found no host room, waits for some rather than
+        recomputing it: not under ``best_effort``, only while running requests or fetches can
+        still free room, and under ``timeout`` until ``prefetch_timeout_s`` after arrival."""
+        policy = self.cache.config.prefetch_policy
+        if policy == "best_effort" or not (self.running or self.prefetching()):
+            return False
+        if req.prefetch_tries > MAX_PREFETCH_TRIES:
+            return False  # the host tier keeps being too full: recompute rather than starve
+        deadline = req.arrival + self.cache.config.prefetch_timeout_s
+        return policy == "wait_complete" or time.perf_counter() < deadline
 
     def _admit(self) -> list[Work]:
-        self._collect_prefetches()
         work: list[Work] = []
         budget = self.max_prefill_tokens
         for req in list(self.waiting):
             if len(self.running) >= self.max_running:
                 break
             if req.prefetch is not None:
-                continue  # its storage pages are still arriving; those behind may go first
+                if not self.cache.prefetch_ready(req.prefetch):
+                    continue  # its storage pages are still arriving; those behind may go first
+                self._consume(req)
+            if req.storage_wanted and req.prefetch_epoch != self._epoch:
+                # Storage held more than the host tier took when it was last tried, and
+                # locks were released since: fetch the rest before admitting.
+                self._try_prefetch(req)
+            if req.prefetch is not None or (req.storage_wanted and self._wait_for_host(req)):
+                continue
             m = self.cache.match(req.tokens[:-1], probe_storage=False)
             if work and len(req.tokens) - m.cached_len > budget:
                 break
@@ -167,8 +190,10 @@ class Scheduler:
             try:
                 own = self.cache.alloc(num_new)
             except CapacityError:
-                # First come, first served: the head waits for running requests to free pages.
+                # First come, first served: the head waits for running requests to free
+                # pages, and no finished fetch behind it keeps pages pinned meanwhile.
                 self.cache.unlock(m.handle)
+                self._release_finished_fetches()
                 break
             self.waiting.remove(req)
             self._start(req, m.handle, ld, own)
@@ -188,7 +213,7 @@ class Scheduler:
         self.cache.record_prefill(num_new)
         if not req.admitted:
             req.admitted = True
-            self.cache.record_hits(ld)
+            self.cache.record_hits(handle)
             req.cached_device = ld.device_tokens
             req.cached_host = ld.host_tokens
             req.cached_storage = ld.storage_tokens
