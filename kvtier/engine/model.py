@@ -87,10 +87,53 @@ def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout)."""
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """RoPE's float32 inverse frequencies (``[head_dim // 2]``, on the CPU), computed step by
+    step as HF transformers does for ``rope_type`` ``default``, ``linear`` (every frequency
+    divided by ``factor``) and ``llama3`` (long wavelengths divided by ``factor``, short ones
+    kept, a smooth blend between, with the band edges at ``original_max_position`` over
+    ``low_freq_factor`` and ``high_freq_factor``)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
+    low_freq_wavelen = original_max_position / low_freq_factor
+    high_freq_wavelen = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    inv_freq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout).
+
+    ``inv_freq`` (``[head_dim // 2]``, float32, on ``x``'s device) replaces the unscaled
+    frequencies of base ``theta``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -139,6 +182,15 @@ class Attention(nn.Module):
         dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
+        self._inv_freq = rope_inv_freq(
+            d,
+            cfg.rope_theta,
+            cfg.rope_type,
+            cfg.rope_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_position,
+        )
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
@@ -160,7 +212,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        if self._inv_freq.device != x.device:
+            # kept off the module's buffers so checkpoints and dtype casts never see it
+            self._inv_freq = self._inv_freq.to(x.device)
+        q = rope(q, positions, self.theta, self._inv_freq)
+        k = rope(k, positions, self.theta, self._inv_freq)
         kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
         outs, start = [], 0
         for s in seqs:
