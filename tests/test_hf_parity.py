@@ -162,7 +162,9 @@ def test_tied_config_with_a_distinct_head_unties_like_transformers(tmp_path: Pat
     model = load_model(tmp_path)
     assert not model.config.tie_word_embeddings and model.lm_head is not None
     tokens = _prompts(3)[2]
-    torch.testing.assert_close(_kv_logits(model, tokens), _hf_logits(hf, tokens), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(
+        _kv_logits(model, tokens), _hf_logits(hf, tokens), atol=ATOL, rtol=1e-4
+    )
     if TF5:
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float()
         torch.testing.assert_close(
@@ -198,3 +200,32 @@ def test_kvtier_checkpoint_loads_in_transformers(variant: str, tmp_path: Path) -
     assert back.config.fingerprint() != model.config.fingerprint()  # the weights digest
     same = dict(weights_digest="", seed=0)
     assert dataclasses.replace(back.config, **same) == dataclasses.replace(model.config, **same)
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "llama-linear", "llama-theta1e6"])
+def test_inverse_frequencies_equal_transformers(case: str, tmp_path: Path) -> None:
+    # exact equality at a realistic head size, through the config.json transformers writes
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvtier.engine.model import rope_inv_freq
+
+    cls_name, kw = CASES[case]
+    hf_cfg = getattr(transformers, cls_name)(**{**kw, "head_dim": 128})
+    hf_cfg.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_hf(tmp_path)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    init = ROPE_INIT_FUNCTIONS.get(cfg.rope_type)  # 5.x keeps "default" on the module
+    if init is None:
+        init = LlamaRotaryEmbedding.compute_default_rope_parameters
+    want, _ = init(hf_cfg, device=torch.device("cpu"))
+    got = rope_inv_freq(
+        128,
+        cfg.rope_theta,
+        cfg.rope_type,
+        cfg.rope_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position,
+    )
+    assert torch.equal(got, want)

@@ -4,6 +4,7 @@ inside kvtier's L3 key namespace (with the digest of a checkpoint's weight bytes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -166,10 +167,8 @@ def _write_memo(files: list[Path], memo: dict[str, Any]) -> None:
             os.replace(tmp, file)
             return
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
 
 
 class _Progress:
@@ -206,16 +205,16 @@ def weights_digest(directory: Path) -> str:
     for memo in _read_memos(memo_files):
         for f in files:
             m = memo.get(f.name)
-            if isinstance(m, dict) and m.get("key") == keys[f.name]:
-                if isinstance(m.get("digest"), str):
-                    digests.setdefault(f.name, m["digest"])
+            ok = isinstance(m, dict) and isinstance(m.get("digest"), str)
+            if ok and m.get("key") == keys[f.name]:
+                digests.setdefault(f.name, m["digest"])
     todo = [f for f in files if f.name not in digests]
     if todo:
         total = sum(keys[f.name][0] for f in todo)
         progress = _Progress(directory, total) if total > _PROGRESS_BYTES else None
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 8)) as pool:
             hashed = pool.map(lambda f: hash_file(f, progress), todo)
-            digests.update((f.name, d) for f, d in zip(todo, hashed))
+            digests.update((f.name, d) for f, d in zip(todo, hashed, strict=True))
         new = {f.name: {"key": keys[f.name], "digest": digests[f.name]} for f in files}
         _write_memo(memo_files, new)
     blob = "\n".join(f"{f.name}:{keys[f.name][0]}:{digests[f.name]}" for f in files)

@@ -145,23 +145,23 @@ class ModelConfig(ConfigBase):
                 f"{cfg_file}: torch_dtype={hf_dtype!r} is not one of {', '.join(DTYPES)}"
             )
         fields = dict(
-                vocab_size=r.int("vocab_size"),
-                hidden_size=hidden,
-                intermediate_size=r.int("intermediate_size"),
-                num_layers=r.int("num_hidden_layers"),
-                num_heads=heads,
-                num_kv_heads=heads if kv_heads is None else kv_heads,
-                head_dim=hidden // heads if head_dim is None else head_dim,
-                rms_norm_eps=r.float("rms_norm_eps", 1e-6),
-                max_position=max_position,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=model_type == "qwen2",
-                qk_norm=model_type == "qwen3",
-                dtype=dtype or hf_dtype,
-                eos_token_ids=tuple(eos_list),
-                weights_digest=weights_digest(cfg_file.parent),
-                **_read_rope(r, max_position),
-            )
+            vocab_size=r.int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.int("intermediate_size"),
+            num_layers=r.int("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=heads if kv_heads is None else kv_heads,
+            head_dim=hidden // heads if head_dim is None else head_dim,
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+            max_position=max_position,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            dtype=dtype or hf_dtype,
+            eos_token_ids=tuple(eos_list),
+            weights_digest=weights_digest(cfg_file.parent),
+            **_read_rope(r, max_position),
+        )
         try:
             return cls(**fields)
         except ConfigError as e:
@@ -228,9 +228,8 @@ class _Reader:
             return None
         ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
         if not ok or isinstance(v, bool):
-            raise ConfigError(
-                f"{self.where}: {self.prefix}{key}={v!r} must be {'an integer' if kind is int else 'a number'}"
-            )
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{self.where}: {self.prefix}{key}={v!r} must be {what}")
         return kind(v)
 
     def int(self, key: str, default: Any = _REQUIRED) -> Any:
@@ -276,9 +275,7 @@ def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
     theta = p.float("rope_theta", None)
     top_theta = r.float("rope_theta", None)
     if theta is not None and top_theta is not None and theta != top_theta:
-        raise ConfigError(
-            f"{where}: {name}.rope_theta={theta} and rope_theta={top_theta} disagree"
-        )
+        raise ConfigError(f"{where}: {name}.rope_theta={theta} and rope_theta={top_theta} disagree")
     theta = theta if theta is not None else top_theta if top_theta is not None else 10000.0
     for where_prf, prf in ((f"{name}.", params), ("", hf)):
         if prf.get("partial_rotary_factor", 1.0) != 1.0:
@@ -320,7 +317,9 @@ def _reject_unsupported(hf: dict[str, Any], model_type: str, where: Path) -> Non
     if act not in ("silu", "swish"):
         raise ConfigError(f"{where}: hidden_act={act!r} is not supported (only silu)")
     if hf.get("quantization_config"):
-        raise ConfigError(f"{where}: quantization_config is set; quantized weights are not supported")
+        raise ConfigError(
+            f"{where}: quantization_config is set; quantized weights are not supported"
+        )
     if hf.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true (biases on the MLP) is not supported")
     if model_type != "qwen2" and hf.get("attention_bias"):
@@ -346,6 +345,7 @@ def _reject_unsupported(hf: dict[str, Any], model_type: str, where: Path) -> Non
         raise ConfigError(
             f"{where}: use_sliding_window=true with sliding_window={window!r} is not supported"
         )
+
 
 def tiny_dense(**overrides: Any) -> ModelConfig:
     """The default dense preset (fast on CPU)."""
