@@ -207,8 +207,6 @@ def test_inverse_frequencies_equal_transformers(case: str, tmp_path: Path) -> No
     # exact equality at a realistic head size, through the config.json transformers writes
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvtier.engine.model import rope_inv_freq
-
     cls_name, kw = CASES[case]
     hf_cfg = getattr(transformers, cls_name)(**{**kw, "head_dim": 128})
     hf_cfg.save_pretrained(tmp_path)
@@ -219,13 +217,5 @@ def test_inverse_frequencies_equal_transformers(case: str, tmp_path: Path) -> No
     if init is None:
         init = LlamaRotaryEmbedding.compute_default_rope_parameters
     want, _ = init(hf_cfg, device=torch.device("cpu"))
-    got = rope_inv_freq(
-        128,
-        cfg.rope_theta,
-        cfg.rope_type,
-        cfg.rope_factor,
-        cfg.rope_low_freq_factor,
-        cfg.rope_high_freq_factor,
-        cfg.rope_original_max_position,
-    )
-    assert torch.equal(got, want)
+    assert cfg.head_dim == 128
+    assert torch.equal(cfg.rope_inv_freq(), want)

@@ -1,6 +1,7 @@
 """What every model family's config shares: the common decoder fields, element types, field
-validation whose errors name the concrete config class, and the fingerprint that names a model
-inside kvtier's L3 key namespace (with the digest of a checkpoint's weight bytes)."""
+validation whose errors name the concrete config class, RoPE frequencies as configured, and the
+fingerprint that names a model inside kvtier's L3 key namespace (with the digest of a
+checkpoint's weight bytes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import threading
@@ -112,6 +114,40 @@ class ConfigBase:
     def _check_eos(self) -> None:
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise self._error(f"eos_token_ids={self.eos_token_ids} outside vocab")
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """RoPE's float32 inverse frequencies (``[head_dim // 2]``, on the CPU), computed step by
+    step as HF transformers does for ``rope_type`` ``default``, ``linear`` (every frequency
+    divided by ``factor``) and ``llama3`` (long wavelengths divided by ``factor``, short ones
+    kept, a smooth blend between, with the band edges at ``original_max_position`` over
+    ``low_freq_factor`` and ``high_freq_factor``)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
+    low_freq_wavelen = original_max_position / low_freq_factor
+    high_freq_wavelen = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 DIGEST_FILE = ".kvtier-weights-digest.json"

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvtier.engine.common import DTYPES, ConfigBase, weights_digest
+import torch
+
+from kvtier.engine.common import DTYPES, ConfigBase, rope_inv_freq, weights_digest
 from kvtier.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -79,6 +81,18 @@ class ModelConfig(ConfigBase):
                 f"{self.rope_high_freq_factor} must satisfy 0 < low < high"
             )
         self._check_eos()
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE's float32 inverse frequencies for this config (``[head_dim // 2]``, CPU)."""
+        return rope_inv_freq(
+            self.head_dim,
+            self.rope_theta,
+            self.rope_type,
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_position,
+        )
 
     @property
     def model_type(self) -> str:

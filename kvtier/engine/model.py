@@ -87,40 +87,6 @@ def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
-def rope_inv_freq(
-    head_dim: int,
-    theta: float,
-    rope_type: str = "default",
-    factor: float = 1.0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
-    original_max_position: int = 8192,
-) -> torch.Tensor:
-    """RoPE's float32 inverse frequencies (``[head_dim // 2]``, on the CPU), computed step by
-    step as HF transformers does for ``rope_type`` ``default``, ``linear`` (every frequency
-    divided by ``factor``) and ``llama3`` (long wavelengths divided by ``factor``, short ones
-    kept, a smooth blend between, with the band edges at ``original_max_position`` over
-    ``low_freq_factor`` and ``high_freq_factor``)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / factor
-    if rope_type != "llama3":
-        raise ValueError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
-    low_freq_wavelen = original_max_position / low_freq_factor
-    high_freq_wavelen = original_max_position / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
 def rope(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -182,15 +148,7 @@ class Attention(nn.Module):
         dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
-        self._inv_freq = rope_inv_freq(
-            d,
-            cfg.rope_theta,
-            cfg.rope_type,
-            cfg.rope_factor,
-            cfg.rope_low_freq_factor,
-            cfg.rope_high_freq_factor,
-            cfg.rope_original_max_position,
-        )
+        self._inv_freq = cfg.rope_inv_freq()
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
