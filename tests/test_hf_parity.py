@@ -172,6 +172,24 @@ def test_tied_config_with_a_distinct_head_unties_like_transformers(tmp_path: Pat
         )
 
 
+def test_tied_checkpoint_storing_only_the_head(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    hf = _save_hf("qwen2-tied", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    model = load_model(tmp_path)
+    assert model.config.tie_word_embeddings and model.lm_head is None
+    tokens = _prompts(5)[2]
+    want = _hf_logits(hf, tokens)
+    torch.testing.assert_close(_kv_logits(model, tokens), want, atol=ATOL, rtol=1e-4)
+    if TF5:  # transformers 5 fills the embeddings from the head too
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float()
+        torch.testing.assert_close(_hf_logits(reloaded, tokens), want, atol=ATOL, rtol=1e-4)
+
+
 KV_VARIANTS = {
     "llama": ModelConfig(vocab_size=VOCAB, rope_theta=1e6, seed=1),
     "llama3": ModelConfig(

@@ -196,7 +196,7 @@ def _read_memos(files: list[Path]) -> list[dict[str, Any]]:
 def _write_memo(files: list[Path], memo: dict[str, Any]) -> None:
     # the directory's copy first; a read-only checkpoint falls back to the user's cache
     for file in files:
-        tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))

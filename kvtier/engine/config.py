@@ -146,6 +146,8 @@ class ModelConfig(ConfigBase):
         family = _FAMILY_DEFAULTS[model_type]
         heads = r.int("num_attention_heads")
         hidden = r.int("hidden_size")
+        if heads < 1:
+            raise ConfigError(f"{cfg_file}: num_attention_heads={heads} must be positive")
         kv_heads = r.int("num_key_value_heads", family["num_key_value_heads"])
         head_dim = r.int("head_dim", family["head_dim"])
         max_position = r.int("max_position_embeddings", family["max_position_embeddings"])
@@ -153,11 +155,15 @@ class ModelConfig(ConfigBase):
         eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
             raise ConfigError(f"{cfg_file}: eos_token_id={eos!r} must be an integer or a list")
-        hf_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        dtype_key = "torch_dtype" if hf.get("torch_dtype") else "dtype"
+        hf_dtype = str(hf.get(dtype_key) or "float32")
         if dtype is None and hf_dtype not in DTYPES:
             raise ConfigError(
-                f"{cfg_file}: torch_dtype={hf_dtype!r} is not one of {', '.join(DTYPES)}"
+                f"{cfg_file}: {dtype_key}={hf_dtype!r} is not one of {', '.join(DTYPES)}"
             )
+        tied = hf.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ConfigError(f"{cfg_file}: tie_word_embeddings={tied!r} must be true or false")
         fields = dict(
             vocab_size=r.int("vocab_size"),
             hidden_size=hidden,
@@ -168,18 +174,19 @@ class ModelConfig(ConfigBase):
             head_dim=hidden // heads if head_dim is None else head_dim,
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             max_position=max_position,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             attention_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             dtype=dtype or hf_dtype,
             eos_token_ids=tuple(eos_list),
-            weights_digest=weights_digest(cfg_file.parent),
             **_read_rope(r, max_position),
         )
         try:
-            return cls(**fields)
+            config = cls(**fields)
         except ConfigError as e:
             raise ConfigError(f"{cfg_file}: {e}") from None
+        # hashed only once the config is known to be valid: a large checkpoint takes a while
+        return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
 
     def to_hf(self) -> dict[str, Any]:
         """A HF ``config.json`` dict describing this architecture, readable by transformers

@@ -131,7 +131,8 @@ def load_model(
 ) -> CausalLM:
     """Build the model a HF checkpoint directory describes and load its weights.
 
-    Raises ``ConfigError`` when ``path`` is not a directory (a weights file passed instead of
+    A ``tie_word_embeddings`` checkpoint that stores a distinct ``lm_head.weight`` loads
+    untied, as transformers 5 loads it. Raises ``ConfigError`` when ``path`` is not a directory (a weights file passed instead of
     its directory says so), ``CheckpointError`` on unreadable or mismatched weights."""
     path = Path(path)
     if not path.is_dir():
