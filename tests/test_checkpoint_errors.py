@@ -139,3 +139,9 @@ def test_demo_unknown_preset_lists_the_known_ones(
     assert err.startswith("kvtier demo: --model 'gigantic' is neither")
     for name in ("tiny", "small", "mla", "hybrid", "swa"):
         assert name in err
+
+
+def test_unreadable_weights_file_names_it(ckpt: Path) -> None:
+    (ckpt / "extra.safetensors").mkdir()  # listed like a weights file, but open() fails
+    with pytest.raises(ConfigError, match=r"extra\.safetensors"):
+        ModelConfig.from_hf(ckpt)

@@ -153,7 +153,7 @@ def rope_inv_freq(
 DIGEST_FILE = ".kvtier-weights-digest.json"
 """Beside a checkpoint's weights: each file's content digest, keyed by its size, mtime and
 inode, so that a checkpoint is read in full once rather than at every start."""
-_CHUNK = 16 << 20
+_CHUNK = 8 << 20
 _PROGRESS_BYTES = 1 << 30
 
 
@@ -163,20 +163,27 @@ def _file_key(st: os.stat_result) -> list[int]:
 
 def hash_file(path: Path, progress: Any = None) -> str:
     """blake2b of ``path``'s bytes, read in large chunks (hashlib releases the GIL, so files
-    hash in parallel threads). ``progress(n)`` is called with each chunk's size."""
+    hash in parallel threads). ``progress(n)`` is called with each chunk's size. Raises
+    ``ConfigError`` naming the file when it cannot be read."""
     h = hashlib.blake2b(digest_size=16)
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            if progress is not None:
-                progress(n)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                if progress is not None:
+                    progress(n)
+    except OSError as e:
+        raise ConfigError(f"cannot read checkpoint file {path}: {e}") from e
     return h.hexdigest()
 
 
 def _memo_files(directory: Path) -> list[Path]:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory: only the checkpoint's own memo
+        return [directory / DIGEST_FILE]
     name = hashlib.blake2b(str(directory.resolve()).encode(), digest_size=16).hexdigest()
     return [directory / DIGEST_FILE, cache / "kvtier" / "weights-digest" / f"{name}.json"]
 
