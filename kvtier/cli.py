@@ -10,6 +10,17 @@ from collections.abc import Sequence
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kvtier.errors import KvtierError
+
+    try:
+        return _run_demo(args)
+    except KvtierError as e:
+        # a bad --model or checkpoint is the user's to fix: one line, no traceback
+        print(f"kvtier demo: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     from kvtier import demo
 
     if args.restart_phase:

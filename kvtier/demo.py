@@ -123,10 +123,25 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
 
 def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
     from kvtier.engine import LLM
-    from kvtier.engine.families import build_model, preset
+    from kvtier.engine.families import build_model, preset, preset_names
     from kvtier.engine.weights import load_model
+    from kvtier.errors import ConfigError
 
-    model = load_model(cfg.model) if os.path.isdir(cfg.model) else build_model(preset(cfg.model))
+    if os.path.isdir(cfg.model):
+        model = load_model(cfg.model)
+    elif "/" in cfg.model or os.sep in cfg.model or os.path.exists(cfg.model):
+        hint = " (it is a file: pass the directory holding config.json)"
+        raise ConfigError(
+            f"--model {cfg.model}: no such checkpoint directory"
+            + (hint if os.path.exists(cfg.model) else "")
+        )
+    elif cfg.model not in preset_names():
+        raise ConfigError(
+            f"--model {cfg.model!r} is neither a checkpoint directory nor a model preset; "
+            f"known presets: {', '.join(preset_names())}"
+        )
+    else:
+        model = build_model(preset(cfg.model))
     # device_pages is sized in page_size pages; a family whose tree page is larger (compressed
     # index groups) gets the same device memory in fewer, larger pages.
     tree = tree_page_size(cache_config.page_size, model.pool_specs())

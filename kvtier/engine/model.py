@@ -87,10 +87,19 @@ def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout)."""
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    inv_freq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout).
+
+    ``inv_freq`` (``[head_dim // 2]``, float32, on ``x``'s device) replaces the unscaled
+    frequencies of base ``theta``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -139,6 +148,7 @@ class Attention(nn.Module):
         dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
+        self._inv_freq = cfg.rope_inv_freq()
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
@@ -160,7 +170,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        if self._inv_freq.device != x.device:
+            # kept off the module's buffers so checkpoints and dtype casts never see it
+            self._inv_freq = self._inv_freq.to(x.device)
+        q = rope(q, positions, self.theta, self._inv_freq)
+        k = rope(k, positions, self.theta, self._inv_freq)
         kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
         outs, start = [], 0
         for s in seqs:

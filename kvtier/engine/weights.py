@@ -3,11 +3,12 @@ and an optional tokenizer (only when the ``tokenizers`` package happens to be in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvtier.engine.config import ModelConfig
@@ -29,8 +30,12 @@ def _ignored(name: str) -> bool:
 def _shard_files(path: Path) -> list[Path]:
     index = path / _INDEX
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid shard index ({e!r})") from e
+        files = [path / f for f in names]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
@@ -41,37 +46,82 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
+def _tensor_files(files: list[Path]) -> dict[str, Path]:
+    """Which file holds each tensor (headers only: no tensor data is read)."""
+    where: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: cannot read the safetensors file ({e})") from e
+        for name in names:
+            if name in where and not _ignored(name):
+                raise CheckpointError(f"{file.name}: tensor {name!r} appears twice")
+            where[name] = file
+    return where
+
+
+def _get(file: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from e
+
+
+def stores_separate_head(path: str | Path, dtype: torch.dtype) -> bool:
+    """Whether the checkpoint at ``path`` holds an ``lm_head.weight`` that differs (at
+    ``dtype``) from ``model.embed_tokens.weight``: transformers 5 then leaves the two untied
+    whatever ``tie_word_embeddings`` says. (transformers 4 used the embeddings for both.)"""
+    where = _tensor_files(_shard_files(Path(path)))
+    head, embed = where.get("lm_head.weight"), where.get("model.embed_tokens.weight")
+    if head is None or embed is None:
+        return False
+    a, b = _get(head, "lm_head.weight"), _get(embed, "model.embed_tokens.weight")
+    return a.shape != b.shape or not torch.equal(a.to(dtype), b.to(dtype))
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, file: Path, name: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))
+
+
 def load_weights(model: CausalLM, path: str | Path) -> None:
     """Copy every tensor of the checkpoint at ``path`` into ``model`` (cast to its dtype).
 
     Raises ``CheckpointError`` naming the tensor on an unexpected, duplicated or wrongly shaped
-    tensor, and naming the missing ones when some parameter was not in the checkpoint.
+    tensor, naming the missing ones when some parameter was not in the checkpoint, and naming
+    the file when one is not a readable safetensors file. A tied model takes its embeddings
+    from ``lm_head.weight`` when only that is stored (as transformers does).
     """
     path = Path(path)
     params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for file in _shard_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if _ignored(name):
-                    continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied: some exports store the shared matrix twice
-                if name not in params:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r}")
-                if name in seen:
-                    raise CheckpointError(f"{file.name}: tensor {name!r} appears twice")
-                tensor = f.get_tensor(name)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise CheckpointError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-                seen.add(name)
-    missing = sorted(set(params) - seen)
+    where = _tensor_files(_shard_files(path))
+    stored = {name: name for name in where if not _ignored(name)}
+    if model.lm_head is None:
+        if "model.embed_tokens.weight" not in where and "lm_head.weight" in where:
+            stored["model.embed_tokens.weight"] = stored.pop("lm_head.weight")
+        else:
+            stored.pop("lm_head.weight", None)  # tied: exports may store the matrix twice
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, source in stored.items():
+        if name not in params:
+            raise CheckpointError(f"{where[source].name}: unexpected tensor {name!r}")
+        by_file.setdefault(where[source], []).append((name, source))
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name, source in names:
+                    _copy(params[name], f.get_tensor(source), file, source)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: cannot read the safetensors file ({e})") from e
+    missing = sorted(set(params) - set(stored))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {missing}")
 
@@ -79,8 +129,22 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
 def load_model(
     path: str | Path, device: torch.device | str | None = None, dtype: str | None = None
 ) -> CausalLM:
-    """Build the model a HF checkpoint directory describes and load its weights."""
+    """Build the model a HF checkpoint directory describes and load its weights.
+
+    A ``tie_word_embeddings`` checkpoint that stores a distinct ``lm_head.weight`` loads
+    untied, as transformers 5 loads it. Raises ``ConfigError`` when ``path`` is not a directory (a weights file passed instead of
+    its directory says so), ``CheckpointError`` on unreadable or mismatched weights."""
+    path = Path(path)
+    if not path.is_dir():
+        if path.is_file():
+            raise ConfigError(
+                f"{path} is a file; pass the checkpoint directory (holding config.json and "
+                "the *.safetensors files)"
+            )
+        raise ConfigError(f"no such checkpoint directory: {path}")
     config = ModelConfig.from_hf(path, dtype=dtype)
+    if config.tie_word_embeddings and stores_separate_head(path, config.torch_dtype):
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     model = CausalLM(config)
     load_weights(model, path)
     return model.to(device) if device is not None else model

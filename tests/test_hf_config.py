@@ -1,0 +1,187 @@
+"""``ModelConfig.from_hf`` reads config.json as transformers 4.x and 5.x write it, and refuses
+what the engine would run wrong, naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.engine import ModelConfig
+from kvtier.engine.families import preset
+from kvtier.errors import ConfigError
+
+BASE: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _read(tmp_path: Path, **fields: Any) -> ModelConfig:
+    hf = {**BASE, **fields}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v != ...}))
+    return ModelConfig.from_hf(tmp_path)
+
+
+def test_transformers5_rope_parameters(tmp_path: Path) -> None:
+    cfg = _read(tmp_path, rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"})
+    assert (cfg.rope_theta, cfg.rope_type) == (1e6, "default")
+    cfg = _read(tmp_path, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3})
+    assert (cfg.rope_theta, cfg.rope_type, cfg.rope_factor) == (5e5, "llama3", 8.0)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor) == (1.0, 4.0)
+    assert cfg.rope_original_max_position == 8192
+
+
+def test_transformers4_rope_theta_and_scaling(tmp_path: Path) -> None:
+    assert _read(tmp_path, rope_theta=1e6, rope_scaling=None).rope_theta == 1e6
+    assert _read(tmp_path).rope_theta == 10000.0
+    for key in ("type", "rope_type"):
+        cfg = _read(tmp_path, rope_theta=5e5, rope_scaling={key: "llama3", **LLAMA3})
+        assert (cfg.rope_theta, cfg.rope_type, cfg.rope_factor) == (5e5, "llama3", 8.0)
+    cfg = _read(tmp_path, rope_scaling={"type": "linear", "factor": 2.0})
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 2.0)
+    # no original_max_position_embeddings: transformers takes max_position_embeddings
+    scaling = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+    cfg = _read(
+        tmp_path, max_position_embeddings=4096, rope_scaling={"rope_type": "llama3", **scaling}
+    )
+    assert cfg.rope_original_max_position == 4096
+    # rope_scaling wins over rope_parameters, as in transformers 5
+    cfg = _read(
+        tmp_path,
+        rope_scaling={"rope_type": "linear", "factor": 3.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 3.0)
+
+
+@pytest.mark.parametrize(
+    "fields, pattern",
+    [
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            r"rope_scaling\.rope_type='dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            r"rope_parameters\.rope_type='yarn'",
+        ),
+        ({"rope_scaling": {"type": "longrope"}}, r"rope_scaling\.rope_type='longrope'"),
+        ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling\.'factor'.*missing"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"low_freq_factor"),
+        ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}}, r"rope_theta.*disagree"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5"),
+        ({"rope_scaling": {"type": "linear", "rope_type": "llama3"}}, r"type='linear'.*disagree"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, r"rope_parameters"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ({"mlp_bias": True}, r"mlp_bias"),
+        ({"attention_bias": True}, r"attention_bias"),
+        ({"model_type": "qwen3", "attention_bias": True}, r"attention_bias"),
+        ({"quantization_config": {"quant_method": "awq"}}, r"quantization_config"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1},
+            r"use_sliding_window",
+        ),
+        (
+            {
+                "model_type": "qwen3",
+                "use_sliding_window": True,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            r"use_sliding_window",
+        ),
+        (
+            {"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]},
+            r"layer_types",
+        ),
+        ({"head_dim": 33}, r"head_dim=33 must be even"),
+    ],
+)
+def test_refusals_name_the_field(tmp_path: Path, fields: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern) as e:
+        _read(tmp_path, **fields)
+    assert "config.json" in str(e.value)
+
+
+def test_family_defaults_and_accepted_fields(tmp_path: Path) -> None:
+    # Qwen3 without head_dim uses transformers' 128; Llama's null head_dim is hidden // heads
+    assert _read(tmp_path, model_type="qwen3").head_dim == 128
+    assert _read(tmp_path, head_dim=None).head_dim == 16
+    assert _read(tmp_path, head_dim=40).head_dim == 40
+    cfg = _read(
+        tmp_path, model_type="qwen2", num_attention_heads=32, head_dim=8, num_key_value_heads=...
+    )
+    assert cfg.num_kv_heads == 32 and cfg.attention_bias and cfg.max_position == 32768
+    assert _read(tmp_path, num_key_value_heads=...).num_kv_heads == 4
+    assert _read(tmp_path).max_position == 2048
+    # settings that change nothing here are accepted
+    cfg = _read(
+        tmp_path,
+        model_type="qwen2",
+        hidden_act="swish",
+        use_sliding_window=True,
+        sliding_window=4096,
+        max_window_layers=28,
+        attention_bias=False,  # transformers' Qwen2 has q/k/v biases whatever this says
+        dtype="bfloat16",
+        pretraining_tp=2,
+        eos_token_id=[5, 7],
+    )
+    assert cfg.attention_bias and cfg.dtype == "bfloat16" and cfg.eos_token_ids == (5, 7)
+    assert _read(tmp_path, use_sliding_window=True, max_window_layers=0).model_type == "llama"
+    assert _read(tmp_path, model_type="qwen3", use_sliding_window=True, sliding_window=None).qk_norm
+
+
+def test_fingerprints_of_presets_are_unchanged() -> None:
+    # pinned: L3 objects written before RoPE scaling existed stay readable
+    pinned = {
+        "tiny": "ec91a9e65be5cf51edb79b49fe13d343",
+        "small": "3024ad3ead69cea644664c3810446102",
+        "mla": "69dc1beff24058a4bc75b0abc6dd07b9",
+        "hybrid": "72c613b03a333b6399a31bcb4221a79d",
+        "swa": "ff80c768a08574c7804f7bb23763b802",
+    }
+    assert {name: preset(name).fingerprint() for name in pinned} == pinned
+
+
+def test_rope_scaling_enters_the_fingerprint() -> None:
+    base = ModelConfig(rope_type="llama3", rope_factor=8.0)
+    variants = [
+        ModelConfig(),
+        ModelConfig(rope_type="linear", rope_factor=8.0),
+        dataclasses.replace(base, rope_factor=4.0),
+        dataclasses.replace(base, rope_low_freq_factor=2.0),
+        dataclasses.replace(base, rope_high_freq_factor=8.0),
+        dataclasses.replace(base, rope_original_max_position=4096),
+    ]
+    prints = {v.fingerprint() for v in [base, *variants]}
+    assert len(prints) == len(variants) + 1
+
+
+def test_to_hf_round_trip_keeps_rope_scaling(tmp_path: Path) -> None:
+    cfg = ModelConfig(
+        rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position=64
+    )
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    assert ModelConfig.from_hf(tmp_path) == cfg
+    linear = ModelConfig(rope_type="linear", rope_factor=2.0)
+    (tmp_path / "config.json").write_text(json.dumps(linear.to_hf()))
+    assert ModelConfig.from_hf(tmp_path) == linear
+    with pytest.raises(ConfigError, match="rope_type='ntk'"):
+        ModelConfig(rope_type="ntk")
+    with pytest.raises(ConfigError, match="rope_low_freq_factor"):
+        ModelConfig(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
