@@ -56,7 +56,10 @@ class ModelRunner:
         ).cpu()
 
     def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        """Each item's next token from its row of ``logits`` (on the CPU)."""
+        """Each item's next token from its row of ``logits`` (on the CPU); requests that asked
+        for them keep their rows. Called once per step, so every output token has one row."""
+        for i, w in enumerate(work):
+            w.req.record_logits(logits[i])
         return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
 
     def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:
