@@ -42,6 +42,8 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
         ([1, torch.tensor(2.5)], r"prompt token 1 is tensor\(2.5000\) \(Tensor\)"),
         (torch.tensor([1.0, 2.0]), r"prompt token 0 is tensor\(1.\) \(Tensor\)"),
         ([1, [2, 3]], r"prompt token 1 is \[2, 3\] \(list\)"),
+        (torch.tensor(3), r"a prompt tensor must be 1-D, got shape \(\)"),
+        (torch.tensor([[1, 2]]), r"a prompt tensor must be 1-D, got shape \(1, 2\)"),
         (7, "prompt must be text or a sequence of token ids, got int"),
         (b"\x01\x02", "prompt must be text or a sequence of token ids, got bytes"),
         ({1, 2}, "prompt must be text or a sequence of token ids, got set"),

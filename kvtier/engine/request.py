@@ -28,8 +28,11 @@ def token_ids(prompt: Any) -> list[int]:
         raise RequestError(
             f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}"
         )
-    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and _integer_dtype(prompt.dtype):
-        return prompt.tolist()
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise RequestError(f"a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+        if _integer_dtype(prompt.dtype):
+            return prompt.tolist()
     ids: list[int] = []
     for i, t in enumerate(prompt):
         if isinstance(t, torch.Tensor):

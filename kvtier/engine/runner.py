@@ -56,11 +56,13 @@ class ModelRunner:
         ).cpu()
 
     def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        """Each item's next token from its row of ``logits`` (on the CPU); requests that asked
-        for them keep their rows. Called once per step, so every output token has one row."""
+        """Each item's next token from its row of ``logits`` (on the CPU). A request that asked
+        for its logits keeps the row of every token sampled for it: one row per output token."""
+        tokens = []
         for i, w in enumerate(work):
+            tokens.append(sample(logits[i], w.req.params, w.req.generator))
             w.req.record_logits(logits[i])
-        return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
+        return tokens
 
     def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:
         """Give a stateful model the request's running state and where to checkpoint it.
