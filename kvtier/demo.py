@@ -261,7 +261,7 @@ def run_restart(cfg: DemoConfig, work: list[dict]) -> PhaseReport:
 def run_demo(cfg: DemoConfig) -> dict:
     """Both phases; the restart phase in a child process. Returns the JSON summary."""
     live, work = run_live(cfg)
-    # The cold logits travel as a tensor file: JSON would round their floats.
+    # The cold logits travel as a tensor file: as JSON, vocab x steps floats a request are slow.
     work_file = Path(cfg.storage_dir) / "restart-work.pt"
     torch.save({"config": _cfg_json(cfg), "work": work}, work_file)
     child = subprocess.run(
