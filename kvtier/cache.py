@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
-from kvtier.config import CacheConfig
+from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller
 from kvtier.errors import CapacityError, ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, storage_extension, usable_lengths
@@ -47,12 +47,6 @@ from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class TieredCache:

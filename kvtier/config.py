@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from kvtier.errors import ConfigError
 
@@ -13,16 +17,78 @@ HOST_LAYOUTS = ("page_first", "layer_first")
 EVICTION_POLICIES = ("lru", "lfu")
 
 
-def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
         raise ConfigError(f"{option}={value!r} is not one of {', '.join(allowed)}")
 
 
-def _positive(option: str, value: float | int | None, allow_none: bool = False) -> None:
+def _integer(option: str, value: Any, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"{option} must be a positive number, got {value!r}")
+    # bool is an int subclass: True would silently mean 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{option} must be {what}, got {value!r}")
+
+
+def _positive(option: str, value: Any) -> None:
+    # nan passes every comparison-based check and inf overflows the pool sizing later
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{option} must be a positive finite number, got {value!r}")
+
+
+def _flag(option: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, bool):
+        none = " or None" if allow_none else ""
+        raise ConfigError(f"{option} must be True or False{none}, got {value!r}")
+
+
+def _text(option: str, value: Any, allow_none: bool = False, nonempty: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or (nonempty and not value):
+        what = "a non-empty string" if nonempty else "a string"
+        none = " or None" if allow_none else ""
+        raise ConfigError(f"{option} must be {what}{none}, got {value!r}")
+
+
+def _available_devices() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ", ".join(["cpu", *(f"cuda:{i}" for i in range(count))])
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The torch device that ``CacheConfig.device`` names on this host (``None``: CUDA when
+    available, else CPU).
+
+    Checked here, at cache start, rather than at construction: a config may be built on another
+    host than the one that runs it. Raises ``ConfigError`` naming ``device`` and what this host
+    has when the name is no torch device, not ``cpu``/``cuda``, or a CUDA device that is absent.
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    have = f"this host has {_available_devices()}"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device={name!r} is not a torch device name; {have}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device={name!r}: kvtier runs on cpu or cuda; {have}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"device={name!r} but CUDA is not available; {have}")
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"device={name!r} is beyond the {count} CUDA device(s); {have}")
+    return dev
 
 
 @dataclass(frozen=True)
@@ -34,7 +100,8 @@ class CacheConfig:
     device_pages: int = 256
     """Pages in the device (L1) pool."""
     device: str | None = None
-    """Torch device for L1: ``cuda``/``cuda:N``/``cpu``; ``None`` picks CUDA when available."""
+    """Torch device for L1: ``cuda``/``cuda:N``/``cpu``; ``None`` picks CUDA when available.
+    Checked against the devices of the host that starts the cache (``resolve_device``)."""
     enable_host: bool = True
     """Keep an L2 host tier. Without it there is no L3 either."""
     host_ratio: float = 2.0
@@ -94,26 +161,47 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for opt in ("page_size", "device_pages", "write_threshold", "storage_bytes"):
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
+            _integer(opt, getattr(self, opt), 1)
+        _text("device", self.device, allow_none=True, nonempty=True)
+        _flag("enable_host", self.enable_host)
         _positive("host_ratio", self.host_ratio)
-        _positive("host_pages", self.host_pages, allow_none=True)
-        _positive("host_bytes", self.host_bytes, allow_none=True)
-        _positive("prefetch_timeout_s", self.prefetch_timeout_s)
-        if not isinstance(self.prefetch_min_pages, int) or self.prefetch_min_pages < 1:
-            raise ConfigError(f"prefetch_min_pages must be >= 1, got {self.prefetch_min_pages!r}")
+        _integer("host_pages", self.host_pages, 1, allow_none=True)
+        _integer("host_bytes", self.host_bytes, 1, allow_none=True)
+        if self.host_pages is not None and self.host_bytes is not None:
+            raise ConfigError(
+                f"host_pages={self.host_pages} and host_bytes={self.host_bytes} both size the "
+                "host pool: set at most one"
+            )
         _choice("host_layout", self.host_layout, HOST_LAYOUTS)
-        if not isinstance(self.debug_checks, bool):
-            raise ConfigError(f"debug_checks must be true or false, got {self.debug_checks!r}")
-        share = self.backup_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-            raise ConfigError(f"backup_share must be a number in [0, 1], got {share!r}")
+        _flag("pin_host", self.pin_host, allow_none=True)
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
-        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+        # '' would read as "no L3" in some places and as a backend name in others
+        _text("storage", self.storage, allow_none=True, nonempty=True)
+        _text("storage_url", self.storage_url, allow_none=True, nonempty=True)
+        # '' is the current directory: the file backend would write into wherever it runs
+        _text("storage_dir", self.storage_dir, nonempty=True)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _positive("prefetch_timeout_s", self.prefetch_timeout_s)
+        _integer("prefetch_min_pages", self.prefetch_min_pages, 1)
+        _text("model_fingerprint", self.model_fingerprint)
+        _text("tenant_salt", self.tenant_salt)
+        _integer("world_size", self.world_size, 1)
+        _integer("rank", self.rank, 0)
+        if self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        _flag("debug_checks", self.debug_checks)
+        share = self.backup_share
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, int | float)
+            or not math.isfinite(share)
+            or not 0 <= share <= 1
+        ):
+            raise ConfigError(f"backup_share must be a number in [0, 1], got {share!r}")
+        ns = self.extra_namespace
+        if not isinstance(ns, tuple) or not all(isinstance(x, str) for x in ns):
+            raise ConfigError(f"extra_namespace must be a tuple of strings, got {ns!r}")
         if self.storage == "mooncake" and not self.storage_url:
             raise ConfigError("storage='mooncake' needs storage_url (mooncake://MASTER:PORT?...)")
         if self.storage is not None and not self.enable_host:
@@ -127,9 +215,9 @@ class CacheConfig:
         Raises ``ConfigError`` when the host tier is too small for the write policy.
         """
         if self.host_pages is not None:
-            pages, opt = int(self.host_pages), "host_pages"
+            pages, opt = self.host_pages, "host_pages"
         elif self.host_bytes is not None:
-            pages, opt = int(self.host_bytes) // page_bytes, "host_bytes"
+            pages, opt = self.host_bytes // page_bytes, "host_bytes"
         else:
             pages, opt = int(self.device_pages * self.host_ratio), "host_ratio"
         if pages < 1:

@@ -1,7 +1,8 @@
 """Storage-restore half of the family oracle, run in a fresh process.
 
 Usage: python family_oracle_child.py FAMILY STORAGE_DIR CASE_FILE → prints JSON with the greedy
-outputs, the tokens restored from storage, and whether the restored rows equal the originals.
+outputs, their max logit difference to the cold runs, the tokens restored from storage, and
+whether the restored rows equal the originals.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import json
 import sys
 
 import torch
-from test_family_oracle import GREEDY, make_llm, snapshot
+from test_family_oracle import GREEDY, make_llm, max_logit_diff, rows_equal, snapshot
+
+from kvtier.oracle import Expected
 
 
 def main(family: str, storage_dir: str, case_file: str) -> None:
@@ -23,25 +26,24 @@ def main(family: str, storage_dir: str, case_file: str) -> None:
     pf.future.result()
     llm.cache.finish_prefetch(pf)
     rows = snapshot(llm, case["base"])
-    outputs, storage_tokens = [], []
+    outs, storage_tokens = [], []
     for prompt in case["prompts"]:
         (out,) = llm.generate([prompt], GREEDY)
-        outputs.append(list(out.output_ids))
+        outs.append(out)
         storage_tokens.append(out.cached_storage)
     storage_tokens.append(llm.cache.stats()["storage_hit_tokens"])
     llm.cache.drain()
-    same = rows.keys() == case["rows"].keys()
-    compared = {}
-    for k in rows:
-        n = min(rows[k].shape[1], case["rows"][k].shape[1])
-        compared[k] = n
-        a, b = rows[k][:, :n], case["rows"][k][:, :n]
-        same = same and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    same, compared = rows_equal(rows, case["rows"])
     llm.close()
+    cold = [Expected(t, lg) for t, lg in zip(case["cold_tokens"], case["cold_logits"], strict=True)]
+    outputs = [list(o.output_ids) for o in outs]
+    # tokens are compared by the parent: a difference must show there, not as a crash here
+    diff = max_logit_diff(outs, cold) if outputs == [e.tokens for e in cold] else float("inf")
     print(
         json.dumps(
             {
                 "outputs": outputs,
+                "max_logit_diff": diff,
                 "storage_tokens": storage_tokens,
                 "rows_equal": same,
                 "rows_compared": compared,

@@ -1,6 +1,7 @@
 """The content oracle: for prompts cut at depths sweeping page boundaries, greedy outputs after a
 device hit, a host restore and a storage restore in a fresh process equal a cold run token for
-token, and restored KV bytes equal the originals byte for byte."""
+token, the logits of every generated step equal the cold run's within the float32 tolerance
+(``kvtier.oracle``), and restored KV bytes equal the originals byte for byte."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from childproc import run_json
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
+from kvtier.oracle import Expected, compare, default_tolerance
 
 MODEL = ModelConfig(num_layers=3, max_position=1024, seed=7)
 PS = 16
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
+TOL = default_tolerance(MODEL.dtype)
 BASE_LEN = 6 * PS
 DEPTHS = [1, PS - 1, PS, PS + 1, 2 * PS - 1, 2 * PS, 2 * PS + 1, 3 * PS + 7, 5 * PS, BASE_LEN]
 
@@ -59,13 +62,26 @@ def prefix_kv(llm: LLM, tokens: list[int]) -> torch.Tensor:
     return kv
 
 
-def cold_outputs() -> list[list[int]]:
+def cold_outputs() -> list[Expected]:
     outs = []
     for p in prompts():
         llm = make_llm()
-        outs.append(list(llm.generate([p], GREEDY)[0].output_ids))
+        out = llm.generate([p], GREEDY)[0]
+        outs.append(Expected(list(out.output_ids), out.logits))
         llm.close()
     return outs
+
+
+def logit_diffs(outs, cold: list[Expected]) -> list[float]:
+    """Each output's max |logit difference| to its cold run (tokens must be equal too)."""
+    checks = [compare(o.output_ids, o.logits, want) for o, want in zip(outs, cold, strict=True)]
+    assert [same for same, _ in checks] == [True] * len(cold)
+    return [diff for _, diff in checks]
+
+
+def restored_prefix(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """KV bytes of the whole pages of ``prompt[:-1]``: what a request for ``prompt`` restores."""
+    return prefix_kv(llm, prompt[:-1]).view(torch.uint8)
 
 
 def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
@@ -77,26 +93,42 @@ def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
     kv = prefix_kv(llm, base)
     assert kv.shape[1] == BASE_LEN  # the generated tokens completed the last page
 
-    device = [llm.generate([p], GREEDY)[0] for p in prompts()]
-    assert [list(o.output_ids) for o in device] == cold
+    device, written = [], []
+    for p in prompts():
+        device.append(llm.generate([p], GREEDY)[0])
+        written.append(restored_prefix(llm, p))  # the pages this prompt's later restores read
+    assert max(logit_diffs(device, cold)) <= TOL
     assert [o.cached_device for o in device] == [d // PS * PS for d in DEPTHS]
 
     host_outputs = []
-    for p in prompts():
+    for p, pages in zip(prompts(), written, strict=True):
         llm.cache.flush(host=False)  # device empty, host keeps everything
         out = llm.generate([p], GREEDY)[0]
         assert out.cached_device == 0
         assert out.cached_host == (len(p) - 1) // PS * PS  # every whole page of p[:-1]
-        host_outputs.append(list(out.output_ids))
-    assert host_outputs == cold
+        assert torch.equal(restored_prefix(llm, p), pages)
+        host_outputs.append(out)
+    assert max(logit_diffs(host_outputs, cold)) <= TOL
     llm.cache.flush(host=False)
     assert torch.equal(prefix_kv(llm, base).view(torch.uint8), kv.view(torch.uint8))
     llm.close()
 
     case = tmp_path / "case.pt"
-    torch.save({"prompts": prompts(), "base": base, "kv": kv}, case)
+    torch.save(
+        {
+            "prompts": prompts(),
+            "base": base,
+            "kv": kv,
+            "cold_tokens": [c.tokens for c in cold],
+            "cold_logits": [c.logits for c in cold],
+            "written": written,
+        },
+        case,
+    )
     result = run_json("oracle_child.py", storage, str(case))
-    assert result["outputs"] == cold
+    assert result["outputs"] == [c.tokens for c in cold]
+    assert max(result["logit_diffs"]) <= TOL
+    assert result["pages_equal"] == [True] * len(DEPTHS)
     assert result["kv_equal"]
     # Every whole page of every prompt comes back (from storage, or from the device once an
     # earlier prompt restored it), and together the prompts fetched every base page.

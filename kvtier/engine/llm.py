@@ -17,7 +17,7 @@ from kvtier.config import CacheConfig
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
-from kvtier.engine.request import Request, RequestOutput
+from kvtier.engine.request import Request, RequestOutput, token_ids
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
@@ -117,7 +117,7 @@ class LLM:
             if self.tokenizer is None:
                 raise RequestError("text prompt given but the model has no tokenizer")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return token_ids(prompt)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step (at most one forward); returns the requests that finished.

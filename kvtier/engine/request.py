@@ -4,12 +4,51 @@
 from __future__ import annotations
 
 import enum
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import RequestError
+
+
+def token_ids(prompt: Any) -> list[int]:
+    """``prompt``'s token ids as Python ints.
+
+    ``prompt`` is a sequence (list, tuple, 1-D tensor or array) of Python ints or numpy/torch
+    integer scalars. Anything else raises ``RequestError`` naming the index and the value:
+    ``int(1.7)`` or ``int('5')`` would silently serve another prompt, and bools are no ids.
+    """
+    if isinstance(prompt, bytes | bytearray | set | frozenset | dict) or not isinstance(
+        prompt, Iterable
+    ):
+        raise RequestError(
+            f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}"
+        )
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise RequestError(f"a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+        if _integer_dtype(prompt.dtype):
+            return prompt.tolist()
+    ids: list[int] = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, torch.Tensor):
+            ok = t.dim() == 0 and _integer_dtype(t.dtype)
+        else:
+            ok = isinstance(t, numbers.Integral) and not isinstance(t, bool)
+        if not ok:
+            raise RequestError(
+                f"prompt token {i} is {t!r} ({type(t).__name__}): token ids must be integers"
+            )
+        ids.append(int(t))
+    return ids
+
+
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 class Status(enum.Enum):
@@ -60,10 +99,20 @@ class Request:
     """Per-anchor-layer arrival events of a host load the next forward must wait on."""
     checkpoints: set[int] = field(default_factory=set)
     """Stateful models: pages (by index in ``tokens``) whose state row this request wrote."""
+    logit_rows: list[torch.Tensor] | None = None
+    """With ``params.return_logits``: the float32 CPU logits of every generated token so far."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.params.return_logits and self.logit_rows is None:
+            self.logit_rows = []
+
+    def record_logits(self, row: torch.Tensor) -> None:
+        """Keep ``row``, the CPU logits the next output token is sampled from (a copy: the
+        step's batch tensor is not held on to)."""
+        if self.logit_rows is not None:
+            self.logit_rows.append(row.to(torch.float32, copy=True))
 
     @property
     def output(self) -> list[int]:
@@ -75,6 +124,7 @@ class Request:
 
     def to_output(self, text: str | None = None) -> RequestOutput:
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        rows = self.logit_rows
         return RequestOutput(
             request_id=self.id,
             prompt=list(self.prompt),
@@ -88,6 +138,7 @@ class Request:
             preemptions=self.preemptions,
             text=text,
             error=self.error,
+            logits=torch.stack(rows) if rows else None,
         )
 
 
@@ -120,6 +171,9 @@ class RequestOutput:
     """Decoded output when the model directory has a usable tokenizer."""
     error: str | None = None
     """Why the request failed (``finish_reason == "error"``); the engine served the others."""
+    logits: torch.Tensor | None = None
+    """With ``SamplingParams.return_logits``: float32 CPU ``[len(output_ids), vocab]``, row
+    ``i`` the logits ``output_ids[i]`` was sampled from; ``None`` otherwise."""
 
     @property
     def cached_tokens(self) -> int:

@@ -56,8 +56,13 @@ class ModelRunner:
         ).cpu()
 
     def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        """Each item's next token from its row of ``logits`` (on the CPU)."""
-        return [sample(logits[i], w.req.params, w.req.generator) for i, w in enumerate(work)]
+        """Each item's next token from its row of ``logits`` (on the CPU). A request that asked
+        for its logits keeps the row of every token sampled for it: one row per output token."""
+        tokens = []
+        for i, w in enumerate(work):
+            tokens.append(sample(logits[i], w.req.params, w.req.generator))
+            w.req.record_logits(logits[i])
+        return tokens
 
     def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:
         """Give a stateful model the request's running state and where to checkpoint it.

@@ -3,12 +3,27 @@ per-request generator so that a given seed reproduces the same tokens."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier.errors import RequestError
+
+_SEEDS = (-(1 << 63), 1 << 64)
+"""Seeds ``torch.Generator.manual_seed`` takes."""
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass: True would silently mean 1
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    # nan passes every comparison-based range check
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -29,18 +44,32 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens that end the request (the stop token is part of the output)."""
+    return_logits: bool = False
+    """Return the logits every generated token was sampled from (``RequestOutput.logits``)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise RequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (
+            _is_int(self.seed) and _SEEDS[0] <= self.seed < _SEEDS[1]
+        ):
+            raise RequestError(
+                f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}"
+            )
+        for opt in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, opt), bool):
+                raise RequestError(f"{opt} must be True or False, got {getattr(self, opt)!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, tuple) or not all(_is_int(t) for t in stops):
+            raise RequestError(f"stop_token_ids must be a tuple of integers, got {stops!r}")
 
     @property
     def greedy(self) -> bool:
