@@ -106,7 +106,14 @@ class TieredCache:
             raise RequestError(f"TieredCache.{what}() after close()")
 
     def _check_capabilities(self, backend: StorageBackend) -> None:
-        """Gate features on what ``backend`` declares (contract 9)."""
+        """Gate features on what ``backend`` declares (contract 9); refuse a namespace that
+        is not bound to the model's weights unless the config accepts one (contract 7)."""
+        if not self.config.model_fingerprint and not self.config.unbound_namespace:
+            raise ConfigError(
+                f"storage={backend.name!r} without model_fingerprint: every model sharing the "
+                "store would read the others' KV. Set model_fingerprint (LLM does) or "
+                "unbound_namespace=True for a store only one model uses"
+            )
         if self.page_size != self.kv_page_size and not backend.capabilities.page_spans:
             raise ConfigError(
                 f"storage backend {backend.name!r} does not support page spans, but this "

@@ -141,7 +141,12 @@ class CacheConfig:
     prefetch_min_pages: int = 1
     """Storage hits shorter than this many pages are recomputed instead of fetched."""
     model_fingerprint: str = ""
-    """Identifies model weights and architecture; part of every L3 key's namespace."""
+    """Identifies model weights and architecture; part of every L3 key's namespace. ``LLM``
+    sets it from the model; a cache with storage refuses to start without it unless
+    ``unbound_namespace`` says so."""
+    unbound_namespace: bool = False
+    """Accept storage without a ``model_fingerprint``: every model sharing the store (or
+    ``storage_dir``) then reads the others' objects. Only for a store one model uses."""
     tenant_salt: str = ""
     """Optional salt so that tenants never share L3 objects."""
     rank: int = 0
@@ -191,6 +196,7 @@ class CacheConfig:
         if self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
         _flag("debug_checks", self.debug_checks)
+        _flag("unbound_namespace", self.unbound_namespace)
         share = self.backup_share
         if (
             isinstance(share, bool)

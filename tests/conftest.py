@@ -25,6 +25,7 @@ def make_cache(tmp_path, **overrides) -> TieredCache:
         device=DEVICE,
         storage="file",
         storage_dir=str(tmp_path / "l3"),
+        model_fingerprint="test-model",
         prefetch_policy="wait_complete",
     )
     return TieredCache(replace(base, **overrides), [SPEC])

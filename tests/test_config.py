@@ -126,3 +126,21 @@ def test_host_sizing_by_ratio_and_bytes():
         CacheConfig(device_pages=8, host_bytes=3 * page_bytes + 1, device="cpu"), [SPEC]
     )
     assert c.host_pool.num_pages == 3
+
+
+def test_storage_needs_a_model_fingerprint_or_an_explicit_unbound_namespace(tmp_path):
+    cfg = CacheConfig(device="cpu", storage="file", storage_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="without model_fingerprint"):
+        TieredCache(cfg, [SPEC])
+    with pytest.raises(ConfigError, match="unbound_namespace must be True or False"):
+        CacheConfig(unbound_namespace="yes")
+    TieredCache(
+        CacheConfig(
+            device="cpu", storage="file", storage_dir=str(tmp_path), unbound_namespace=True
+        ),
+        [SPEC],
+    ).close()
+    TieredCache(
+        CacheConfig(device="cpu", storage="file", storage_dir=str(tmp_path), model_fingerprint="m"),
+        [SPEC],
+    ).close()

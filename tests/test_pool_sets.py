@@ -31,6 +31,7 @@ def make(tmp_path, specs, **kw) -> TieredCache:
         device=DEVICE,
         storage="file",
         storage_dir=str(tmp_path / "l3"),
+        model_fingerprint="test-model",
         prefetch_policy="wait_complete",
         debug_checks=True,
     )
