@@ -23,7 +23,6 @@ Range table of one finished request's slots (``ps`` = page size)::
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -32,11 +31,11 @@ import torch
 
 from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller
-from kvtier.errors import CapacityError, ConfigError, IntegrityError, RequestError
-from kvtier.hits import checkpointed_len, storage_extension, usable_lengths
+from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
-from kvtier.paging import align_down, locs_to_pages, pages_to_locs
+from kvtier.paging import align_down
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
@@ -98,7 +97,13 @@ class TieredCache:
             self.namespace,
             self.metrics,
         )
-        self.engine_pages = EnginePages(self.device_pool.num_pages, ps)
+        self.engine_pages = EnginePages(
+            self.device_pool,
+            self.tree,
+            self.controller.alloc_device,
+            self.controller.on_insert,
+            self.stateful,
+        )
         self._closed = False
 
     def _check_open(self, what: str) -> None:
@@ -200,28 +205,11 @@ class TieredCache:
         usable = sum(len(node.tokens) for node in path[:n])
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
-        counts = {"device": 0, "host": 0, "storage": 0}
-        pages, left, last_src, fetched = [], usable, None, []
-        for node, (was_dev, was_fetched) in zip(path, before, strict=True):
-            if left <= 0:
-                break
-            take = min(len(node.tokens), left)
-            # A fetched node stays "storage" until an admission that used it is counted: a
-            # load whose admission failed leaves it on device but not yet served.
-            src = "storage" if was_fetched else ("device" if was_dev else "host")
-            counts[src] += take
-            last_src = src
-            if was_fetched:
-                fetched.append(node)
-            if node.device is None:
-                raise IntegrityError(f"node {node.id}: loaded but has no device copy")
-            pages.append(node.device[: take // ps])
-            left -= take
-        locs = pages_to_locs(torch.cat(pages), ps) if pages else torch.empty(0, dtype=torch.int64)
+        served = served_prefix(path, before, usable, ps)
         ld = LoadResult(
-            locs, counts["device"], counts["host"], counts["storage"], layer_events, last_src
+            served.locs, *served.tokens, layer_events=layer_events, state_source=served.last
         )
-        h.loaded, h.load_result, h.fetched_nodes = locs, ld, fetched
+        h.loaded, h.load_result, h.fetched_nodes = served.locs, ld, served.fetched
         return ld
 
     def record_hits(self, handle: Handle) -> None:
@@ -277,31 +265,17 @@ class TieredCache:
 
     # ---- engine-owned pages -------------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor:
-        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed."""
+        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed;
+        ``CapacityError`` when even eviction leaves too few."""
         self._check_open("alloc")
-        n = math.ceil(num_tokens / self.page_size)
-        pages = self.controller.alloc_device(n)
-        if pages is None:
-            raise CapacityError(
-                f"device pool: {n} pages requested, {self.device_pool.allocator.available} free "
-                f"of {self.device_pool.num_pages} after evicting every unlocked cached page"
-            )
-        self.engine_pages.take(pages)
-        return pages_to_locs(pages, self.page_size)
+        return self.engine_pages.alloc(num_tokens)
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the whole pages containing ``locs``; they must be the engine's (from ``alloc``,
         not given to the tree), else ``RequestError`` and nothing is freed."""
         self._check_open("free")
-        if locs.numel() == 0:
-            return
-        pages = torch.unique(self.engine_pages.pages_of(locs, "free"))
-        self.engine_pages.require_owned(pages, "free")
-        self._free_pages(pages)
-
-    def _free_pages(self, pages: torch.Tensor) -> None:
-        self.engine_pages.release(pages)
-        self.device_pool.free_pages(pages)
+        if locs.numel():
+            self.engine_pages.free(locs)
 
     def insert(
         self, tokens: Sequence[int], locs: torch.Tensor, checkpoints: torch.Tensor | None = None
@@ -311,31 +285,11 @@ class TieredCache:
 
         ``checkpoints`` (models with a state pool; bool per whole page, or longer) flags the
         pages whose state row holds the state after the page's last token. Omitted: none do.
-        Slots outside the pool, or pages that are neither the engine's nor the cached page at
-        their position, raise ``RequestError`` before anything changes.
+        Slots outside the pool, misaligned pages, or pages that are neither the engine's nor
+        the cached page at their position raise ``RequestError`` before anything changes.
         """
         self._check_open("insert")
-        n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        self.engine_pages.pages_of(locs[:n], "insert")
-        pages = locs_to_pages(locs[:n].cpu(), self.page_size)
-        self.engine_pages.check_insert(self.tree, tokens[:n], pages, "insert")
-        return self._insert(tokens[:n], pages, checkpoints)
-
-    def _insert(
-        self, tokens: Sequence[int], pages: torch.Tensor, checkpoints: torch.Tensor | None
-    ) -> InsertResult:
-        flags = None
-        if self.stateful:
-            k = pages.numel()
-            flags = torch.zeros(k, dtype=torch.bool)
-            if checkpoints is not None:
-                flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
-        out = self.tree.insert(tokens, pages, tier="device", checkpoints=flags)
-        # Duplicates only ever precede cached_len (a device copy's parent has one too).
-        self.engine_pages.release(pages[out.cached_len // self.page_size :])
-        if self.config.write_policy == "write_through":
-            self.controller.backup_to_host(out.taken)
-        return InsertResult(out.cached_len)
+        return InsertResult(self.engine_pages.insert(tokens, locs, checkpoints))
 
     def finish(
         self,
@@ -355,16 +309,7 @@ class TieredCache:
         ``RequestError`` before anything changes.
         """
         self._check_open("finish")
-        ps = self.page_size
-        all_pages = self.engine_pages.check_finish(locs, prefix_len, handle)
-        n = align_down(min(len(tokens), locs.numel()), ps)
-        pages = locs_to_pages(locs[:n].cpu(), ps)
-        self.engine_pages.check_insert(self.tree, tokens[:n], pages, "finish")
-        self._insert(tokens[:n], pages, checkpoints)
-        rest = torch.unique(all_pages)
-        rest = rest[self.engine_pages.owned(rest)]
-        if rest.numel():
-            self._free_pages(rest)
+        n = self.engine_pages.finish(tokens, locs, prefix_len, handle, checkpoints)
         if handle is not None:
             self.unlock(handle)
         return n
@@ -401,6 +346,7 @@ class TieredCache:
             device_pages_total=dev.num_pages,
             device_pages_used=dev.allocator.used,
             device_pages_cached=self.tree.held_pages("device").numel(),
+            device_pages_engine=self.engine_pages.count,
             host_pages_total=host.num_pages if host else 0,
             host_pages_used=host.allocator.used if host else 0,
             host_bytes_total=host.nbytes if host else 0,
@@ -420,14 +366,7 @@ class TieredCache:
         """Every structure's invariants plus cross-structure page accounting."""
         self.tree.check_integrity()
         self.device_pool.check_integrity()
-        held = self.tree.held_pages("device").numel()
-        owned = self.engine_pages.count
-        if self.device_pool.allocator.used != held + owned:
-            raise IntegrityError(
-                f"device pages: {self.device_pool.allocator.used} used != {held} cached + "
-                f"{owned} engine-owned"
-            )
-        self.engine_pages.check_disjoint(self.tree.held_pages("device"))
+        self.engine_pages.check_integrity()
         if self.host_pool is not None:
             self.host_pool.check_integrity()
             held = self.tree.held_pages("host").numel()

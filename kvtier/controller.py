@@ -170,6 +170,11 @@ class Controller:
         self._backups.append(flight)
         return flight
 
+    def on_insert(self, nodes: list[Node]) -> None:
+        """``nodes`` just took device pages from the engine (``write_through`` backs them up)."""
+        if self.config.write_policy == "write_through":
+            self.backup_to_host(nodes)
+
     def _finish_backup(self, flight: InFlight) -> None:
         flight.op.complete()
         if flight in self._backups:

@@ -10,9 +10,15 @@ matched length, whose page carries one — an earlier checkpoint rather than no 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
+
+from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys, state_key
+from kvtier.paging import pages_to_locs
 from kvtier.storage.base import StorageBackend
+from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import TreeMatch
 
@@ -74,3 +80,46 @@ def storage_extension(
         while found and backend.batch_exists([state_key(found[-1])]) == 0:
             found.pop()
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Where the first ``usable`` tokens of a loaded path came from."""
+
+    locs: torch.Tensor
+    """Their device slots."""
+    tokens: tuple[int, int, int]
+    """Tokens served from device, host and storage."""
+    last: str | None
+    """The tier of the last node used (a state pool's resume row), ``None`` if none."""
+    fetched: list[Node]
+    """Nodes served from storage fetches."""
+
+
+def served_prefix(
+    path: list[Node], before: list[tuple[bool, bool]], usable: int, page_size: int
+) -> Served:
+    """Attribute the first ``usable`` tokens of the loaded ``path`` to tiers, given each
+    node's ``(on_device, fetched)`` before the load. A fetched node stays ``storage`` until an
+    admission that used it was counted: a load whose admission failed leaves it on device but
+    not yet served."""
+    counts = {"device": 0, "host": 0, "storage": 0}
+    pages: list[torch.Tensor] = []
+    fetched: list[Node] = []
+    left, last = usable, None
+    for node, (was_dev, was_fetched) in zip(path, before, strict=True):
+        if left <= 0:
+            break
+        take = min(len(node.tokens), left)
+        last = "storage" if was_fetched else ("device" if was_dev else "host")
+        counts[last] += take
+        if was_fetched:
+            fetched.append(node)
+        if node.device is None:
+            raise IntegrityError(f"node {node.id}: loaded but has no device copy")
+        pages.append(node.device[: take // page_size])
+        left -= take
+    locs = (
+        pages_to_locs(torch.cat(pages), page_size) if pages else torch.empty(0, dtype=torch.int64)
+    )
+    return Served(locs, (counts["device"], counts["host"], counts["storage"]), last, fetched)

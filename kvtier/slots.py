@@ -1,52 +1,134 @@
-"""Which device pages the engine owns, and the checks on slots it hands back to the cache.
+"""The engine's device pages: allocation, hand-over to the tree, freeing, and the checks on
+every slot list the engine hands back.
 
 A device page is free (allocator), cached (tree) or engine-owned: allocated by ``alloc`` and
-not yet given to the tree by ``insert`` nor returned by ``free``. The ledger below is the one
-record of the third state; every slot list the engine hands in is checked against it before
-any state changes, so a double ``finish``, a ``free`` of a cached page or a slot outside the
-pool is refused instead of corrupting the pools.
+not yet given to the tree by ``insert`` nor returned by ``free``. ``EnginePages`` is the one
+record of the third state. Every slot list handed in is checked against it before any state
+changes, so a double ``finish``, a ``free`` of a cached page, a wrong ``prefix_len``, a
+misaligned page or a slot outside the pool is refused instead of corrupting the pools.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import IntegrityError, RequestError
+from kvtier.errors import CapacityError, IntegrityError, RequestError
+from kvtier.paging import align_down, pages_to_locs
 
 if TYPE_CHECKING:
+    from kvtier.pools.device import DevicePool
     from kvtier.results import Handle
+    from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
+
+AllocFn = Callable[[int], "torch.Tensor | None"]
+"""Allocates ``n`` device pages, evicting cached ones if needed; ``None`` if impossible."""
+InsertedFn = Callable[[list["Node"]], None]
+"""Told which nodes took engine pages (the write policy backs them up)."""
 
 
 class EnginePages:
-    """Ownership flags of the ``num_pages`` device pages (CPU, one bool per page)."""
+    """Ownership flags of the device pool's pages (CPU, one bool per page) and the calls that
+    move pages in and out of the engine's hands."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._owned = torch.zeros(num_pages, dtype=torch.bool)
+    def __init__(
+        self,
+        pool: DevicePool,
+        tree: RadixTree,
+        alloc: AllocFn,
+        on_insert: InsertedFn,
+        stateful: bool,
+    ) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.page_size = tree.page_size
+        self._alloc = alloc
+        self._on_insert = on_insert
+        self.stateful = stateful
+        self._owned = torch.zeros(pool.num_pages, dtype=torch.bool)
 
     @property
     def count(self) -> int:
         """Pages the engine owns now."""
         return int(self._owned.sum())
 
-    def take(self, pages: torch.Tensor) -> None:
-        """``pages`` were just allocated for the engine."""
+    # ---- the lifecycle ------------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages."""
+        n = -(-num_tokens // self.page_size)
+        pages = self._alloc(n)
+        if pages is None:
+            raise CapacityError(
+                f"device pool: {n} pages requested, {self.pool.allocator.available} free of "
+                f"{self.pool.num_pages} after evicting every unlocked cached page"
+            )
         self._owned[pages.cpu()] = True
+        return pages_to_locs(pages, self.page_size)
 
-    def release(self, pages: torch.Tensor) -> None:
-        """``pages`` left the engine (given to the tree, or freed)."""
-        self._owned[pages.cpu()] = False
+    def free(self, locs: torch.Tensor) -> None:
+        """Free the pages containing ``locs``, which must all be the engine's."""
+        pages = torch.unique(self._pages_of(locs, "free"))
+        self._require_owned(pages, "free")
+        self._free(pages)
 
-    def owned(self, pages: torch.Tensor) -> torch.Tensor:
-        """Per page of ``pages``: whether the engine owns it."""
-        return self._owned[pages.cpu()]
+    def insert(
+        self,
+        tokens: Sequence[int],
+        locs: torch.Tensor,
+        checkpoints: torch.Tensor | None,
+        what: str = "insert",
+    ) -> int:
+        """Give the tree the whole pages of ``tokens`` at ``locs``; returns ``cached_len``."""
+        n = align_down(min(len(tokens), locs.numel()), self.page_size)
+        pages = self._whole_pages(locs[:n], what)
+        self._check_insert(tokens[:n], pages, what)
+        return self._insert(tokens[:n], pages, checkpoints)
 
-    def pages_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
+    def finish(
+        self,
+        tokens: Sequence[int],
+        locs: torch.Tensor,
+        prefix_len: int,
+        handle: Handle | None,
+        checkpoints: torch.Tensor | None,
+    ) -> int:
+        """Insert, then free every engine page of ``locs`` the tree did not take (duplicates
+        and the partial tail). All checks run first. Returns the tokens inserted."""
+        all_pages = self._check_finish(locs, prefix_len, handle)
+        n = align_down(min(len(tokens), locs.numel()), self.page_size)
+        pages = self._whole_pages(locs[:n], "finish")
+        self._check_insert(tokens[:n], pages, "finish")
+        self._insert(tokens[:n], pages, checkpoints)
+        rest = torch.unique(all_pages)
+        rest = rest[self._owned[rest]]
+        if rest.numel():
+            self._free(rest)
+        return n
+
+    def _insert(
+        self, tokens: Sequence[int], pages: torch.Tensor, checkpoints: torch.Tensor | None
+    ) -> int:
+        flags = None
+        if self.stateful:
+            k = pages.numel()
+            flags = torch.zeros(k, dtype=torch.bool)
+            if checkpoints is not None:
+                flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
+        out = self.tree.insert(tokens, pages, tier="device", checkpoints=flags)
+        # Duplicates only ever precede cached_len (a device copy's parent has one too).
+        self._owned[pages[out.cached_len // self.page_size :]] = False
+        self._on_insert(out.taken)
+        return out.cached_len
+
+    def _free(self, pages: torch.Tensor) -> None:
+        self._owned[pages] = False
+        self.pool.free_pages(pages)
+
+    # ---- checks -------------------------------------------------------------------------
+    def _pages_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page of every slot in ``locs`` (CPU int64), after checking the slots lie in the pool.
 
         Raises ``RequestError`` naming the first slot outside ``[0, num_pages * page_size)``.
@@ -55,16 +137,33 @@ class EnginePages:
         if locs.dtype.is_floating_point or locs.dtype == torch.bool:
             raise RequestError(f"{what}: slots must be an integer tensor, got {locs.dtype}")
         locs = locs.to(torch.int64)
-        limit = self.num_pages * self.page_size
+        limit = self.pool.num_pages * self.page_size
         bad = (locs < 0) | (locs >= limit)
         if bool(bad.any()):
             slot = int(locs[bad][0])
             raise RequestError(f"{what}: slot {slot} lies outside the device pool [0, {limit})")
         return locs // self.page_size
 
-    def require_owned(self, pages: torch.Tensor, what: str) -> None:
-        """Raise ``RequestError`` naming the pages of ``pages`` the engine does not own."""
-        mine = self.owned(pages)
+    def _whole_pages(self, locs: torch.Tensor, what: str) -> torch.Tensor:
+        """Page ids of ``locs``, whole pages of consecutive, aligned slots (checked: the tree
+        records a page by its id, so a rotated or gapped page would map tokens to wrong
+        slots)."""
+        pages = self._pages_of(locs, what)
+        ps = self.page_size
+        if ps == 1 or pages.numel() == 0:
+            return pages
+        rows = locs.reshape(-1, ps).cpu().to(torch.int64)
+        bad = (rows != rows[:, :1] + torch.arange(ps)).any(1) | (rows[:, 0] % ps != 0)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise RequestError(
+                f"{what}: page {i} of the slots ({rows[i].tolist()}) is not {ps} consecutive "
+                f"slots starting at a multiple of page_size={ps}"
+            )
+        return rows[:, 0] // ps
+
+    def _require_owned(self, pages: torch.Tensor, what: str) -> None:
+        mine = self._owned[pages]
         if not bool(mine.all()):
             bad = torch.unique(pages[~mine]).tolist()[:8]
             raise RequestError(
@@ -72,18 +171,16 @@ class EnginePages:
                 "never allocated)"
             )
 
-    def check_insert(
-        self, tree: RadixTree, tokens: Sequence[int], pages: torch.Tensor, what: str
-    ) -> None:
+    def _check_insert(self, tokens: Sequence[int], pages: torch.Tensor, what: str) -> None:
         """Refuse pages the tree would take that are not the engine's. Where the tree already
         caches a page on device the caller may pass that very page (it came from ``load``) or
         a page of its own (a duplicate it frees); everywhere else only its own pages."""
         if torch.unique(pages).numel() != pages.numel():
             raise RequestError(f"{what}: a device page appears twice in the slots")
-        m = tree.match(tokens)
+        m = self.tree.match(tokens)
         held = [n.device for n in m.path if n.device is not None]
         have = torch.cat(held)[: m.device_len // self.page_size] if held else pages[:0]
-        ok = self.owned(pages)
+        ok = self._owned[pages]
         k = have.numel()
         ok[:k] |= pages[:k] == have
         if not bool(ok.all()):
@@ -93,12 +190,12 @@ class EnginePages:
                 "neither the engine's nor the page the cache holds there"
             )
 
-    def check_finish(
+    def _check_finish(
         self, locs: torch.Tensor, prefix_len: int, handle: Handle | None
     ) -> torch.Tensor:
-        """Check ``finish``'s arguments: ``handle`` still locked, ``prefix_len`` the length
-        ``load`` returned for it (0 without a handle), ``locs`` starting with those slots and
-        owned by the engine after them. Returns the page of every slot in ``locs``."""
+        """``handle`` still locked, ``prefix_len`` the length ``load`` returned for it (0
+        without a handle), ``locs`` starting with those slots and the engine's after them.
+        Returns the page of every slot in ``locs``."""
         loaded = None
         if handle is not None:
             if handle.node is None:
@@ -113,12 +210,18 @@ class EnginePages:
             loaded is not None and not torch.equal(locs[:prefix_len].cpu(), loaded.cpu())
         ):
             raise RequestError("finish: locs do not start with the slots load() returned")
-        pages = self.pages_of(locs, "finish")
-        self.require_owned(torch.unique(pages[prefix_len:]), "finish")
+        pages = self._pages_of(locs, "finish")
+        self._require_owned(torch.unique(pages[prefix_len:]), "finish")
         return pages
 
-    def check_disjoint(self, held: torch.Tensor) -> None:
-        """Cached pages are never also engine-owned."""
+    def check_integrity(self) -> None:
+        """Cached pages are never also engine-owned; every owned page is allocated."""
+        held = self.tree.held_pages("device")
         if held.numel() and bool(self._owned[held].any()):
             bad = held[self._owned[held]].tolist()[:8]
             raise IntegrityError(f"device page(s) {bad} both cached and engine-owned")
+        if self.count + held.numel() != self.pool.allocator.used:
+            raise IntegrityError(
+                f"device pages: {self.pool.allocator.used} used != {held.numel()} cached + "
+                f"{self.count} engine-owned"
+            )

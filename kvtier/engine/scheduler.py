@@ -114,7 +114,7 @@ class Scheduler:
             f"needs {-(-len(head.tokens) // self.page_size)} device pages; the pool has "
             f"{st['device_pages_total'] - st['device_pages_used']} free, "
             f"{st['device_pages_cached']} cached (locked or in flight), "
-            f"{self.cache.engine_pages.count} held by running requests"
+            f"{st['device_pages_engine']} held by running requests"
         )
 
     def _reserve_decode_slots(self) -> bool:
