@@ -339,8 +339,9 @@ class Controller:
         self.io.forget(op)
 
     def _settled(self, op: PrefetchOp) -> bool:
-        """Whether ``op`` can close: its I/O ended and nothing it waits on can still commit."""
-        return op.io_done() and all(d.closed for d in op.deps)
+        """Whether ``op`` can close: its I/O ended (no abandoned read can still write into its
+        pages) and nothing it waits on can still commit."""
+        return op.io_done() and op.unfenced() and all(d.closed for d in op.deps)
 
     # ---- progress -----------------------------------------------------------------------
     def poll(self) -> None:

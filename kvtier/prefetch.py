@@ -54,9 +54,17 @@ class PrefetchOp:
     closed: bool = False
     cancel: bool = False
     future: Future | None = None
+    fences: list[Future] = field(default_factory=list)
+    """``read_fence``s of short reads: until they are done an abandoned backend call may still
+    write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
+    staging: list[torch.Tensor] = field(default_factory=list)
 
     def io_done(self) -> bool:
         return self.future is not None and self.future.done()
+
+    def unfenced(self) -> bool:
+        """Whether no abandoned read can still write into this fetch's buffers."""
+        return all(f.done() for f in self.fences)
 
     def pending_futures(self) -> list[Future]:
         """I/O futures of this fetch and the fetches it waits on that are still running."""
@@ -256,32 +264,46 @@ class StorageIO:
                 if op.cancel:
                     return
                 hi = min(lo + CHUNK_PAGES, total)
-                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi])
+                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi], op)
                 if self.states is not None and got:
-                    self._read_states(op, lo, lo + got)
+                    got = self._read_states(op, lo, lo + got) - lo
                 op.done_pages = lo + got  # publish only after the bytes are in place
                 if got < hi - lo:
                     return
         finally:
             self.metrics.inc("storage_read_seconds", time.perf_counter() - t0)
 
-    def _read(self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor) -> int:
+    def _read(
+        self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor, op: PrefetchOp
+    ) -> int:
         bufs, staged = codec.read_buffers(len(keys), codec.slots(pages))
         got = self.backend.batch_get(keys, bufs)
+        fence = self.backend.read_fence() if got < len(keys) else None
+        if fence is not None:
+            op.fences.append(fence)
+            if staged is not None:
+                op.staging.append(staged)
         if staged is not None and got:
             codec.scatter(pages[:got], staged[:got])
         self.metrics.inc("storage_read_bytes", got * codec.nbytes)
         return got
 
-    def _read_states(self, op: PrefetchOp, lo: int, hi: int) -> None:
-        """Fetch the checkpoints that exist for pages ``[lo, hi)``; flag those that arrived."""
-        assert self.states is not None and op.ckpt is not None
+    def _read_states(self, op: PrefetchOp, lo: int, hi: int) -> int:
+        """Fetch the checkpoints that exist for pages ``[lo, hi)``; flag those that arrived.
+        Returns where the pages that may be published end: before a page whose state read was
+        abandoned, since it may still write into that page."""
+        if self.states is None or op.ckpt is None:
+            return hi
         for i in range(lo, hi):
             sk = state_key(op.keys[i])
-            if self.backend.batch_exists([sk]) and self._read(
-                self.states, [sk], op.pages[i : i + 1]
-            ):
+            if not self.backend.batch_exists([sk]):
+                continue
+            fences = len(op.fences)
+            if self._read(self.states, [sk], op.pages[i : i + 1], op):
                 op.ckpt[i] = True
+            elif len(op.fences) > fences:
+                return i
+        return hi
 
     def prefetches(self) -> list[PrefetchOp]:
         return list(self._prefetches)
