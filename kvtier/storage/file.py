@@ -187,8 +187,7 @@ class FileBackend(StorageBackend):
             try:
                 want = read_object(path, self.namespace, key, dest)
             except FileNotFoundError:
-                self.fault("missing", f"{path}: indexed object file is gone")
-                self._forget(key, delete=False)
+                self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
                 break
             except ObjectFault as f:
                 self.fault(f.kind, f"{path}: {f}")
@@ -250,9 +249,7 @@ class FileBackend(StorageBackend):
         for key, payload, crc in zip(keys, payloads, crcs, strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
-            if self._vanished(key, path):
-                self.fault("missing", f"{path}: indexed object file is gone; writing it again")
-                self._forget(key, delete=False)
+            self._drop_vanished(key, path)
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -276,12 +273,16 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _vanished(self, key: str, path: str) -> bool:
-        """Whether ``key`` is indexed but its file is not there (removed behind our back)."""
+    def _drop_vanished(self, key: str, path: str) -> bool:
+        """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
+        the index, count it ``missing`` and return True. Checked under the lock, which eviction
+        also unlinks under, so an object evicted meanwhile is not taken for a vanished one."""
         with self._lock:
-            if key not in self._index:
+            if key not in self._index or os.path.exists(path):
                 return False
-        return not os.path.exists(path)
+            self._used -= self._index.pop(key)
+        self.fault("missing", f"{path}: indexed object file is gone")
+        return True
 
     def _write_reserved(
         self, path: str, key: str, payload: np.ndarray, crc: Future[int] | int | None, size: int
@@ -337,8 +338,7 @@ class FileBackend(StorageBackend):
             try:
                 os.utime(path)
             except FileNotFoundError:
-                self.fault("missing", f"{path}: indexed object file is gone")
-                self._forget(key, delete=False)
+                self._drop_vanished(key, path)
                 break
             except OSError as e:
                 # mtime is only the restart order; the object itself is still readable.
