@@ -170,6 +170,7 @@ class TieredCache:
         handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
         handle.node = self.tree.lock(handle.locked)
         path = handle.locked.path
+        self.controller.touch_storage(path)  # a hit at any tier is a use of its L3 objects
         if self.config.write_policy == "write_through_selective":
             self.controller.backup_to_host(
                 [n for n in path if n.hits >= self.config.write_threshold]

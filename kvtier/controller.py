@@ -244,6 +244,12 @@ class Controller:
             keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
             self.io.write(todo, keys)
 
+    def touch_storage(self, path: list[Node]) -> None:
+        """A request locked ``path``: refresh the storage recency of its stored nodes (a hit at
+        any tier is a use of their objects) on the I/O thread, batched until the next poll."""
+        if self.io is not None:
+            self.io.queue_touch(path, lambda n: self.tree.ensure_keys(n, self.namespace))
+
     # ---- storage → host -----------------------------------------------------------------
     def start_prefetch(
         self, anchor: Node, prefix: tuple[int, ...], tokens: tuple[int, ...], keys: list[PageKey]
@@ -338,8 +344,9 @@ class Controller:
         self.io.forget(op)
 
     def _settled(self, op: PrefetchOp) -> bool:
-        """Whether ``op`` can close: its I/O ended and nothing it waits on can still commit."""
-        return op.io_done() and all(d.closed for d in op.deps)
+        """Whether ``op`` can close: its I/O ended (no abandoned read can still write into its
+        pages) and nothing it waits on can still commit."""
+        return op.io_done() and op.unfenced() and all(d.closed for d in op.deps)
 
     # ---- progress -----------------------------------------------------------------------
     def poll(self) -> None:
@@ -353,7 +360,13 @@ class Controller:
             self._loads.remove(flight)
             self._finish_load(flight)
         if self.io is not None:
-            self.io.reap_writes()
+            for node in self.io.reap_writes():
+                self.tree.set_in_storage(node, True)
+            lost = self.io.reap_touches()
+            for node in lost:
+                self.tree.set_in_storage(node, False)
+            self.backup_to_storage(lost)  # their objects are gone: write them again
+            self.io.flush_touches()
             for op in self.io.prefetches():
                 self.commit_prefetch(op)
                 if op.released and self._settled(op):

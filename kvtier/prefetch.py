@@ -1,4 +1,5 @@
-"""Storage I/O off the scheduling thread: host → storage writes and storage → host prefetches.
+"""Storage I/O off the scheduling thread: host → storage writes, storage → host prefetches and
+recency touches of stored objects that a request used from another tier.
 
 One background thread runs backend calls in submission order. The scheduling thread only
 submits work and, in ``Controller.poll``, reaps it; tree state is touched on the scheduling
@@ -9,6 +10,7 @@ writes (freshly allocated, not yet in the tree).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -52,9 +54,17 @@ class PrefetchOp:
     closed: bool = False
     cancel: bool = False
     future: Future | None = None
+    fences: list[Future] = field(default_factory=list)
+    """``read_fence``s of short reads: until they are done an abandoned backend call may still
+    write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
+    staging: list[torch.Tensor] = field(default_factory=list)
 
     def io_done(self) -> bool:
         return self.future is not None and self.future.done()
+
+    def unfenced(self) -> bool:
+        """Whether no abandoned read can still write into this fetch's buffers."""
+        return all(f.done() for f in self.fences)
 
     def pending_futures(self) -> list[Future]:
         """I/O futures of this fetch and the fetches it waits on that are still running."""
@@ -82,6 +92,18 @@ class WriteOp:
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(slots=True, eq=False)
+class TouchOp:
+    """Recency refresh of stored page objects: one backend ``touch`` per range in ``runs`` (the
+    keys of consecutive stored nodes of one path); ``entries`` are ``[node, range]`` into
+    ``keys``, so the objects found gone map back to the nodes holding them."""
+
+    entries: list[list] = field(default_factory=list)
+    keys: list[PageKey] = field(default_factory=list)
+    runs: list[range] = field(default_factory=list)
+    future: Future | None = None
+
+
 class StorageIO:
     """Submits backend calls to one I/O thread and tracks them until reaped."""
 
@@ -99,6 +121,9 @@ class StorageIO:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")
         self._writes: list[WriteOp] = []
         self._prefetches: list[PrefetchOp] = []
+        self._touch_next = TouchOp()
+        self._touch_nodes: set[Node] = set()  # nodes in ``_touch_next`` (touched once a poll)
+        self._touches: list[TouchOp] = []
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, nodes: list[Node], keys: list[list[PageKey]]) -> None:
@@ -145,19 +170,68 @@ class StorageIO:
         self.metrics.inc("storage_write_bytes", nbytes)
         return done
 
-    def reap_writes(self) -> None:
+    def reap_writes(self) -> list[Node]:
+        """Unpin the host copies of finished writes; returns the nodes now wholly stored (the
+        caller records that in the tree)."""
+        stored: list[Node] = []
         for op in [w for w in self._writes if w.future is not None and w.future.done()]:
             self._writes.remove(op)
             done = op.future.result()
             for node, r in op.entries:
                 node.host_io -= 1
                 if bool(done[r.start : r.stop].all()):
-                    node.in_storage = True
+                    stored.append(node)
             complete = int(done.sum())
             self.metrics.inc("storage_backup_pages", complete)
             self.metrics.inc("storage_backup_tokens", complete * self.page_tokens)
             if complete < len(op.keys):
                 self.metrics.inc("dropped_storage_backups", len(op.keys) - complete)
+        return stored
+
+    # ---- recency --------------------------------------------------------------------------
+    def queue_touch(self, path: list[Node], keys_of: Callable[[Node], list[PageKey]]) -> None:
+        """Queue a touch of the stored nodes of ``path`` (keys from ``keys_of``) for the next
+        ``flush_touches``: one backend call per run of consecutive stored nodes; nodes already
+        queued are skipped."""
+        op, start = self._touch_next, None
+        for node in [*path, None]:
+            if node is None or not node.in_storage or node in self._touch_nodes:
+                if start is not None:
+                    op.runs.append(range(start, len(op.keys)))
+                    start = None
+                continue
+            ks = keys_of(node)
+            self._touch_nodes.add(node)
+            start = len(op.keys) if start is None else start
+            op.entries.append([node, range(len(op.keys), len(op.keys) + len(ks))])
+            op.keys += ks
+
+    def flush_touches(self) -> None:
+        """Send the queued touches to the I/O thread as one job."""
+        op = self._touch_next
+        if not op.keys:
+            return
+        self._touch_next, self._touch_nodes = TouchOp(), set()
+        op.future = self._pool.submit(
+            lambda: [self.backend.touch(op.keys[r.start : r.stop]) for r in op.runs]
+        )
+        self._touches.append(op)
+
+    def reap_touches(self) -> list[Node]:
+        """Nodes (still in the tree) with an object that a finished touch found gone."""
+        lost: list[Node] = []
+        for op in [t for t in self._touches if t.future is not None and t.future.done()]:
+            self._touches.remove(op)
+            gone = [
+                range(r.start + found, r.stop)
+                for r, found in zip(op.runs, op.future.result(), strict=True)
+                if found < len(r)
+            ]
+            for node, r in op.entries:
+                hit = any(max(r.start, g.start) < min(r.stop, g.stop) for g in gone)
+                if hit and node.parent is not None:
+                    lost.append(node)
+        return lost
 
     # ---- prefetch -------------------------------------------------------------------------
     def prefetch(
@@ -190,32 +264,46 @@ class StorageIO:
                 if op.cancel:
                     return
                 hi = min(lo + CHUNK_PAGES, total)
-                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi])
+                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi], op)
                 if self.states is not None and got:
-                    self._read_states(op, lo, lo + got)
+                    got = self._read_states(op, lo, lo + got) - lo
                 op.done_pages = lo + got  # publish only after the bytes are in place
                 if got < hi - lo:
                     return
         finally:
             self.metrics.inc("storage_read_seconds", time.perf_counter() - t0)
 
-    def _read(self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor) -> int:
+    def _read(
+        self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor, op: PrefetchOp
+    ) -> int:
         bufs, staged = codec.read_buffers(len(keys), codec.slots(pages))
         got = self.backend.batch_get(keys, bufs)
+        fence = self.backend.read_fence() if got < len(keys) else None
+        if fence is not None:
+            op.fences.append(fence)
+            if staged is not None:
+                op.staging.append(staged)
         if staged is not None and got:
             codec.scatter(pages[:got], staged[:got])
         self.metrics.inc("storage_read_bytes", got * codec.nbytes)
         return got
 
-    def _read_states(self, op: PrefetchOp, lo: int, hi: int) -> None:
-        """Fetch the checkpoints that exist for pages ``[lo, hi)``; flag those that arrived."""
-        assert self.states is not None and op.ckpt is not None
+    def _read_states(self, op: PrefetchOp, lo: int, hi: int) -> int:
+        """Fetch the checkpoints that exist for pages ``[lo, hi)``; flag those that arrived.
+        Returns where the pages that may be published end: before a page whose state read was
+        abandoned, since it may still write into that page."""
+        if self.states is None or op.ckpt is None:
+            return hi
         for i in range(lo, hi):
             sk = state_key(op.keys[i])
-            if self.backend.batch_exists([sk]) and self._read(
-                self.states, [sk], op.pages[i : i + 1]
-            ):
+            if not self.backend.batch_exists([sk]):
+                continue
+            fences = len(op.fences)
+            if self._read(self.states, [sk], op.pages[i : i + 1], op):
                 op.ckpt[i] = True
+            elif len(op.fences) > fences:
+                return i
+        return hi
 
     def prefetches(self) -> list[PrefetchOp]:
         return list(self._prefetches)
@@ -225,18 +313,20 @@ class StorageIO:
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
-        for op in self._writes:
+        for op in (*self._writes, self._touch_next, *self._touches):
             for i, (node, r) in enumerate(list(op.entries)):
                 if node is suffix:
                     op.entries[i][1] = r[n:]
                     op.entries.append([prefix, r[:n]])
+        if suffix in self._touch_nodes:
+            self._touch_nodes.add(prefix)
 
     def pending_host_pages(self) -> int:
         """Host pages held by prefetches and not yet handed to the tree."""
         return sum(op.pages.numel() - op.committed_pages for op in self._prefetches)
 
     def wait_all(self) -> None:
-        for op in [*self._writes, *self._prefetches]:
+        for op in [*self._writes, *self._prefetches, *self._touches]:
             if op.future is not None:
                 op.future.result()
 

@@ -13,6 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,20 @@ class StorageBackend(ABC):
 
         Returns how many leading keys are now stored (already-present keys count as stored).
         """
+
+    def touch(self, keys: Sequence[PageKey]) -> int:
+        """Mark objects as just used (a hit served from another tier) so eviction keeps them;
+        returns the length of the leading run of ``keys`` that still exist. Called from the
+        background I/O thread. Default: ``batch_exists`` (enough for backends without their own
+        recency, or whose lookups refresh it)."""
+        return self.batch_exists(keys)
+
+    def read_fence(self) -> Future[None] | None:
+        """``None`` when no earlier ``batch_get`` can still write into its buffers; else a future
+        that completes once none can. A backend that gives up on a hung read before its transport
+        let go of the caller's buffers returns one; the caller must not reuse the buffers of a
+        read that came back short until it completes."""
+        return None
 
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027
         """Memory that ``batch_get``/``batch_set`` buffers will mostly lie in (the host pool),

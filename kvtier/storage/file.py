@@ -1,10 +1,12 @@
 """Local-file L3 backend: one file per object under ``root/<namespace>/<key[:2]>/<key>``.
 
 Each file is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
-with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in the same directory and are published
-with ``os.replace``, so readers only ever see whole objects. A byte budget with LRU eviction
-bounds the disk use; the index is rebuilt from the directory (oldest mtime first) on start-up.
-One process owns a namespace directory at a time.
+with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in
+the same directory and are published with ``os.replace``, so readers only ever see whole objects.
+A byte budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held);
+the index is rebuilt from the directory (oldest mtime first) on start-up. One process owns a
+namespace directory at a time; files removed behind its back leave the index when a read, touch
+or backup finds them gone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
-from kvtier.storage.base import StorageBackend, StorageCapabilities
+from kvtier.storage.base import StorageBackend, StorageCapabilities, log
+from kvtier.storage.file_io import (
+    ObjectFault,
+    bytes_view,
+    check_lengths,
+    fsync_dir,
+    os_kind,
+    read_object,
+    result_of,
+    unlink_quiet,
+)
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
@@ -37,71 +49,11 @@ _TMP_SUFFIX = ".tmp"
 _POOL_CRC_BYTES = 256 << 10
 
 
-class _Fault(Exception):
-    """A storage fault of ``kind`` on one object; ``corrupt`` objects are deleted."""
-
-    def __init__(self, kind: str, message: str, corrupt: bool = False) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.corrupt = corrupt
-
-
-def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as a flat uint8 numpy array (no copy)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(
-            f"storage buffers must be contiguous CPU tensors, got {tensor.device} "
-            f"stride={tuple(tensor.stride())}"
-        )
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 def _write_all(f: object, data: memoryview) -> None:
     """Write all of ``data`` to the unbuffered file ``f``."""
     while data:
         n = f.write(data)  # type: ignore[attr-defined]
         data = data[n:]
-
-
-def _readinto_all(f: object, dest: memoryview) -> int:
-    """Fill ``dest`` from the unbuffered file ``f``; returns the bytes read (short at EOF)."""
-    done = 0
-    while done < len(dest):
-        n = f.readinto(dest[done:])  # type: ignore[attr-defined]
-        if not n:
-            break
-        done += n
-    return done
-
-
-def _unlink_quiet(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _result(value: Future[int] | int) -> int:
-    return value if isinstance(value, int) else value.result()
-
-
-def _check_lengths(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-
-
-def _os_kind(exc: OSError) -> str:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "no_space"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "permission"
-    return "io"
 
 
 class FileBackend(StorageBackend):
@@ -140,6 +92,7 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._evictions = 0
+        self._shrunk = False
         self._pool: ThreadPoolExecutor | None = None
         probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{_TMP_SUFFIX}")
         try:
@@ -171,7 +124,7 @@ class FileBackend(StorageBackend):
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(_TMP_SUFFIX):
                     # Left by a write that died before os.replace: never a whole object.
-                    _unlink_quiet(entry.path)
+                    unlink_quiet(entry.path)
                 elif entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -192,7 +145,7 @@ class FileBackend(StorageBackend):
             key, size = self._index.popitem(last=False)
             self._used -= size
             self._evictions += 1
-            _unlink_quiet(self._path(key))
+            unlink_quiet(self._path(key))
 
     def _forget(self, key: str, delete: bool) -> None:
         with self._lock:
@@ -200,7 +153,7 @@ class FileBackend(StorageBackend):
             if size is not None:
                 self._used -= size
             if delete:
-                _unlink_quiet(self._path(key))
+                unlink_quiet(self._path(key))
 
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Length of the leading run of ``keys`` in the index; hits become most recent."""
@@ -216,36 +169,40 @@ class FileBackend(StorageBackend):
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Read and verify objects into ``buffers`` in order; stops at the first miss or fault.
 
-        Faults: ``short_read`` (truncated file), ``checksum`` (bad magic/version/size/crc, or a
-        buffer whose size differs from the stored payload), ``permission``/``io`` (OS errors).
-        Corrupt or truncated objects are deleted so later lookups miss them.
+        Faults: ``missing`` (indexed, but the file was removed behind the index),
+        ``short_read`` (truncated file), ``checksum`` (bad magic/version/size/crc, or a buffer
+        whose size differs from the stored payload), ``permission``/``io`` (OS errors). An
+        object that fails to read leaves the index (its bytes leave ``bytes_used``), so the next
+        backup of its key writes it again; corrupt or truncated files are also deleted.
         """
-        _check_lengths(keys, buffers)
+        check_lengths(keys, buffers)
         # Checksums of large pages run on worker threads, overlapping the next page's read.
         checks: list[tuple[str, str, Future[int] | int, int]] = []
-        for key, dest in zip(keys, [_bytes_view(b) for b in buffers], strict=True):
+        for key, dest in zip(keys, [bytes_view(b) for b in buffers], strict=True):
             with self._lock:
                 if key not in self._index:
                     break
                 self._index.move_to_end(key)
             path = self._path(key)
             try:
-                want = self._read(path, key, dest)
+                want = read_object(path, self.namespace, key, dest)
             except FileNotFoundError:
-                self._forget(key, delete=False)
+                self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
                 break
-            except _Fault as f:
+            except ObjectFault as f:
                 self.fault(f.kind, f"{path}: {f}")
                 if f.corrupt:
                     self._forget(key, delete=True)
                 break
             except OSError as e:
-                self.fault(_os_kind(e), f"read {path}: {e}")
+                # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
+                self.fault(os_kind(e), f"read {path}: {e}")
+                self._forget(key, delete=False)
                 break
             checks.append((key, path, self._crc(dest), want))
         n = 0
         for key, path, got, want in checks:
-            if _result(got) != want:
+            if result_of(got) != want:
                 self.fault("checksum", f"{path}: payload crc32 mismatch")
                 self._forget(key, delete=True)
                 break
@@ -273,41 +230,17 @@ class FileBackend(StorageBackend):
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _read(self, path: str, key: str, dest: np.ndarray) -> int:
-        """Fill ``dest`` with the payload at ``path`` after verifying the envelope header and
-        sizes; returns the stored payload crc32 for the caller to verify."""
-        with open(path, "rb", buffering=0) as f:
-            file_size = os.fstat(f.fileno()).st_size
-            head = f.read(HEADER_BYTES)
-            try:
-                length, crc = envelope.unpack(head, self.namespace, key)
-            except envelope.EnvelopeError as e:
-                raise _Fault(e.kind, str(e), corrupt=True) from None
-            if file_size < HEADER_BYTES + length:
-                raise _Fault(
-                    "short_read",
-                    f"file has {file_size - HEADER_BYTES} of {length} payload bytes",
-                    corrupt=True,
-                )
-            if file_size > HEADER_BYTES + length:
-                raise _Fault(
-                    "checksum", f"file size {file_size} exceeds header + {length}", corrupt=True
-                )
-            if length != dest.nbytes:
-                raise _Fault("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")
-            got = _readinto_all(f, memoryview(dest))
-        if got != length:
-            raise _Fault("short_read", f"read {got} of {length} payload bytes", corrupt=True)
-        return crc
-
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys`` in order, evicting LRU objects to fit the budget;
         stops at the first fault (``no_space``, ``permission``, ``io``).
 
-        Keys already stored are not rewritten and count as stored (and become most recent).
+        Keys already stored are not rewritten and count as stored (and become most recent),
+        unless their file is gone (``missing``): those are written again. A full disk
+        (``ENOSPC``/``EDQUOT``) lowers the budget to what the disk held and evicts LRU objects
+        to make room, retrying until the write fits or nothing is left to evict.
         """
-        _check_lengths(keys, buffers)
-        payloads = [_bytes_view(b) for b in buffers]
+        check_lengths(keys, buffers)
+        payloads = [bytes_view(b) for b in buffers]
         with self._lock:
             stored = [k in self._index for k in keys]
         # Checksums of later pages are computed while earlier pages are being written.
@@ -316,6 +249,7 @@ class FileBackend(StorageBackend):
         for key, payload, crc in zip(keys, payloads, crcs, strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
+            self._drop_vanished(key, path)
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -329,18 +263,86 @@ class FileBackend(StorageBackend):
             if not fits:
                 self.fault("no_space", f"{size}-byte object exceeds budget {self.budget_bytes}")
                 break
-            try:
-                self._write(path, key, payload, _result(self._crc(payload) if crc is None else crc))
-            except OSError as e:
-                with self._lock:
-                    self._used -= size
-                self.fault(_os_kind(e), f"write {path}: {e}")
+            if not self._write_reserved(path, key, payload, crc, size):
                 break
             with self._lock:
                 if key in self._index:
                     self._used -= size
                 else:
                     self._index[key] = size
+            n += 1
+        return n
+
+    def _drop_vanished(self, key: str, path: str) -> bool:
+        """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
+        the index, count it ``missing`` and return True. Checked under the lock, which eviction
+        also unlinks under, so an object evicted meanwhile is not taken for a vanished one."""
+        with self._lock:
+            if key not in self._index or os.path.exists(path):
+                return False
+            self._used -= self._index.pop(key)
+        self.fault("missing", f"{path}: indexed object file is gone")
+        return True
+
+    def _write_reserved(
+        self, path: str, key: str, payload: np.ndarray, crc: Future[int] | int | None, size: int
+    ) -> bool:
+        """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
+        reservation is returned and the fault counted. A full disk shrinks the budget and
+        evicts before each retry."""
+        value = result_of(self._crc(payload) if crc is None else crc)
+        while True:
+            try:
+                self._write(path, key, payload, value)
+                return True
+            except OSError as e:
+                with self._lock:
+                    self._used -= size
+                    retry = e.errno in (errno.ENOSPC, errno.EDQUOT) and self._shrink_locked(size)
+                    if retry:
+                        self._used += size
+                if not retry:
+                    self.fault(os_kind(e), f"write {path}: {e}")
+                    return False
+
+    def _shrink_locked(self, incoming: int) -> bool:
+        """The disk is full: make what it holds now the budget and evict LRU objects so
+        ``incoming`` more bytes fit; ``False`` when nothing is left to evict."""
+        if not self._index:
+            return False
+        budget = max(self._used, incoming)
+        if budget < self.budget_bytes:
+            if not self._shrunk:
+                log.warning(
+                    "L3 file backend: %s is full; storage budget lowered from %d to %d bytes",
+                    self.dir,
+                    self.budget_bytes,
+                    budget,
+                )
+            self._shrunk = True
+            self.budget_bytes = budget
+        self._evict_locked(incoming)
+        return True
+
+    def touch(self, keys: Sequence[PageKey]) -> int:
+        """Mark the leading run of ``keys`` whose objects exist as most recently used, in the
+        index and in the files' mtimes (a restart rebuilds the same order); returns its length.
+        An indexed key whose file is gone leaves the index (counted ``missing``)."""
+        n = 0
+        for key in keys:
+            with self._lock:
+                if key not in self._index:
+                    break
+                self._index.move_to_end(key)
+            path = self._path(key)
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                self._drop_vanished(key, path)
+                break
+            except OSError as e:
+                # mtime is only the restart order; the object itself is still readable.
+                self.fault(os_kind(e), f"utime {path}: {e}")
             n += 1
         return n
 
@@ -357,11 +359,11 @@ class FileBackend(StorageBackend):
                     os.fsync(f.fileno())
             os.replace(tmp, path)
             if self.fsync:
-                _fsync_dir(d)
+                fsync_dir(d)
         except BaseException:
             # The key is not indexed yet, so whatever reached the disk is ours to remove.
-            _unlink_quiet(tmp)
-            _unlink_quiet(path)
+            unlink_quiet(tmp)
+            unlink_quiet(path)
             raise
 
     def stats(self) -> dict[str, float]:

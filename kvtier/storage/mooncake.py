@@ -14,14 +14,24 @@ backend unhealthy (``outages``); calls then answer misses without touching the s
 probe runs in the background after a backoff of 0.5 s doubling to 10 s; its success marks the
 backend healthy again (``reconnects``). Start-up never fails on an unreachable master: the backend
 starts unhealthy, logs a warning naming the master, and connects on a later probe. After a master
-restart the client reconnects by itself (the restarted master has lost every object). A read that
-timed out still waits (bounded) for its call to end, because the library may still be writing
-into the caller's buffers, which the caller frees as soon as the read returns.
+restart the client reconnects by itself (the restarted master has lost every object).
+
+Hung calls. Every store call (get, put, exists, remove, size) is waited for at most ``timeout_s``;
+a late call is a ``timeout`` miss and is abandoned, keeping its worker thread (later calls run on
+the others, up to ``DATA_CALLS`` at once). The library only ever transfers into or out of
+registered memory, so what a late call can still touch is (a) its arena (headers and bounced
+payloads), which is not handed to another call before it ended, and (b) caller buffers that lie
+in registered memory (the host pool, read zero-copy). For (b), ``read_fence`` gives the caller a
+future that completes once no abandoned read is running; ``kvtier.prefetch`` keeps the pages of a
+short read allocated until then, so a late answer never lands in a host page that was reused. A
+late put may have read host pages after the caller let them go: once it ends, the objects it
+wrote are removed (best effort; a survivor fails its payload crc on read, a counted miss).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -34,11 +44,8 @@ from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, StorageCapabilities
 from kvtier.storage.envelope import HEADER_BYTES, EnvelopeError
-from kvtier.storage.mooncake_buffers import (
-    TransferBuffers,
-    bytes_view,
-)
-from kvtier.storage.mooncake_session import MooncakeSession
+from kvtier.storage.mooncake_buffers import Arena, TransferBuffers, bytes_view
+from kvtier.storage.mooncake_session import DATA_CALLS, MooncakeSession
 from kvtier.storage.mooncake_url import parse_storage_url
 
 if TYPE_CHECKING:
@@ -50,8 +57,8 @@ log = logging.getLogger("kvtier.storage")
 class MooncakeBackend(StorageBackend):
     """Objects in a Mooncake Store cluster, shared by every process connected to it.
 
-    Thread-safe in the way kvtier uses backends: ``batch_get``/``batch_set`` from one thread,
-    ``batch_exists`` from another (each has its own worker thread for store calls).
+    Thread-safe: ``batch_get``/``batch_set`` calls each hold an arena; ``batch_exists`` runs on
+    its own worker threads.
     """
 
     name = "mooncake"
@@ -59,26 +66,32 @@ class MooncakeBackend(StorageBackend):
         page_spans=True, zero_copy=True, persistent=False, shared_across_hosts=True
     )
 
-    def __init__(self, storage_url: str, namespace: Namespace) -> None:
+    def __init__(self, storage_url: str, namespace: Namespace, store_cls: Any = None) -> None:
         """Parse ``storage_url`` and connect, waiting up to ``max(timeout_s, 5 s)``.
+        ``store_cls`` replaces ``MooncakeDistributedStore`` (a wrapper around it, in tests).
 
         Raises ``ConfigError`` for a malformed URL or when ``mooncake.store`` cannot be imported.
         """
         super().__init__()
         self.settings = parse_storage_url(storage_url)
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:
-            raise ConfigError(
-                f"storage_url={storage_url!r} needs the Mooncake client (pip install "
-                f"'kvtier[mooncake]', and the system library libibverbs1): {e}"
-            ) from e
+        if store_cls is None:
+            try:
+                from mooncake.store import MooncakeDistributedStore as store_cls
+            except ImportError as e:
+                raise ConfigError(
+                    f"storage_url={storage_url!r} needs the Mooncake client (pip install "
+                    f"'kvtier[mooncake]', and the system library libibverbs1): {e}"
+                ) from e
         self.namespace = namespace
         self._prefix = f"kvtier/{namespace}/"
-        self._buffers = TransferBuffers(self.settings.bounce, lambda: self.session.client)
+        self._buffers = TransferBuffers(
+            self.settings.bounce, lambda: self.session.client, arenas=DATA_CALLS
+        )
+        self._late_lock = threading.Lock()
+        self._late_reads: list[Future] = []
         self.session = MooncakeSession(
             self.settings,
-            MooncakeDistributedStore,
+            store_cls,
             self._prefix + "probe",
             self._buffers,
             self.fault,
@@ -109,17 +122,52 @@ class MooncakeBackend(StorageBackend):
 
     def _data_ready(
         self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]
-    ) -> tuple[Any, list[np.ndarray]]:
-        """``session.ready()`` for reading or writing ``buffers`` under ``keys``, with their byte views.
-        Also needs the data worker idle: a call that outlived its timeout may still be using the
-        header and bounce arenas."""
+    ) -> tuple[Any, list[np.ndarray], Arena | None]:
+        """``session.ready()`` for reading or writing ``buffers`` under ``keys``, with their byte
+        views and a free arena (none while every arena is held by a call that outlived its
+        timeout: then no client, counted ``skipped``)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         client = self.session.ready() if keys else None
-        if client is not None and not self.session.data.wait_idle(0):
+        if client is None:
+            return None, [], None
+        views = [bytes_view(b) for b in buffers]  # raises before anything is held
+        arena = self._buffers.acquire()
+        if arena is None:
             self.session.count(skipped=1)
-            client = None
-        return client, ([] if client is None else [bytes_view(b) for b in buffers])
+            return None, [], None
+        return client, views, arena
+
+    def read_fence(self) -> Future[None] | None:
+        """A future done once no abandoned read can still write into registered caller buffers
+        (``None``: none can now)."""
+        with self._late_lock:
+            late = self._late_reads = [f for f in self._late_reads if not f.done()]
+            late = list(late)
+        if not late:
+            return None
+        fence: Future[None] = Future()
+        left = [len(late)]
+        lock = threading.Lock()
+
+        def ended(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fence.set_result(None)
+
+        for f in late:
+            f.add_done_callback(ended)
+        return fence
+
+    def _get_done(self, fut: Future | None) -> Any:
+        """``session.wait`` for a get; a get abandoned while still running joins the fence."""
+        codes = self.session.wait(fut, "get")
+        if codes is None and fut is not None and not fut.done():
+            with self._late_lock:
+                self._late_reads.append(fut)
+        return codes
 
     # ---- data path ------------------------------------------------------------------------
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
@@ -148,34 +196,44 @@ class MooncakeBackend(StorageBackend):
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys`` in order; stops at the first fault (``timeout``,
         ``unreachable``, ``no_space``, ``io``). Keys already stored count as stored."""
-        client, views = self._data_ready(keys, buffers)
-        if client is None:
+        client, views, arena = self._data_ready(keys, buffers)
+        if client is None or arena is None:
             return 0
-        done, pending = 0, None
-        for g, (rng, offs) in enumerate(self._buffers.plan(views)):
-            names = [self._prefix + keys[i] for i in rng]
-            heads = [
-                envelope.pack(self.namespace, keys[i], views[i].nbytes, envelope.crc(views[i]))
-                for i in rng
-            ]
-            ptrs, sizes, bounced = self._buffers.stage(g, rng, offs, views, heads)
-            if bounced:
-                self.session.count(bytes_bounced=bounced)
-            if pending is not None:
-                stored = self._put_done(*pending)
-                done += stored
-                if stored < len(pending[1]):
-                    return done
-            fut = self.session.submit(
-                self.session.data,
-                lambda n=names, p=ptrs, s=sizes: client.batch_put_from_multi_buffers(n, p, s),
-            )
-            pending = (fut, rng, views)
-        return done + (self._put_done(*pending) if pending is not None else 0)
+        done, pending, futs = 0, None, []
+        try:
+            for g, (rng, offs) in enumerate(arena.plan(views)):
+                names = [self._prefix + keys[i] for i in rng]
+                heads = [
+                    envelope.pack(self.namespace, keys[i], views[i].nbytes, envelope.crc(views[i]))
+                    for i in rng
+                ]
+                ptrs, sizes, bounced = arena.stage(g, rng, offs, views, heads)
+                if bounced:
+                    self.session.count(bytes_bounced=bounced)
+                if pending is not None:
+                    stored = self._put_done(client, *pending)
+                    done += stored
+                    if stored < len(pending[1]):
+                        return done
+                fut = self.session.submit(
+                    self.session.data,
+                    lambda n=names, p=ptrs, s=sizes: client.batch_put_from_multi_buffers(n, p, s),
+                )
+                futs.append(fut)
+                pending = (fut, rng, views, names)
+            return done + (self._put_done(client, *pending) if pending is not None else 0)
+        finally:
+            self._buffers.release(arena, futs)
 
-    def _put_done(self, fut: Future | None, rng: range, views: list[np.ndarray]) -> int:
+    def _put_done(
+        self, client: Any, fut: Future | None, rng: range, views: list[np.ndarray], names: list[str]
+    ) -> int:
+        codes = self.session.wait(fut, "put")
+        if codes is None and fut is not None and not fut.done():
+            # It may read the caller's pages after they were reused: drop what it wrote.
+            fut.add_done_callback(lambda _f: self._remove_late(client, names))
         n = 0
-        for code, i in zip(self.session.wait(fut, "put") or (), rng, strict=False):
+        for code, i in zip(codes or (), rng, strict=False):
             if code not in (0, -705):
                 self.session.code_fault(code, "batch_put_from_multi_buffers")
                 break
@@ -183,38 +241,51 @@ class MooncakeBackend(StorageBackend):
             self.session.count(bytes_put=views[i].nbytes)
         return n
 
+    def _remove_late(self, client: Any, names: list[str]) -> None:
+        def remove() -> None:
+            for name in names:
+                client.remove(name, True)
+
+        self.session.submit(self.session.data, remove)
+
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Read and verify objects into ``buffers`` in order; stops at the first miss or fault
         (``foreign``, ``format``, ``checksum``, ``short_read``, ``timeout``, ``unreachable``,
-        ``io``). Objects that fail verification are removed from the store."""
-        client, views = self._data_ready(keys, buffers)
-        if client is None:
+        ``io``). Objects that fail verification are removed from the store. Returns within
+        about ``timeout_s`` per transfer group even when the store hangs (see ``read_fence``)."""
+        client, views, arena = self._data_ready(keys, buffers)
+        if client is None or arena is None:
             return 0
-        groups = self._buffers.plan(views)
+        groups: list[tuple[range, list[int]]] = []
+        futs: list[Future | None] = []
 
         def submit(g: int) -> tuple[Future | None, list[np.ndarray]]:
             names = [self._prefix + keys[i] for i in groups[g][0]]
-            ptrs, sizes, places = self._buffers.layout(g, *groups[g], views)
+            ptrs, sizes, places = arena.layout(g, *groups[g], views)
             fn = lambda: client.batch_get_into_multi_buffers(names, ptrs, sizes)  # noqa: E731
-            return self.session.submit(self.session.data, fn), places
+            futs.append(self.session.submit(self.session.data, fn))
+            return futs[-1], places
 
         done, bad = 0, []
-        fut, places = submit(0)
-        for g, (rng, _) in enumerate(groups):
-            codes = self.session.wait(fut, "get", drain=True)
-            if codes is None:
-                break
-            nxt = None
-            if g + 1 < len(groups) and all(c >= 0 for c in codes):
-                nxt = submit(g + 1)
-            got = self._verify(g, rng, codes, keys, views, places, bad)
-            done += got
-            if got < len(rng) or nxt is None:
-                if nxt is not None:
-                    # Its bytes may still be landing in the caller's buffers.
-                    self.session.wait(nxt[0], "get", drain=True)
-                break
-            fut, places = nxt
+        try:
+            groups += arena.plan(views)
+            fut, places = submit(0)
+            for g, (rng, _) in enumerate(groups):
+                codes = self._get_done(fut)
+                if codes is None:
+                    break
+                nxt = None
+                if g + 1 < len(groups) and all(c >= 0 for c in codes):
+                    nxt = submit(g + 1)
+                got = self._verify(arena, g, rng, codes, keys, views, places, bad)
+                done += got
+                if got < len(rng) or nxt is None:
+                    if nxt is not None:
+                        self._get_done(nxt[0])  # its bytes may be landing in the buffers
+                    break
+                fut, places = nxt
+        finally:
+            self._buffers.release(arena, futs)
         for name in bad:
             self.session.wait(
                 self.session.submit(self.session.data, lambda n=name: client.remove(n, True)),
@@ -224,6 +295,7 @@ class MooncakeBackend(StorageBackend):
 
     def _verify(
         self,
+        arena: Arena,
         g: int,
         rng: range,
         codes: list[int],
@@ -241,7 +313,7 @@ class MooncakeBackend(StorageBackend):
                 if code < 0:
                     self.session.code_fault(code, "batch_get_into_multi_buffers")
                     return n
-                head = self._buffers.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
+                head = arena.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
                 length, want = envelope.unpack(head, self.namespace, keys[i])
                 if code - HEADER_BYTES < length:
                     raise EnvelopeError("short_read", f"{code - HEADER_BYTES} of {length} B")

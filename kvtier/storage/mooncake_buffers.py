@@ -1,17 +1,18 @@
-"""Plumbing under the Mooncake L3 backend (``kvtier.storage.mooncake``): the worker thread that
-runs store calls, the classes of store error codes, and ``TransferBuffers``, the memory the
+"""Plumbing under the Mooncake L3 backend (``kvtier.storage.mooncake``): the worker threads that
+run store calls, the classes of store error codes, and ``TransferBuffers``, the memory the
 client transfers through.
 
-``TransferBuffers`` owns the header arena (one envelope-header slot per object of two transfer
-groups), the two bounce halves (staging for payloads outside registered memory, grown on demand)
-and the list of caller buffers given to ``register_buffers``; it registers all of them with the
-connected client and splits a batch into transfer groups of at most ``GROUP_KEYS`` objects and
-``GROUP_BYTES`` bytes whose bounced payloads fit one bounce half.
+``TransferBuffers`` owns a few ``Arena``s (each: one envelope-header slot per object of two
+transfer groups and two bounce halves, staging for payloads outside registered memory, grown on
+demand) and the list of caller buffers given to ``register_buffers``; it registers all of them
+with the connected client. An arena splits a batch into transfer groups of at most
+``GROUP_KEYS`` objects and ``GROUP_BYTES`` bytes whose bounced payloads fit one bounce half.
+Several arenas exist so that a call abandoned after its timeout keeps the one it writes into
+while later calls use another.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
 import threading
@@ -34,39 +35,55 @@ NO_SPACE = (-200, -1700)  # no segment space, tenant quota
 
 
 class Worker:
-    """A daemon thread running one store call at a time (daemon: a call stuck in the library
-    must not hold up interpreter exit)."""
+    """Up to ``threads`` daemon threads running store calls, one call per thread (daemon: a call
+    stuck in the library must not hold up interpreter exit). A call that hangs keeps its thread;
+    later calls run on the others, so one hang delays nothing but itself."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
+        self._name, self._max = name, threads
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._current: Future | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._cond = threading.Condition()
+        self._busy = self._threads = 0
 
     def submit(self, fn: Callable[[], Any]) -> Future | None:
-        """Start ``fn``; ``None`` while the previous call is still running."""
-        with self._lock:
-            if self._current is not None and not self._current.done():
+        """Start ``fn``; ``None`` while every thread is busy with an earlier call."""
+        with self._cond:
+            if self._busy >= self._max:
                 return None
-            fut: Future = Future()
-            self._current = fut
+            self._busy += 1
+            if self._busy > self._threads:  # every queued call has an idle thread to run it
+                self._threads += 1
+                name = f"{self._name}-{self._threads}"
+                threading.Thread(target=self._loop, name=name, daemon=True).start()
+        fut: Future = Future()
         self._jobs.put((fn, fut))
         return fut
 
     def wait_idle(self, timeout: float) -> bool:
-        cur = self._current
-        return cur is None or not concurrent.futures.wait([cur], timeout).not_done
+        """Whether no call is running, waiting up to ``timeout`` for that."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        for _ in range(self._threads):
+            self._jobs.put(None)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
+            value, exc = None, None
             try:
-                fut.set_result(fn())
+                value = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                fut.set_exception(e)
+                exc = e
+            # Free before answering, so a caller woken by the answer can submit the next call.
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+            if exc is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(exc)
 
 
 def bytes_view(tensor: torch.Tensor) -> np.ndarray:
@@ -84,24 +101,119 @@ def _span(a: np.ndarray) -> tuple[int, int]:
     return _ptr(a), _ptr(a) + a.nbytes
 
 
-class TransferBuffers:
-    """Header and bounce arenas plus registered caller memory, for one backend.
+class Arena:
+    """What one batch call transfers through: header slots for two transfer groups and two
+    bounce halves (staging for payloads outside registered memory, grown on demand).
 
-    ``client`` returns the backend's connected client (``None`` before it connects and after
-    it closes); registrations go to it. ``plan``, ``header``, ``layout`` and ``stage`` are used
-    by one data call at a time and only while no earlier data call still runs.
+    Held by one batch call, and after it returns by its store calls until every one of them
+    ended: a call abandoned after its timeout may still write headers or bounced payloads
+    here, so the arena is not handed out again before that.
     """
 
-    def __init__(self, bounce_bytes: int, client: Callable[[], Any]) -> None:
+    def __init__(self, owner: TransferBuffers) -> None:
+        self._owner = owner
+        self.headers = np.zeros(2 * GROUP_KEYS * HEADER_BYTES, dtype=np.uint8)
+        self.bounce = [np.zeros(0, np.uint8), np.zeros(0, np.uint8)]  # allocated when needed
+        self.held = False
+        self.running = 0  # store calls of past batch calls not yet ended
+
+    def plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
+        """Groups of consecutive objects, each with its objects' bounce offsets (-1: direct)."""
+        groups, start, size, staged, offs = [], 0, 0, 0, []
+        for i, v in enumerate(views):
+            need = 0 if self._owner.inside(v) else v.nbytes
+            if need > self.bounce[0].nbytes:
+                self._owner.grow_bounce(self, max(need, self._owner.bounce_bytes))
+            if offs and (
+                len(offs) == GROUP_KEYS
+                or size + v.nbytes > GROUP_BYTES
+                or staged + need > self.bounce[0].nbytes
+            ):
+                groups.append((range(start, i), offs))
+                start, size, staged, offs = i, 0, 0, []
+            offs.append(staged if need else -1)
+            size, staged = size + v.nbytes, staged + need
+        return [*groups, (range(start, len(views)), offs)] if offs else groups
+
+    def header(self, g: int, j: int) -> np.ndarray:
+        """Header slot of object ``j`` of group ``g``; consecutive groups use different halves
+        of the arena, so one can be verified while the next is in flight."""
+        slot = ((g % 2) * GROUP_KEYS + j) * HEADER_BYTES
+        return self.headers[slot : slot + HEADER_BYTES]
+
+    def layout(
+        self, g: int, rng: range, offs: list[int], views: list[np.ndarray]
+    ) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
+        """Buffer pointers and sizes (header slot, payload) of group ``g``'s objects, and where
+        each payload lies: the caller's buffer or a slice of the bounce arena."""
+        ptrs, sizes, places = [], [], []
+        for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
+            v = views[i]
+            place = v if off < 0 else self.bounce[g % 2][off : off + v.nbytes]
+            ptrs.append([_ptr(self.header(g, j)), _ptr(place)])
+            sizes.append([HEADER_BYTES, v.nbytes])
+            places.append(place)
+        return ptrs, sizes, places
+
+    def stage(
+        self, g: int, rng: range, offs: list[int], views: list[np.ndarray], heads: list[bytes]
+    ) -> tuple[list[list[int]], list[list[int]], int]:
+        """``layout`` of group ``g`` for writing: ``heads`` (packed envelope headers) copied
+        into its header slots and payloads outside registered memory into the bounce arena.
+        Returns pointers, sizes and the number of bytes bounced."""
+        ptrs, sizes, places = self.layout(g, rng, offs, views)
+        bounced = 0
+        for j, (i, place, head) in enumerate(zip(rng, places, heads, strict=True)):
+            v = views[i]
+            if place is not v:
+                place[:] = v
+                bounced += v.nbytes
+            self.header(g, j)[:] = np.frombuffer(head, np.uint8)
+        return ptrs, sizes, bounced
+
+
+class TransferBuffers:
+    """``arenas`` arenas plus registered caller memory, for one backend.
+
+    ``client`` returns the backend's connected client (``None`` before it connects and after
+    it closes); registrations go to it. A batch call ``acquire``s an arena and ``release``s it
+    with the futures of the store calls it made; the arena is free again once they all ended.
+    """
+
+    def __init__(self, bounce_bytes: int, client: Callable[[], Any], arenas: int = 1) -> None:
         # The backend holds it from setting its client through ``attach``, so a concurrent
         # ``register_buffers`` is either in ``_wanted`` by then or sees the new client.
         self.lock = threading.Lock()
+        self._arena_lock = threading.Lock()
         self._client = client
-        self._bounce_bytes = bounce_bytes
+        self.bounce_bytes = bounce_bytes
         self._regions: list[tuple[int, int]] = []
-        self._headers = np.zeros(2 * GROUP_KEYS * HEADER_BYTES, dtype=np.uint8)
-        self._wanted = [_span(self._headers)]
-        self._bounce = [np.zeros(0, np.uint8), np.zeros(0, np.uint8)]  # allocated when needed
+        self._arenas = [Arena(self) for _ in range(arenas)]
+        self._wanted = [_span(a.headers) for a in self._arenas]
+
+    def acquire(self) -> Arena | None:
+        """A free arena, now held by the caller; ``None`` while every one is held or still in
+        use by calls that outlived their timeout."""
+        with self._arena_lock:
+            for a in self._arenas:
+                if not a.held and not a.running:
+                    a.held = True
+                    return a
+        return None
+
+    def release(self, arena: Arena, futures: Sequence[Future | None]) -> None:
+        """The batch call holding ``arena`` returned; its store calls ``futures`` may still run
+        (abandoned after a timeout): the arena is free once they all ended."""
+        live = [f for f in futures if f is not None]
+        with self._arena_lock:
+            arena.held = False
+            arena.running += len(live)
+        for f in live:
+            f.add_done_callback(lambda _f, a=arena: self._ended(a))
+
+    def _ended(self, arena: Arena) -> None:
+        with self._arena_lock:
+            arena.running -= 1
 
     def attach(self, store: Any) -> None:
         """Register every wanted region with ``store``, a newly connected client (``lock``
@@ -132,34 +244,18 @@ class TransferBuffers:
                 if client is not None:
                     self._register(client, start, end)
 
-    def _inside(self, a: np.ndarray) -> bool:
+    def inside(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies in registered memory (transfers reach it without bouncing)."""
         p, q = _span(a)
         return any(s <= p and q <= e for s, e in self._regions)
 
-    def plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
-        """Groups of consecutive objects, each with its objects' bounce offsets (-1: direct)."""
-        groups, start, size, staged, offs = [], 0, 0, 0, []
-        for i, v in enumerate(views):
-            need = 0 if self._inside(v) else v.nbytes
-            if need > self._bounce[0].nbytes:
-                self._grow_bounce(max(need, self._bounce_bytes))
-            if offs and (
-                len(offs) == GROUP_KEYS
-                or size + v.nbytes > GROUP_BYTES
-                or staged + need > self._bounce[0].nbytes
-            ):
-                groups.append((range(start, i), offs))
-                start, size, staged, offs = i, 0, 0, []
-            offs.append(staged if need else -1)
-            size, staged = size + v.nbytes, staged + need
-        return [*groups, (range(start, len(views)), offs)] if offs else groups
-
-    def _grow_bounce(self, nbytes: int) -> None:
-        """Replace both bounce halves by ``nbytes`` ones (only while no data call runs)."""
+    def grow_bounce(self, arena: Arena, nbytes: int) -> None:
+        """Replace both bounce halves of ``arena`` (held by the caller, none of its calls
+        running) by ``nbytes`` ones."""
         with self.lock:
             client = self._client()
-            for half, old in enumerate(self._bounce):
-                self._bounce[half] = new = np.zeros(nbytes, np.uint8)
+            for half, old in enumerate(arena.bounce):
+                arena.bounce[half] = new = np.zeros(nbytes, np.uint8)
                 old_span, new_span = _span(old), _span(new)
                 if old_span in self._wanted:
                     self._wanted.remove(old_span)
@@ -169,39 +265,3 @@ class TransferBuffers:
                     client.unregister_buffer(old_span[0])
                 if client is not None:
                     self._register(client, *new_span)
-
-    def header(self, g: int, j: int) -> np.ndarray:
-        """Header slot of object ``j`` of group ``g``; consecutive groups use different halves
-        of the arena, so one can be verified while the next is in flight."""
-        slot = ((g % 2) * GROUP_KEYS + j) * HEADER_BYTES
-        return self._headers[slot : slot + HEADER_BYTES]
-
-    def layout(
-        self, g: int, rng: range, offs: list[int], views: list[np.ndarray]
-    ) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
-        """Buffer pointers and sizes (header slot, payload) of group ``g``'s objects, and where
-        each payload lies: the caller's buffer or a slice of the bounce arena."""
-        ptrs, sizes, places = [], [], []
-        for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
-            v = views[i]
-            place = v if off < 0 else self._bounce[g % 2][off : off + v.nbytes]
-            ptrs.append([_ptr(self.header(g, j)), _ptr(place)])
-            sizes.append([HEADER_BYTES, v.nbytes])
-            places.append(place)
-        return ptrs, sizes, places
-
-    def stage(
-        self, g: int, rng: range, offs: list[int], views: list[np.ndarray], heads: list[bytes]
-    ) -> tuple[list[list[int]], list[list[int]], int]:
-        """``layout`` of group ``g`` for writing: ``heads`` (packed envelope headers) copied
-        into its header slots and payloads outside registered memory into the bounce arena.
-        Returns pointers, sizes and the number of bytes bounced."""
-        ptrs, sizes, places = self.layout(g, rng, offs, views)
-        bounced = 0
-        for j, (i, place, head) in enumerate(zip(rng, places, heads, strict=True)):
-            v = views[i]
-            if place is not v:
-                place[:] = v
-                bounced += v.nbytes
-            self.header(g, j)[:] = np.frombuffer(head, np.uint8)
-        return ptrs, sizes, bounced

@@ -3,8 +3,9 @@
 A store call that exceeds ``timeout_s`` or answers an RPC/transfer failure marks the session
 unhealthy (``outages``); calls then get no client (misses, counted as ``skipped``) and one probe
 runs in the background after a backoff of 0.5 s doubling to 10 s; its success marks the session
-healthy again (``reconnects``). A read that timed out still waits (bounded) for its call to end,
-because the library may still be writing into the caller's buffers.
+healthy again (``reconnects``). Waiting for a call is bounded by ``timeout_s``: a call that
+outlives it is abandoned (it keeps its worker thread; later calls run on the others), and what it
+may still write into is the backend's business (see ``kvtier.storage.mooncake``).
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from kvtier.storage.mooncake_url import MooncakeSettings
 log = logging.getLogger("kvtier.storage")
 
 _BACKOFF = (0.5, 10.0)
-_DRAIN_S = 35.0
-"""How long a timed-out read may still write into its buffers: above the transfer engine's 30 s
-no-progress limit."""
+DATA_CALLS = 3
+"""Store data calls that may run at once: one in use plus two that may hang past their timeout
+before further calls are skipped (each holds a worker thread and an arena)."""
 
 FaultSink = Callable[[str, str], None]
 """``fault(kind, message)``: the backend's fault counter."""
 
 
 class MooncakeSession:
-    """One client of the store, its health state and the two worker threads calls run on
+    """One client of the store, its health state and the two worker pools calls run on
     (``data`` for gets and puts, ``meta`` for existence checks and probes)."""
 
     def __init__(
@@ -55,12 +56,13 @@ class MooncakeSession:
         self._lock = threading.Lock()
         self.client: Any = None
         self._healthy = self._closed = self._probing = False
+        self._probe_started = 0.0
         self._probe_finished = threading.Event()
         self._backoff, self._next_probe = _BACKOFF[0], 0.0
         self.reason = "not connected yet"
         self._counts: Counter[str] = Counter()
-        self.data = Worker("kvtier-mooncake-data")
-        self.meta = Worker("kvtier-mooncake-meta")
+        self.data = Worker("kvtier-mooncake-data", DATA_CALLS)
+        self.meta = Worker("kvtier-mooncake-meta", 2)
 
     def start(self, wait_s: float) -> bool:
         """First connection attempt, waiting up to ``wait_s``; returns whether it is healthy."""
@@ -107,12 +109,13 @@ class MooncakeSession:
 
     def _maybe_probe(self) -> Future | None:
         with self._lock:
-            if self._healthy or self._closed or self._probing:
-                return None
-            if time.monotonic() < self._next_probe:
+            now = time.monotonic()
+            # A probe that outlived its timeout is abandoned like any call: probe again.
+            running = self._probing and now - self._probe_started < self.settings.timeout_s
+            if self._healthy or self._closed or running or now < self._next_probe:
                 return None
             fut = self.meta.submit(self._probe)
-            self._probing = fut is not None
+            self._probing, self._probe_started = fut is not None, now
         if fut is not None:
             fut.add_done_callback(self._probe_done)
         return fut
@@ -192,18 +195,15 @@ class MooncakeSession:
             self.count(skipped=1)
         return fut
 
-    def wait(self, fut: Future | None, what: str, drain: bool = False) -> Any:
-        """The call's answer, or ``None`` after a timeout or exception (counted)."""
+    def wait(self, fut: Future | None, what: str) -> Any:
+        """The call's answer, or ``None`` after ``timeout_s`` or an exception (counted). A
+        call that timed out is abandoned, not waited for: ``fut`` may still complete later."""
         if fut is None:
             return None
         try:
             return fut.result(timeout=self.settings.timeout_s)
         except concurrent.futures.TimeoutError:
             self.outage("timeout", f"{what} took over {self.settings.timeout_s} s")
-            if drain and concurrent.futures.wait([fut], _DRAIN_S).not_done:
-                log.error(
-                    "mooncake %s still running after %s s; its buffers may change", what, _DRAIN_S
-                )
         except Exception as e:  # noqa: BLE001 - a library fault is a miss, never a crash
             self._fault("io", f"{what}: {e!r}")
         return None

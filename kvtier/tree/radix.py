@@ -227,6 +227,11 @@ class RadixTree(EvictionIndex):
             hook(new, node, n)
         return new
 
+    def set_in_storage(self, node: Node, stored: bool) -> None:
+        """Record whether storage holds every page object of ``node`` (``False``: one was
+        found gone, so a backup writes the node again)."""
+        node.in_storage = stored
+
     # ---- keys ---------------------------------------------------------------------------
     def ensure_keys(self, node: Node, namespace: Namespace) -> list[PageKey]:
         """Storage keys of ``node``'s pages (computing missing ones along the path)."""
