@@ -150,7 +150,6 @@ class Scheduler:
     def _consume(self, req: Request) -> None:
         self.cache.finish_prefetch(req.prefetch)
         req.prefetch = None
-        self._epoch += 1  # the fetch's locks are gone: host room may have freed up
 
     def _wait_for_host(self, req: Request) -> bool:
         """Whether ``req``, whose stored prefix found no host room, waits for some rather than
@@ -170,13 +169,17 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) >= self.max_running:
                 break
-            if req.prefetch is not None:
+            consumed = req.prefetch is not None
+            if consumed:
                 if not self.cache.prefetch_ready(req.prefetch):
                     continue  # its storage pages are still arriving; those behind may go first
                 self._consume(req)
-            if req.storage_wanted and req.prefetch_epoch != self._epoch:
-                # Storage held more than the host tier took when it was last tried, and
-                # locks were released since: fetch the rest before admitting.
+            retry = consumed or req.prefetch_epoch != self._epoch
+            if req.storage_wanted and retry and not self.prefetching():
+                # Storage held more than the host tier took when it was last tried (or the
+                # fetch just landed), and pages may have been released since: fetch the rest
+                # before admitting. One fetch at a time, in queue order: fetches racing for a
+                # short host tier evict each other's pages before their requests get in.
                 self._try_prefetch(req)
             if req.prefetch is not None or (req.storage_wanted and self._wait_for_host(req)):
                 continue
