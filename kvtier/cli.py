@@ -22,6 +22,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from kvtier import demo
+    from kvtier.demo_report import format_table
 
     if args.restart_phase:
         demo.restart_main(args.restart_phase)
@@ -39,7 +40,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(demo.format_table(summary))
+        print(format_table(summary))
     return 0 if summary["oracle"]["mismatches"] == 0 else 1
 
 

@@ -8,13 +8,12 @@ their copies visible to ``match`` (contract 3):
     host → storage  write         the key exists only after the backend's atomic write
     storage → host  prefetch      pages enter the tree in whole verified chunks, in order
 
-In-flight work pins what it reads (``device_io``/``host_io`` on nodes) so eviction never frees
-memory under a transfer. Splits re-attribute in-flight entries through the tree's split hook.
+In-flight work pins what it reads (``device_io``/``host_io``), so eviction never frees memory
+under a transfer; splits re-attribute in-flight entries (the tree's split hook).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +32,6 @@ from kvtier.transfer.op import TransferOp
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import Evicted
-
-log = logging.getLogger("kvtier.controller")
-
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 Entry = list  # [node, payload]: payload is the node's slice of the op's pages (or None)
 
@@ -270,7 +265,7 @@ class Controller:
             self.tree.unlock(anchor)
             anchor = None
             prefix, tokens, keys = prefix + tokens[: j * ps], tokens[j * ps :], keys[j:]
-        pages = self.alloc_host(len(keys)) if keys else _NO_PAGES
+        pages = self.alloc_host(len(keys)) if keys else torch.empty(0, dtype=torch.int64)
         if pages is None:  # host tier short even after eviction: fetch what fits
             pages = self.host.allocator.alloc(min(len(keys), self.host.allocator.available))
             assert pages is not None
