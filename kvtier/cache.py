@@ -23,14 +23,12 @@ Range table of one finished request's slots (``ps`` = page size)::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
 from kvtier.config import CacheConfig, resolve_device
-from kvtier.controller import Controller
+from kvtier.controller import Controller, PrefetchOp
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
@@ -39,7 +37,6 @@ from kvtier.paging import align_down
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
-from kvtier.prefetch import PrefetchOp
 from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
@@ -79,7 +76,7 @@ class TieredCache:
         )
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
-        self.storage: StorageBackend | None = None
+        backend: StorageBackend | None = None
         if config.storage:
             backend = create_backend(config.storage, config, self.namespace)
             try:
@@ -87,13 +84,12 @@ class TieredCache:
             except ConfigError:
                 backend.close()
                 raise
-            self.storage = backend
         self.controller = Controller(
             config,
             self.tree,
             self.device_pool,
             self.host_pool,
-            self.storage,
+            backend,
             self.namespace,
             self.metrics,
         )
@@ -133,8 +129,19 @@ class TieredCache:
         if self.storage is not None:
             raise ConfigError(f"storage backend {self.storage.name!r} is already attached")
         self._check_capabilities(backend)
-        self.storage = backend
         self.controller.attach_storage(backend)
+
+    @property
+    def storage(self) -> StorageBackend | None:
+        """The attached L3 backend, if any."""
+        return self.controller.storage
+
+    @property
+    def tree_page_tokens(self) -> int:
+        """Tokens per tree page: the unit of allocation, of the tree and of one storage object
+        (lcm of every component's granularity; ``page_size`` is the same number, while
+        ``CacheConfig.page_size`` is the KV page). Pool sizes count tree pages."""
+        return self.page_size
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], probe_storage: bool = True) -> MatchResult:
@@ -168,21 +175,12 @@ class TieredCache:
         if handle.node is not None:
             raise IntegrityError("handle is already locked")
         handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
-        handle.node = self.tree.lock(handle.locked)
-        path = handle.locked.path
-        self.controller.touch_storage(path)  # a hit at any tier is a use of its L3 objects
-        if self.config.write_policy == "write_through_selective":
-            self.controller.backup_to_host(
-                [n for n in path if n.hits >= self.config.write_threshold]
-            )
-        # A host copy whose storage backup was dropped (store full or down) gets another try
-        # when it is used again.
-        self.controller.backup_to_storage([n for n in path if n.on_host and not n.in_storage])
+        handle.node = self.controller.lock(handle.locked)
 
     def unlock(self, handle: Handle) -> None:
         if handle.node is None:
             raise IntegrityError("unlock of a handle that is not locked")
-        self.tree.unlock(handle.node)
+        self.controller.unlock(handle.node)
         handle.node = None
         handle.loaded = None
 
@@ -200,9 +198,11 @@ class TieredCache:
         if h.node is None or h.locked is None:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
         path = h.locked.path
-        before = [(n.on_device, n.fetched) for n in path]
-        n, layer_events = self.controller.load_back(path, overlap)
+        was = {id(n): n.on_device for n in path}
+        n, layer_events = self.controller.load(path, overlap)  # may split a node of ``path``
         ps = self.page_size
+        h.locked.last_pages = path[-1].num_pages(ps) if path else 0
+        before = [was.get(id(node), False) for node in path]
         usable = sum(len(node.tokens) for node in path[:n])
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
@@ -210,33 +210,28 @@ class TieredCache:
         ld = LoadResult(
             served.locs, *served.tokens, layer_events=layer_events, state_source=served.last
         )
-        h.loaded, h.load_result, h.fetched_nodes = served.locs, ld, served.fetched
+        h.loaded, h.load_result, h.moved_nodes = served.locs, ld, served.moved
         return ld
 
     def record_hits(self, handle: Handle) -> None:
         """Count the cached prefix of an admitted request (its handle's last ``load``) per
         tier: once per request, as a server reports it in ``usage``; a load whose admission
-        was abandoned is not counted. Pages fetched from storage count as device hits after."""
+        was abandoned is not counted. Pages moved up for it count as device hits after."""
         ld = handle.load_result
         if ld is None:
             raise RequestError("record_hits of a handle that was not loaded")
-        for node in handle.fetched_nodes:
-            node.fetched = False
-        handle.fetched_nodes = []
+        self.controller.counted(handle.moved_nodes)
+        handle.moved_nodes = []
         self.metrics.count_hits(ld, self.specs, self.page_size)
 
     # ---- storage → host -----------------------------------------------------------------
     def prefetch(self, m: MatchResult) -> PrefetchOp | None:
         """Start fetching ``m.storage_len`` tokens from storage into the host tier."""
         self._check_open("prefetch")
-        if m.storage_len == 0 or self.controller.io is None:
+        pf = self.controller.prefetcher
+        if m.storage_len == 0 or pf is None:
             return None
-        h = m.handle
-        anchor = self.tree.lock(h.match)
-        start = h.match.matched_len
-        end = start + len(h.storage_keys) * self.page_size
-        prefix, tokens = h.tokens[:start], h.tokens[start:end]
-        return self.controller.start_prefetch(anchor, prefix, tokens, h.storage_keys)
+        return pf.start(m.handle.match, m.handle.tokens, m.handle.storage_keys)
 
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
         """Whether a request waiting on ``op`` may proceed under the prefetch policy."""
@@ -246,12 +241,8 @@ class TieredCache:
         """Block until one of ``ops`` (or a fetch it waits on) finished its I/O, a ``timeout``
         deadline passed, or ``timeout`` seconds elapsed: what an idle engine does instead of
         spinning."""
-        futures = [f for op in ops for f in op.pending_futures()]
-        if futures:
-            soonest = min(op.deadline for op in ops) - time.monotonic()
-            if self.config.prefetch_policy == "timeout":
-                timeout = max(0.0, min(timeout, soonest))
-            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+        if self.controller.prefetcher is not None and ops:
+            self.controller.prefetcher.wait(ops, timeout)
 
     def finish_prefetch(self, op: PrefetchOp | None) -> int:
         """Make what ``op`` (and the fetches it waits on) fetched so far visible; returns the
@@ -259,10 +250,9 @@ class TieredCache:
 
         Pages still in flight keep arriving and become visible at later polls.
         """
-        if op is None:
+        if op is None or self.controller.prefetcher is None:
             return 0
-        self.controller.release_prefetch(op)
-        return op.committed_pages * self.page_size
+        return self.controller.prefetcher.release(op)
 
     # ---- engine-owned pages -------------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor:
@@ -327,6 +317,10 @@ class TieredCache:
         self.controller.poll()
         if self.config.debug_checks:
             self.check_integrity()
+
+    def in_flight(self) -> bool:
+        """Whether any transfer or storage I/O is still in flight (``drain`` would wait)."""
+        return self.controller.in_flight()
 
     def drain(self) -> None:
         """Wait until every transfer and storage write in flight completed and is visible."""

@@ -92,29 +92,29 @@ class Served:
     """Tokens served from device, host and storage."""
     last: str | None
     """The tier of the last node used (a state pool's resume row), ``None`` if none."""
-    fetched: list[Node]
-    """Nodes served from storage fetches."""
+    moved: list[Node]
+    """Nodes whose copies were moved up for this request (their ``origin`` is set)."""
 
 
 def served_prefix(
-    path: list[Node], before: list[tuple[bool, bool]], usable: int, page_size: int
+    path: list[Node], was_on_device: list[bool], usable: int, page_size: int
 ) -> Served:
-    """Attribute the first ``usable`` tokens of the loaded ``path`` to tiers, given each
-    node's ``(on_device, fetched)`` before the load. A fetched node stays ``storage`` until an
-    admission that used it was counted: a load whose admission failed leaves it on device but
-    not yet served."""
+    """Attribute the first ``usable`` tokens of the loaded ``path`` to tiers. A node moved up
+    for a request (``Node.origin``) counts as a hit of the tier it came from until an
+    admission was counted on it: a load whose admission failed and was retried leaves it on
+    device, yet the request was served from below."""
     counts = {"device": 0, "host": 0, "storage": 0}
     pages: list[torch.Tensor] = []
-    fetched: list[Node] = []
+    moved: list[Node] = []
     left, last = usable, None
-    for node, (was_dev, was_fetched) in zip(path, before, strict=True):
+    for node, was_dev in zip(path, was_on_device, strict=True):
         if left <= 0:
             break
         take = min(len(node.tokens), left)
-        last = "storage" if was_fetched else ("device" if was_dev else "host")
+        last = node.origin or ("device" if was_dev else "host")
         counts[last] += take
-        if was_fetched:
-            fetched.append(node)
+        if node.origin is not None:
+            moved.append(node)
         if node.device is None:
             raise IntegrityError(f"node {node.id}: loaded but has no device copy")
         pages.append(node.device[: take // page_size])
@@ -122,4 +122,4 @@ def served_prefix(
     locs = (
         pages_to_locs(torch.cat(pages), page_size) if pages else torch.empty(0, dtype=torch.int64)
     )
-    return Served(locs, (counts["device"], counts["host"], counts["storage"]), last, fetched)
+    return Served(locs, (counts["device"], counts["host"], counts["storage"]), last, moved)

@@ -30,8 +30,8 @@ class Handle:
     """The slots ``load`` returned while locked (``finish`` checks the engine hands them back)."""
     load_result: LoadResult | None = None
     """What the last ``load`` returned (``record_hits`` counts it)."""
-    fetched_nodes: list[Node] = field(default_factory=list)
-    """Nodes that load served from storage fetches, not yet counted."""
+    moved_nodes: list[Node] = field(default_factory=list)
+    """Nodes whose copies were moved up for this request (``Node.origin``), not yet counted."""
 
 
 @dataclass(frozen=True, slots=True)

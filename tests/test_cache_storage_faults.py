@@ -10,7 +10,7 @@ import torch
 from conftest import kv_of, run_request
 from conftest import make_cache as _make_cache
 
-from kvtier import prefetch as prefetch_mod
+from kvtier.controller import prefetch as prefetch_mod
 from kvtier.storage.file import FileBackend
 
 TOKENS = list(range(200, 233))  # 33 tokens: 8 whole pages
@@ -42,7 +42,7 @@ def _gated_cache(tmp_path, policy, **kw):
     c = make_cache(tmp_path, prefetch_policy=policy, **kw)
     gated = GatedFile(c.storage.root, c.namespace, c.config.storage_bytes)
     gated.gate = threading.Event()
-    c.storage = c.controller.io.backend = gated
+    c.controller.io.backend = gated
     return c, gated
 
 
@@ -152,9 +152,7 @@ class FullDisk(FileBackend):
 
 def test_full_disk_drops_backups_without_crashing(tmp_path):
     c = make_cache(tmp_path)
-    c.storage = c.controller.io.backend = FullDisk(
-        c.storage.root, c.namespace, c.config.storage_bytes
-    )
+    c.controller.io.backend = FullDisk(c.storage.root, c.namespace, c.config.storage_bytes)
     run_request(c, TOKENS)
     c.drain()
     s = c.stats()
@@ -203,6 +201,6 @@ def test_concurrent_prefetches_of_one_prefix_share_the_reads(tmp_path):
     assert torch.equal(kv_of(c, c.load(m).locs), orig)
     c.unlock(m.handle)
     c.poll()
-    assert c.controller.io.prefetches() == []
+    assert c.controller.prefetcher.ops == []
     c.check_integrity()
     c.close()

@@ -103,8 +103,15 @@ def test_write_back_copies_on_eviction_only(tmp_path):
     c.drain()
     (node,) = c.tree.nodes()
     assert node.host is None and c.stats()["host_backup_pages"] == 0
-    c.controller.evict_device(1)
+    # Eviction never waits for a copy: the first try starts the backup and passes the node
+    # over; once the copy landed the node can go.
+    assert c.controller.evict_device(1) == 0
+    assert node.device is not None and node.device_io == 1 and node.host is None
+    c.check_integrity()
+    c.drain()
+    assert c.controller.evict_device(1) == 4
     assert node.device is None and node.host is not None
+    assert c.stats()["host_backup_pages"] == 4
     m = c.match(TOKENS)
     assert (m.device_len, m.host_len) == (0, 16)
     c.lock(m.handle)
@@ -207,4 +214,30 @@ def test_prometheus_export(tmp_path):
     assert "kvtier_host_backup_pages_total 4.0" in text
     assert "kvtier_storage_backup_pages_total 4.0" in text
     assert "kvtier_host_pages_total 16.0" in text
+    c.close()
+
+
+def test_write_back_with_a_full_host_tier_drops_the_backup_and_says_so(tmp_path):
+    """A host tier held entirely by locked prefixes cannot take a write-back copy: the device
+    copy still goes (a cache that cannot evict cannot serve), the dropped backup is counted,
+    never reported as a copy, and nothing waits."""
+    c = make_cache(tmp_path, write_policy="write_back", storage=None, device_pages=5, host_pages=5)
+    held = list(range(500, 520))
+    run_request(c, held)
+    c.controller.evict_device(5)  # starts held's backup
+    c.drain()
+    assert c.controller.evict_device(5) == 5  # held is host-only now
+    m = c.match(held)
+    c.lock(m.handle)  # and pinned there: the host tier is full
+    assert c.stats()["host_pages_used"] == 5
+    run_request(c, TOKENS)
+    c.drain()
+    (node,) = [n for n in c.tree.nodes() if n.on_device]
+    assert c.controller.evict_device(4) == 4
+    assert node.parent is None  # gone from the tree: no copy was made
+    s = c.stats()
+    assert s["dropped_host_backups"] == 4 and s["host_backup_pages"] == 5
+    assert c.match(TOKENS).cached_len == 0
+    c.unlock(m.handle)
+    c.check_integrity()
     c.close()

@@ -192,14 +192,14 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
     assert c.match(TOKENS, probe_storage=False).host_len == 0
     # The abandoned read may still write into the fetch's host pages: they stay allocated.
     c.poll()
-    assert c.controller.io.prefetches() == [pf] and c.stats()["host_pages_used"] == 8
+    assert c.controller.prefetcher.ops == [pf] and c.stats()["host_pages_used"] == 8
     c.check_integrity()
 
     ctl.release.set()
     for fence in pf.fences:
         fence.result(timeout=30)
     c.poll()
-    assert c.controller.io.prefetches() == [] and c.stats()["host_pages_used"] == 0
+    assert c.controller.prefetcher.ops == [] and c.stats()["host_pages_used"] == 0
     assert c.stats()["prefetch_failed_pages"] == 8
     c.check_integrity()
 

@@ -168,9 +168,7 @@ def test_backup_skip_accounting_on_both_state_branches(tmp_path, state_ok):
     first.close()
     c = make(tmp_path, [KV, STATE])
     if not state_ok:
-        c.storage = c.controller.io.backend = FailingStates(
-            c.storage.root, c.namespace, c.config.storage_bytes
-        )
+        c.controller.io.backend = FailingStates(c.storage.root, c.namespace, c.config.storage_bytes)
     fill(c, tokens, [True, True, True])  # page objects exist: skipped; states are new
     c.drain()
     s = c.stats()

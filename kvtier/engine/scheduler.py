@@ -99,9 +99,13 @@ class Scheduler:
         if not preempted:
             work += self._admit()
         if not work and not preempted and self.waiting and not self.prefetching():
-            # Pages that in-flight transfers hold become evictable once those land.
-            self.cache.drain()
-            work = self._admit()
+            # Pages that in-flight transfers hold become evictable once those land; a try can
+            # start more (write-back eviction copies first), each giving some page a host copy.
+            for _ in range(self.cache.device_pool.num_pages + 1):
+                self.cache.drain()
+                work = self._admit()
+                if work or self.prefetching() or not self.cache.in_flight():
+                    break
             if not work and not self.prefetching():
                 raise CapacityError(self._stuck_message())
         return work

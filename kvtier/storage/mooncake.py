@@ -22,7 +22,7 @@ the others, up to ``DATA_CALLS`` at once). The library only ever transfers into 
 registered memory, so what a late call can still touch is (a) its arena (headers and bounced
 payloads), which is not handed to another call before it ended, and (b) caller buffers that lie
 in registered memory (the host pool, read zero-copy). For (b), ``read_fence`` gives the caller a
-future that completes once no abandoned read is running; ``kvtier.prefetch`` keeps the pages of a
+future that completes once no abandoned read is running; ``kvtier.controller.prefetch`` keeps the pages of a
 short read allocated until then, so a late answer never lands in a host page that was reused. A
 late put may have read host pages after the caller let them go: once it ends, the objects it
 wrote are removed (best effort; a survivor fails its payload crc on read, a counted miss).

@@ -26,8 +26,9 @@ class Node:
     ``ckpt`` (models with a state pool only) flags, per page, whether the page's state row holds
     a valid checkpoint of the state after the page's last token, in every tier that has a copy.
 
-    ``fetched`` marks a host copy that came from storage and has not been loaded yet, so the
-    load that uses it counts storage hits rather than host hits.
+    ``origin`` is the tier a copy came from that no counted admission has used yet
+    (``storage`` for a fetched host copy, ``host`` for a device copy loaded from host), so the
+    request it was moved for counts it as a hit of that tier even if its admission was retried.
     """
 
     id: int
@@ -39,7 +40,7 @@ class Node:
     keys: list[PageKey] | None = None
     ckpt: torch.Tensor | None = None
     in_storage: bool = False
-    fetched: bool = False
+    origin: str | None = None
     lock_ref: int = 0
     device_io: int = 0
     host_io: int = 0

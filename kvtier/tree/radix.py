@@ -208,7 +208,7 @@ class RadixTree(EvictionIndex):
         new.host = node.host[:n] if node.host is not None else None
         new.keys = node.keys[:n] if node.keys is not None else None
         new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
-        new.in_storage, new.fetched = node.in_storage, node.fetched
+        new.in_storage, new.origin = node.in_storage, node.origin
         self._hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
@@ -231,6 +231,41 @@ class RadixTree(EvictionIndex):
         """Record whether storage holds every page object of ``node`` (``False``: one was
         found gone, so a backup writes the node again)."""
         node.in_storage = stored
+
+    def set_origin(self, node: Node, origin: str | None) -> None:
+        """Record the tier ``node``'s newest copy came from until an admission counted it
+        (``None``: counted, hits are hits of the tier it is in)."""
+        node.origin = origin
+
+    def begin_io(self, node: Node, tier: str) -> None:
+        """A transfer starts reading (device) or reading/writing (host) ``node``'s copy in
+        ``tier``: eviction keeps that copy until the matching ``end_io``."""
+        if tier == "device":
+            if node.device is None:
+                raise IntegrityError(f"device I/O on {node!r} without a device copy")
+            node.device_io += 1
+        elif tier == "host":
+            node.host_io += 1
+        else:
+            raise IntegrityError(f"I/O on unknown tier {tier!r}")
+
+    def end_io(self, node: Node, tier: str) -> None:
+        """The transfer ``begin_io`` announced completed (or was abandoned)."""
+        count = node.device_io if tier == "device" else node.host_io
+        if count <= 0:
+            raise IntegrityError(f"end of {tier} I/O on {node!r} with none in flight")
+        if tier == "device":
+            node.device_io -= 1
+        else:
+            node.host_io -= 1
+
+    def split(self, node: Node, pages: int) -> Node:
+        """Split ``node`` after its first ``pages`` pages; returns the new parent (the first
+        part). Locks, I/O counts and copies are shared by both parts; split hooks re-attribute
+        in-flight work."""
+        if not 0 < pages < node.num_pages(self.page_size):
+            raise IntegrityError(f"split of {node!r} at page {pages}")
+        return self._split(node, pages)
 
     # ---- keys ---------------------------------------------------------------------------
     def ensure_keys(self, node: Node, namespace: Namespace) -> list[PageKey]:

@@ -1,10 +1,9 @@
-"""Storage I/O off the scheduling thread: host → storage writes, storage → host prefetches and
-recency touches of stored objects that a request used from another tier.
+"""L3 I/O off the scheduling thread: host → storage writes, storage → host reads of prefetches
+and recency touches of stored objects a request used from another tier.
 
-One background thread runs backend calls in submission order. The scheduling thread only
-submits work and, in ``Controller.poll``, reaps it; tree state is touched on the scheduling
-thread alone. In-flight work pins the host pages it reads (``host_io``) or owns the pages it
-writes (freshly allocated, not yet in the tree).
+One background thread runs backend calls in submission order. ``StorageIO`` only submits
+work and reaps it; it never changes tree state (the controller pins nodes before submitting
+and records results after reaping, on the scheduling thread).
 """
 
 from __future__ import annotations
@@ -13,10 +12,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.config import CacheConfig
+from kvtier.controller.records import Span, split_spans
+from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey, state_key
 from kvtier.metrics import Metrics
 from kvtier.pools.host import HostPool
@@ -24,67 +25,18 @@ from kvtier.storage.base import StorageBackend
 from kvtier.transfer.objects import ObjectCodec
 from kvtier.tree.node import Node
 
+if TYPE_CHECKING:
+    from kvtier.controller.prefetch import PrefetchOp
+
 CHUNK_PAGES = 32
 """Pages per backend call of a prefetch: the granularity at which fetched pages become visible."""
 
 
 @dataclass(slots=True, eq=False)
-class PrefetchOp:
-    """Storage → host fetch of ``keys`` into ``pages``.
-
-    ``prefix`` holds the tokens before the fetched range (from the root), ``tokens`` the range
-    itself. ``anchor`` is the locked node ending at ``prefix``; it is ``None`` while ``prefix``
-    is still being fetched by the ops in ``deps`` (in-flight fetches of the same pages are
-    shared, not repeated) and is resolved when they have committed. The I/O thread advances
-    ``done_pages`` after each verified chunk; the scheduling thread commits
-    ``[committed_pages, done_pages)`` into the tree and moves the anchor down.
-    """
-
-    anchor: Node | None
-    prefix: tuple[int, ...]
-    tokens: tuple[int, ...]
-    keys: list[PageKey]
-    pages: torch.Tensor
-    deadline: float
-    deps: list[PrefetchOp] = field(default_factory=list)
-    ckpt: torch.Tensor | None = None
-    done_pages: int = 0
-    committed_pages: int = 0
-    released: bool = False
-    closed: bool = False
-    cancel: bool = False
-    future: Future | None = None
-    fences: list[Future] = field(default_factory=list)
-    """``read_fence``s of short reads: until they are done an abandoned backend call may still
-    write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
-    staging: list[torch.Tensor] = field(default_factory=list)
-
-    def io_done(self) -> bool:
-        return self.future is not None and self.future.done()
-
-    def unfenced(self) -> bool:
-        """Whether no abandoned read can still write into this fetch's buffers."""
-        return all(f.done() for f in self.fences)
-
-    def pending_futures(self) -> list[Future]:
-        """I/O futures of this fetch and the fetches it waits on that are still running."""
-        own = [self.future] if self.future is not None and not self.future.done() else []
-        return own + [f for d in self.deps for f in d.pending_futures()]
-
-    def ready(self, policy: str) -> bool:
-        """Whether a request waiting on this fetch may proceed under ``policy``."""
-        if policy == "best_effort":
-            return True
-        if self.io_done() and all(d.ready(policy) for d in self.deps):
-            return True
-        return policy == "timeout" and time.monotonic() >= self.deadline
-
-
-@dataclass(slots=True, eq=False)
 class WriteOp:
-    """Host → storage write of several nodes' pages; entries are ``[node, range]`` into keys."""
+    """Host → storage write of several nodes' pages; each span's part is its range of keys."""
 
-    entries: list[list]
+    spans: list[Span]
     keys: list[PageKey]
     pages: torch.Tensor
     ckpt: torch.Tensor | None
@@ -95,10 +47,10 @@ class WriteOp:
 @dataclass(slots=True, eq=False)
 class TouchOp:
     """Recency refresh of stored page objects: one backend ``touch`` per range in ``runs`` (the
-    keys of consecutive stored nodes of one path); ``entries`` are ``[node, range]`` into
-    ``keys``, so the objects found gone map back to the nodes holding them."""
+    keys of consecutive stored nodes of one path); each span's part is its range of ``keys``, so
+    the objects found gone map back to the nodes holding them."""
 
-    entries: list[list] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     keys: list[PageKey] = field(default_factory=list)
     runs: list[range] = field(default_factory=list)
     future: Future | None = None
@@ -120,28 +72,27 @@ class StorageIO:
         backend.register_buffers([b for b in host.buffers.values() if b.is_contiguous()])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")
         self._writes: list[WriteOp] = []
-        self._prefetches: list[PrefetchOp] = []
         self._touch_next = TouchOp()
         self._touch_nodes: set[Node] = set()  # nodes in ``_touch_next`` (touched once a poll)
         self._touches: list[TouchOp] = []
 
     # ---- writes ---------------------------------------------------------------------------
-    def write(self, nodes: list[Node], keys: list[list[PageKey]]) -> None:
-        """Back up the host copies of ``nodes`` (pinned by ``host_io`` until reaped)."""
-        entries, flat, pages, ckpts, pos = [], [], [], [], 0
+    def write(self, nodes: list[Node], keys: list[list[PageKey]]) -> WriteOp:
+        """Back up the host copies of ``nodes`` (the caller keeps them pinned until reaped)."""
+        spans, flat, pages, ckpts, pos = [], [], [], [], 0
         for node, ks in zip(nodes, keys, strict=True):
-            assert node.host is not None
-            node.host_io += 1
-            entries.append([node, range(pos, pos + len(ks))])
+            if node.host is None or (self.states is not None and node.ckpt is None):
+                raise IntegrityError(f"storage write of {node!r}: no host copy or checkpoints")
+            spans.append(Span(node, range(pos, pos + len(ks))))
             flat += ks
             pages.append(node.host)
             if self.states is not None:
-                assert node.ckpt is not None
                 ckpts.append(node.ckpt)
             pos += len(ks)
-        op = WriteOp(entries, flat, torch.cat(pages), torch.cat(ckpts) if ckpts else None)
+        op = WriteOp(spans, flat, torch.cat(pages), torch.cat(ckpts) if ckpts else None)
         op.future = self._pool.submit(self._do_write, op)
         self._writes.append(op)
+        return op
 
     def _do_write(self, op: WriteOp) -> torch.Tensor:
         """Returns, per page, whether everything it needs is stored.
@@ -170,23 +121,24 @@ class StorageIO:
         self.metrics.inc("storage_write_bytes", nbytes)
         return done
 
-    def reap_writes(self) -> list[Node]:
-        """Unpin the host copies of finished writes; returns the nodes now wholly stored (the
-        caller records that in the tree)."""
-        stored: list[Node] = []
+    def reap_writes(self) -> list[tuple[Span, bool]]:
+        """Spans of the finished writes, each with whether all its pages are now stored (the
+        caller unpins the nodes and records that in the tree)."""
+        out: list[tuple[Span, bool]] = []
         for op in [w for w in self._writes if w.future is not None and w.future.done()]:
             self._writes.remove(op)
             done = op.future.result()
-            for node, r in op.entries:
-                node.host_io -= 1
-                if bool(done[r.start : r.stop].all()):
-                    stored.append(node)
+            out += [(sp, bool(done[sp.part.start : sp.part.stop].all())) for sp in op.spans]
             complete = int(done.sum())
             self.metrics.inc("storage_backup_pages", complete)
             self.metrics.inc("storage_backup_tokens", complete * self.page_tokens)
             if complete < len(op.keys):
                 self.metrics.inc("dropped_storage_backups", len(op.keys) - complete)
-        return stored
+        return out
+
+    def pinned(self) -> list[Span]:
+        """Spans of the writes in flight (each pins its node's host copy once)."""
+        return [sp for op in self._writes for sp in op.spans]
 
     # ---- recency --------------------------------------------------------------------------
     def queue_touch(self, path: list[Node], keys_of: Callable[[Node], list[PageKey]]) -> None:
@@ -203,7 +155,7 @@ class StorageIO:
             ks = keys_of(node)
             self._touch_nodes.add(node)
             start = len(op.keys) if start is None else start
-            op.entries.append([node, range(len(op.keys), len(op.keys) + len(ks))])
+            op.spans.append(Span(node, range(len(op.keys), len(op.keys) + len(ks))))
             op.keys += ks
 
     def flush_touches(self) -> None:
@@ -227,34 +179,21 @@ class StorageIO:
                 for r, found in zip(op.runs, op.future.result(), strict=True)
                 if found < len(r)
             ]
-            for node, r in op.entries:
+            for sp in op.spans:
+                r = sp.part
                 hit = any(max(r.start, g.start) < min(r.stop, g.stop) for g in gone)
-                if hit and node.parent is not None:
-                    lost.append(node)
+                if hit and sp.node.parent is not None:
+                    lost.append(sp.node)
         return lost
 
     # ---- prefetch -------------------------------------------------------------------------
-    def prefetch(
-        self,
-        anchor: Node | None,
-        prefix: tuple[int, ...],
-        tokens: tuple[int, ...],
-        keys: list[PageKey],
-        pages: torch.Tensor,
-        deps: list[PrefetchOp],
-        config: CacheConfig,
-    ) -> PrefetchOp:
-        deadline = time.monotonic() + config.prefetch_timeout_s
-        op = PrefetchOp(anchor, prefix, tokens, keys, pages, deadline, deps)
-        if self.states is not None:
-            op.ckpt = torch.zeros(len(keys), dtype=torch.bool)
-        if keys:
+    def read(self, op: PrefetchOp) -> None:
+        """Submit the reads of ``op``'s keys into its pages (``op.future`` completes after)."""
+        if op.keys:
             op.future = self._pool.submit(self._do_prefetch, op)
         else:
             op.future = Future()
             op.future.set_result(None)
-        self._prefetches.append(op)
-        return op
 
     def _do_prefetch(self, op: PrefetchOp) -> None:
         t0 = time.perf_counter()
@@ -305,33 +244,20 @@ class StorageIO:
                 return i
         return hi
 
-    def prefetches(self) -> list[PrefetchOp]:
-        return list(self._prefetches)
-
-    def forget(self, op: PrefetchOp) -> None:
-        self._prefetches.remove(op)
-
     # ---- bookkeeping ----------------------------------------------------------------------
     def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
         for op in (*self._writes, self._touch_next, *self._touches):
-            for i, (node, r) in enumerate(list(op.entries)):
-                if node is suffix:
-                    op.entries[i][1] = r[n:]
-                    op.entries.append([prefix, r[:n]])
+            split_spans(op.spans, prefix, suffix, n)
         if suffix in self._touch_nodes:
             self._touch_nodes.add(prefix)
 
-    def pending_host_pages(self) -> int:
-        """Host pages held by prefetches and not yet handed to the tree."""
-        return sum(op.pages.numel() - op.committed_pages for op in self._prefetches)
-
     def wait_all(self) -> None:
-        for op in [*self._writes, *self._prefetches, *self._touches]:
+        """Block until every write and touch submitted so far finished."""
+        for op in [*self._writes, *self._touches]:
             if op.future is not None:
                 op.future.result()
 
     def close(self) -> None:
-        for op in self._prefetches:
-            op.cancel = True
+        """Let submitted calls finish (reads see ``cancel``), then release the backend."""
         self._pool.shutdown(wait=True)
         self.backend.close()

@@ -1,0 +1,152 @@
+"""Backups: device → host copies, then host → storage writes, and the storage tier's recency.
+
+A backup copy pins the device copy it reads (``device_io``) and owns the host pages it writes
+until it completed; only then, at a poll, do the pages become the node's host copy (contract
+3). A full host tier drops a backup (counted), it never blocks. A storage write pins the host
+copy it reads (``host_io``) until it is reaped; the node is marked stored only when every page
+(and, for state models, every valid checkpoint) landed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtier.controller.records import InFlight, Span, split_spans
+from kvtier.controller.storage_io import StorageIO
+from kvtier.errors import IntegrityError
+from kvtier.keys import Namespace
+from kvtier.metrics import Metrics
+from kvtier.pools.host import HostPool
+from kvtier.transfer.mover import Mover
+from kvtier.tree.node import Node
+from kvtier.tree.radix import RadixTree
+
+
+class Backups:
+    """Device → host → storage; ``io`` is ``None`` without an L3 tier."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        host: HostPool,
+        mover: Mover,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        namespace: Namespace,
+        metrics: Metrics,
+    ) -> None:
+        self.tree = tree
+        self.host = host
+        self.mover = mover
+        self._alloc_host = alloc_host
+        self.namespace = namespace
+        self.metrics = metrics
+        self.io: StorageIO | None = None
+        self.flights: list[InFlight] = []
+        """Device → host copies in flight, oldest first."""
+
+    # ---- device → host ------------------------------------------------------------------
+    def to_host(self, nodes: list[Node]) -> InFlight | None:
+        """Start one batched copy giving ``nodes`` host copies (skipping those that have one
+        or are getting one); ``None`` when nothing was started."""
+        spans: list[Span] = []
+        for node in nodes:
+            if node.device is None or node.on_host or node.device_io:
+                continue
+            pages = self._alloc_host(node.device.numel())
+            if pages is None:
+                self.metrics.inc("dropped_host_backups", node.device.numel())
+                continue
+            self.tree.begin_io(node, "device")
+            spans.append(Span(node, pages))
+        if not spans:
+            return None
+        dev = torch.cat([sp.node.device for sp in spans])  # type: ignore[misc]
+        host = torch.cat([sp.part for sp in spans])  # type: ignore[misc]
+        flight = InFlight(self.mover.device_to_host(dev, host), spans, "device")
+        self.flights.append(flight)
+        return flight
+
+    def _finish(self, flight: InFlight) -> None:
+        flight.op.complete()
+        self.flights.remove(flight)
+        stored: list[Node] = []
+        for sp in flight.spans:
+            self.tree.end_io(sp.node, "device")
+            if sp.node.host is None and sp.node.parent is not None:
+                self.tree.set_host(sp.node, sp.part)
+                stored.append(sp.node)
+            else:  # the node got a host copy meanwhile, or left the tree
+                self.host.allocator.free(sp.part)
+        self.metrics.inc("host_backup_pages", flight.op.num_pages)
+        self.metrics.inc("backup_bytes", flight.op.nbytes)
+        self.metrics.inc("backup_seconds", time.perf_counter() - flight.started)
+        self.to_storage(stored)
+
+    # ---- host → storage -----------------------------------------------------------------
+    def to_storage(self, nodes: list[Node]) -> None:
+        """Write the host copies of ``nodes`` that storage lacks (one batch)."""
+        if self.io is None:
+            return
+        todo = [
+            n
+            for n in nodes
+            if n.on_host and not n.in_storage and not n.host_io and n.parent is not None
+        ]
+        if todo:
+            keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
+            for node in todo:
+                self.tree.begin_io(node, "host")
+            self.io.write(todo, keys)
+
+    def touch(self, path: list[Node]) -> None:
+        """A request locked ``path``: refresh the storage recency of its stored nodes (a hit at
+        any tier is a use of their objects), batched until the next poll."""
+        if self.io is not None:
+            self.io.queue_touch(path, lambda n: self.tree.ensure_keys(n, self.namespace))
+
+    # ---- progress -----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Complete finished copies (their host copies become visible), reap storage writes
+        and touches; nodes whose objects are gone are written again."""
+        for flight in [f for f in self.flights if f.op.done()]:
+            self._finish(flight)
+        if self.io is None:
+            return
+        for sp, stored in self.io.reap_writes():
+            self.tree.end_io(sp.node, "host")
+            if stored:
+                self.tree.set_in_storage(sp.node, True)
+        lost = self.io.reap_touches()
+        for node in lost:
+            self.tree.set_in_storage(node, False)
+        self.to_storage(lost)
+        self.io.flush_touches()
+
+    def wait(self) -> None:
+        """Block until every copy in flight completed (a poll makes them visible)."""
+        for flight in list(self.flights):
+            flight.op.wait()
+
+    def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
+        for flight in self.flights:
+            split_spans(flight.spans, prefix, suffix, n)
+
+    def inflight_host_pages(self) -> int:
+        """Host pages owned by copies in flight rather than by the tree."""
+        return sum(sp.part.numel() for f in self.flights for sp in f.spans)  # type: ignore[union-attr]
+
+    def pinned(self) -> list[tuple[Node, str]]:
+        """``(node, tier)`` once for every pin in-flight backups and writes hold."""
+        out = [(sp.node, "device") for f in self.flights for sp in f.spans]
+        if self.io is not None:
+            out += [(sp.node, "host") for sp in self.io.pinned()]
+        return out
+
+    def check_integrity(self) -> None:
+        for f in self.flights:
+            for sp in f.spans:
+                if sp.part is None or sp.node.device is None:
+                    raise IntegrityError(f"backup of {sp.node!r} without pages or device copy")

@@ -1,0 +1,236 @@
+"""``Controller``: the one owner of page movement and visibility.
+
+Every transfer is a typed in-flight record; ``poll`` completes the finished ones and only then
+makes their copies visible to ``match`` (contract 3):
+
+    device → host   backup     ``Backups``     visible at the poll after the copy completed
+    host → device   load       ``Loads``       the compute stream waits before any kernel reads
+    host → storage  write      ``Backups``     the key exists only after the backend's write
+    storage → host  prefetch   ``Prefetcher``  pages enter the tree in verified chunks, in order
+
+In-flight work pins what it reads (``device_io``/``host_io``, through tree methods), so
+eviction never frees memory under a transfer; node splits re-attribute every record's spans
+(``records.split_spans``). ``check_integrity`` rebuilds every node's pins from the records.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.controller.backup import Backups
+from kvtier.controller.load import Loads
+from kvtier.controller.policy import make_policy
+from kvtier.controller.prefetch import Prefetcher
+from kvtier.controller.storage_io import StorageIO
+from kvtier.errors import ConfigError, IntegrityError
+from kvtier.keys import Namespace
+from kvtier.metrics import Metrics
+from kvtier.pools.device import DevicePool
+from kvtier.pools.host import HostPool
+from kvtier.storage.base import StorageBackend
+from kvtier.transfer.mover import Mover
+from kvtier.tree.node import Node
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import Evicted, TreeMatch
+
+
+class Controller:
+    """Owns the mover, the storage I/O and every in-flight record; the pools' allocators are
+    the single owners of free pages, the tree the single writer of node state."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tree: RadixTree,
+        device_pool: DevicePool,
+        host_pool: HostPool | None,
+        storage: StorageBackend | None,
+        namespace: Namespace,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.dev = device_pool
+        self.host = host_pool
+        self.metrics = metrics
+        self.mover: Mover | None = None
+        self.backups: Backups | None = None
+        if host_pool is not None:
+            self.mover = Mover(
+                device_pool,
+                host_pool,
+                debug_checks=config.debug_checks,
+                backup_share=config.backup_share,
+            )
+            self.backups = Backups(tree, host_pool, self.mover, self.alloc_host, namespace, metrics)
+        self.loads = Loads(tree, device_pool, self.mover, self.alloc_device, metrics)
+        self.policy = make_policy(config, self.backups)
+        self.io: StorageIO | None = None
+        self.prefetcher: Prefetcher | None = None
+        if storage is not None:
+            self.attach_storage(storage)
+        tree.split_hooks.append(self._on_split)
+
+    def attach_storage(self, storage: StorageBackend) -> None:
+        """Start the L3 I/O thread over ``storage``."""
+        if self.host is None or self.backups is None:
+            raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
+        self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size)
+        self.backups.io = self.io
+        self.prefetcher = Prefetcher(
+            self.config, self.tree, self.host, self.io, self.alloc_host, self.metrics
+        )
+
+    @property
+    def storage(self) -> StorageBackend | None:
+        """The L3 backend (the one place it is held)."""
+        return self.io.backend if self.io is not None else None
+
+    # ---- allocation with eviction --------------------------------------------------------
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """``n`` device pages, evicting unlocked cached pages if needed; ``None`` if impossible."""
+        short = n - self.dev.allocator.available
+        if short > 0:
+            self.evict_device(short)
+        return self.dev.alloc_pages(n)
+
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        """``n`` host pages, evicting unlocked host copies if needed; ``None`` if impossible."""
+        if self.host is None:
+            return None
+        short = n - self.host.allocator.available
+        if short > 0:
+            self.evict_host(short)
+        return self.host.allocator.alloc(n)
+
+    def evict_device(self, n: int) -> int:
+        """Drop at least ``n`` device pages' worth of unlocked copies if possible."""
+        ev = self.tree.evict_device(n, self.policy.before_evict)
+        self._release(ev)
+        return ev.num_device()
+
+    def evict_host(self, n: int) -> int:
+        """Drop at least ``n`` host pages' worth of unlocked copies if possible."""
+        ev = self.tree.evict_host(n)
+        self._release(ev)
+        return ev.num_host()
+
+    def _release(self, ev: Evicted) -> None:
+        for p in ev.device_pages:
+            self.dev.free_pages(p)
+        if ev.device_pages:
+            self.metrics.inc("evicted_device_pages", ev.num_device())
+        if self.host is not None:
+            for p in ev.host_pages:
+                self.host.allocator.free(p)
+            if ev.host_pages:
+                self.metrics.inc("evicted_host_pages", ev.num_host())
+
+    # ---- the lock protocol and the hooks of the write policy -----------------------------
+    def lock(self, match: TreeMatch) -> Node:
+        """Pin ``match`` for a request; the policy and the storage tier see the hit."""
+        node = self.tree.lock(match)
+        path = match.path
+        self.policy.on_hit(path)
+        if self.backups is not None:
+            # A host copy whose storage backup was dropped (store full or down) gets another
+            # try when it is used again; stored objects get their recency refreshed.
+            self.backups.to_storage([n for n in path if n.on_host and not n.in_storage])
+            self.backups.touch(path)
+        return node
+
+    def unlock(self, node: Node) -> None:
+        self.tree.unlock(node)
+
+    def on_insert(self, nodes: list[Node]) -> None:
+        """``nodes`` just took device pages from the engine."""
+        self.policy.on_insert(nodes)
+
+    def counted(self, nodes: list[Node]) -> None:
+        """An admission was counted on ``nodes`` (moved up for it): later hits on them are
+        hits of the tier they are in."""
+        for node in nodes:
+            self.tree.set_origin(node, None)
+
+    def load(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
+        """Host → device for the locked ``path`` (``Loads.load``)."""
+        return self.loads.load(path, overlap)
+
+    # ---- progress -----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Queue paced backup chunks, complete finished transfers and make their copies
+        visible. Never blocks."""
+        if self.mover is not None:
+            self.mover.pump()
+        if self.backups is not None:
+            self.backups.poll()
+        self.loads.poll()
+        if self.prefetcher is not None:
+            self.prefetcher.poll()
+
+    def drain(self, on_progress: Callable[[], None] | None = None) -> None:
+        """Block until every in-flight transfer and storage write completed and is visible."""
+        if self.backups is not None:
+            self.backups.wait()
+        self.loads.wait()
+        self.poll()
+        if self.io is not None and self.prefetcher is not None:
+            self.io.wait_all()
+            self.prefetcher.wait_all()
+        self.poll()
+        if on_progress is not None:
+            on_progress()
+
+    def in_flight(self) -> bool:
+        """Whether a copy, a storage write or a fetch is still in flight."""
+        busy = bool(self.loads.flights) or bool(self.backups and self.backups.flights)
+        return (
+            busy
+            or bool(self.backups and self.backups.pinned())
+            or bool(self.prefetcher and self.prefetcher.ops)
+        )
+
+    def _on_split(self, prefix: Node, suffix: Node, n: int) -> None:
+        if self.backups is not None:
+            self.backups.on_split(prefix, suffix, n)
+        self.loads.on_split(prefix, suffix, n)
+        if self.io is not None:
+            self.io.on_split(prefix, suffix, n)
+
+    def inflight_host_pages(self) -> int:
+        """Host pages owned by in-flight work rather than by the tree."""
+        n = self.backups.inflight_host_pages() if self.backups is not None else 0
+        return n + (self.prefetcher.pending_host_pages() if self.prefetcher is not None else 0)
+
+    def check_integrity(self) -> None:
+        """Every node's ``device_io``/``host_io`` equals the pins its in-flight records hold,
+        and the prefetch map only names open fetches."""
+        pins: Counter[tuple[int, str]] = Counter()
+        held = self.loads.pinned() + (self.backups.pinned() if self.backups else [])
+        for node, tier in held:
+            pins[(id(node), tier)] += 1
+        for node in self.tree.nodes():
+            for tier, count in (("device", node.device_io), ("host", node.host_io)):
+                have = pins.get((id(node), tier), 0)
+                if have != count:
+                    raise IntegrityError(
+                        f"node {node.id}: {tier}_io={count} but in-flight records hold "
+                        f"{have} (rank {self.config.rank})"
+                    )
+        if self.backups is not None:
+            self.backups.check_integrity()
+        if self.prefetcher is not None:
+            self.prefetcher.check_integrity()
+
+    def close(self) -> None:
+        self.drain()
+        if self.mover is not None:
+            self.mover.close()
+        if self.prefetcher is not None:
+            self.prefetcher.cancel_all()
+        if self.io is not None:
+            self.io.close()

@@ -1,0 +1,107 @@
+"""Loads: host → device copies of a locked path, in path order, with the shorter-prefix
+fallback: when the device pool cannot take a node whole, its first pages that fit are split
+off and loaded, so a request resumes from as deep as the pool allows (not from the last whole
+node). A load pins the host copy it reads (``host_io``) until it completed; the compute stream
+waits for it before any kernel reads (or per layer, with overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtier.controller.records import InFlight, Span, split_spans
+from kvtier.errors import IntegrityError
+from kvtier.metrics import Metrics
+from kvtier.pools.device import DevicePool
+from kvtier.transfer.mover import Mover
+from kvtier.tree.node import Node
+from kvtier.tree.radix import RadixTree
+
+
+class Loads:
+    """Host → device copies in flight."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        dev: DevicePool,
+        mover: Mover | None,
+        alloc_device: Callable[[int], torch.Tensor | None],
+        metrics: Metrics,
+    ) -> None:
+        self.tree = tree
+        self.dev = dev
+        self.mover = mover
+        self._alloc_device = alloc_device
+        self.metrics = metrics
+        self.flights: list[InFlight] = []
+
+    def load(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
+        """Give the host-only nodes of the locked ``path`` device copies, in order.
+
+        Stops at the first node that does not fit, after loading the part of it that does
+        (``path`` is updated in place: that node is split, its first part inserted before
+        it). Returns how many leading nodes of ``path`` are device-resident now, and with
+        ``overlap`` the per-layer arrival events of the copy (``None`` without a copy).
+        """
+        spans: list[Span] = []
+        dev: list[torch.Tensor] = []
+        loaded = 0
+        while loaded < len(path):
+            node = path[loaded]
+            if node.on_device:
+                loaded += 1
+                continue
+            if node.host is None:
+                raise IntegrityError(f"load of {node!r}: locked without any copy")
+            want = node.host.numel()
+            pages = self._alloc_device(want)
+            if pages is None:
+                fit = self.dev.allocator.available  # what eviction could free is free now
+                if fit == 0 or self.mover is None:
+                    break
+                path.insert(loaded, self.tree.split(node, fit))
+                node = path[loaded]
+                pages = self._alloc_device(fit)
+                if pages is None:
+                    raise IntegrityError(f"{fit} device pages free but not allocatable")
+            spans.append(Span(node, node.host))
+            dev.append(pages)
+            if node.origin is None:
+                self.tree.set_origin(node, "host")
+            self.tree.set_device(node, pages)
+            self.tree.begin_io(node, "host")
+            loaded += 1
+            if pages.numel() < want:
+                break
+        if not spans:
+            return loaded, None
+        if self.mover is None:
+            raise IntegrityError("host copies to load but no mover (no host tier)")
+        host = torch.cat([sp.part for sp in spans])  # type: ignore[misc]
+        op = self.mover.host_to_device(host, torch.cat(dev), overlap=overlap)
+        self.flights.append(InFlight(op, [Span(sp.node) for sp in spans], "host"))
+        return loaded, op.layer_events
+
+    def poll(self) -> None:
+        for flight in [f for f in self.flights if f.op.done()]:
+            self.flights.remove(flight)
+            flight.op.complete()
+            for sp in flight.spans:
+                self.tree.end_io(sp.node, "host")
+            self.metrics.inc("load_bytes", flight.op.nbytes)
+            self.metrics.inc("load_seconds", time.perf_counter() - flight.started)
+
+    def wait(self) -> None:
+        for flight in list(self.flights):
+            flight.op.wait()
+
+    def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
+        for flight in self.flights:
+            split_spans(flight.spans, prefix, suffix, n)
+
+    def pinned(self) -> list[tuple[Node, str]]:
+        return [(sp.node, "host") for f in self.flights for sp in f.spans]

@@ -1,0 +1,247 @@
+"""The ``Prefetcher``: every storage → host fetch, from start to close, and the map that
+shares fetches of the same pages.
+
+A fetch locks the node its pages hang below (its *anchor*) and owns freshly allocated host
+pages; the I/O thread fills them chunk by chunk. At each poll the verified chunks are inserted
+under the anchor, which moves down to their end (contract 3: nothing is matchable before its
+bytes are verified). A request that stops waiting *releases* its fetch; the fetch *closes*
+once its I/O ended: what never arrived is freed and the anchor unlocked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.controller.storage_io import StorageIO
+from kvtier.errors import IntegrityError
+from kvtier.keys import PageKey
+from kvtier.metrics import Metrics
+from kvtier.pools.host import HostPool
+from kvtier.tree.node import Node
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import TreeMatch
+
+
+@dataclass(slots=True, eq=False)
+class PrefetchOp:
+    """Storage → host fetch of ``keys`` into ``pages``.
+
+    ``prefix`` holds the tokens before the fetched range (from the root), ``tokens`` the range
+    itself. ``anchor`` is the locked node ending at ``prefix``; it is ``None`` while ``prefix``
+    is still being fetched by the ops in ``deps`` (in-flight fetches of the same pages are
+    shared, not repeated) and is resolved when they have committed. The I/O thread advances
+    ``done_pages`` after each verified chunk; the scheduling thread commits
+    ``[committed_pages, done_pages)`` into the tree and moves the anchor down.
+    """
+
+    anchor: Node | None
+    prefix: tuple[int, ...]
+    tokens: tuple[int, ...]
+    keys: list[PageKey]
+    pages: torch.Tensor
+    deadline: float
+    deps: list[PrefetchOp] = field(default_factory=list)
+    ckpt: torch.Tensor | None = None
+    done_pages: int = 0
+    committed_pages: int = 0
+    released: bool = False
+    closed: bool = False
+    cancel: bool = False
+    future: Future | None = None
+    fences: list[Future] = field(default_factory=list)
+    """``read_fence``s of short reads: until they are done an abandoned backend call may still
+    write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
+    staging: list[torch.Tensor] = field(default_factory=list)
+
+    def io_done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def unfenced(self) -> bool:
+        """Whether no abandoned read can still write into this fetch's buffers."""
+        return all(f.done() for f in self.fences)
+
+    def pending_futures(self) -> list[Future]:
+        """I/O futures of this fetch and the fetches it waits on that are still running."""
+        own = [self.future] if self.future is not None and not self.future.done() else []
+        return own + [f for d in self.deps for f in d.pending_futures()]
+
+    def ready(self, policy: str) -> bool:
+        """Whether a request waiting on this fetch may proceed under ``policy``."""
+        if policy == "best_effort":
+            return True
+        if self.io_done() and all(d.ready(policy) for d in self.deps):
+            return True
+        return policy == "timeout" and time.monotonic() >= self.deadline
+
+
+class Prefetcher:
+    """Owns every ``PrefetchOp`` and the dedupe map ``key → op`` of pages in flight."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tree: RadixTree,
+        host: HostPool,
+        io: StorageIO,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.host = host
+        self.io = io
+        self._alloc_host = alloc_host
+        self.metrics = metrics
+        self.ops: list[PrefetchOp] = []
+        """Open fetches, oldest first."""
+        self._fetching: dict[PageKey, PrefetchOp] = {}
+
+    def start(
+        self, match: TreeMatch, tokens: tuple[int, ...], keys: list[PageKey]
+    ) -> PrefetchOp | None:
+        """Fetch ``keys``, the pages of ``tokens[match.matched_len:][:len(keys) * page]``,
+        below the matched prefix (locked here until the fetch closes). Leading pages another
+        fetch already has in flight are waited for, not fetched again; a host tier short even
+        after eviction fetches what fits."""
+        ps = self.tree.page_size
+        start = match.matched_len
+        prefix, tokens = tokens[:start], tokens[start : start + len(keys) * ps]
+        deps: list[PrefetchOp] = []
+        j = 0
+        while j < len(keys) and keys[j] in self._fetching:
+            op = self._fetching[keys[j]]
+            if op not in deps:
+                deps.append(op)
+            j += 1
+        anchor: Node | None = None
+        if j:  # the anchor is found when the pages before ours have been committed
+            prefix, tokens, keys = prefix + tokens[: j * ps], tokens[j * ps :], keys[j:]
+        else:  # locked before allocating: host eviction must not take the matched prefix
+            anchor = self.tree.lock(match)
+        pages = self._alloc_host(len(keys)) if keys else torch.empty(0, dtype=torch.int64)
+        if pages is None:
+            pages = self.host.allocator.alloc(min(len(keys), self.host.allocator.available))
+            if pages is None:
+                raise IntegrityError("host allocator refused the pages it reported free")
+            keys, tokens = keys[: pages.numel()], tokens[: pages.numel() * ps]
+        if not keys and not deps:
+            if anchor is not None:
+                self.tree.unlock(anchor)
+            return None
+        deadline = time.monotonic() + self.config.prefetch_timeout_s
+        op = PrefetchOp(anchor, prefix, tokens, keys, pages, deadline, deps)
+        if self.io.states is not None:
+            op.ckpt = torch.zeros(len(keys), dtype=torch.bool)
+        self.io.read(op)
+        self.ops.append(op)
+        for k in keys:
+            self._fetching[k] = op
+        return op
+
+    def wait(self, ops: Sequence[PrefetchOp], timeout: float) -> None:
+        """Block until one of ``ops`` (or a fetch it waits on) finished its I/O, a ``timeout``
+        policy deadline passed, or ``timeout`` seconds elapsed."""
+        futures: list[Future] = [f for op in ops for f in op.pending_futures()]
+        if futures:
+            soonest = min(op.deadline for op in ops) - time.monotonic()
+            if self.config.prefetch_policy == "timeout":
+                timeout = max(0.0, min(timeout, soonest))
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def commit(self, op: PrefetchOp) -> int:
+        """Insert the pages ``op`` has verified so far below its anchor and move the anchor (a
+        lock) to their end; returns how many tokens became newly visible."""
+        ps = self.tree.page_size
+        lo, hi = op.committed_pages, op.done_pages
+        if hi <= lo or op.closed:
+            return 0
+        if op.anchor is None:
+            tm = self.tree.match(op.prefix)
+            if tm.matched_len < len(op.prefix):
+                return 0  # the pages before ours are not in yet (or never will be)
+            op.anchor = self.tree.lock(tm)
+        out = self.tree.insert(
+            op.tokens[lo * ps : hi * ps],
+            op.pages[lo:hi],
+            tier="host",
+            keys=op.keys[lo:hi],
+            start=op.anchor,
+            checkpoints=op.ckpt[lo:hi] if op.ckpt is not None else None,
+        )
+        for node in out.taken:
+            self.tree.set_origin(node, "storage")
+        if out.duplicates.numel():
+            self.host.allocator.free(out.duplicates)
+        self.tree.lock_node(out.last, hit=False)
+        self.tree.unlock(op.anchor)
+        op.anchor = out.last
+        for k in op.keys[lo:hi]:
+            self._fetching.pop(k, None)
+        op.committed_pages = hi
+        self.metrics.inc("prefetched_pages", hi - lo)
+        return (hi - lo - out.duplicates.numel()) * ps
+
+    def release(self, op: PrefetchOp) -> int:
+        """The waiting request stops waiting: commit what arrived (``op``'s and the fetches it
+        waits on); ``op`` closes now if its I/O is over, else at the poll that sees it end.
+        Returns the tokens ``op`` itself made visible."""
+        for dep in op.deps:
+            self.commit(dep)
+        self.commit(op)
+        op.released = True
+        if self._settled(op) and not op.closed:
+            self._close(op)
+        return op.committed_pages * self.tree.page_size
+
+    def _close(self, op: PrefetchOp) -> None:
+        """The I/O thread is done with ``op``: commit, free what never arrived, unlock."""
+        self.commit(op)
+        rest = op.pages[op.committed_pages :]
+        if rest.numel():
+            self.host.allocator.free(rest)
+            self.metrics.inc("prefetch_failed_pages", rest.numel())
+        for k in op.keys[op.committed_pages :]:
+            self._fetching.pop(k, None)
+        if op.anchor is not None:
+            self.tree.unlock(op.anchor)
+        op.closed = True
+        self.ops.remove(op)
+
+    @staticmethod
+    def _settled(op: PrefetchOp) -> bool:
+        """Whether ``op`` can close: its I/O ended (no abandoned read can still write into its
+        pages) and nothing it waits on can still commit."""
+        return op.io_done() and op.unfenced() and all(d.closed for d in op.deps)
+
+    def poll(self) -> None:
+        """Commit what arrived; close released fetches whose I/O ended."""
+        for op in list(self.ops):
+            self.commit(op)
+            if op.released and self._settled(op):
+                self._close(op)
+
+    def pending_host_pages(self) -> int:
+        """Host pages held by fetches and not yet handed to the tree."""
+        return sum(op.pages.numel() - op.committed_pages for op in self.ops)
+
+    def wait_all(self) -> None:
+        for op in list(self.ops):
+            if op.future is not None:
+                op.future.result()
+
+    def cancel_all(self) -> None:
+        """Ask the I/O thread to stop reading for every open fetch (at close)."""
+        for op in self.ops:
+            op.cancel = True
+
+    def check_integrity(self) -> None:
+        """Every key in the dedupe map belongs to an open fetch, past what it committed."""
+        for key, op in self._fetching.items():
+            if op.closed or key not in op.keys[op.committed_pages :]:
+                raise IntegrityError(f"prefetch map: key {key} points at a closed or done fetch")
