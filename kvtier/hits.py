@@ -21,6 +21,7 @@ from kvtier.storage.base import StorageBackend
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import TreeMatch
+from kvtier.types import Tier
 
 
 def checkpointed_len(m: TreeMatch, limit: int, page_size: int) -> int:
@@ -90,7 +91,7 @@ class Served:
     """Their device slots."""
     tokens: tuple[int, int, int]
     """Tokens served from device, host and storage."""
-    last: str | None
+    last: Tier | None
     """The tier of the last node used (a state pool's resume row), ``None`` if none."""
     fetched: list[Node]
     """Nodes served from storage fetches."""
@@ -103,10 +104,11 @@ def served_prefix(
     node's ``(on_device, fetched)`` before the load. A fetched node stays ``storage`` until an
     admission that used it was counted: a load whose admission failed leaves it on device but
     not yet served."""
-    counts = {"device": 0, "host": 0, "storage": 0}
+    counts: dict[Tier, int] = {"device": 0, "host": 0, "storage": 0}
     pages: list[torch.Tensor] = []
     fetched: list[Node] = []
-    left, last = usable, None
+    left: int = usable
+    last: Tier | None = None
     for node, (was_dev, was_fetched) in zip(path, before, strict=True):
         if left <= 0:
             break

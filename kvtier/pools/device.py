@@ -9,7 +9,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, bytes_view, validate_pool_set
+from kvtier.pools.spec import PoolSpec, page_words, validate_pool_set
 
 
 class DevicePool:
@@ -52,7 +52,7 @@ class DevicePool:
 
     def page_bytes_view(self, name: str) -> torch.Tensor:
         """``[layers, pages, bytes-per-layer-page]`` raw view (int64 words when they divide)."""
-        return bytes_view(self.buffers[name], 0, self.num_pages)
+        return page_words(self.buffers[name], 0, self.num_pages)
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)

@@ -15,7 +15,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, bytes_view
+from kvtier.pools.spec import PoolSpec, page_words
 
 
 class HostPool:
@@ -59,8 +59,8 @@ class HostPool:
         component ``name`` — or of ``buffer``, an alias of it (e.g. a device mapping)."""
         buf = self.buffers[name] if buffer is None else buffer
         if self.layout == "layer_first":
-            return bytes_view(buf, 0, self.num_pages)
-        return bytes_view(buf, 1, self.num_pages).transpose(0, 1)
+            return page_words(buf, 0, self.num_pages)
+        return page_words(buf, 1, self.num_pages).transpose(0, 1)
 
     def page_view(self, name: str, page: int) -> torch.Tensor:
         """``[layers, rows, *shape]`` view of one page (page-first only: no copy)."""
