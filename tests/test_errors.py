@@ -24,9 +24,10 @@ from kvtier.errors import (
 )
 from kvtier.keys import Namespace, PageKey
 from kvtier.metrics import Metrics
+from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.allocator import PageAllocator
 from kvtier.storage import envelope
-from kvtier.storage.base import flat_cpu_bytes
+from kvtier.storage.base import StorageBackend, flat_cpu_bytes
 from kvtier.storage.file import FileBackend
 from kvtier.storage.file_io import CorruptObject, read_object
 from kvtier.types import DIRECTIONS, TIERS, check_direction, check_tier
@@ -165,6 +166,7 @@ def test_metrics_unknown_names_and_labels_are_integrity_errors() -> None:
 def test_tier_and_direction_checks() -> None:
     assert [check_tier(t) for t in ("device", "host", "storage")] == list(TIERS)
     assert [check_direction(d) for d in ("d2h", "h2d")] == list(DIRECTIONS)
+    assert (DevicePool.tier, HostPool.tier, StorageBackend.tier) == TIERS
     with pytest.raises(IntegrityError, match="^node 7 tier='Host' is not one of device, host"):
         check_tier("Host", "node 7 tier")
     with pytest.raises(IntegrityError, match="^direction='h2s' is not one of d2h, h2d$"):
@@ -181,3 +183,13 @@ def test_missing_mooncake_binary_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="no_such_binary not found in the mooncake package"):
         _binary("no_such_binary")
+
+
+def test_model_batch_that_does_not_add_up_is_a_request_error() -> None:
+    from kvtier.engine import CausalLM, SeqSlots
+    from kvtier.engine.config import ModelConfig
+
+    model = CausalLM(ModelConfig(num_layers=1))
+    locs = torch.arange(3)
+    with pytest.raises(RequestError, match="num_new add up to 3, not the 4 input tokens"):
+        model.check_batch(torch.zeros(4, dtype=torch.int64), [SeqSlots(3, locs, locs)])

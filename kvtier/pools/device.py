@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -10,16 +11,20 @@ from kvtier.errors import IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.spec import PoolSpec, page_words, validate_pool_set
+from kvtier.types import Tier
 
 
 class DevicePool:
     """One buffer per component of the model's pool set, all sharing page ids.
 
-    A page is ``page_size`` tokens (the tree page). Page ``p`` owns anchor token slots
+    A page is ``page_size`` tokens: the tree page, not ``CacheConfig.page_size`` (units in
+    ``kvtier.pools``). Page ``p`` owns anchor token slots
     ``[p * page_size, (p + 1) * page_size)``, sidecar rows ``slot // tokens_per_row`` of those
     slots, and state row ``p``. The allocator is the single owner of free pages; the tree only
     records which pages it holds.
     """
+
+    tier: ClassVar[Tier] = "device"
 
     def __init__(
         self, specs: Sequence[PoolSpec], num_pages: int, page_size: int, device: torch.device

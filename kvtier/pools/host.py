@@ -10,16 +10,21 @@ for a compressed sidecar, one for a state pool):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.spec import PoolSpec, page_words
+from kvtier.types import Tier
 
 
 class HostPool:
-    """Host copies of pages for every component of the pool set."""
+    """Host copies of pages for every component of the pool set; a page is ``page_size``
+    tokens, the tree page (units in ``kvtier.pools``)."""
+
+    tier: ClassVar[Tier] = "host"
 
     def __init__(
         self,

@@ -18,12 +18,14 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from kvtier.errors import RequestError
 from kvtier.keys import PageKey
+from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.storage")
 
@@ -49,6 +51,7 @@ class StorageBackend(ABC):
     ``batch_exists`` from the scheduling thread; implementations must tolerate that.
     """
 
+    tier: ClassVar[Tier] = "storage"
     name: str = "abstract"
     capabilities: StorageCapabilities = StorageCapabilities()
 
