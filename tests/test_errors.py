@@ -24,7 +24,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import Namespace, PageKey
 from kvtier.metrics import Metrics
-from kvtier.pools import DevicePool, HostPool
+from kvtier.pools import DevicePool, HostPool, PoolSpec
 from kvtier.pools.allocator import PageAllocator
 from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, flat_cpu_bytes
@@ -193,3 +193,14 @@ def test_model_batch_that_does_not_add_up_is_a_request_error() -> None:
     locs = torch.arange(3)
     with pytest.raises(RequestError, match="num_new add up to 3, not the 4 input tokens"):
         model.check_batch(torch.zeros(4, dtype=torch.int64), [SeqSlots(3, locs, locs)])
+
+
+def test_unknown_pool_component_is_a_request_error_naming_the_pool() -> None:
+    spec = PoolSpec("kv", 1, (2, 1, 4), torch.float32)
+    dev = DevicePool([spec], 2, 4, torch.device("cpu"))
+    host = HostPool([spec], 2, 4)
+    with pytest.raises(RequestError, match=r"^device pool has no component 'kc' \(it holds kv\)$"):
+        dev.layer(0, "kc")
+    with pytest.raises(RequestError, match="^host pool has no component 'kc'"):
+        host.read_pages("kc", torch.tensor([0]))
+    assert dev.layer(0).shape == (8, 2, 1, 4)

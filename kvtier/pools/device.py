@@ -10,7 +10,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, page_words, validate_pool_set
+from kvtier.pools.spec import PoolSpec, component_buffer, page_words, validate_pool_set
 from kvtier.types import Tier
 
 
@@ -49,7 +49,7 @@ class DevicePool:
 
     def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
         """``[rows, *row_shape]`` view of one layer of a component (the anchor by default)."""
-        return self.buffers[name or self.specs[0].name][layer]
+        return component_buffer(self.buffers, name or self.specs[0].name, self.tier)[layer]
 
     @property
     def page_bytes(self) -> int:
@@ -57,7 +57,7 @@ class DevicePool:
 
     def page_bytes_view(self, name: str) -> torch.Tensor:
         """``[layers, pages, bytes-per-layer-page]`` raw view (int64 words when they divide)."""
-        return page_words(self.buffers[name], 0, self.num_pages)
+        return page_words(component_buffer(self.buffers, name, self.tier), 0, self.num_pages)
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)

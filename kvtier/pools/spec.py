@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RequestError
 
 KINDS = ("kv", "sidecar", "state")
 
@@ -110,6 +110,16 @@ def tree_page_size(page_size: int, specs: Sequence[PoolSpec]) -> int:
     """Least common multiple of the KV page and every sidecar's row granularity: the unit the
     tree splits on, memory is allocated in, and one storage object holds."""
     return math.lcm(page_size, *(s.tokens_per_row for s in specs if s.kind == "sidecar"))
+
+
+def component_buffer(buffers: dict[str, torch.Tensor], name: str, pool: str) -> torch.Tensor:
+    """``buffers[name]``; an unknown component raises ``RequestError`` naming ``pool`` and the
+    components it holds."""
+    try:
+        return buffers[name]
+    except KeyError:
+        held = ", ".join(buffers)
+        raise RequestError(f"{pool} pool has no component {name!r} (it holds {held})") from None
 
 
 def page_words(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor:
