@@ -1,5 +1,10 @@
-"""Exception types. User mistakes raise ``ConfigError``/``RequestError`` naming the option or
-value; broken internal bookkeeping raises ``IntegrityError`` with node/rank context."""
+"""Exception types: every error kvtier raises on purpose is a ``KvtierError``.
+
+User mistakes raise ``ConfigError``/``RequestError`` naming the option or value (both are also
+``ValueError``s); broken internal bookkeeping raises ``IntegrityError`` with node/page/rank
+context; L3 backends raise ``StorageError`` internally and turn it into a counted miss at their
+boundary, so it never reaches the caller of ``batch_get``/``batch_set``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ class ConfigError(KvtierError, ValueError):
 
 
 class RequestError(KvtierError, ValueError):
-    """A request kvtier or its engine cannot serve (empty, too long, unknown token ids)."""
+    """A request kvtier or its engine cannot serve (empty, too long, unknown token ids), or an
+    argument a caller passed that no call could accept (a malformed key, mismatched lengths)."""
 
 
 class CapacityError(KvtierError, RuntimeError):
@@ -24,12 +30,18 @@ class StorageError(KvtierError, OSError):
     """An L3 backend fault. Callers treat it as a miss or a dropped backup, never a crash.
 
     ``kind`` is a short label used for metrics: ``timeout``, ``unreachable``, ``short_read``,
-    ``checksum``, ``no_space``, ``permission``, ``io``.
+    ``checksum``, ``format``, ``foreign``, ``missing``, ``no_space``, ``permission``, ``io``.
+    ``detail`` is the message without the kind.
     """
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.detail = message
+
+    def __reduce__(self) -> tuple[type[StorageError], tuple[str, str]]:
+        # OSError's own pickling would pass the joined message as a single errno argument.
+        return type(self), (self.kind, self.detail)
 
 
 class IntegrityError(KvtierError, RuntimeError):

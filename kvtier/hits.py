@@ -21,6 +21,7 @@ from kvtier.storage.base import StorageBackend
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import TreeMatch
+from kvtier.types import Tier, check_tier
 
 
 def checkpointed_len(m: TreeMatch, limit: int, page_size: int) -> int:
@@ -90,7 +91,7 @@ class Served:
     """Their device slots."""
     tokens: tuple[int, int, int]
     """Tokens served from device, host and storage."""
-    last: str | None
+    last: Tier | None
     """The tier of the last node used (a state pool's resume row), ``None`` if none."""
     moved: list[Node]
     """Nodes whose copies were moved up for this request (their ``origin`` is set)."""
@@ -103,15 +104,20 @@ def served_prefix(
     for a request (``Node.origin``) counts as a hit of the tier it came from until an
     admission was counted on it: a load whose admission failed and was retried leaves it on
     device, yet the request was served from below."""
-    counts = {"device": 0, "host": 0, "storage": 0}
+    counts: dict[Tier, int] = {"device": 0, "host": 0, "storage": 0}
     pages: list[torch.Tensor] = []
     moved: list[Node] = []
-    left, last = usable, None
+    left: int = usable
+    last: Tier | None = None
     for node, was_dev in zip(path, was_on_device, strict=True):
         if left <= 0:
             break
         take = min(len(node.tokens), left)
-        last = node.origin or ("device" if was_dev else "host")
+        last = (
+            check_tier(node.origin, "Node.origin")
+            if node.origin
+            else ("device" if was_dev else "host")
+        )
         counts[last] += take
         if node.origin is not None:
             moved.append(node)

@@ -11,6 +11,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.errors import IntegrityError
+from kvtier.types import TIERS, Tier, check_tier
+
 COUNTERS: dict[str, str] = {
     "device_hit_tokens": "Prompt tokens served from the device tier",
     "host_hit_tokens": "Prompt tokens loaded back from the host tier",
@@ -46,9 +49,17 @@ LABELED: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 """Counters with labels: snapshot values are dicts keyed by the label values joined by '/'."""
 
+_LABEL_CHECKS: dict[str, Callable[[object, str], object]] = {"tier": check_tier}
+"""Labels whose values form a closed set, checked on every ``inc``."""
+
 
 class Metrics:
-    """Thread-safe counters; names are the keys of ``COUNTERS`` and ``LABELED``."""
+    """Thread-safe counters; names are the keys of ``COUNTERS`` and ``LABELED``.
+
+    Counting under a name that is not one of those, with the wrong number of labels, or with a
+    ``tier`` label that is not a ``Tier`` raises ``IntegrityError``: metric names and labels are
+    written by kvtier itself, so a bad one is a bug that would otherwise vanish from dashboards.
+    """
 
     def __init__(self) -> None:
         self._c: Counter[str] = Counter({k: 0 for k in COUNTERS})
@@ -56,22 +67,31 @@ class Metrics:
         self._lock = threading.Lock()
 
     def inc(self, name: str, value: float = 1, labels: tuple[str, ...] = ()) -> None:
-        with self._lock:
-            if labels:
-                if name not in LABELED or len(labels) != len(LABELED[name][1]):
-                    raise KeyError(f"unknown labelled metric {name!r}{labels}")
+        """Add ``value`` to counter ``name`` (labelled by ``labels`` for ``LABELED`` ones)."""
+        if labels:
+            if name not in LABELED or len(labels) != len(LABELED[name][1]):
+                known = ", ".join(f"{k}{v[1]}" for k, v in LABELED.items())
+                raise IntegrityError(
+                    f"metric {name!r} with labels {labels}: not a labelled metric ({known})"
+                )
+            for label, v in zip(LABELED[name][1], labels, strict=True):
+                if label in _LABEL_CHECKS:
+                    _LABEL_CHECKS[label](v, f"metric {name!r} label {label}")
+            with self._lock:
                 self._labeled[name]["/".join(labels)] += value
-                return
-            if name not in COUNTERS:
-                raise KeyError(f"unknown metric {name!r}")
+            return
+        if name not in COUNTERS:
+            raise IntegrityError(f"metric {name!r} is not a counter (see kvtier.metrics.COUNTERS)")
+        with self._lock:
             self._c[name] += value
 
     def count_hits(self, ld: Any, specs: Any, page_size: int) -> None:
         """Count one admitted request's cached prefix (a ``LoadResult``) per tier, and per
         component in ``hit_pages``: token-indexed components by pages, state components by the
         one checkpoint the request resumed from."""
-        by_tier = {"device": ld.device_tokens, "host": ld.host_tokens}
-        by_tier["storage"] = ld.storage_tokens
+        by_tier: dict[Tier, int] = dict(
+            zip(TIERS, (ld.device_tokens, ld.host_tokens, ld.storage_tokens), strict=True)
+        )
         for tier, tokens in by_tier.items():
             self.inc(f"{tier}_hit_tokens", tokens)
             for spec in specs:
@@ -80,7 +100,7 @@ class Metrics:
         if ld.state_source is not None:
             for spec in specs:
                 if not spec.token_indexed:
-                    self.inc("hit_pages", 1, (ld.state_source, spec.name))
+                    self.inc("hit_pages", 1, (check_tier(ld.state_source), spec.name))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

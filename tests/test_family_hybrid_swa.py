@@ -9,7 +9,7 @@ from kvtier.engine import LLM, CausalLM, SamplingParams, SeqSlots
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.families.hybrid import HybridConfig, HybridModel, hybrid_preset
 from kvtier.engine.families.swa import SWAConfig, SWAModel, swa_preset
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RequestError
 from kvtier.pools import DevicePool
 
 PAGE = 4
@@ -299,10 +299,18 @@ def test_hybrid_batch_is_per_sequence(hybrid: HybridModel) -> None:
 def test_hybrid_forward_requires_state(hybrid: HybridModel) -> None:
     pool = make_pool(hybrid)
     locs = pool.locs(torch.tensor([0]))
-    with pytest.raises(ValueError, match="running state"):
+    n = hybrid.num_recurrent
+    with pytest.raises(RequestError, match=f"running state of {n} tensors, got None"):
         run(hybrid, pool, [1, 2], locs, 0, 2, None)
-    with pytest.raises(ValueError, match="state_out"):
+    with pytest.raises(RequestError, match=r"state_out \[\(2, 0\)\] names a token outside the 2"):
         run(hybrid, pool, [1, 2], locs, 0, 2, hybrid.zero_state(), [(2, 0)])
+
+
+def test_recurrent_checkpoints_need_rows(hybrid: HybridModel) -> None:
+    mixer = next(layer.mixer for layer in hybrid.model.layers if layer.mixer is not None)
+    x = torch.zeros(2, hybrid.config.hidden_size, dtype=hybrid.config.torch_dtype)
+    with pytest.raises(RequestError, match="1 state checkpoint"):
+        mixer(x, hybrid.zero_state()[0], [(1, 0)])
 
 
 def test_hybrid_config_validation_and_fingerprint() -> None:

@@ -137,7 +137,7 @@ def rope_inv_freq(
     if rope_type == "linear":
         return inv_freq / factor
     if rope_type != "llama3":
-        raise ValueError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
+        raise ConfigError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
     low_freq_wavelen = original_max_position / low_freq_factor
     high_freq_wavelen = original_max_position / high_freq_factor
     wavelen = 2 * math.pi / inv_freq

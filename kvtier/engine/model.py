@@ -18,6 +18,7 @@ from torch import nn
 
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
+from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
 
@@ -286,9 +287,13 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def check_batch(self, input_ids: torch.Tensor, seqs: Sequence[SeqSlots]) -> None:
-        """Raise ``ValueError`` unless ``seqs`` describe the batch ``input_ids``."""
-        if sum(s.num_new for s in seqs) != input_ids.shape[0]:
-            raise ValueError("seqs' num_new must add up to the number of input tokens")
+        """Raise ``RequestError`` (a ``ValueError``) unless ``seqs`` describe the batch
+        ``input_ids``."""
+        total = sum(s.num_new for s in seqs)
+        if total != input_ids.shape[0]:
+            raise RequestError(
+                f"seqs' num_new add up to {total}, not the {input_ids.shape[0]} input tokens"
+            )
 
     def init_stream(self, name: str) -> int:
         """Parameter ``name`` draws from the generator seeded ``seed + init_stream(name)``."""

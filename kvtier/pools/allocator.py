@@ -6,7 +6,7 @@ from collections import deque
 
 import torch
 
-from kvtier.errors import CapacityError, IntegrityError
+from kvtier.errors import CapacityError, IntegrityError, RequestError
 
 
 class PageAllocator:
@@ -33,9 +33,10 @@ class PageAllocator:
         return self.num_pages - len(self._free)
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` page ids as an int64 CPU tensor, or ``None`` when fewer than ``n`` are free."""
+        """``n`` page ids as an int64 CPU tensor, or ``None`` when fewer than ``n`` are free;
+        a negative ``n`` raises ``RequestError``."""
         if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+            raise RequestError(f"{self.name}: cannot allocate {n} pages")
         if n > len(self._free):
             return None
         pages = [self._free.popleft() for _ in range(n)]

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.paging import pages_to_locs
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, bytes_view, validate_pool_set
+from kvtier.pools.spec import PoolSpec, component_buffer, page_words, validate_pool_set
+from kvtier.types import Tier
 
 
 class DevicePool:
     """One buffer per component of the model's pool set, all sharing page ids.
 
-    A page is ``page_size`` tokens (the tree page). Page ``p`` owns anchor token slots
+    A page is ``page_size`` tokens: the tree page, not ``CacheConfig.page_size`` (units in
+    ``kvtier.pools``). Page ``p`` owns anchor token slots
     ``[p * page_size, (p + 1) * page_size)``, sidecar rows ``slot // tokens_per_row`` of those
     slots, and state row ``p``. The allocator is the single owner of free pages; the tree only
     records which pages it holds.
     """
+
+    tier: ClassVar[Tier] = "device"
 
     def __init__(
         self, specs: Sequence[PoolSpec], num_pages: int, page_size: int, device: torch.device
@@ -44,7 +49,7 @@ class DevicePool:
 
     def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
         """``[rows, *row_shape]`` view of one layer of a component (the anchor by default)."""
-        return self.buffers[name or self.specs[0].name][layer]
+        return component_buffer(self.buffers, name or self.specs[0].name, self.tier)[layer]
 
     @property
     def page_bytes(self) -> int:
@@ -52,7 +57,7 @@ class DevicePool:
 
     def page_bytes_view(self, name: str) -> torch.Tensor:
         """``[layers, pages, bytes-per-layer-page]`` raw view (int64 words when they divide)."""
-        return bytes_view(self.buffers[name], 0, self.num_pages)
+        return page_words(component_buffer(self.buffers, name, self.tier), 0, self.num_pages)
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)

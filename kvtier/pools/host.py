@@ -10,16 +10,21 @@ for a compressed sidecar, one for a state pool):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.spec import PoolSpec, bytes_view
+from kvtier.pools.spec import PoolSpec, component_buffer, page_words
+from kvtier.types import Tier
 
 
 class HostPool:
-    """Host copies of pages for every component of the pool set."""
+    """Host copies of pages for every component of the pool set; a page is ``page_size``
+    tokens, the tree page (units in ``kvtier.pools``)."""
+
+    tier: ClassVar[Tier] = "host"
 
     def __init__(
         self,
@@ -57,20 +62,20 @@ class HostPool:
     def page_bytes_view(self, name: str, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``[layers, pages, bytes-per-layer-page]`` raw view in either layout (no copy) of
         component ``name`` — or of ``buffer``, an alias of it (e.g. a device mapping)."""
-        buf = self.buffers[name] if buffer is None else buffer
+        buf = component_buffer(self.buffers, name, self.tier) if buffer is None else buffer
         if self.layout == "layer_first":
-            return bytes_view(buf, 0, self.num_pages)
-        return bytes_view(buf, 1, self.num_pages).transpose(0, 1)
+            return page_words(buf, 0, self.num_pages)
+        return page_words(buf, 1, self.num_pages).transpose(0, 1)
 
     def page_view(self, name: str, page: int) -> torch.Tensor:
         """``[layers, rows, *shape]`` view of one page (page-first only: no copy)."""
         if self.layout != "page_first":
             raise ConfigError("page_view needs host_layout='page_first'")
-        return self.buffers[name][page]
+        return component_buffer(self.buffers, name, self.tier)[page]
 
     def read_pages(self, name: str, pages: torch.Tensor) -> torch.Tensor:
         """Copy of ``pages`` as ``[n, layers, rows, *shape]`` (the page-first object layout)."""
-        buf = self.buffers[name]
+        buf = component_buffer(self.buffers, name, self.tier)
         if self.layout == "page_first":
             return buf.index_select(0, pages)
         layers = buf.shape[0]
@@ -79,7 +84,7 @@ class HostPool:
 
     def write_pages(self, name: str, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Store ``data`` (``[n, layers, rows, *shape]``) into ``pages``."""
-        buf = self.buffers[name]
+        buf = component_buffer(self.buffers, name, self.tier)
         if self.layout == "page_first":
             buf.index_copy_(0, pages, data)
             return

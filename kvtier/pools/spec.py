@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RequestError
 
 KINDS = ("kv", "sidecar", "state")
 
@@ -112,7 +112,17 @@ def tree_page_size(page_size: int, specs: Sequence[PoolSpec]) -> int:
     return math.lcm(page_size, *(s.tokens_per_row for s in specs if s.kind == "sidecar"))
 
 
-def bytes_view(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor:
+def component_buffer(buffers: dict[str, torch.Tensor], name: str, pool: str) -> torch.Tensor:
+    """``buffers[name]``; an unknown component raises ``RequestError`` naming ``pool`` and the
+    components it holds."""
+    try:
+        return buffers[name]
+    except KeyError:
+        held = ", ".join(buffers)
+        raise RequestError(f"{pool} pool has no component {name!r} (it holds {held})") from None
+
+
+def page_words(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor:
     """Reinterpret ``buf`` as raw words split into ``num_pages`` pages along ``page_dim``.
 
     ``page_dim=0`` gives ``[layers, pages, words]`` for a layer-first buffer
@@ -128,3 +138,7 @@ def bytes_view(buf: torch.Tensor, page_dim: int, num_pages: int) -> torch.Tensor
     else:
         out = flat.view(lead, buf.shape[1], -1)
     return out.view(torch.int64) if out.shape[-1] % 8 == 0 else out
+
+
+bytes_view = page_words
+"""Former name of ``page_words``, kept while ``kvtier.transfer`` still imports it."""

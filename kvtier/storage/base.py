@@ -4,6 +4,9 @@ Objects are opaque byte blobs named by ``PageKey``. Backends never raise on a st
 (timeout, unreachable server, short read, checksum mismatch, full disk, permission error): they
 count it under a kind in ``errors``, log the first occurrence of each kind, and report the
 operation as not done. The caller then treats the page as a miss or a dropped backup.
+Internally a fault travels as ``kvtier.errors.StorageError`` up to the backend's public method,
+which counts it with ``fault``. Arguments no call could accept (mismatched lengths, buffers
+that are not contiguous CPU tensors, malformed keys) raise ``RequestError``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
 
+from kvtier.errors import RequestError
 from kvtier.keys import PageKey
+from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.storage")
 
@@ -44,6 +51,7 @@ class StorageBackend(ABC):
     ``batch_exists`` from the scheduling thread; implementations must tolerate that.
     """
 
+    tier: ClassVar[Tier] = "storage"
     name: str = "abstract"
     capabilities: StorageCapabilities = StorageCapabilities()
 
@@ -106,3 +114,20 @@ class StorageBackend(ABC):
             self._logged.add(kind)
         if first:
             log.warning("L3 %s backend fault (%s): %s; treated as a miss", self.name, kind, message)
+
+
+def check_lengths(keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> None:
+    """Raise ``RequestError`` unless there is one buffer per key."""
+    if len(keys) != len(buffers):
+        raise RequestError(f"{len(keys)} keys but {len(buffers)} buffers")
+
+
+def flat_cpu_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A storage buffer's memory as a flat uint8 numpy array (no copy). Raises
+    ``RequestError`` unless ``tensor`` is a contiguous CPU tensor."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise RequestError(
+            f"storage buffers must be contiguous CPU tensors, got {tensor.device} "
+            f"stride={tuple(tensor.stride())}"
+        )
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()

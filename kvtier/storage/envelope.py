@@ -16,6 +16,8 @@ from __future__ import annotations
 import struct
 import zlib
 
+from kvtier.errors import RequestError, StorageError
+
 MAGIC = b"KVTO"
 VERSION = 2
 _HEAD = struct.Struct("<4sHHQ32s48sI")
@@ -24,24 +26,17 @@ HEADER_BYTES = _FULL.size
 """Bytes an object takes beyond its payload."""
 
 
-class EnvelopeError(Exception):
-    """An object failed verification; ``kind`` is the fault kind to count."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 def _field(text: str, size: int, what: str) -> bytes:
     raw = text.encode()
     if len(raw) > size:
-        raise ValueError(f"{what} {text!r} is longer than {size} bytes")
+        raise RequestError(f"{what} {text!r} is longer than {size} bytes")
     return raw
 
 
 def pack(namespace: str, key: str, payload_len: int, payload_crc: int) -> bytes:
     """Header bytes for an object whose payload has ``payload_len`` bytes and crc32
-    ``payload_crc``."""
+    ``payload_crc``. Raises ``RequestError`` naming a namespace over 32 or a key over 48
+    bytes."""
     head = _HEAD.pack(
         MAGIC,
         VERSION,
@@ -57,22 +52,23 @@ def pack(namespace: str, key: str, payload_len: int, payload_crc: int) -> bytes:
 def unpack(header: bytes | memoryview, namespace: str, key: str) -> tuple[int, int]:
     """Verify ``header`` for ``key`` in ``namespace``; returns ``(payload_len, payload_crc)``.
 
-    Raises ``EnvelopeError`` with the fault kind.
+    Raises ``StorageError`` with the fault kind (``short_read``, ``format``, ``checksum``,
+    ``foreign``); backends count it as a miss.
     """
     if len(header) < HEADER_BYTES:
-        raise EnvelopeError("short_read", f"{len(header)}-byte header")
+        raise StorageError("short_read", f"{len(header)}-byte header")
     magic, version, key_len, length, ns, k, payload_crc, head_crc = _FULL.unpack(
         bytes(header[:HEADER_BYTES])
     )
     if magic != MAGIC or version != VERSION:
-        raise EnvelopeError("format", f"magic/version {magic!r}/{version}, not {MAGIC!r}/{VERSION}")
+        raise StorageError("format", f"magic/version {magic!r}/{version}, not {MAGIC!r}/{VERSION}")
     if zlib.crc32(bytes(header[: _HEAD.size])) != head_crc:
-        raise EnvelopeError("checksum", "header checksum mismatch")
+        raise StorageError("checksum", "header checksum mismatch")
     stored_ns = ns.rstrip(b"\0").decode(errors="replace")
     if stored_ns != namespace:
-        raise EnvelopeError("foreign", f"object of namespace {stored_ns!r}")
+        raise StorageError("foreign", f"object of namespace {stored_ns!r}")
     if k[:key_len].decode(errors="replace") != key:
-        raise EnvelopeError("foreign", f"object stored under key {k[:key_len]!r}")
+        raise StorageError("foreign", f"object stored under key {k[:key_len]!r}")
     return length, payload_crc
 
 

@@ -25,14 +25,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RequestError, StorageError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
-from kvtier.storage.base import StorageBackend, StorageCapabilities, log
-from kvtier.storage.file_io import (
-    ObjectFault,
-    bytes_view,
+from kvtier.storage.base import (
+    StorageBackend,
+    StorageCapabilities,
     check_lengths,
+    flat_cpu_bytes,
+    log,
+)
+from kvtier.storage.file_io import (
+    CorruptObject,
     fsync_dir,
     os_kind,
     read_object,
@@ -112,8 +116,10 @@ class FileBackend(StorageBackend):
         return cls(config.storage_dir, namespace, config.storage_bytes)
 
     def _path(self, key: str) -> str:
+        """Where ``key``'s object lives; raises ``RequestError`` naming a key that is empty,
+        hidden or holds a path separator (it would name a file outside the namespace)."""
         if not key or key.startswith(".") or "/" in key or os.sep in key:
-            raise ValueError(f"invalid storage key {key!r}")
+            raise RequestError(f"invalid storage key {key!r}: empty, hidden or a path")
         return os.path.join(self.dir, key[:2], key)
 
     def _scan(self) -> None:
@@ -178,7 +184,7 @@ class FileBackend(StorageBackend):
         check_lengths(keys, buffers)
         # Checksums of large pages run on worker threads, overlapping the next page's read.
         checks: list[tuple[str, str, Future[int] | int, int]] = []
-        for key, dest in zip(keys, [bytes_view(b) for b in buffers], strict=True):
+        for key, dest in zip(keys, [flat_cpu_bytes(b) for b in buffers], strict=True):
             with self._lock:
                 if key not in self._index:
                     break
@@ -189,9 +195,9 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
                 break
-            except ObjectFault as f:
-                self.fault(f.kind, f"{path}: {f}")
-                if f.corrupt:
+            except StorageError as f:
+                self.fault(f.kind, f"{path}: {f.detail}")
+                if isinstance(f, CorruptObject):
                     self._forget(key, delete=True)
                 break
             except OSError as e:
@@ -240,7 +246,7 @@ class FileBackend(StorageBackend):
         to make room, retrying until the write fits or nothing is left to evict.
         """
         check_lengths(keys, buffers)
-        payloads = [bytes_view(b) for b in buffers]
+        payloads = [flat_cpu_bytes(b) for b in buffers]
         with self._lock:
             stored = [k in self._index for k in keys]
         # Checksums of later pages are computed while earlier pages are being written.

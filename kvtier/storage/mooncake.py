@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StorageError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
-from kvtier.storage.base import StorageBackend, StorageCapabilities
-from kvtier.storage.envelope import HEADER_BYTES, EnvelopeError
-from kvtier.storage.mooncake_buffers import Arena, TransferBuffers, bytes_view
+from kvtier.storage.base import StorageBackend, StorageCapabilities, check_lengths, flat_cpu_bytes
+from kvtier.storage.envelope import HEADER_BYTES
+from kvtier.storage.mooncake_buffers import Arena, TransferBuffers
 from kvtier.storage.mooncake_session import DATA_CALLS, MooncakeSession
 from kvtier.storage.mooncake_url import parse_storage_url
 
@@ -126,12 +126,11 @@ class MooncakeBackend(StorageBackend):
         """``session.ready()`` for reading or writing ``buffers`` under ``keys``, with their byte
         views and a free arena (none while every arena is held by a call that outlived its
         timeout: then no client, counted ``skipped``)."""
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        check_lengths(keys, buffers)
         client = self.session.ready() if keys else None
         if client is None:
             return None, [], None
-        views = [bytes_view(b) for b in buffers]  # raises before anything is held
+        views = [flat_cpu_bytes(b) for b in buffers]  # raises before anything is held
         arena = self._buffers.acquire()
         if arena is None:
             self.session.count(skipped=1)
@@ -316,13 +315,13 @@ class MooncakeBackend(StorageBackend):
                 head = arena.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
                 length, want = envelope.unpack(head, self.namespace, keys[i])
                 if code - HEADER_BYTES < length:
-                    raise EnvelopeError("short_read", f"{code - HEADER_BYTES} of {length} B")
+                    raise StorageError("short_read", f"{code - HEADER_BYTES} of {length} B")
                 if length != v.nbytes or code - HEADER_BYTES != length:
-                    raise EnvelopeError("checksum", f"{length}-byte payload, buffer {v.nbytes}")
+                    raise StorageError("checksum", f"{length}-byte payload, buffer {v.nbytes}")
                 if envelope.crc(place) != want:
-                    raise EnvelopeError("checksum", "payload crc32 mismatch")
-            except EnvelopeError as e:
-                self.fault(e.kind, f"{name}: {e}")
+                    raise StorageError("checksum", "payload crc32 mismatch")
+            except StorageError as e:
+                self.fault(e.kind, f"{name}: {e.detail}")
                 bad.append(name)
                 return n
             if place is not v:
@@ -342,9 +341,9 @@ class MooncakeBackend(StorageBackend):
         )
         size = self.session.wait(fut, "get_size")
         if isinstance(size, int) and 0 <= size < want:
-            raise EnvelopeError("short_read", f"{size}-byte object, expected {want}")
+            raise StorageError("short_read", f"{size}-byte object, expected {want}")
         if isinstance(size, int) and size > want:
-            raise EnvelopeError("checksum", f"{size}-byte object, expected {want}")
+            raise StorageError("checksum", f"{size}-byte object, expected {want}")
 
     def stats(self) -> dict[str, float]:
         """``healthy`` (1/0), ``outages``, ``reconnects``, ``bytes_put``, ``bytes_got``,

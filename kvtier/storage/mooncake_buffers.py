@@ -86,13 +86,6 @@ class Worker:
                 fut.set_exception(exc)
 
 
-def bytes_view(tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor, as a uint8 array sharing its memory."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"storage buffers must be contiguous CPU tensors, got {tensor.device}")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 

@@ -15,6 +15,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from kvtier.errors import ConfigError, StorageError
+
 
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
@@ -38,7 +40,7 @@ def _binary(name: str) -> str:
         path = os.path.join(d, name)
         if os.access(path, os.X_OK):
             return path
-    raise RuntimeError(f"{name} not found in the mooncake package (pip install 'kvtier[mooncake]')")
+    raise ConfigError(f"{name} not found in the mooncake package (pip install 'kvtier[mooncake]')")
 
 
 class LocalMooncake:
@@ -47,8 +49,9 @@ class LocalMooncake:
     objects outlive the processes that wrote them. Ports are picked free at construction and
     kept across master restarts; logs go to ``log_dir`` (a new temp dir by default). Children
     are killed by ``stop``/context exit, and by the kernel if this process dies (Linux).
-    Readiness is polled (master ``/health``, node segment in ``/metrics``); ``RuntimeError``
-    with the log directory if a child exits or is not ready within ``ready_timeout_s``."""
+    Readiness is polled (master ``/health``, node segment in ``/metrics``): ``StorageError``
+    naming the log directory if a child exits (``unreachable``) or is not ready within
+    ``ready_timeout_s`` (``timeout``); ``ConfigError`` if the mooncake binaries are missing."""
 
     def __init__(
         self,
@@ -160,9 +163,12 @@ class LocalMooncake:
         while not ready():
             for name, proc in (("master", self.master), ("node", self.node)):
                 if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(
-                        f"mooncake {name} exited with {proc.returncode}; logs in {self.log_dir}"
+                    raise StorageError(
+                        "unreachable",
+                        f"mooncake {name} exited with {proc.returncode}; logs in {self.log_dir}",
                     )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake {what}: not within {self.ready_timeout_s} s")
+                raise StorageError(
+                    "timeout", f"mooncake {what}: not within {self.ready_timeout_s} s"
+                )
             time.sleep(0.02)

@@ -32,6 +32,7 @@ from kvtier.engine.model import (
     SeqSlots,
     linear,
 )
+from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
 
@@ -121,8 +122,11 @@ class RecurrentMixer(nn.Module):
 
         ``state`` (flat, the row layout) is updated in place to the state after the last
         token; for each ``(i, row)`` of ``outs`` the state after token ``i`` goes to
-        ``rows[row]`` (``rows`` is the state pool layer).
+        ``rows[row]`` (``rows`` is the state pool layer). Raises ``RequestError`` when
+        ``outs`` asks for checkpoints but no ``rows`` are given.
         """
+        if outs and rows is None:
+            raise RequestError(f"{len(outs)} state checkpoint(s) requested without state rows")
         n, k = x.shape[0], self.d_conv - 1
         st = state.view(self.d_inner, k + self.d_state)
         xi, z = self.in_proj(x).chunk(2, dim=-1)
@@ -141,8 +145,7 @@ class RecurrentMixer(nn.Module):
         for t in range(n):
             h = decay[t] * h + drive[t]
             ys.append(h @ c[t])
-            if t in want:
-                assert rows is not None
+            if t in want and rows is not None:
                 snap = rows[want[t]].view(self.d_inner, k + self.d_state)
                 snap[:, :k] = seq[:, t + 1 : t + 1 + k]
                 snap[:, k:] = h
@@ -233,11 +236,15 @@ class HybridModel(DecoderLM):
         super().check_batch(input_ids, seqs)
         for s in seqs:
             if s.state is None or len(s.state) != self.num_recurrent:
-                raise ValueError(
-                    f"every sequence needs a running state of {self.num_recurrent} tensors"
+                got = None if s.state is None else len(s.state)
+                raise RequestError(
+                    f"every sequence needs a running state of {self.num_recurrent} tensors, "
+                    f"got {got}"
                 )
             if any(not 0 <= i < s.num_new for i, _ in s.state_out):
-                raise ValueError(f"state_out {s.state_out} names a token outside the new ones")
+                raise RequestError(
+                    f"state_out {s.state_out} names a token outside the {s.num_new} new ones"
+                )
 
     def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """Recurrent layers ignore ``positions``: the state alone carries the past."""
