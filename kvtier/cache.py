@@ -44,6 +44,7 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
+from kvtier.transfer.translate import DeviceKV, PageTranslator, bind_transfer
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
 
@@ -51,7 +52,12 @@ from kvtier.tree.results import truncate_match
 class TieredCache:
     """Device pool + host pool + storage under one radix tree."""
 
-    def __init__(self, config: CacheConfig, specs: Sequence[PoolSpec]) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        specs: Sequence[PoolSpec],
+        translator: PageTranslator | None = None,
+    ) -> None:
         validate_pool_set(specs)
         self.config = config
         self.specs = tuple(specs)
@@ -88,6 +94,7 @@ class TieredCache:
                 backend.close()
                 raise
             self.storage = backend
+        self.translator = bind_transfer(config, translator, self.device_pool, self.host_pool)
         self.controller = Controller(
             config,
             self.tree,
@@ -105,6 +112,11 @@ class TieredCache:
             self.stateful,
         )
         self._closed = False
+
+    @property
+    def kv_buffers(self) -> DeviceKV:
+        """What the engine reads and writes: device buffers by physical slot (see DeviceKV)."""
+        return DeviceKV(self.device_pool, self.translator)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

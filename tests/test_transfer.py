@@ -125,7 +125,7 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
         pytest.skip("staging is for page-first host pools")
     forced = path
 
-    def force(geo, direction, hp, dp, per_layer=False, dma=True):  # noqa: ANN001, ANN202
+    def force(geo, direction, hp, dp, per_layer=False, dma=True, mechanism="auto"):  # noqa: ANN001, ANN202
         return KERNEL if per_layer and forced == STAGED else forced
 
     # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).
