@@ -44,7 +44,7 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
-from kvtier.transfer.translate import DeviceKV, PageTranslator, bind_transfer
+from kvtier.transfer.translate import PageTranslator, bind_transfer
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
 
@@ -94,7 +94,8 @@ class TieredCache:
                 backend.close()
                 raise
             self.storage = backend
-        self.translator = bind_transfer(config, translator, self.device_pool, self.host_pool)
+        self.kv_buffers = bind_transfer(config, translator, self.device_pool, self.host_pool)
+        """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
         self.controller = Controller(
             config,
             self.tree,
@@ -112,11 +113,6 @@ class TieredCache:
             self.stateful,
         )
         self._closed = False
-
-    @property
-    def kv_buffers(self) -> DeviceKV:
-        """What the engine reads and writes: device buffers by physical slot (see DeviceKV)."""
-        return DeviceKV(self.device_pool, self.translator)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

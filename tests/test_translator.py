@@ -64,10 +64,16 @@ def host_page(cache: TieredCache, physical: int) -> torch.Tensor:
     return cache.host_pool.read_pages("kv", torch.tensor([physical]))[0]
 
 
+# On CUDA each forced mechanism (kernel; copy engines: staged page-first, direct layer-first).
+MECHANISMS = ["auto", "kernel", "copy_engine"] if DEVICE.startswith("cuda") else ["auto"]
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # zero-copy and staged objects
-def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout):
+def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout, mechanism):
     t = PermutationTranslator(device=DEVICE_MAP, host=HOST_MAP)
-    c = TieredCache(config(tmp_path, host_layout=layout), [SPEC], translator=t)
+    options = {"host_layout": layout, "transfer_mechanism": mechanism}
+    c = TieredCache(config(tmp_path, **options), [SPEC], translator=t)
     m = c.match(TOKENS)
     c.lock(m.handle)
     ld = c.load(m)
@@ -105,7 +111,7 @@ def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout):
 
     # A fresh cache with another host permutation restores the storage objects.
     t2 = PermutationTranslator(device=DEVICE_MAP[::-1], host=OTHER_HOST_MAP)
-    c2 = TieredCache(config(tmp_path, host_layout=layout), [SPEC], translator=t2)
+    c2 = TieredCache(config(tmp_path, **options), [SPEC], translator=t2)
     m = c2.match(TOKENS)
     assert m.storage_len == 12
     pf = c2.prefetch(m)

@@ -115,10 +115,11 @@ def bind_transfer(
     translator: PageTranslator | None,
     device: DevicePool,
     host: HostPool | None,
-) -> PageTranslator:
+) -> DeviceKV:
     """Make ``translator`` (identity when ``None``) and ``config.transfer_mechanism`` the
-    options of every mover and storage codec later built over these pools; returns the
-    translator. The cache binds its pools before it builds what moves their pages.
+    options of every mover and storage codec later built over these pools; returns the view an
+    engine addresses the device pool through. The cache binds its pools before it builds what
+    moves their pages.
 
     Raises ``ConfigError`` when the translator does not fit the pools' sizes.
     """
@@ -127,7 +128,7 @@ def bind_transfer(
     _BOUND[device] = options
     if host is not None:
         _BOUND[host] = options
-    return options.translator
+    return DeviceKV(device, options.translator)
 
 
 def options_for(pool: DevicePool | HostPool) -> TransferOptions:
@@ -147,6 +148,10 @@ class DeviceKV:
         self._pool = pool
         self._translator = translator
         self._identity = isinstance(translator, IdentityTranslator)
+
+    @property
+    def translator(self) -> PageTranslator:
+        return self._translator
 
     @property
     def device(self) -> torch.device:
