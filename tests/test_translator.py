@@ -198,3 +198,62 @@ def test_transfer_mechanism_is_validated():
     ):
         CacheConfig(transfer_mechanism="dma")
     assert CacheConfig(transfer_mechanism="kernel").transfer_mechanism == "kernel"
+
+
+DEVICE_PAGES, HOST_PAGES = 16, 32
+
+
+@pytest.mark.parametrize("family", ["tiny", "dsa-compressed", "hybrid"])  # sidecars, states
+def test_engine_addresses_the_device_pool_through_the_translator(tmp_path, monkeypatch, family):
+    """The engine writes and reads KV, sidecar rows and state rows at ``kv_buffers.slots``: with
+    a permuted cache it gives the identity cache's tokens and logits, bit for bit, cold and after
+    a host and a storage restore (which move physical pages: untranslated engine writes would
+    restore other pages' bytes)."""
+    import random
+
+    from kvtier.engine import LLM, SamplingParams
+    from kvtier.engine import llm as llm_mod
+    from kvtier.engine.families import preset
+
+    model = preset(family)
+    rng = random.Random(3)
+    prompt = [rng.randrange(model.vocab_size) for _ in range(101)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True)
+    perm = PermutationTranslator(
+        device=range(DEVICE_PAGES - 1, -1, -1), host=[5 * i % HOST_PAGES for i in range(HOST_PAGES)]
+    )
+
+    def scenarios(translated: bool) -> list[tuple[list[int], torch.Tensor, tuple[int, ...]]]:
+        if translated:
+            monkeypatch.setattr(
+                llm_mod, "TieredCache", lambda c, s: TieredCache(c, s, translator=perm)
+            )
+        cfg = CacheConfig(
+            page_size=16,
+            device_pages=DEVICE_PAGES,
+            host_pages=HOST_PAGES,
+            device=DEVICE,
+            storage="file",
+            storage_dir=str(tmp_path / ("l3-perm" if translated else "l3-id")),
+            prefetch_policy="wait_complete",
+            debug_checks=True,
+        )
+        outs = []
+        with LLM(model, cfg, max_running=1) as llm:
+            for prepare in (lambda: None, lambda: llm.cache.flush(host=False)):
+                prepare()
+                outs.append(llm.generate([prompt], params)[0])
+                llm.cache.drain()
+        with LLM(model, cfg, max_running=1) as llm:
+            outs.append(llm.generate([prompt], params)[0])
+        monkeypatch.undo()
+        return [
+            (o.output_ids, o.logits, (o.cached_device, o.cached_host, o.cached_storage))
+            for o in outs
+        ]
+
+    plain, permuted = scenarios(False), scenarios(True)
+    assert [hits for _, _, hits in permuted] == [(0, 0, 0), (0, 96, 0), (0, 0, 96)]
+    for (ids, logits, hits), (pids, plogits, phits) in zip(plain, permuted, strict=True):
+        assert pids == ids and phits == hits
+        assert torch.equal(plogits, logits)
