@@ -4,7 +4,7 @@ The tree and the engine hold *logical* page ids (what the allocators hand out); 
 buffers are indexed by *physical* pages. A translator maps one to the other per side (device
 pool, host pool). Every copy the mover queues and every storage object the codec gathers or
 scatters translates its page lists once, here; the engine addresses the device pool through
-``TieredCache.physical_slots``, which uses the same device mapping.
+``TieredCache.kv_buffers`` (a :class:`DeviceKV`), whose ``slots`` use the same device mapping.
 
 A translation must not change while a transfer or a storage read touching the page is in flight
 (a relocating allocator holds its pages still until the op completed).
@@ -119,7 +119,8 @@ def bind_transfer(
     """Make ``translator`` (identity when ``None``) and ``config.transfer_mechanism`` the
     options of every mover and storage codec later built over these pools; returns the view an
     engine addresses the device pool through. The cache binds its pools before it builds what
-    moves their pages.
+    moves their pages: the controller builds the mover and the storage codec from the pools
+    alone, so the options travel with the pools.
 
     Raises ``ConfigError`` when the translator does not fit the pools' sizes.
     """
