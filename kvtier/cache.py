@@ -41,6 +41,7 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
+from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
 
@@ -48,7 +49,12 @@ from kvtier.tree.results import truncate_match
 class TieredCache:
     """Device pool + host pool + storage under one radix tree."""
 
-    def __init__(self, config: CacheConfig, specs: Sequence[PoolSpec]) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        specs: Sequence[PoolSpec],
+        translator: PageTranslator | None = None,
+    ) -> None:
         validate_pool_set(specs)
         self.config = config
         self.specs = tuple(specs)
@@ -76,6 +82,8 @@ class TieredCache:
         )
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
+        translator, self.kv_buffers = device_view(translator, self.device_pool, self.host_pool)
+        """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
         backend: StorageBackend | None = None
         if config.storage:
             backend = create_backend(config.storage, config, self.namespace)
@@ -92,6 +100,7 @@ class TieredCache:
             backend,
             self.namespace,
             self.metrics,
+            translator,
         )
         self.engine_pages = EnginePages(
             self.device_pool,

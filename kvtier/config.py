@@ -15,6 +15,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_LAYOUTS = ("page_first", "layer_first")
 EVICTION_POLICIES = ("lru", "lfu")
+TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
 
 
 def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -161,6 +162,12 @@ class CacheConfig:
     whole when it is made. Copy engines serve queued copies in order, so a small device → host
     read (a sampler's tokens) waits behind every backup byte queued before it: pacing keeps what
     a step queues within what the link moves during it (measured: rate and poll interval)."""
+    transfer_mechanism: str = "auto"
+    """How device ↔ host copies move (``kvtier.transfer.plan``): ``auto`` picks per batch by
+    block size, ``kernel`` forces row kernels through the mapped host pool, ``copy_engine``
+    forces copy engines (staged through device buffers for page-first host pools, else direct
+    block lists; a CUDA driver without batched copies then fails at start). CPU caches copy
+    synchronously whatever the choice."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)
     """Additional strings mixed into the key namespace."""
 
@@ -181,6 +188,7 @@ class CacheConfig:
         _flag("pin_host", self.pin_host, allow_none=True)
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _choice("transfer_mechanism", self.transfer_mechanism, TRANSFER_MECHANISMS)
         # '' would read as "no L3" in some places and as a backend name in others
         _text("storage", self.storage, allow_none=True, nonempty=True)
         _text("storage_url", self.storage_url, allow_none=True, nonempty=True)

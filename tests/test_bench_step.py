@@ -6,7 +6,14 @@ from kvtier.bench.step import bench_step
 
 
 def test_bench_step_tiny():
-    r = bench_step(concurrency=20, steps=48, system_tokens=32, user_tokens=16, output_tokens=8)
+    r = bench_step(
+        concurrency=20,
+        steps=48,
+        system_tokens=32,
+        user_tokens=16,
+        output_tokens=8,
+        debug_checks=True,  # every poll checks the cache's integrity
+    )
     assert r["mean_running"] > 15
     assert r["calls"]["poll"] == 48 and r["calls"]["finish"] > 0
     assert 0 < r["cache_share_of_step"] <= 1

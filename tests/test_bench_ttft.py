@@ -18,6 +18,7 @@ def test_bench_ttft_tiny_cpu():
         dtype="float32",
         repeats=1,
         device="cpu",
+        debug_checks=True,  # every poll of every engine checks the cache's integrity
     )
     s = r["scenarios"]
     assert s["cold"]["recomputed"] == 200 and s["cold"]["cached_device"] == 0

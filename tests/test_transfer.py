@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
-from kvtier.transfer import Mover, plan
+from kvtier.transfer import Mover, PermutationTranslator, plan
 from kvtier.transfer import mover as mover_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
@@ -55,6 +56,30 @@ def test_choice_follows_block_size_and_direction():
     assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
     assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs: 128 KiB blocks
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
+
+
+def test_forced_mechanisms():
+    one = torch.tensor([3, 0])
+    kv16 = geo("page_first", row_bytes=64 << 10, layers=32)
+    small = geo("page_first", row_bytes=4 << 10, layers=32)
+    lf = geo("layer_first", row_bytes=4 << 10, layers=32)
+    assert choose(kv16, "h2d", one, one, mechanism="kernel") == KERNEL
+    assert choose(small, "d2h", one, one, mechanism="copy_engine") == STAGED
+    assert choose(small, "h2d", one, one, per_layer=True, mechanism="copy_engine") == DIRECT
+    assert choose(lf, "d2h", one, one, mechanism="copy_engine") == DIRECT
+    assert choose(geo("page_first", layers=1), "d2h", one, one, mechanism="copy_engine") == DIRECT
+    assert choose(small, "h2d", one, one, dma=False, mechanism="copy_engine") == KERNEL
+
+
+def test_mover_mechanism_option():
+    dev, host = make_pools("page_first", "cpu")
+    with pytest.raises(ConfigError, match="transfer_mechanism='dma' is not one of"):
+        Mover(dev, host, mechanism="dma")
+    assert Mover(dev, host, mechanism="kernel").dma is False
+    op = Mover(dev, host, mechanism="copy_engine").device_to_host(
+        torch.tensor([1]), torch.tensor([2])
+    )
+    assert op.paths == {"kv": "cpu", "idx": "cpu", "state": "cpu"}  # CPU copies are synchronous
 
 
 def test_staging_slices_grow_away_from_the_unoverlapped_end():
@@ -120,32 +145,36 @@ def test_cpu_roundtrip_is_byte_exact(layout):
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap):
+@pytest.mark.parametrize("translated", [False, True])
+def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap, translated):
     if path == STAGED and layout == "layer_first":
         pytest.skip("staging is for page-first host pools")
     forced = path
 
-    def force(geo, direction, hp, dp, per_layer=False, dma=True):  # noqa: ANN001, ANN202
+    def force(geo, direction, hp, dp, per_layer=False, dma=True, mechanism="auto"):  # noqa: ANN001, ANN202
         return KERNEL if per_layer and forced == STAGED else forced
 
     # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).
 
     monkeypatch.setattr(mover_mod, "choose", force)
     dev, host = make_pools(layout, "cuda")
-    mover = Mover(dev, host, staging_bytes=1)  # one page per staging slice
+    t = PermutationTranslator(device=range(23, -1, -1), host=[3 * i % 20 for i in range(20)])
+    pd, ph = (t.device_physical, t.host_physical) if translated else (lambda p: p, lambda p: p)
+    # One page per staging slice; logical pages, translated on both sides when ``translated``.
+    mover = Mover(dev, host, translator=t if translated else None, staging_bytes=1)
     dp, hp = torch.tensor([7, 2, 3, 4, 19]), torch.tensor([0, 11, 12, 13, 5])
     op = mover.device_to_host(dp, hp)
     op.wait()
     op.complete()
     assert set(op.paths.values()) == {path}
-    assert_same(dev, dp, host, hp)
+    assert_same(dev, pd(dp), host, ph(hp))
     back = torch.tensor([1, 23, 8, 9, 10])
     op = mover.host_to_device(hp, back, overlap=overlap)
     if overlap:
         assert op.layer_events is not None and len(op.layer_events) == 3
         op.layer_events[-1].synchronize()
     op.wait()
-    assert_same(dev, back, host, hp)
+    assert_same(dev, pd(back), host, ph(hp))
 
 
 @cuda

@@ -2,8 +2,9 @@
 
 The engine's own scheduler drives a ``TieredCache`` with ``concurrency`` requests (shared
 system prompt, distinct user turns, output lengths spread up to ``output_tokens``), no model:
-every step decodes one token per running request, finished requests leave and new ones arrive. Every call into the cache is timed
-through a proxy; the result is kvtier's CPU time per step and per request-step, next to the
+every step decodes one token per running request, finished requests leave and new ones arrive.
+Every public call into the cache is timed (a ``TieredCache`` subclass that wraps its public
+methods, ``TIMED``); the result is kvtier's CPU time per step and per request-step, next to the
 scheduler's total step time measured in the same run (the peer).
 """
 
@@ -14,6 +15,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,29 +27,55 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.pools.spec import PoolSpec
 
+TIMED = (
+    "match",
+    "lock",
+    "unlock",
+    "load",
+    "alloc",
+    "free",
+    "insert",
+    "finish",
+    "poll",
+    "prefetch",
+    "prefetch_ready",
+    "wait_prefetch",
+    "finish_prefetch",
+    "record_hits",
+    "record_prefill",
+    "drain",
+)
+"""The public ``TieredCache`` calls that are timed (every one a scheduler makes)."""
 
-class _Timed:
-    """Forwards to the cache and accumulates the wall time of every method call."""
 
-    def __init__(self, cache: TieredCache) -> None:
-        self._cache = cache
+class _TimedCache(TieredCache):
+    """A ``TieredCache`` that adds up the wall time of its own public calls (``TIMED``): the
+    scheduler drives a real cache, the timing wraps only its public methods."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.seconds = 0.0
         self.calls: Counter[str] = Counter()
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._cache, name)
-        if not callable(attr):
-            return attr
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls[name] += 1
+def _timed(name: str) -> Callable[..., Any]:
+    method = getattr(TieredCache, name)
 
-        return timed
+    def timed(self: _TimedCache, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls[name] += 1
+
+    timed.__name__ = name
+    timed.__doc__ = method.__doc__
+    return timed
+
+
+for _name in TIMED:
+    setattr(_TimedCache, _name, _timed(_name))
 
 
 FULL_POOL_FACTOR = 1.05
@@ -62,8 +90,12 @@ def bench_step(
     output_tokens: int = 64,
     page_size: int = 16,
     seed: int = 0,
+    debug_checks: bool = False,
 ) -> dict:
     """Per-step cache CPU time at ``concurrency`` running requests (see the module docstring).
+
+    ``debug_checks`` builds the caches with ``CacheConfig.debug_checks`` (every poll checks
+    the cache's integrity, inside the timed calls: for tests, not for figures).
 
     The top-level figures come from a device pool twice what the running requests need (the
     cache grows without evicting); ``under_eviction`` repeats the run with a device pool of
@@ -71,6 +103,7 @@ def bench_step(
     requests' pages are evicted from both tiers every few steps, as in a full serving cache.
     """
     args = (concurrency, steps, system_tokens, user_tokens, output_tokens, page_size, seed)
+    args += (debug_checks,)
     out = _run(2.0, 1.0, *args)
     full = _run(FULL_POOL_FACTOR, 2.0, *args)
     out["under_eviction"] = {k: v for k, v in full.items() if k not in ("bench", "concurrency")}
@@ -87,6 +120,7 @@ def _run(
     output_tokens: int,
     page_size: int,
     seed: int,
+    debug_checks: bool,
 ) -> dict:
     per_req = (system_tokens + user_tokens + output_tokens) // page_size + 2
     spec = PoolSpec("kv", 1, (2, 1, 8), torch.float16)
@@ -95,9 +129,10 @@ def _run(
         device_pages=int(per_req * concurrency * pool_factor),
         host_ratio=host_ratio,
         device="cpu",
+        debug_checks=debug_checks,
     )
-    cache = _Timed(TieredCache(cfg, [spec]))
-    sched = Scheduler(cache, concurrency, 1 << 30)  # type: ignore[arg-type]
+    cache = _TimedCache(cfg, [spec])
+    sched = Scheduler(cache, concurrency, 1 << 30)
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(system_tokens)]
     ids = iter(range(1 << 30))
@@ -141,9 +176,8 @@ def _run(
         "scheduler_ms_per_step": 1e3 * statistics.mean(step_s[warm]),
         "cache_share_of_step": sum(kv) / sum(step_s[warm]),
         "calls": dict(cache.calls),
-        "evicted_pages": {
-            t: cache._cache.stats()[f"evicted_{t}_pages"] for t in ("device", "host")
-        },
+        "evicted_pages": {t: cache.stats()[f"evicted_{t}_pages"] for t in ("device", "host")},
     }
-    cache._cache.check_integrity()
+    cache.check_integrity()
+    cache.close()
     return out

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvtier.bench.pool_sets import family_pool_set
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size
@@ -211,7 +211,8 @@ def bench_transfer(
     side = torch.cuda.Stream(dev) if cuda else None
 
     def contiguous_both() -> None:
-        assert side is not None
+        if side is None:
+            raise IntegrityError("contiguous_both copies on CUDA only")
         side.wait_stream(torch.cuda.current_stream(dev))
         cdev.copy_(chost, non_blocking=True)
         with torch.cuda.stream(side):

@@ -13,15 +13,19 @@ weights their argmax may differ with every tier correct; the tests' content orac
 (``tests/test_oracle.py``, float32) is the exactness check against a cold run.
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
-while device → host backups of the prefix's pages are kept waiting, more than the link moves in a
-step: paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (copy engines
-for these page sizes) and with row kernels forced, and queued whole (``unpaced``). The stall is
-the step-time ratio; ``backup_gbps_while_decoding`` is the bytes of backups completed during the
-timed steps over their time.
+while device → host backups of prompt-sized prefixes (inserted through the cache's public API,
+backed up by its write-through policy) are kept waiting, more than the link moves in a step:
+paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (copy engines for
+these page sizes) and with row kernels forced (``transfer_mechanism="kernel"``), and queued whole
+(``unpaced``: ``backup_share=0``). The stall is the step-time ratio;
+``backup_gbps_while_decoding`` is the bytes of backups completed during the timed steps over
+their time. Every configuration is a cache option on an engine of its own, never a setting
+changed on a running one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -33,6 +37,7 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine.model import CausalLM
+from kvtier.transfer import dma
 
 
 def _log(msg: str) -> None:
@@ -74,9 +79,17 @@ def bench_ttft(
     repeats: int = 3,
     device: str | None = None,
     host_layout: str = "page_first",
+    debug_checks: bool = False,
 ) -> dict:
     """Best-of-``repeats`` TTFT (seconds) per scenario (the cold one runs once); see the module
-    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine."""
+    docstring. With a ``layer_first`` host pool, loads of page runs go by copy engine.
+
+    Each configuration is its own engine over the one model and one storage directory (what a
+    scenario forces is a cache or engine option: ``overlap_loads``,
+    ``CacheConfig.transfer_mechanism``, ``CacheConfig.backup_share``); an engine after the first
+    gets the prompt's KV by a storage restore. ``debug_checks`` sets
+    ``CacheConfig.debug_checks`` (integrity checked at every poll; for tests, not figures).
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = ModelConfig(
         vocab_size=vocab_size,
@@ -95,8 +108,11 @@ def bench_ttft(
     model.fill_random(0)
     _log(f"model on {dev} in {time.perf_counter() - t0:.1f} s")
     pages = prompt_tokens // page_size + 8
+    page_bytes = sum(s.page_bytes(page_size) for s in model.pool_specs())
+    # Copy engines exist for pinned host pools on CUDA with a driver that has batched copies.
+    copy_engines = dev.type == "cuda" and dma.available()
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as tmp:
-        cache = CacheConfig(
+        base = CacheConfig(
             page_size=page_size,
             device_pages=pages + DECODE_PAGES,
             host_pages=2 * pages,
@@ -106,17 +122,27 @@ def bench_ttft(
             storage_bytes=1 << 40,
             prefetch_policy="wait_complete",
             host_layout=host_layout,
+            debug_checks=debug_checks,
         )
-        llm = LLM(model, cache, max_running=DECODE_BATCH, max_prefill_tokens=prompt_tokens + 1)
         rng = random.Random(0)
         prompt = [rng.randrange(vocab_size) for _ in range(prompt_tokens)]
         params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        def engine(overlap: bool, mechanism: str = "auto") -> LLM:
+            cache = dataclasses.replace(base, transfer_mechanism=mechanism)
+            return LLM(
+                model,
+                cache,
+                max_running=DECODE_BATCH,
+                max_prefill_tokens=prompt_tokens + 1,
+                overlap_loads=overlap,
+            )
 
         def fresh() -> list[int]:
             # A prompt no tier holds: the cold scenario never hits anything.
             return [rng.randrange(vocab_size) for _ in range(prompt_tokens)]
 
-        def run(label: str, prepare, make=lambda: prompt, times: int = repeats) -> dict:  # noqa: ANN001
+        def run(llm: LLM, label: str, prepare, make=lambda: prompt, times: int = repeats) -> dict:  # noqa: ANN001
             best = None
             for _ in range(times):
                 prepare()
@@ -131,44 +157,48 @@ def bench_ttft(
                         "token": out.output_ids[0],
                     }
                 llm.cache.drain()
+                llm.cache.check_integrity()
             _log(f"{label}: {best['ttft_s'] * 1e3:.1f} ms")
             return best
 
-        mover = llm.cache.controller.mover
-        copy_engines = mover is not None and mover.dma
+        def overlapped(mechanism: str, label: str) -> dict:
+            """Host restores with per-layer overlap on an engine of their own."""
+            llm = engine(overlap=True, mechanism=mechanism)
+            llm.generate([prompt], params)  # storage restore: the prompt is cached again
+            llm.cache.drain()
+            try:
+                return run(llm, label, lambda: llm.cache.flush(host=False))
+            finally:
+                llm.close()
 
-        def overlap(on: bool, engines: bool = True):  # noqa: ANN202
-            def prep() -> None:
-                llm.scheduler.overlap_loads = on
-                if mover is not None:
-                    mover.dma = engines and copy_engines
-                llm.cache.flush(host=False)
+        def without_overlap() -> tuple[dict, int]:
+            """Cold, device hit, host and storage restores on one engine; the reference."""
+            llm = engine(overlap=False)
+            try:
+                res = {"cold": run(llm, "cold prefill", lambda: None, fresh, times=1)}
+                # The prompt computed whole, cold; its pages stay cached for the scenarios below.
+                reference = llm.generate([prompt], params)[0].output_ids[0]
+                llm.cache.drain()
+                res["device_hit"] = run(llm, "device hit", lambda: None)
+                res["host_restore"] = run(llm, "host restore", lambda: llm.cache.flush(host=False))
+                res["storage_restore"] = run(llm, "storage restore", llm.cache.flush)
+            finally:
+                llm.close()
+            return res, reference
 
-            return prep
-
-        def flush_all() -> None:
-            llm.cache.flush()
-
-        res = {"cold": run("cold prefill", lambda: None, fresh, times=1)}
-        # The prompt computed whole, cold; its pages stay cached for the scenarios below.
-        reference = llm.generate([prompt], params)[0].output_ids[0]
-        llm.cache.drain()
-        res["device_hit"] = run("device hit", lambda: None)
-        res["host_restore"] = run("host restore", overlap(False))
-        res["host_restore_overlap"] = run("host restore, per-layer overlap", overlap(True))
+        # One engine at a time: each one's pools are gone before the next one's are allocated.
+        res, reference = without_overlap()
+        res["host_restore_overlap"] = overlapped("auto", "host restore, per-layer overlap")
         if copy_engines:  # the same with row kernels instead of copy engines, for comparison
-            res["host_restore_overlap_kernels"] = run(
-                "host restore, per-layer overlap, row kernels", overlap(True, engines=False)
+            res["host_restore_overlap_kernels"] = overlapped(
+                "kernel", "host restore, per-layer overlap, row kernels"
             )
-            overlap(False)()
-        res["storage_restore"] = run("storage restore", flush_all)
         cached = res["device_hit"]["cached_device"]
-        kv_bytes = cached * llm.cache.device_pool.page_bytes // llm.cache.page_size
+        kv_bytes = cached * page_bytes // page_size
         link = _link_gbps(kv_bytes, dev)
-        stall = (
-            _backup_during_decode(llm, rng, vocab_size, pages - 8) if dev.type == "cuda" else None
-        )
-        llm.close()
+        stall = None
+        if dev.type == "cuda":
+            stall = _backup_during_decode(model, base, rng, vocab_size, pages - 8)
     transfer_s = kv_bytes / (link * 1e9) if link else 0.0
     bound = max(transfer_s, res["device_hit"]["ttft_s"])
     hit = res["device_hit"]["token"]
@@ -207,88 +237,117 @@ DECODE_STEPS = 24
 """Decode steps timed per measurement."""
 
 
-def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: int) -> dict:
-    """Mean decode step time alone and under back-to-back backups of ``num_pages`` pages (into
-    host pages taken from the pool for the measurement and returned after)."""
-    mover = llm.cache.controller.mover
-    host = llm.cache.host_pool
-    assert mover is not None and host is not None
-    src = torch.arange(num_pages)
-    dst = host.allocator.alloc(num_pages)
-    if dst is None:
-        raise RuntimeError("bench ttft: no free host pages for the backup measurement")
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
+def _backup_during_decode(
+    model: CausalLM,
+    base: CacheConfig,
+    rng: random.Random,
+    vocab: int,
+    num_pages: int,
+    batch: int = DECODE_BATCH,
+    num_steps: int = DECODE_STEPS,
+) -> dict:
+    """Mean decode step time of ``batch`` requests alone and under back-to-back backups of
+    ``num_pages`` pages each, on engines of their own (``base`` without storage; pools sized
+    for the backups kept waiting).
 
-    def steps(n: int, in_flight: int = 0) -> tuple[float, int]:
+    The backups come through the public API: a prefix of fresh tokens is allocated and
+    inserted, and the write-through policy backs it up (its bytes are whatever the pages
+    hold). Completed backup bytes are the cache's ``backup_bytes`` counter.
+    """
+    ps = base.page_size
+
+    def engine(in_flight: int, **options: object) -> LLM:
+        cfg = dataclasses.replace(
+            base,
+            storage=None,
+            write_policy="write_through",
+            device_pages=(in_flight + 1) * num_pages + DECODE_PAGES,
+            host_pages=(in_flight + 2) * num_pages,
+            **options,
+        )
+        return LLM(model, cfg, max_running=batch, max_prefill_tokens=batch * 128)
+
+    def queue_backup(llm: LLM) -> None:
+        tokens = [rng.randrange(vocab) for _ in range(num_pages * ps)]
+        locs = llm.cache.alloc(len(tokens))
+        cached = llm.cache.insert(tokens, locs).cached_len
+        if cached:  # a page that happened to be cached already: ours is a duplicate
+            llm.cache.free(locs[:cached])
+
+    def backed_up(llm: LLM) -> tuple[int, int]:
+        """Backup bytes completed and dropped (host tier full) so far."""
+        s = llm.cache.stats()
+        page_bytes = sum(sp.page_bytes(ps) for sp in llm.cache.specs)
+        return s["backup_bytes"], s["dropped_host_backups"] * page_bytes
+
+    def steps(llm: LLM, n: int, in_flight: int = 0) -> tuple[float, int]:
         """Mean step time over ``n`` decode steps, and the bytes of the backups (``in_flight``
         of them kept waiting) that completed during them."""
-        for _ in range(DECODE_BATCH):
+        # Requests decode through every timed step; what runs after them is not timed.
+        params = SamplingParams(max_tokens=n + 2, ignore_eos=True)
+        for _ in range(batch):
             llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
         llm.step()  # the batch's prefill
-        ops: list = []
-        backed_up = 0
+        done0, _ = backed_up(llm)
+        queued = 0
         total = 0.0
         for _ in range(n):
-            ops += [mover.device_to_host(src, dst) for _ in range(in_flight - len(ops))]
+            done, dropped = backed_up(llm)
+            while queued - (done - done0) - dropped < in_flight * nbytes:
+                queue_backup(llm)
+                queued += nbytes
             t0 = time.perf_counter()
             llm.step()
             total += time.perf_counter() - t0
-            waiting = []
-            for op in ops:
-                if op.done():
-                    backed_up += op.nbytes
-                else:
-                    waiting.append(op)
-            ops = waiting
-        for op in ops:
-            op.wait()
-            op.complete()
+        done = backed_up(llm)[0] - done0
         while llm.has_unfinished():
             llm.step()
         llm.cache.drain()
-        return total / n, backed_up
+        llm.cache.check_integrity()
+        return total / n, done
 
-    def timed_backup() -> tuple[float, dict[str, str]]:
-        """Seconds of one whole backup (after a warm-up one) and the mechanisms it used."""
-        mover.device_to_host(src, dst).wait()
+    def timed_backup(llm: LLM) -> float:
+        """Seconds of one whole backup (after a warm-up one), insert to visible."""
+        queue_backup(llm)
+        llm.cache.drain()
         t0 = time.perf_counter()
-        op = mover.device_to_host(src, dst)
-        op.wait()
-        return time.perf_counter() - t0, op.paths
+        queue_backup(llm)
+        llm.cache.drain()
+        return time.perf_counter() - t0
 
-    def under_backups(in_flight: int, use_dma: bool, paced: bool) -> dict:
-        saved = mover.dma, mover.pacer
-        mover.dma = use_dma and mover.dma
-        mover.pacer = mover.pacer if paced else None
+    def under_backups(in_flight: int, mechanism: str, paced: bool) -> dict:
+        share = base.backup_share if paced else 0.0
+        llm = engine(in_flight, transfer_mechanism=mechanism, backup_share=share)
         try:
-            backup_s, paths = timed_backup()
-            step_s, backed_up = steps(DECODE_STEPS, in_flight)
-            budget = mover.pacer.budget() if mover.pacer is not None else None
+            backup_s = timed_backup(llm)
+            step_s, done = steps(llm, num_steps, in_flight)
         finally:
-            mover.dma, mover.pacer = saved
+            llm.close()
         return {
-            "paths": paths,
+            "transfer_mechanism": mechanism,
+            "backup_share": share,
             "backup_gbps_alone": nbytes / backup_s / 1e9,
             "decode_step_ms": step_s * 1e3,
             "stall": step_s / alone,
-            "backup_gbps_while_decoding": backed_up / (step_s * DECODE_STEPS) / 1e9,
-            "pace_budget_mb": None if budget is None else budget / 1e6,
+            "backup_gbps_while_decoding": done / (step_s * num_steps) / 1e9,
         }
 
-    nbytes = num_pages * llm.cache.device_pool.page_bytes
+    nbytes = num_pages * sum(s.page_bytes(ps) for s in model.pool_specs())
+    llm = engine(1)
     try:
-        steps(4)  # warm-up
-        alone = steps(DECODE_STEPS)[0]
-        one = timed_backup()[0]
-        # More backup work waiting before each step than the link moves in it.
-        in_flight = math.ceil(alone / one) + 1
-        runs = {
-            "paced": under_backups(in_flight, use_dma=True, paced=True),
-            "paced_kernels": under_backups(in_flight, use_dma=False, paced=True),
-            "unpaced": under_backups(in_flight, use_dma=True, paced=False),
-        }
+        steps(llm, 4)  # warm-up
+        alone = steps(llm, num_steps)[0]
+        one = timed_backup(llm)
     finally:
-        host.allocator.free(dst)
+        llm.close()
+    del llm
+    # More backup work waiting before each step than the link moves in it.
+    in_flight = math.ceil(alone / one) + 1
+    runs = {
+        "paced": under_backups(in_flight, "auto", paced=True),
+        "paced_kernels": under_backups(in_flight, "kernel", paced=True),
+        "unpaced": under_backups(in_flight, "auto", paced=False),
+    }
     _log(
         f"decode step {alone * 1e3:.2f} ms alone; {in_flight} backups waiting: "
         + ", ".join(
@@ -297,8 +356,8 @@ def _backup_during_decode(llm: LLM, rng: random.Random, vocab: int, num_pages: i
         )
     )
     return {
-        "batch": DECODE_BATCH,
-        "steps": DECODE_STEPS,
+        "batch": batch,
+        "steps": num_steps,
         "backups_in_flight": in_flight,
         "backup_bytes": nbytes,
         "decode_step_ms": alone * 1e3,

@@ -33,6 +33,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.mover import Mover
+from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import Evicted, TreeMatch
@@ -51,8 +52,12 @@ class Controller:
         storage: StorageBackend | None,
         namespace: Namespace,
         metrics: Metrics,
+        translator: PageTranslator | None = None,
     ) -> None:
+        """``translator`` maps logical pages to the pools' physical pages for every copy and
+        every storage object (identity when ``None``)."""
         self.config = config
+        self.translator = translator
         self.tree = tree
         self.dev = device_pool
         self.host = host_pool
@@ -63,8 +68,10 @@ class Controller:
             self.mover = Mover(
                 device_pool,
                 host_pool,
+                translator=translator,
                 debug_checks=config.debug_checks,
                 backup_share=config.backup_share,
+                mechanism=config.transfer_mechanism,
             )
             self.backups = Backups(tree, host_pool, self.mover, self.alloc_host, namespace, metrics)
         self.loads = Loads(tree, device_pool, self.mover, self.alloc_device, metrics)
@@ -79,7 +86,7 @@ class Controller:
         """Start the L3 I/O thread over ``storage``."""
         if self.host is None or self.backups is None:
             raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
-        self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size)
+        self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size, self.translator)
         self.backups.io = self.io
         self.prefetcher = Prefetcher(
             self.config, self.tree, self.host, self.io, self.alloc_host, self.metrics

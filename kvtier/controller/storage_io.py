@@ -23,6 +23,7 @@ from kvtier.metrics import Metrics
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.objects import ObjectCodec
+from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.node import Node
 
 if TYPE_CHECKING:
@@ -60,15 +61,20 @@ class StorageIO:
     """Submits backend calls to one I/O thread and tracks them until reaped."""
 
     def __init__(
-        self, backend: StorageBackend, host: HostPool, metrics: Metrics, page_tokens: int
+        self,
+        backend: StorageBackend,
+        host: HostPool,
+        metrics: Metrics,
+        page_tokens: int,
+        translator: PageTranslator | None = None,
     ) -> None:
         self.backend = backend
         self.host = host
         self.metrics = metrics
         self.page_tokens = page_tokens
-        self.pages = ObjectCodec(host, [s for s in host.specs if s.token_indexed])
+        self.pages = ObjectCodec(host, [s for s in host.specs if s.token_indexed], translator)
         states = [s for s in host.specs if not s.token_indexed]
-        self.states = ObjectCodec(host, states) if states else None
+        self.states = ObjectCodec(host, states, translator) if states else None
         backend.register_buffers([b for b in host.buffers.values() if b.is_contiguous()])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")
         self._writes: list[WriteOp] = []

@@ -58,7 +58,8 @@ class LLM:
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
         self.cache = TieredCache(cache_config, model.pool_specs())
-        self.model = model.to(self.cache.device_pool.device)
+        kv = self.cache.kv_buffers
+        self.model = model.to(kv.device)
         self.scheduler = Scheduler(
             self.cache,
             max_running,
@@ -66,7 +67,7 @@ class LLM:
             self.model_config.eos_token_ids,
             overlap_loads,
         )
-        self.runner = ModelRunner(self.model, self.cache.device_pool, self.cache.page_size)
+        self.runner = ModelRunner(self.model, kv, self.cache.page_size)
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
         # that when load-back kernels and the forward overlap, the forward's blocks go first.
         self._compute_stream = None
@@ -97,7 +98,7 @@ class LLM:
                 f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds the "
                 f"model's context length max_position={cfg.max_position}"
             )
-        pool = self.cache.device_pool
+        pool = self.cache.kv_buffers
         pages = -(-total // pool.page_size)
         if pages > pool.num_pages:
             raise RequestError(

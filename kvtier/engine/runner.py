@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.engine.model import CausalLM, KVBuffers, SeqSlots
+from kvtier.engine.model import CausalLM, SeqSlots
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
+from kvtier.errors import IntegrityError
+from kvtier.transfer import DeviceKV
 
 
 class ModelRunner:
     """Flattens ``Work`` items into ``input_ids``/``positions``/``SeqSlots`` and runs the model
-    against the device pool ``kv``."""
+    against the device pool ``kv`` (``TieredCache.kv_buffers``). Requests hold the cache's
+    logical slots; every slot and state row handed to the model is ``kv.slots`` of them."""
 
-    def __init__(self, model: CausalLM, kv: KVBuffers, page_size: int) -> None:
+    def __init__(self, model: CausalLM, kv: DeviceKV, page_size: int) -> None:
         self.model = model
         self.kv = kv
         self.page_size = page_size
@@ -35,14 +38,16 @@ class ModelRunner:
         seqs: list[SeqSlots] = []
         for w in work:
             req = w.req
-            assert req.locs is not None
+            if req.locs is None:
+                raise IntegrityError(f"request {req.id} scheduled without slots")
             start, end = req.num_computed, req.num_computed + w.num_new
             ids.extend(req.tokens[start:end])
             positions.extend(range(start, end))
-            ctx = req.locs[:end].to(self.device, non_blocking=True)
+            phys = self.kv.slots(req.locs[:end])
+            ctx = phys.to(self.device, non_blocking=True)
             seq = SeqSlots(w.num_new, ctx[start:], ctx)
             if self.stateful:
-                self._attach_state(req, seq, start, end)
+                self._attach_state(req, seq, start, end, phys)
             seqs.append(seq)
         waits = [w.req.layer_events for w in work if w.req.layer_events]
         for w in work:
@@ -64,15 +69,15 @@ class ModelRunner:
             w.req.record_logits(logits[i])
         return tokens
 
-    def _attach_state(self, req, seq: SeqSlots, start: int, end: int) -> None:
+    def _attach_state(self, req, seq: SeqSlots, start: int, end: int, locs: torch.Tensor) -> None:
         """Give a stateful model the request's running state and where to checkpoint it.
 
         A request starts from the checkpoint at the end of its cached prefix (the cache only
         hands out prefixes ending at one) or from zeros. The state of page ``j`` (tokens
         ``[j*ps, (j+1)*ps)``) is checkpointed into the page's own state row when ``j + 1`` is a
-        multiple of ``checkpoint_every``.
+        multiple of ``checkpoint_every``. ``locs`` are the request's physical slots.
         """
-        ps, locs = self.page_size, req.locs
+        ps = self.page_size
         if req.state is None:
             if start > 0:
                 req.state = self.model.load_state(self.kv, int(locs[start - 1]) // ps)

@@ -101,7 +101,7 @@ class Scheduler:
         if not work and not preempted and self.waiting and not self.prefetching():
             # Pages that in-flight transfers hold become evictable once those land; a try can
             # start more (write-back eviction copies first), each giving some page a host copy.
-            for _ in range(self.cache.device_pool.num_pages + 1):
+            for _ in range(self.cache.kv_buffers.num_pages + 1):
                 self.cache.drain()
                 work = self._admit()
                 if work or self.prefetching() or not self.cache.in_flight():

@@ -3,6 +3,18 @@ Logical page ids are translated to physical ones here and nowhere else."""
 
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.translate import IdentityTranslator, PageTranslator
+from kvtier.transfer.translate import (
+    DeviceKV,
+    IdentityTranslator,
+    PageTranslator,
+    PermutationTranslator,
+)
 
-__all__ = ["IdentityTranslator", "Mover", "PageTranslator", "TransferOp"]
+__all__ = [
+    "DeviceKV",
+    "IdentityTranslator",
+    "Mover",
+    "PageTranslator",
+    "PermutationTranslator",
+    "TransferOp",
+]

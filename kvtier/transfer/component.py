@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.errors import IntegrityError
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import bytes_view
@@ -92,7 +93,11 @@ class ComponentRows:
         """Row kernel across PCIe through the device view of the host pool. A generator of
         chunks (see ``kvtier.transfer.pacer``): yields a launch's bytes, then queues it when
         resumed; one launch for all rows, or launches of about ``chunk`` bytes."""
-        assert self.mapped is not None
+        if self.mapped is None:
+            raise IntegrityError(
+                "row kernel across PCIe without a device view of the host pool (pageable host "
+                "pool or CPU device)"
+            )
         hg, dg = pages.on_gpu(self.device.device, op)
         h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
         src, si, dst, di = (

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -26,7 +27,7 @@ from kvtier.transfer.component import ComponentRows, PageLists, queue_all
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
-from kvtier.transfer.translate import IdentityTranslator, PageTranslator
+from kvtier.transfer.translate import MECHANISMS, IdentityTranslator, PageTranslator
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,12 @@ __all__ = ["Mover", "TransferOp"]
 
 
 class Mover:
-    """Copies pages between one device pool and one host pool."""
+    """Copies pages between one device pool and one host pool.
+
+    Page lists passed in are logical; ``translator`` maps them to the pools' physical pages
+    (both sides, once per batch, before any mechanism sees them). ``mechanism`` is one of
+    ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``.
+    """
 
     def __init__(
         self,
@@ -44,10 +50,16 @@ class Mover:
         debug_checks: bool = False,
         staging_bytes: int = STAGING_BYTES,
         backup_share: float = 0.0,
+        mechanism: str | None = None,
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
         self.translator = translator or IdentityTranslator()
+        self.mechanism = mechanism or "auto"
+        if self.mechanism not in MECHANISMS:
+            raise ConfigError(
+                f"transfer_mechanism={self.mechanism!r} is not one of {', '.join(MECHANISMS)}"
+            )
         self.debug_checks = debug_checks
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes={staging_bytes} must be positive")
@@ -68,7 +80,12 @@ class Mover:
         """Queues backups chunk by chunk at :meth:`pump` (``CacheConfig.backup_share``); without
         one a backup is queued whole by the call that makes it."""
         self.pinned = self.cuda and host_pool.pinned
-        self.dma = self.pinned and dma.available()
+        self.dma = self.pinned and dma.available() and self.mechanism != "kernel"
+        if self.mechanism == "copy_engine" and self.pinned and not self.dma:
+            raise ConfigError(
+                "transfer_mechanism='copy_engine' but this CUDA driver has no batched "
+                "copy-engine transfers (cuMemcpyBatchAsync, driver 12.8+): use 'auto' or 'kernel'"
+            )
         self.rows = {
             s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=self.pinned)
             for s in device_pool.specs
@@ -77,15 +94,20 @@ class Mover:
     def _begin(
         self, direction: str, device_pages: torch.Tensor, host_pages: torch.Tensor
     ) -> tuple[PageLists, TransferOp]:
-        """The page lists (host and physical device pages, on the CPU) and the op; on CPU the
+        """The page lists (physical host and device pages, on the CPU) and the op; on CPU the
         copy is done here and the op is born done."""
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
                 pages_to_locs(device_pages, self.dev.page_size), self.dev.page_size, what
             )
-        phys = self.translator.device_physical(device_pages).cpu()
-        pages = PageLists(host_pages.cpu().long(), phys.long())
+        if device_pages.numel() != host_pages.numel():
+            raise IntegrityError(
+                f"{direction} transfer of {device_pages.numel()} device pages into "
+                f"{host_pages.numel()} host pages"
+            )
+        phys = self.translator.device_physical(device_pages).cpu().long()
+        pages = PageLists(self.translator.host_physical(host_pages).cpu().long(), phys)
         op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
         if not self.cuda:
             for name, r in self.rows.items():
@@ -134,8 +156,7 @@ class Mover:
     ) -> Iterator[int]:
         """A backup's chunks (see ``kvtier.transfer.pacer``), on the backup stream after
         ``start``; the last resumption records ``op.event``."""
-        stream = self.backup_stream
-        assert stream is not None
+        stream = self._stream(self.backup_stream)
         stream.wait_event(start)
         finals: list[Callable[[], None]] = []
         for name, r in self.rows.items():
@@ -171,8 +192,7 @@ class Mover:
         pages, op = self._begin("h2d", device_pages, host_pages)
         if not self.cuda:
             return op
-        stream = self.load_stream
-        assert stream is not None
+        stream = self._stream(self.load_stream)
         overlap = overlap and self.pinned
         anchor = self.dev.specs[0].name
         with torch.cuda.device(self.dev.device):
@@ -191,6 +211,11 @@ class Mover:
                 compute.wait_event(op.event)
         return op
 
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        if stream is None:
+            raise IntegrityError(f"CUDA copy path taken by a mover on {self.dev.device}")
+        return stream
+
     def _load_layers(
         self,
         r: ComponentRows,
@@ -199,7 +224,9 @@ class Mover:
         op: TransferOp,
     ) -> list[torch.cuda.Event]:
         """Copy one component layer by layer; one event per layer."""
-        path = choose(r.geo, "h2d", pages.host, pages.device, per_layer=True, dma=self.dma)
+        path = choose(
+            r.geo, "h2d", pages.host, pages.device, True, self.dma, mechanism=self.mechanism
+        )
         op.paths[self.dev.specs[0].name] = path
         events: list[torch.cuda.Event] = []
 
@@ -237,7 +264,9 @@ class Mover:
             op.paths[name] = "unpinned"
             yield pages.host.numel() * r.geo.layers * r.geo.row_bytes
             return r.unpinned(direction, pages, op)
-        path = choose(r.geo, direction, pages.host, pages.device, dma=self.dma)
+        path = choose(
+            r.geo, direction, pages.host, pages.device, False, self.dma, mechanism=self.mechanism
+        )
         try:
             if path == DIRECT:
                 yield from r.direct(direction, pages, stream, chunk=chunk)

@@ -17,23 +17,33 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec
+from kvtier.transfer.translate import IdentityTranslator, PageTranslator
 
 
 class ObjectCodec:
-    """Builds and unpacks objects for one group of components of a host pool."""
+    """Builds and unpacks objects for one group of components of a host pool.
 
-    def __init__(self, host: HostPool, specs: Sequence[PoolSpec]) -> None:
+    Pages passed in (``slots``, ``scatter``) are logical host pages; ``translator`` (default:
+    what the cache bound to ``host``, see ``kvtier.transfer.translate``) maps them to the
+    physical pages the buffers are indexed by, so ``slots`` are physical rows.
+    """
+
+    def __init__(
+        self, host: HostPool, specs: Sequence[PoolSpec], translator: PageTranslator | None = None
+    ) -> None:
         self.host = host
         self.specs = tuple(specs)
+        self.translator = translator or IdentityTranslator()
         self.nbytes = sum(s.page_bytes(host.page_size) for s in specs)
         self._zero_copy = host.layout == "page_first" and len(self.specs) == 1
 
     def slots(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Host row indices of ``pages`` per component (page-major)."""
+        """Physical host row indices of logical ``pages`` per component (page-major)."""
+        phys = self.translator.host_physical(pages)
         out = {}
         for s in self.specs:
             r = s.rows_per_page(self.host.page_size)
-            out[s.name] = (pages.unsqueeze(1) * r + torch.arange(r)).reshape(-1)
+            out[s.name] = (phys.unsqueeze(1) * r + torch.arange(r)).reshape(-1)
         return out
 
     def strides(self, num_keys: int, slots: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -86,7 +96,8 @@ class ObjectCodec:
         return list(staged.unbind(0)), staged
 
     def scatter(self, pages: torch.Tensor, staged: torch.Tensor) -> None:
-        """Unpack staged objects (one row each) into ``pages``."""
+        """Unpack staged objects (one row each) into logical ``pages``."""
+        pages = self.translator.host_physical(pages)
         off = 0
         for s in self.specs:
             nb = s.page_bytes(self.host.page_size)

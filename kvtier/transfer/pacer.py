@@ -33,6 +33,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.errors import IntegrityError
 from kvtier.transfer.op import TransferOp
 
 SAMPLES = 8
@@ -184,6 +185,6 @@ class Pacer:
         """Every waiting job's op is pending, and nothing is counted negative."""
         for job in self._jobs:
             if job.op.pending is None or job.next_bytes < 0:
-                raise AssertionError("pacer job without a pending op or with negative bytes")
+                raise IntegrityError("pacer job without a pending op or with negative bytes")
         if any(c.nbytes < 0 for c in self._chunks):
-            raise AssertionError("pacer chunk with negative bytes")
+            raise IntegrityError("pacer chunk with negative bytes")

@@ -105,14 +105,21 @@ def choose(
     device_pages: torch.Tensor,
     per_layer: bool = False,
     dma: bool = True,
+    mechanism: str = "auto",
 ) -> str:
     """The mechanism for moving ``host_pages`` ↔ ``device_pages`` of one component.
 
     ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
-    layer (always kernels, see below); ``dma`` is false where copy engines cannot be used (no
-    pinned host pool, no driver support).
+    layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
+    (no pinned host pool, no driver support). ``mechanism`` (``CacheConfig.transfer_mechanism``)
+    forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer page-first
+    hosts, else direct blocks; direct blocks per layer) whatever the block size.
     """
-    if not dma or per_layer:
+    if mechanism == "copy_engine" and dma:
+        if not per_layer and geo.host_layout == "page_first" and geo.layers > 1:
+            return STAGED
+        return DIRECT
+    if not dma or per_layer or mechanism == "kernel":
         # Layer by layer a load overlaps the forward, whose kernels the same CPU thread issues;
         # copy-engine lists cost the driver about 1 µs of CPU per block (65,536 blocks for a
         # 32K-token Llama-8B prefix), which would delay the forward, while a kernel launch per
