@@ -371,6 +371,7 @@ class TieredCache:
         self.tree.check_integrity()
         self.device_pool.check_integrity()
         self.engine_pages.check_integrity()
+        self.controller.check_integrity()
         if self.host_pool is not None:
             self.host_pool.check_integrity()
             held = self.tree.held_pages("host").numel()

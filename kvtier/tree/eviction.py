@@ -116,7 +116,8 @@ class EvictionIndex:
         out = Evicted()
 
         def take(node: Node) -> int:
-            assert node.device is not None
+            if node.device is None:
+                raise IntegrityError(f"device eviction of {node!r} without a device copy")
             out.device_pages.append(node.device)
             n = node.device.numel()
             node.device = None
@@ -143,7 +144,8 @@ class EvictionIndex:
         out = Evicted()
 
         def take(node: Node) -> int:
-            assert node.host is not None
+            if node.host is None:
+                raise IntegrityError(f"host eviction of {node!r} without a host copy")
             out.host_pages.append(node.host)
             n = node.host.numel()
             node.host = None

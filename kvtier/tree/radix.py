@@ -202,7 +202,8 @@ class RadixTree(EvictionIndex):
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
         ps, k = self.page_size, n * self.page_size
         parent = node.parent
-        assert parent is not None
+        if parent is None:
+            raise IntegrityError(f"split of a node outside the tree: {node!r}")
         new = Node(id=next(self._ids), parent=parent, tokens=node.tokens[:k])
         new.device = node.device[:n] if node.device is not None else None
         new.host = node.host[:n] if node.host is not None else None
