@@ -1,19 +1,22 @@
-"""Residency bookkeeping and eviction for ``RadixTree`` (a base class: the same object).
+"""Residency changes and eviction queues: an object the radix tree owns and notifies.
 
-Device eviction takes device leaves (device-resident nodes without a device-resident child);
-host eviction takes host copies whose node keeps a device copy, or that are unlocked leaves. Both
-keep a priority queue across calls instead of scanning the tree per call. Entries go stale (the
-node stopped being a candidate, got locked, or was accessed since) and are dropped or re-queued
-when they reach the top, which is sound because priorities only grow. Invariants, checked by
-``check_integrity``: every unlocked device leaf has a device entry; every host candidate has a
-host entry. Entries are pushed when a node becomes a candidate, and when its last lock goes.
+``EvictionIndex`` keeps, across calls, a priority queue of device-eviction candidates (device
+leaves: device-resident nodes without a device-resident child) and one of host-eviction
+candidates (host copies whose node keeps a device copy, or unlocked host-only leaves), instead
+of scanning the tree per call. The tree tells it when a node's residency, locks or shape change
+(``refresh_leaf``, ``queue_device``, ``queue_host``); the residency writers below are the tree's
+(``RadixTree.set_device`` and friends delegate here), so node state still changes only inside
+``kvtier.tree``. Entries go stale (the node stopped being a candidate, got locked, or was
+accessed since) and are dropped or re-queued when they reach the top, which is sound because
+priorities only grow. Invariants, checked by ``check``: every unlocked device leaf has a device
+entry; every host candidate has a host entry.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,39 +26,30 @@ from kvtier.tree.node import Node
 from kvtier.tree.results import Evicted
 
 if TYPE_CHECKING:
-    from kvtier.tree.policy import EvictionPolicy
+    from kvtier.tree.radix import RadixTree
 
 
 class EvictionIndex:
-    """The eviction half of ``RadixTree``; the tree provides ``root``, ``page_size``, ``policy``,
-    ``nodes()`` and ``_subtree()``."""
+    """The eviction queues of one ``RadixTree`` (``tree``) and the residency changes that
+    keep them current."""
 
-    root: Node
-    page_size: int
-    policy: EvictionPolicy
-
-    if TYPE_CHECKING:
-
-        def nodes(self) -> Iterator[Node]: ...
-
-        @staticmethod
-        def _subtree(node: Node) -> Iterator[Node]: ...
-
-    def _init_eviction(self) -> None:
-        self._device_leaves: set[Node] = set()
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.device_leaves: set[Node] = set()
         self._device_heap: list[tuple] = []
         self._host_heap: list[tuple] = []
-        self._hosted = 0  # nodes holding a host copy (sizes the host queue's compaction)
+        self.hosted = 0
+        """Nodes holding a host copy (sizes the host queue's compaction)."""
         self._seq = itertools.count()
 
     def set_device(self, node: Node, pages: torch.Tensor) -> None:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         node.device = pages
-        self._refresh_leaf(node)
+        self.refresh_leaf(node)
         if node.parent is not None:
-            self._refresh_leaf(node.parent)
+            self.refresh_leaf(node.parent)
         if node.host is not None:
-            self._queue_host(node)
+            self.queue_host(node)
 
     def drop_host(self, node: Node) -> torch.Tensor:
         """Forget ``node``'s host copy (it must keep a device copy); returns the pages, which the
@@ -63,7 +57,7 @@ class EvictionIndex:
         if node.host is None or node.device is None:
             raise IntegrityError(f"drop_host of {node!r}: needs a host and a device copy")
         pages, node.host = node.host, None
-        self._hosted -= 1
+        self.hosted -= 1
         return pages
 
     def set_host(self, node: Node, pages: torch.Tensor) -> None:
@@ -71,35 +65,35 @@ class EvictionIndex:
         if node.host is not None:
             raise IntegrityError(f"{node!r} already has a host copy")
         node.host = pages
-        self._hosted += 1
-        self._queue_host(node)
+        self.hosted += 1
+        self.queue_host(node)
 
-    def _refresh_leaf(self, node: Node) -> None:
+    def refresh_leaf(self, node: Node) -> None:
         if (
-            node is not self.root
+            node is not self.tree.root
             and node.device is not None
             and not any(c.device is not None for c in node.children.values())
         ):
-            if node not in self._device_leaves:
-                self._device_leaves.add(node)
-                self._queue(node)
+            if node not in self.device_leaves:
+                self.device_leaves.add(node)
+                self.queue_device(node)
         else:
-            self._device_leaves.discard(node)
+            self.device_leaves.discard(node)
 
-    def _queue(self, node: Node) -> None:
+    def queue_device(self, node: Node) -> None:
         """Give ``node`` an eviction-queue entry at its current priority."""
         heap = self._device_heap
-        if len(heap) > 2 * len(self._device_leaves) + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self._device_leaves if not n.lock_ref]
+        if len(heap) > 2 * len(self.device_leaves) + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self.device_leaves if not n.lock_ref]
             heapq.heapify(heap)
             return  # ``node`` is a leaf: queued by the rebuild unless locked
         heapq.heappush(heap, self._entry(node))
 
-    def _queue_host(self, node: Node) -> None:
+    def queue_host(self, node: Node) -> None:
         """Give ``node`` a host-eviction entry (checked when it reaches the top)."""
         heap = self._host_heap
-        if len(heap) > 2 * self._hosted + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self.nodes() if self._host_candidate(n)]
+        if len(heap) > 2 * self.hosted + 1024:  # mostly stale: rebuild
+            heap[:] = [self._entry(n) for n in self.tree.nodes() if self._host_candidate(n)]
             heapq.heapify(heap)
             return
         heapq.heappush(heap, self._entry(node))
@@ -121,19 +115,19 @@ class EvictionIndex:
             out.device_pages.append(node.device)
             n = node.device.numel()
             node.device = None
-            self._device_leaves.discard(node)
+            self.device_leaves.discard(node)
             parent = node.parent
             if not node.on_host:
                 self._remove_subtree(node, out)
             if parent is not None:
-                self._refresh_leaf(parent)  # queues the parent when it became a leaf
+                self.refresh_leaf(parent)  # queues the parent when it became a leaf
             return n
 
         self._drain(
             self._device_heap,
             num_pages,
             # stale, or locked: ``unlock`` queues it again
-            candidate=lambda n: n in self._device_leaves and not n.lock_ref,
+            candidate=lambda n: n in self.device_leaves and not n.lock_ref,
             busy=lambda n: not self._device_evictable(n, prepare),
             take=take,
         )
@@ -149,7 +143,7 @@ class EvictionIndex:
             out.host_pages.append(node.host)
             n = node.host.numel()
             node.host = None
-            self._hosted -= 1
+            self.hosted -= 1
             if not node.on_device:
                 self._detach(node)  # queues the parent when it became a host-only leaf
                 out.removed_nodes += 1
@@ -198,46 +192,46 @@ class EvictionIndex:
 
     def _entry(self, node: Node) -> tuple:
         # The sequence number keeps two entries of one node from ever comparing nodes.
-        return (self.policy.priority(node), next(self._seq), node)
+        return (self.tree.policy.priority(node), next(self._seq), node)
 
     def _device_evictable(self, node: Node, prepare: Callable[[Node], bool] | None = None) -> bool:
         """Whether ``node``'s device copy can go now. ``prepare`` runs before the check that
         nothing below reads host pages: a host copy it makes keeps that subtree attached."""
-        if node is self.root or node.device is None or node.lock_ref or node.device_io:
+        if node is self.tree.root or node.device is None or node.lock_ref or node.device_io:
             return False
         if any(c.on_device for c in node.children.values()):
             return False
         if prepare is not None and not prepare(node):
             return False
-        return node.on_host or not any(d.host_io for d in self._subtree(node))
+        return node.on_host or not any(d.host_io for d in self.tree.subtree(node))
 
     def _host_candidate(self, node: Node) -> bool:
         """Whether ``node``'s host copy can go, I/O aside: the device copy stays, or it is an
         unlocked leaf."""
-        if node is self.root or node.host is None:
+        if node is self.tree.root or node.host is None:
             return False
         return node.on_device or (not node.children and not node.lock_ref)
 
     def _remove_subtree(self, node: Node, out: Evicted) -> None:
-        for d in self._subtree(node):
-            self._device_leaves.discard(d)
+        for d in self.tree.subtree(node):
+            self.device_leaves.discard(d)
             if d is not node and d.host is not None:
                 out.host_pages.append(d.host)
                 d.host = None
-                self._hosted -= 1
+                self.hosted -= 1
             out.removed_nodes += 1
         self._detach(node)
 
     def _detach(self, node: Node) -> None:
         parent = node.parent
-        if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+        if parent is None or parent.children.get(node.tokens[: self.tree.page_size]) is not node:
             raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
-        del parent.children[node.tokens[: self.page_size]]
+        del parent.children[node.tokens[: self.tree.page_size]]
         node.parent = None
-        if parent.host is not None and not parent.children and parent is not self.root:
-            self._queue_host(parent)
+        if parent.host is not None and not parent.children and parent is not self.tree.root:
+            self.queue_host(parent)
 
-    def _check_eviction(self, leaves: set[Node]) -> None:
+    def check(self, leaves: set[Node]) -> None:
         """The queue invariants (``leaves``: the device leaves, recomputed by the caller)."""
         queued = {id(e[-1]) for e in self._device_heap}
         missing = [n.id for n in leaves if not n.lock_ref and id(n) not in queued]
@@ -246,9 +240,11 @@ class EvictionIndex:
                 f"unlocked device leaves missing from the eviction queue: {missing}"
             )
         queued = {id(e[-1]) for e in self._host_heap}
-        missing = [n.id for n in self.nodes() if self._host_candidate(n) and id(n) not in queued]
+        missing = [
+            n.id for n in self.tree.nodes() if self._host_candidate(n) and id(n) not in queued
+        ]
         if missing:
             raise IntegrityError(f"host eviction candidates missing from the queue: {missing}")
-        hosted = sum(n.host is not None for n in self.nodes())
-        if hosted != self._hosted:
-            raise IntegrityError(f"{hosted} nodes hold host copies, {self._hosted} counted")
+        hosted = sum(n.host is not None for n in self.tree.nodes())
+        if hosted != self.hosted:
+            raise IntegrityError(f"{hosted} nodes hold host copies, {self.hosted} counted")

@@ -22,7 +22,7 @@ from kvtier.keys import Namespace, PageKey, chain_keys
 from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.results import InsertOutcome, TreeMatch
+from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -32,7 +32,7 @@ SplitHook = Callable[[Node, Node, int], None]
 parent ``prefix``; owners of in-flight work on ``suffix`` re-attribute it."""
 
 
-class RadixTree(EvictionIndex):
+class RadixTree:
     """Pages of ``page_size`` tokens; nodes split only on page boundaries."""
 
     def __init__(self, page_size: int, policy: EvictionPolicy | str = "lru") -> None:
@@ -42,7 +42,8 @@ class RadixTree(EvictionIndex):
         self._clock = itertools.count(1)
         self.root = Node(id=0, parent=None, tokens=())
         self.split_hooks: list[SplitHook] = []
-        self._init_eviction()
+        self.eviction = EvictionIndex(self)
+        """The eviction queues, told of every residency, lock and shape change."""
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
@@ -115,10 +116,10 @@ class RadixTree(EvictionIndex):
                 raise IntegrityError(f"unlock below zero at {n!r}")
             n.lock_ref -= 1
             if not n.lock_ref:
-                if n in self._device_leaves:
-                    self._queue(n)
+                if n in self.eviction.device_leaves:
+                    self.eviction.queue_device(n)
                 if n.host is not None and not n.children:
-                    self._queue_host(n)
+                    self.eviction.queue_host(n)
             n = n.parent
 
     # ---- insertion ----------------------------------------------------------------------
@@ -210,7 +211,7 @@ class RadixTree(EvictionIndex):
         new.keys = node.keys[:n] if node.keys is not None else None
         new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
         new.in_storage, new.origin = node.in_storage, node.origin
-        self._hosted += new.host is not None
+        self.eviction.hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
         parent.children[node.tokens[:ps]] = new
@@ -221,9 +222,9 @@ class RadixTree(EvictionIndex):
         node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
         node.parent = new
         new.children[node.tokens[:ps]] = node
-        self._refresh_leaf(new)
+        self.eviction.refresh_leaf(new)
         if new.host is not None:
-            self._queue_host(new)
+            self.eviction.queue_host(new)
         for hook in self.split_hooks:
             hook(new, node, n)
         return new
@@ -268,6 +269,30 @@ class RadixTree(EvictionIndex):
             raise IntegrityError(f"split of {node!r} at page {pages}")
         return self._split(node, pages)
 
+    # ---- residency (kept current in the eviction queues) --------------------------------
+    def set_device(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
+        self.eviction.set_device(node, pages)
+
+    def set_host(self, node: Node, pages: torch.Tensor) -> None:
+        """Record ``pages`` as the host copy of ``node``, which has none."""
+        self.eviction.set_host(node, pages)
+
+    def drop_host(self, node: Node) -> torch.Tensor:
+        """Forget ``node``'s host copy (it keeps a device copy); returns the pages to free."""
+        return self.eviction.drop_host(node)
+
+    def evict_device(
+        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
+    ) -> Evicted:
+        """Drop device copies of at least ``num_pages`` pages (fewer if not possible); see
+        ``EvictionIndex.evict_device``."""
+        return self.eviction.evict_device(num_pages, prepare)
+
+    def evict_host(self, num_pages: int) -> Evicted:
+        """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
+        return self.eviction.evict_host(num_pages)
+
     # ---- keys ---------------------------------------------------------------------------
     def ensure_keys(self, node: Node, namespace: Namespace) -> list[PageKey]:
         """Storage keys of ``node``'s pages (computing missing ones along the path)."""
@@ -289,7 +314,7 @@ class RadixTree(EvictionIndex):
             stack.extend(n.children.values())
 
     @staticmethod
-    def _subtree(node: Node) -> Iterator[Node]:
+    def subtree(node: Node) -> Iterator[Node]:
         stack = [node]
         while stack:
             n = stack.pop()
@@ -338,8 +363,8 @@ class RadixTree(EvictionIndex):
             for n in self.nodes()
             if n.on_device and not any(c.on_device for c in n.children.values())
         }
-        if leaves != self._device_leaves:
+        if leaves != self.eviction.device_leaves:
             raise IntegrityError(
-                f"device leaf index out of date: {len(leaves ^ self._device_leaves)} nodes differ"
+                f"device leaf index out of date: {len(leaves ^ self.eviction.device_leaves)} nodes differ"
             )
-        self._check_eviction(leaves)
+        self.eviction.check(leaves)
