@@ -44,5 +44,10 @@ class StorageError(KvtierError, OSError):
         return type(self), (self.kind, self.detail)
 
 
+class TransferError(KvtierError, RuntimeError):
+    """A device ↔ host copy failed (a driver or kernel error); the pages it was moving are not
+    made visible."""
+
+
 class IntegrityError(KvtierError, RuntimeError):
     """kvtier's own metadata is inconsistent: a bug, reported loudly with context."""

@@ -20,8 +20,10 @@ import functools
 import numpy as np
 import torch
 
+from kvtier.errors import TransferError
 
-class DmaError(RuntimeError):
+
+class DmaError(TransferError):
     """The driver refused a copy-engine list (raised before or while queueing it)."""
 
 

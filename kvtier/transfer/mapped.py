@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.errors import ConfigError
+
 
 class _ArrayInterface:
     """Just enough of ``__cuda_array_interface__`` for ``torch.as_tensor`` to alias memory."""
@@ -30,7 +32,7 @@ def map_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     The caller keeps ``t`` alive for as long as the view is used.
     """
     if not (t.is_pinned() and t.is_contiguous()):
-        raise ValueError("only contiguous pinned host tensors can be mapped")
+        raise ConfigError("only contiguous pinned host tensors can be mapped (pin_host)")
     nbytes = t.numel() * t.element_size()
     with torch.cuda.device(device):
         flat = torch.as_tensor(_ArrayInterface(t.data_ptr(), nbytes), device=device)

@@ -62,7 +62,7 @@ class Mover:
             )
         self.debug_checks = debug_checks
         if staging_bytes <= 0:
-            raise ValueError(f"staging_bytes={staging_bytes} must be positive")
+            raise ConfigError(f"staging_bytes={staging_bytes} must be positive")
         self.staging_bytes = staging_bytes
         """Device staging memory of one staged component copy (two buffers of half each)."""
         self.cuda = device_pool.device.type == "cuda"

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.errors import TransferError
+
 
 @dataclass(slots=True)
 class TransferOp:
@@ -45,7 +47,7 @@ class TransferOp:
 
     def _raise(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"{self.direction} transfer failed") from self.error
+            raise TransferError(f"{self.direction} transfer failed") from self.error
 
     def complete(self) -> None:
         """Run the host-side finalisation exactly once (call only when ``done()``)."""

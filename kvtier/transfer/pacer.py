@@ -33,7 +33,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.errors import IntegrityError
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.transfer.op import TransferOp
 
 SAMPLES = 8
@@ -84,7 +84,7 @@ class Pacer:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not 0 < share <= 1:
-            raise ValueError(f"share={share} must lie in (0, 1]")
+            raise ConfigError(f"backup_share={share} must lie in (0, 1] for a pacer")
         self.share = share
         self._mark = mark
         self._context = context
