@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.controller.records import InFlight, Span, split_spans
+from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
@@ -25,7 +25,7 @@ from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 
 
-class Backups:
+class Backups(Flights):
     """Device → host → storage; ``io`` is ``None`` without an L3 tier."""
 
     def __init__(
@@ -44,8 +44,7 @@ class Backups:
         self.namespace = namespace
         self.metrics = metrics
         self.io: StorageIO | None = None
-        self.flights: list[InFlight] = []
-        """Device → host copies in flight, oldest first."""
+        super().__init__()
 
     # ---- device → host ------------------------------------------------------------------
     def to_host(self, nodes: list[Node]) -> InFlight | None:
@@ -125,22 +124,13 @@ class Backups:
         self.to_storage(lost)
         self.io.flush_touches()
 
-    def wait(self) -> None:
-        """Block until every copy in flight completed (a poll makes them visible)."""
-        for flight in list(self.flights):
-            flight.op.wait()
-
-    def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
-        for flight in self.flights:
-            split_spans(flight.spans, prefix, suffix, n)
-
     def inflight_host_pages(self) -> int:
         """Host pages owned by copies in flight rather than by the tree."""
         return sum(sp.part.numel() for f in self.flights for sp in f.spans)  # type: ignore[union-attr]
 
     def pinned(self) -> list[tuple[Node, str]]:
         """``(node, tier)`` once for every pin in-flight backups and writes hold."""
-        out = [(sp.node, "device") for f in self.flights for sp in f.spans]
+        out = super().pinned()
         if self.io is not None:
             out += [(sp.node, "host") for sp in self.io.pinned()]
         return out

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.controller.records import InFlight, Span, split_spans
+from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.errors import IntegrityError
 from kvtier.metrics import Metrics
 from kvtier.pools.device import DevicePool
@@ -21,7 +21,7 @@ from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 
 
-class Loads:
+class Loads(Flights):
     """Host → device copies in flight."""
 
     def __init__(
@@ -37,7 +37,7 @@ class Loads:
         self.mover = mover
         self._alloc_device = alloc_device
         self.metrics = metrics
-        self.flights: list[InFlight] = []
+        super().__init__()
 
     def load(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
         """Give the host-only nodes of the locked ``path`` device copies, in order.
@@ -94,14 +94,3 @@ class Loads:
                 self.tree.end_io(sp.node, "host")
             self.metrics.inc("load_bytes", flight.op.nbytes)
             self.metrics.inc("load_seconds", time.perf_counter() - flight.started)
-
-    def wait(self) -> None:
-        for flight in list(self.flights):
-            flight.op.wait()
-
-    def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
-        for flight in self.flights:
-            split_spans(flight.spans, prefix, suffix, n)
-
-    def pinned(self) -> list[tuple[Node, str]]:
-        return [(sp.node, "host") for f in self.flights for sp in f.spans]

@@ -43,3 +43,23 @@ class InFlight:
     spans: list[Span]
     tier: str
     started: float = field(default_factory=time.perf_counter)
+
+
+class Flights:
+    """Device ↔ host copies of one kind in flight, oldest first (``Backups`` and ``Loads``)."""
+
+    def __init__(self) -> None:
+        self.flights: list[InFlight] = []
+
+    def wait(self) -> None:
+        """Block until every copy in flight completed (a poll makes it visible)."""
+        for flight in list(self.flights):
+            flight.op.wait()
+
+    def on_split(self, prefix: Node, suffix: Node, n: int) -> None:
+        for flight in self.flights:
+            split_spans(flight.spans, prefix, suffix, n)
+
+    def pinned(self) -> list[tuple[Node, str]]:
+        """``(node, tier)`` once for every pin the copies in flight hold."""
+        return [(sp.node, f.tier) for f in self.flights for sp in f.spans]
