@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -41,7 +42,7 @@ class InFlight:
 
     op: TransferOp
     spans: list[Span]
-    tier: str
+    tier: Literal["device", "host"]
     started: float = field(default_factory=time.perf_counter)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import torch
 
@@ -26,6 +27,9 @@ from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
+
+CopyTier = Literal["device", "host"]
+"""The tiers that hold page copies a node records (storage holds objects, by key)."""
 
 SplitHook = Callable[[Node, Node, int], None]
 """Called as ``hook(prefix, suffix, n_pages)`` after ``suffix`` lost its first pages to a new
@@ -127,7 +131,7 @@ class RadixTree:
         self,
         tokens: Sequence[int],
         pages: torch.Tensor,
-        tier: str = "device",
+        tier: CopyTier = "device",
         keys: list[PageKey] | None = None,
         start: Node | None = None,
         checkpoints: torch.Tensor | None = None,
@@ -188,10 +192,14 @@ class RadixTree:
         return InsertOutcome(cached_len=cached, duplicates=dup, taken=taken, last=node)
 
     @staticmethod
-    def _copy(node: Node, tier: str) -> torch.Tensor | None:
-        return node.device if tier == "device" else node.host
+    def _copy(node: Node, tier: CopyTier) -> torch.Tensor | None:
+        if tier == "device":
+            return node.device
+        if tier == "host":
+            return node.host
+        raise IntegrityError(f"tier={tier!r} holds no page copies (device or host)")
 
-    def _set_copy(self, node: Node, tier: str, pages: torch.Tensor) -> None:
+    def _set_copy(self, node: Node, tier: CopyTier, pages: torch.Tensor) -> None:
         if tier == "device":
             self.set_device(node, pages)
         elif tier == "host":
@@ -239,7 +247,7 @@ class RadixTree:
         (``None``: counted, hits are hits of the tier it is in)."""
         node.origin = origin
 
-    def begin_io(self, node: Node, tier: str) -> None:
+    def begin_io(self, node: Node, tier: CopyTier) -> None:
         """A transfer starts reading (device) or reading/writing (host) ``node``'s copy in
         ``tier``: eviction keeps that copy until the matching ``end_io``."""
         if tier == "device":
@@ -251,8 +259,10 @@ class RadixTree:
         else:
             raise IntegrityError(f"I/O on unknown tier {tier!r}")
 
-    def end_io(self, node: Node, tier: str) -> None:
+    def end_io(self, node: Node, tier: CopyTier) -> None:
         """The transfer ``begin_io`` announced completed (or was abandoned)."""
+        if tier not in ("device", "host"):
+            raise IntegrityError(f"end of I/O on unknown tier {tier!r}")
         count = node.device_io if tier == "device" else node.host_io
         if count <= 0:
             raise IntegrityError(f"end of {tier} I/O on {node!r} with none in flight")
@@ -321,7 +331,7 @@ class RadixTree:
             yield n
             stack.extend(n.children.values())
 
-    def held_pages(self, tier: str) -> torch.Tensor:
+    def held_pages(self, tier: CopyTier) -> torch.Tensor:
         """All page ids the tree holds in ``tier``."""
         parts = [c for n in self.nodes() if (c := self._copy(n, tier)) is not None]
         return torch.cat(parts) if parts else _EMPTY
