@@ -1,0 +1,229 @@
+"""The collective the CP control plane needs: a MIN all-reduce of one integer.
+
+Ranks agree on tree decisions (a backup completed, a prefetch usable) by taking the minimum of
+what each rank can vouch for (contract 4). A :class:`Group` is that one operation plus ``rank``
+and ``size``; implementations: :class:`SoloGroup` (no context parallelism), :class:`LocalWorld`
+(ranks as threads of one process, for tests) and :class:`GlooGroup` (``torch.distributed``).
+
+A rank that does not take part within the group's timeout (dead, or stuck) makes the others
+raise :class:`RankError` naming it, never hang.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol, TypeVar
+
+import torch
+
+from kvtier.errors import ConfigError, KvtierError
+
+T = TypeVar("T")
+
+
+class RankError(KvtierError, RuntimeError):
+    """A peer rank did not take part in a collective within the timeout; ``ranks`` names it."""
+
+    def __init__(self, ranks: tuple[int, ...], message: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[type[RankError], tuple[tuple[int, ...], str]]:
+        return type(self), (self.ranks, str(self))
+
+
+class Group(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def all_reduce_min(self, value: int) -> int:
+        """The minimum of ``value`` over every rank; every rank calls it the same number of
+        times in the same order. Raises ``RankError`` naming a rank that did not join."""
+        ...
+
+
+class SoloGroup:
+    """A group of one: the minimum is the value."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce_min(self, value: int) -> int:
+        return int(value)
+
+
+class LocalWorld:
+    """``size`` ranks as threads of one process, meeting in rounds (the n-th call of each rank
+    joins round n). For tests; :meth:`run` runs one function per rank."""
+
+    def __init__(self, size: int, timeout: float = 5.0) -> None:
+        self.size = size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._calls = [0] * size
+        self._rounds: dict[int, dict[int, int]] = {}
+        self._reads: dict[int, int] = {}
+
+    def group(self, rank: int) -> LocalGroup:
+        return LocalGroup(self, rank)
+
+    def reduce(self, rank: int, value: int) -> int:
+        with self._cond:
+            n = self._calls[rank]
+            self._calls[rank] += 1
+            slot = self._rounds.setdefault(n, {})
+            slot[rank] = int(value)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: len(slot) == self.size, self.timeout):
+                missing = tuple(r for r in range(self.size) if r not in slot)
+                raise RankError(
+                    missing,
+                    f"rank {rank}: rank(s) {list(missing)} did not join all_reduce_min "
+                    f"#{n} within {self.timeout}s",
+                )
+            result = min(slot.values())
+            # The last reader drops the round so a long run does not keep every round.
+            self._reads[n] = self._reads.get(n, 0) + 1
+            if self._reads[n] == self.size:
+                del self._rounds[n], self._reads[n]
+            return result
+
+    def run(self, fn: Callable[[LocalGroup], T]) -> list[T]:
+        """``fn(group)`` on every rank at once; the results by rank. The first rank's error
+        (in rank order) is re-raised after every thread finished."""
+        results: list[T | None] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.group(rank))
+            except BaseException as e:  # handed to the caller below
+                errors[rank] = e
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results  # type: ignore[return-value]
+
+
+class LocalGroup:
+    """One rank of a :class:`LocalWorld`."""
+
+    __slots__ = ("world", "rank")
+
+    def __init__(self, world: LocalWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def all_reduce_min(self, value: int) -> int:
+        return self.world.reduce(self.rank, value)
+
+
+class GlooGroup:
+    """The default ``torch.distributed`` process group (gloo on CPU) as a :class:`Group`.
+
+    The reduce is a star through rank 0 made of point-to-point messages, each waited on with
+    ``timeout``, so the rank that failed to answer is known and named (a plain ``all_reduce``
+    only says the collective broke). Rank 0 collects every value, then sends each peer
+    ``[minimum, failed rank or -1]``; a peer that hears nothing from rank 0 names rank 0.
+    Control-plane sized: one integer per decision per step, not a data path.
+    """
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError(
+                "GlooGroup: torch.distributed is not initialised; call "
+                "GlooGroup.init(rank=..., size=..., init_method=...) first"
+            )
+        self._dist = dist
+        self._rank = dist.get_rank()
+        self._size = dist.get_world_size()
+        self._timeout = timedelta(seconds=timeout)
+
+    @classmethod
+    def init(cls, rank: int, size: int, init_method: str, timeout: float = 10.0) -> GlooGroup:
+        """Initialise the default process group (gloo) and wrap it."""
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout),
+        )
+        return cls(timeout)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def all_reduce_min(self, value: int) -> int:
+        if self._size == 1:
+            return int(value)
+        if self._rank == 0:
+            return self._collect(int(value))
+        self._wait(self._dist.isend(torch.tensor([int(value)], dtype=torch.int64), dst=0), 0)
+        reply = torch.zeros(2, dtype=torch.int64)
+        self._wait(self._dist.irecv(reply, src=0), 0)
+        result, failed = int(reply[0]), int(reply[1])
+        if failed >= 0:
+            raise RankError(
+                (failed,),
+                f"rank {self._rank}: rank {failed} did not join all_reduce_min within "
+                f"{self._timeout.total_seconds()}s (reported by rank 0)",
+            )
+        return result
+
+    def _collect(self, value: int) -> int:
+        low, failed = value, -1
+        for peer in range(1, self._size):
+            buf = torch.zeros(1, dtype=torch.int64)
+            try:
+                self._wait(self._dist.irecv(buf, src=peer), peer)
+            except RankError:
+                failed = peer
+                break
+            low = min(low, int(buf[0]))
+        reply = torch.tensor([low, failed], dtype=torch.int64)
+        for peer in range(1, self._size):
+            if peer != failed:
+                # Peers after the failed one have sent too (or will): they learn of the failure.
+                self._wait(self._dist.isend(reply, dst=peer), peer)
+        if failed >= 0:
+            raise RankError(
+                (failed,),
+                f"rank 0: rank {failed} did not join all_reduce_min within "
+                f"{self._timeout.total_seconds()}s",
+            )
+        return low
+
+    def _wait(self, work: object, peer: int) -> None:
+        try:
+            work.wait(self._timeout)  # type: ignore[attr-defined]
+        except RuntimeError as e:  # gloo: a timeout, or the peer's connection closed
+            raise RankError(
+                (peer,),
+                f"rank {self._rank}: rank {peer} did not answer within "
+                f"{self._timeout.total_seconds()}s: {e}",
+            ) from e
