@@ -47,7 +47,9 @@ def test_per_rank_pool_sizing():
     assert rr.pool_pages(7) == 3 and rr.logical_pages(3) == 9
     for n in range(20):  # balanced: the largest share is ceil(n / cp_size) for both patterns
         for layout in (zz, rr):
-            assert max(layout.rank_pages(n, r) for r in range(layout.cp_size)) == layout.pool_pages(n)
+            assert max(layout.rank_pages(n, r) for r in range(layout.cp_size)) == layout.pool_pages(
+                n
+            )
 
 
 def test_lanes_of_logical_page_ids():

@@ -141,7 +141,6 @@ def test_owner_allocator_keeps_every_page_on_its_saved_owner():
 
 
 def test_write_then_load_moves_only_the_owned_shard():
-    host = PageAllocator(4, name="host")
     metas, copies = {}, {}
     for rank in (0, 1):
         layout = CPLayout(2, rank, "zigzag")

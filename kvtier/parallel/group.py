@@ -196,13 +196,13 @@ class GlooGroup:
         return result
 
     def _collect(self, value: int) -> int:
-        low, failed = value, -1
+        low, failed, cause = value, -1, None
         for peer in range(1, self._size):
             buf = torch.zeros(1, dtype=torch.int64)
             try:
                 self._wait(self._dist.irecv(buf, src=peer), peer)
-            except RankError:
-                failed = peer
+            except RankError as e:
+                failed, cause = peer, e
                 break
             low = min(low, int(buf[0]))
         reply = torch.tensor([low, failed], dtype=torch.int64)
@@ -210,12 +210,12 @@ class GlooGroup:
             if peer != failed:
                 # Peers after the failed one have sent too (or will): they learn of the failure.
                 self._wait(self._dist.isend(reply, dst=peer), peer)
-        if failed >= 0:
+        if cause is not None:
             raise RankError(
                 (failed,),
                 f"rank 0: rank {failed} did not join all_reduce_min within "
-                f"{self._timeout.total_seconds()}s",
-            )
+                f"{self._timeout.total_seconds()}s ({cause.__cause__})",
+            ) from cause
         return low
 
     def _wait(self, work: object, peer: int) -> None:

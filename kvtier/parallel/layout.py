@@ -86,7 +86,7 @@ class CPLayout:
     def owned(self, start: int, stop: int, rank: int | None = None) -> list[int]:
         """Sequence pages in ``[start, stop)`` that ``rank`` (this rank by default) owns."""
         r = self._rank(rank)
-        return [i for i, o in zip(range(start, stop), self.owners(start, stop)) if o == r]
+        return [start + k for k, o in enumerate(self.owners(start, stop)) if o == r]
 
     def rank_pages(self, num_pages: int, rank: int | None = None) -> int:
         """Physical pages ``rank`` holds for a sequence of ``num_pages`` logical pages."""
@@ -181,7 +181,7 @@ class CPTranslator:
     def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
         phys = self.layout.physical(pages)
         if phys.numel() and int(phys.max()) >= self.device_pages:
-            p = int(pages.reshape(-1)[phys >= self.device_pages][0])
+            p = int(pages.reshape(-1).cpu()[phys >= self.device_pages][0])
             raise IntegrityError(
                 f"rank {self.layout.rank}: logical page {p} is beyond this rank's "
                 f"{self.device_pages} device pages"
@@ -190,7 +190,7 @@ class CPTranslator:
 
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
         out = pages.reshape(-1).cpu().to(torch.int64)
-        if out.numel() and not (0 <= int(out.min()) and int(out.max()) < self.host_pages):
+        if out.numel() and (int(out.min()) < 0 or int(out.max()) >= self.host_pages):
             raise IntegrityError(
                 f"rank {self.layout.rank}: host page ids {out.tolist()[:16]} outside this "
                 f"rank's {self.host_pages} host pages"
