@@ -11,17 +11,18 @@ import cp_gloo_child
 import pytest
 import torch.multiprocessing as mp
 
-from kvtier.errors import IntegrityError
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.parallel.acks import AckQueue, agree_min, all_ranks, ready_pages, usable_prefix
-from kvtier.parallel.group import LocalGroup, LocalWorld, RankError, SoloGroup
+from kvtier.parallel.group import GlooGroup, LocalGroup, LocalWorld, RankError, SoloGroup
 
 
-def test_zero_owned_ranks_ack_and_retirement_is_the_min_over_ranks():
+@pytest.mark.parametrize("kind", ["write", "load"])
+def test_zero_owned_ranks_ack_and_retirement_is_the_min_over_ranks(kind):
     # Node 1 owned by rank 0 only, node 2 by rank 1 only, node 3 by both.
     owned = {0: {1: 2, 2: 0, 3: 1}, 1: {1: 0, 2: 3, 3: 1}}
 
     def rank_body(g: LocalGroup) -> dict:
-        q = AckQueue(g, "write")
+        q = AckQueue(g, kind)
         acks = {node: q.open(node, pages) for node, pages in owned[g.rank].items()}
         out = {"noop": [n for n, a in acks.items() if a.done], "pending": q.pending}
         steps = []
@@ -99,6 +100,11 @@ def test_a_rank_that_never_joins_is_named():
 
     with pytest.raises(RankError, match=r"rank 0: rank\(s\) \[2\] did not join all_reduce_min #0"):
         world.run(rank_body)
+
+
+def test_gloo_group_needs_torch_distributed():
+    with pytest.raises(ConfigError, match="GlooGroup: torch.distributed is not initialised"):
+        GlooGroup()
 
 
 def _free_port() -> int:

@@ -1,2 +1,2 @@
-"""Context-parallel layout and collectives: owner pages, per-rank acknowledgements and
-MIN-reduced agreement, so every rank makes the same tree decisions."""
+"""Context parallelism: page owners and lanes (layout), per-rank node metadata (meta), owner-preserving
+allocation (alloc), and MIN-reduced agreement over ranks (group, acks)."""

@@ -136,11 +136,12 @@ class LocalGroup:
 class GlooGroup:
     """The default ``torch.distributed`` process group (gloo on CPU) as a :class:`Group`.
 
-    The reduce is a star through rank 0 made of point-to-point messages, each waited on with
-    ``timeout``, so the rank that failed to answer is known and named (a plain ``all_reduce``
-    only says the collective broke). Rank 0 collects every value, then sends each peer
-    ``[minimum, failed rank or -1]``; a peer that hears nothing from rank 0 names rank 0.
-    Control-plane sized: one integer per decision per step, not a data path.
+        The reduce is a star through rank 0 made of point-to-point messages, each waited on with
+        ``timeout``, so the rank that failed to answer is known and named (a plain ``all_reduce``
+        only says the collective broke). Rank 0 collects every value, then sends each peer
+        ``[minimum, failed rank or -1]``; a peer that hears nothing from rank 0 within two timeouts
+    names rank 0. Rank 0 must host the rendezvous anyway (``tcp://`` init), so it is the hub.
+        Control-plane sized: one integer per decision per step, not a data path.
     """
 
     def __init__(self, timeout: float = 10.0) -> None:
@@ -185,7 +186,9 @@ class GlooGroup:
             return self._collect(int(value))
         self._wait(self._dist.isend(torch.tensor([int(value)], dtype=torch.int64), dst=0), 0)
         reply = torch.zeros(2, dtype=torch.int64)
-        self._wait(self._dist.irecv(reply, src=0), 0)
+        # Rank 0 may arrive up to one timeout late and then wait one timeout on a lost peer
+        # before it replies; waiting less would blame rank 0 for another rank's silence.
+        self._wait(self._dist.irecv(reply, src=0), 0, self._timeout * 2)
         result, failed = int(reply[0]), int(reply[1])
         if failed >= 0:
             raise RankError(
@@ -218,12 +221,13 @@ class GlooGroup:
             ) from cause
         return low
 
-    def _wait(self, work: object, peer: int) -> None:
+    def _wait(self, work: object, peer: int, timeout: timedelta | None = None) -> None:
+        timeout = timeout or self._timeout
         try:
-            work.wait(self._timeout)  # type: ignore[attr-defined]
+            work.wait(timeout)  # type: ignore[attr-defined]
         except RuntimeError as e:  # gloo: a timeout, or the peer's connection closed
             raise RankError(
                 (peer,),
                 f"rank {self._rank}: rank {peer} did not answer within "
-                f"{self._timeout.total_seconds()}s: {e}",
+                f"{timeout.total_seconds()}s: {e}",
             ) from e
