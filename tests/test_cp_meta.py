@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.errors import IntegrityError
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.parallel.alloc import (
     OwnerAllocator,
     load_nodes,
@@ -138,6 +138,8 @@ def test_owner_allocator_keeps_every_page_on_its_saved_owner():
     assert alloc.available(0) == 1  # the rejected batch changed nothing
     with pytest.raises(IntegrityError, match="cp-device rank 0: owner 2 outside a group of 2"):
         alloc.alloc([2])
+    with pytest.raises(ConfigError, match="cp-device: pages_per_rank must be a positive integer"):
+        OwnerAllocator(layout, pages_per_rank=0)
 
 
 def test_write_then_load_moves_only_the_owned_shard():

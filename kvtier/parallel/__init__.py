@@ -1,2 +1,2 @@
-"""Context parallelism: page owners and lanes (layout), per-rank node metadata (meta), owner-preserving
-allocation (alloc), and MIN-reduced agreement over ranks (group, acks)."""
+"""Context parallelism: page owners and lanes (layout), per-rank node metadata (meta),
+owner-preserving allocation (alloc) and MIN-reduced agreement over ranks (group, acks)."""

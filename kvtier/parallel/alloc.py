@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import IntegrityError, RequestError
+from kvtier.errors import ConfigError, IntegrityError
 from kvtier.parallel.layout import CPLayout
 from kvtier.parallel.meta import CPNodeMeta
 
@@ -78,8 +78,14 @@ class OwnerAllocator:
     """
 
     def __init__(self, layout: CPLayout, pages_per_rank: int, name: str = "cp-device") -> None:
-        if pages_per_rank <= 0:
-            raise RequestError(f"{name}: pages_per_rank must be positive, got {pages_per_rank}")
+        if (
+            isinstance(pages_per_rank, bool)
+            or not isinstance(pages_per_rank, int)
+            or (pages_per_rank <= 0)
+        ):
+            raise ConfigError(
+                f"{name}: pages_per_rank must be a positive integer, got {pages_per_rank!r}"
+            )
         self.layout = layout
         self.name = name
         self.pages_per_rank = pages_per_rank
@@ -123,11 +129,13 @@ class OwnerAllocator:
         """Return pages to their lanes; a free page or an unknown id is an ``IntegrityError``
         (the batch is validated first, so a rejected call changes nothing)."""
         ids = pages.reshape(-1).tolist()
-        if len(set(ids)) != len(ids) or any(p not in self._used for p in ids):
-            bad = next(p for i, p in enumerate(ids) if p not in self._used or p in ids[:i])
-            raise IntegrityError(
-                f"{self.name} rank {self.layout.rank}: free of page {bad}, which is not in use"
-            )
+        seen: set[int] = set()
+        for p in ids:
+            if p not in self._used or p in seen:
+                raise IntegrityError(
+                    f"{self.name} rank {self.layout.rank}: free of page {p}, which is not in use"
+                )
+            seen.add(p)
         for p in ids:
             self._used.discard(p)
             self._free[self.layout.lane(p)].append(p)
