@@ -69,6 +69,17 @@ def test_a_rank_that_skipped_an_ack_is_caught():
         LocalWorld(2).run(rank_body)
 
 
+def test_ranks_acking_other_nodes_are_caught():
+    def rank_body(g: LocalGroup) -> None:
+        q = AckQueue(g, "load")
+        for node in [(1, 2), (2, 1)][g.rank]:  # same count, other order
+            q.open(node, 0)
+        q.agree()
+
+    with pytest.raises(IntegrityError, match=r"rank 0: the 2 pending load acks name other nodes"):
+        LocalWorld(2).run(rank_body)
+
+
 def test_decisions_agree_by_min():
     def rank_body(g: LocalGroup) -> list:
         return [

@@ -13,8 +13,8 @@ acks are then retired on every rank at once, which is when their copies may beco
     agree() on both ranks → MIN = 1 → A retired everywhere; B and C stay pending
 
 Because the count is the same on every rank, ranks never diverge on which nodes are visible,
-and the queues keep equal lengths (checked when ``check`` is on: a length mismatch means a rank
-skipped or doubled an ack, and raises ``IntegrityError`` naming the rank).
+and the queues stay equal (checked when ``check`` is on: a mismatch means a rank skipped,
+doubled or reordered an ack, and raises ``IntegrityError`` naming the rank).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 from kvtier.errors import IntegrityError
 from kvtier.parallel.group import Group
+
+_DIGEST_BASE = 1_000_003
+_DIGEST_MOD = (1 << 61) - 1  # prime; digests and their negations fit in int64
 
 ACK_KINDS = ("write", "load")
 """What an :class:`AckQueue` acknowledges: backups (device → host) or loads (host → device)."""
@@ -47,8 +50,9 @@ class Ack:
 class AckQueue:
     """One rank's acknowledgements of one kind, in issue order.
 
-    With ``check`` on, :meth:`agree` first verifies that every rank holds as many pending acks
-    (two more reduces per call); off, it costs one reduce.
+    With ``check`` on, :meth:`agree` first verifies that every rank holds the same pending acks
+    (count, then an order-sensitive digest of their nodes: four more reduces per call); off,
+    it costs one reduce.
     """
 
     def __init__(self, group: Group, kind: str, check: bool = True) -> None:
@@ -118,6 +122,15 @@ class AckQueue:
                 f"rank {self.group.rank}: {n} pending {self.kind} acks here, between {low} and "
                 f"{high} across ranks: a rank skipped or doubled an ack (nodes "
                 f"{[a.node for a in self._queue][:16]})"
+            )
+        # Same count but other nodes (or another order) means the ranks' trees diverged.
+        digest = 0
+        for a in self._queue:
+            digest = (digest * _DIGEST_BASE + a.node + 1) % _DIGEST_MOD
+        if self.group.all_reduce_min(digest) != -self.group.all_reduce_min(-digest):
+            raise IntegrityError(
+                f"rank {self.group.rank}: the {n} pending {self.kind} acks name other nodes "
+                f"than on another rank (here {[a.node for a in self._queue][:16]})"
             )
 
 
