@@ -51,3 +51,14 @@ class TransferError(KvtierError, RuntimeError):
 
 class IntegrityError(KvtierError, RuntimeError):
     """kvtier's own metadata is inconsistent: a bug, reported loudly with context."""
+
+
+class RankError(KvtierError, RuntimeError):
+    """A peer rank did not take part in a collective within the timeout; ``ranks`` names it."""
+
+    def __init__(self, ranks: tuple[int, ...], message: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[type[RankError], tuple[tuple[int, ...], str]]:
+        return type(self), (self.ranks, str(self))

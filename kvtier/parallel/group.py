@@ -18,20 +18,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, RankError
 
 T = TypeVar("T")
-
-
-class RankError(KvtierError, RuntimeError):
-    """A peer rank did not take part in a collective within the timeout; ``ranks`` names it."""
-
-    def __init__(self, ranks: tuple[int, ...], message: str) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-    def __reduce__(self) -> tuple[type[RankError], tuple[tuple[int, ...], str]]:
-        return type(self), (self.ranks, str(self))
 
 
 class Group(Protocol):
