@@ -191,7 +191,7 @@ class TieredCache:
             raise IntegrityError("unlock of a handle that is not locked")
         self.controller.unlock(handle.node)
         handle.node = None
-        handle.loaded = None
+        handle.load_result = None
 
     # ---- host → device ------------------------------------------------------------------
     def load(self, m: MatchResult, overlap: bool = False) -> LoadResult:
@@ -219,7 +219,7 @@ class TieredCache:
         ld = LoadResult(
             served.locs, *served.tokens, layer_events=layer_events, state_source=served.last
         )
-        h.loaded, h.load_result, h.moved_nodes = served.locs, ld, served.moved
+        h.load_result, h.moved_nodes = ld, served.moved
         return ld
 
     def record_hits(self, handle: Handle) -> None:

@@ -26,10 +26,9 @@ class Handle:
     storage_keys: list[PageKey]
     node: Node | None = None
     locked: TreeMatch | None = None
-    loaded: torch.Tensor | None = None
-    """The slots ``load`` returned while locked (``finish`` checks the engine hands them back)."""
     load_result: LoadResult | None = None
-    """What the last ``load`` returned (``record_hits`` counts it)."""
+    """What ``load`` returned while locked: ``record_hits`` counts it, ``finish`` checks the
+    engine hands its slots back."""
     moved_nodes: list[Node] = field(default_factory=list)
     """Nodes whose copies were moved up for this request (``Node.origin``), not yet counted."""
 

@@ -200,7 +200,7 @@ class EnginePages:
         if handle is not None:
             if handle.node is None:
                 raise RequestError("finish: the handle is not locked (finished twice?)")
-            loaded = handle.loaded
+            loaded = handle.load_result.locs if handle.load_result is not None else None
         expect = 0 if loaded is None else loaded.numel()
         if prefix_len != expect:
             raise RequestError(
