@@ -33,6 +33,7 @@ from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.paging import align_down
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -54,8 +55,12 @@ class TieredCache:
         config: CacheConfig,
         specs: Sequence[PoolSpec],
         translator: PageTranslator | None = None,
+        group: Group | None = None,
     ) -> None:
+        """``group`` is the context-parallel group this rank belongs to (``CacheConfig.cp_size``
+        ranks; ``None`` without context parallelism)."""
         validate_pool_set(specs)
+        self.group: Group = group or SoloGroup()
         self.config = config
         self.specs = tuple(specs)
         self.kv_page_size = config.page_size
@@ -313,6 +318,14 @@ class TieredCache:
         if handle is not None:
             self.unlock(handle)
         return n
+
+    def agree(self, flag: bool) -> bool:
+        """True only when ``flag`` is true on every rank of the CP group (``flag`` itself
+        without context parallelism): what a scheduler decision that depends on a clock or
+        another per-process fact goes through, so every rank decides the same (contract 4)."""
+        if self.group.size == 1:
+            return bool(flag)
+        return self.group.all_reduce_min(1 if flag else 0) == 1
 
     def record_prefill(self, recomputed_tokens: int) -> None:
         """Count prompt tokens the engine had to compute."""

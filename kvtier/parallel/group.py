@@ -1,8 +1,9 @@
-"""The collective the CP control plane needs: a MIN all-reduce of one integer.
+"""The collectives a CP group needs: a gather of one tensor from every rank, and the MIN
+all-reduce of integers built on it.
 
 Ranks agree on tree decisions (a backup completed, a prefetch usable) by taking the minimum of
-what each rank can vouch for (contract 4). A :class:`Group` is that one operation plus ``rank``
-and ``size``; implementations: :class:`SoloGroup` (no context parallelism), :class:`LocalWorld`
+what each rank can vouch for (contract 4); the reference engine merges per-rank attention
+partials gathered the same way. Implementations: :class:`SoloGroup` (no context parallelism), :class:`LocalWorld`
 (ranks as threads of one process, for tests) and :class:`GlooGroup` (``torch.distributed``).
 
 A rank that does not take part within the group's timeout (dead, or stuck) makes the others
@@ -30,20 +31,52 @@ class Group(Protocol):
     @property
     def size(self) -> int: ...
 
+    def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank, on the CPU), by rank;
+        every rank calls it the same number of times in the same order. Raises ``RankError``
+        naming a rank that did not join (``what`` names the call in the message)."""
+        ...
+
     def all_reduce_min(self, value: int) -> int:
-        """The minimum of ``value`` over every rank; every rank calls it the same number of
-        times in the same order. Raises ``RankError`` naming a rank that did not join."""
+        """The minimum of ``value`` over every rank (a gather of one integer)."""
+        ...
+
+    def all_reduce_min_many(self, values: list[int]) -> list[int]:
+        """Elementwise minimum over ranks of ``values`` (the same length on every rank)."""
         ...
 
 
-class SoloGroup:
+class _Reductions:
+    """The reductions every group builds on its ``all_gather``."""
+
+    def all_gather(
+        self, tensor: torch.Tensor, what: str = "all_gather"
+    ) -> list[torch.Tensor]:  # pragma: no cover - every group defines it
+        raise NotImplementedError
+
+    def all_reduce_min(self, value: int) -> int:
+        return self.all_reduce_min_many([int(value)])[0]
+
+    def all_reduce_min_many(self, values: list[int]) -> list[int]:
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        parts = self.all_gather(t, "all_reduce_min")
+        return torch.stack(parts).min(0).values.tolist() if t.numel() else []
+
+
+class SoloGroup(_Reductions):
     """A group of one: the minimum is the value."""
 
     rank = 0
     size = 1
 
+    def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
+        return [tensor]
+
     def all_reduce_min(self, value: int) -> int:
         return int(value)
+
+    def all_reduce_min_many(self, values: list[int]) -> list[int]:
+        return [int(v) for v in values]
 
 
 class LocalWorld:
@@ -55,27 +88,27 @@ class LocalWorld:
         self.timeout = timeout
         self._cond = threading.Condition()
         self._calls = [0] * size
-        self._rounds: dict[int, dict[int, int]] = {}
+        self._rounds: dict[int, dict[int, torch.Tensor]] = {}
         self._reads: dict[int, int] = {}
 
     def group(self, rank: int) -> LocalGroup:
         return LocalGroup(self, rank)
 
-    def reduce(self, rank: int, value: int) -> int:
+    def gather(self, rank: int, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         with self._cond:
             n = self._calls[rank]
             self._calls[rank] += 1
             slot = self._rounds.setdefault(n, {})
-            slot[rank] = int(value)
+            slot[rank] = tensor.detach().cpu().clone()
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: len(slot) == self.size, self.timeout):
                 missing = tuple(r for r in range(self.size) if r not in slot)
                 raise RankError(
                     missing,
-                    f"rank {rank}: rank(s) {list(missing)} did not join all_reduce_min "
+                    f"rank {rank}: rank(s) {list(missing)} did not join {what} "
                     f"#{n} within {self.timeout}s",
                 )
-            result = min(slot.values())
+            result = [slot[r].clone() for r in range(self.size)]
             # The last reader drops the round so a long run does not keep every round.
             self._reads[n] = self._reads.get(n, 0) + 1
             if self._reads[n] == self.size:
@@ -105,7 +138,7 @@ class LocalWorld:
         return results  # type: ignore[return-value]
 
 
-class LocalGroup:
+class LocalGroup(_Reductions):
     """One rank of a :class:`LocalWorld`."""
 
     __slots__ = ("world", "rank")
@@ -118,19 +151,19 @@ class LocalGroup:
     def size(self) -> int:
         return self.world.size
 
-    def all_reduce_min(self, value: int) -> int:
-        return self.world.reduce(self.rank, value)
+    def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
+        return self.world.gather(self.rank, tensor, what)
 
 
-class GlooGroup:
+class GlooGroup(_Reductions):
     """The default ``torch.distributed`` process group (gloo on CPU) as a :class:`Group`.
 
-        The reduce is a star through rank 0 made of point-to-point messages, each waited on with
-        ``timeout``, so the rank that failed to answer is known and named (a plain ``all_reduce``
-        only says the collective broke). Rank 0 collects every value, then sends each peer
-        ``[minimum, failed rank or -1]``; a peer that hears nothing from rank 0 within two timeouts
+    The gather is a star through rank 0 made of point-to-point messages, each waited on with
+    ``timeout``, so the rank that failed to answer is known and named (a plain collective only
+    says it broke). Rank 0 collects every tensor, then sends each peer a status (the failed rank
+    or -1) and the stacked tensors; a peer that hears nothing from rank 0 within two timeouts
     names rank 0. Rank 0 must host the rendezvous anyway (``tcp://`` init), so it is the hub.
-        Control-plane sized: one integer per decision per step, not a data path.
+    Sized for control decisions and the small attention partials of the CPU reference engine.
     """
 
     def __init__(self, timeout: float = 10.0) -> None:
@@ -168,47 +201,53 @@ class GlooGroup:
     def size(self) -> int:
         return self._size
 
-    def all_reduce_min(self, value: int) -> int:
+    def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
+        t = tensor.detach().cpu().contiguous()
         if self._size == 1:
-            return int(value)
+            return [t]
         if self._rank == 0:
-            return self._collect(int(value))
-        self._wait(self._dist.isend(torch.tensor([int(value)], dtype=torch.int64), dst=0), 0)
-        reply = torch.zeros(2, dtype=torch.int64)
+            return self._collect(t, what)
+        self._wait(self._dist.isend(t, dst=0), 0)
+        failed = torch.zeros(1, dtype=torch.int64)
         # Rank 0 may arrive up to one timeout late and then wait one timeout on a lost peer
         # before it replies; waiting less would blame rank 0 for another rank's silence.
-        self._wait(self._dist.irecv(reply, src=0), 0, self._timeout * 2)
-        result, failed = int(reply[0]), int(reply[1])
-        if failed >= 0:
+        self._wait(self._dist.irecv(failed, src=0), 0, self._timeout * 2)
+        if int(failed[0]) >= 0:
+            bad = int(failed[0])
             raise RankError(
-                (failed,),
-                f"rank {self._rank}: rank {failed} did not join all_reduce_min within "
+                (bad,),
+                f"rank {self._rank}: rank {bad} did not join {what} within "
                 f"{self._timeout.total_seconds()}s (reported by rank 0)",
             )
-        return result
+        out = torch.empty((self._size, *t.shape), dtype=t.dtype)
+        self._wait(self._dist.irecv(out, src=0), 0)
+        return list(out.unbind(0))
 
-    def _collect(self, value: int) -> int:
-        low, failed, cause = value, -1, None
+    def _collect(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        parts, failed, cause = [t], -1, None
         for peer in range(1, self._size):
-            buf = torch.zeros(1, dtype=torch.int64)
+            buf = torch.empty_like(t)
             try:
                 self._wait(self._dist.irecv(buf, src=peer), peer)
             except RankError as e:
                 failed, cause = peer, e
                 break
-            low = min(low, int(buf[0]))
-        reply = torch.tensor([low, failed], dtype=torch.int64)
+            parts.append(buf)
+        status = torch.tensor([failed], dtype=torch.int64)
         for peer in range(1, self._size):
             if peer != failed:
                 # Peers after the failed one have sent too (or will): they learn of the failure.
-                self._wait(self._dist.isend(reply, dst=peer), peer)
+                self._wait(self._dist.isend(status, dst=peer), peer)
         if cause is not None:
             raise RankError(
                 (failed,),
-                f"rank 0: rank {failed} did not join all_reduce_min within "
+                f"rank 0: rank {failed} did not join {what} within "
                 f"{self._timeout.total_seconds()}s ({cause.__cause__})",
             ) from cause
-        return low
+        out = torch.stack(parts)
+        for peer in range(1, self._size):
+            self._wait(self._dist.isend(out, dst=peer), peer)
+        return parts
 
     def _wait(self, work: object, peer: int, timeout: timedelta | None = None) -> None:
         timeout = timeout or self._timeout

@@ -188,6 +188,9 @@ class CPTranslator:
             )
         return phys
 
+    def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
+        return self.layout.owned_mask(pages.reshape(-1).cpu()).reshape(pages.shape)
+
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
         out = pages.reshape(-1).cpu().to(torch.int64)
         if out.numel() and (int(out.min()) < 0 or int(out.max()) >= self.host_pages):

@@ -39,6 +39,11 @@ class PageTranslator(Protocol):
         """Raise ``ConfigError`` unless this maps pools of these sizes one-to-one."""
         ...
 
+    def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """Bool mask of the logical device ``pages`` whose bytes live in this process's pools,
+        or ``None`` when all of them do (everything but a context-parallel rank)."""
+        ...
+
 
 class IdentityTranslator:
     """The plain allocator: logical page ids are physical page ids."""
@@ -50,6 +55,9 @@ class IdentityTranslator:
         return pages
 
     def check(self, device_pages: int, host_pages: int) -> None:
+        return None
+
+    def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
@@ -83,6 +91,10 @@ class PermutationTranslator:
                 )
 
 
+    def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
 def _lookup(table: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
     if table is None:
         return pages
@@ -90,27 +102,39 @@ def _lookup(table: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
 
 
 def device_view(
-    translator: PageTranslator | None, device: DevicePool, host: HostPool | None
+    translator: PageTranslator | None,
+    device: DevicePool,
+    host: HostPool | None,
+    group: object | None = None,
 ) -> tuple[PageTranslator, DeviceKV]:
     """``translator`` (identity when ``None``) checked against the pools' sizes, and the view
     an engine addresses the device pool through. Raises ``ConfigError`` when it does not fit."""
     translator = translator or IdentityTranslator()
     translator.check(device.num_pages, host.num_pages if host is not None else 0)
-    return translator, DeviceKV(device, translator)
+    return translator, DeviceKV(device, translator, group)
 
 
 class DeviceKV:
     """The device pool as an engine addresses it: :meth:`slots` turns the logical token slots
     the cache hands out into the physical slots that :meth:`layer` views are indexed by
     (a sidecar row is ``physical slot // tokens_per_row``, a state row ``physical slot //
-    page_size``: pages are whole tree pages, so both stay inside the physical page)."""
+    page_size``: pages are whole tree pages, so both stay inside the physical page).
 
-    __slots__ = ("_pool", "_translator", "_identity")
+    Under context parallelism a rank's pool holds only the pages of its lane: :meth:`owned`
+    says which logical slots those are (translate only them), and :attr:`group` is the CP
+    group (``kvtier.parallel.group.Group``) the engine merges its attention partials over.
+    """
 
-    def __init__(self, pool: DevicePool, translator: PageTranslator) -> None:
+    __slots__ = ("_pool", "_translator", "_identity", "group")
+
+    def __init__(
+        self, pool: DevicePool, translator: PageTranslator, group: object | None = None
+    ) -> None:
         self._pool = pool
         self._translator = translator
         self._identity = isinstance(translator, IdentityTranslator)
+        self.group = group
+        """The CP group when the pool is one rank's shard (``size > 1``), else ``None``."""
 
     @property
     def translator(self) -> PageTranslator:
@@ -133,6 +157,15 @@ class DeviceKV:
         """``[rows, *row_shape]`` view of one layer of a component (the anchor by default),
         indexed by physical slots."""
         return self._pool.layer(layer, name)
+
+    def owned(self, locs: torch.Tensor) -> torch.Tensor | None:
+        """Bool mask (on ``locs``' device) of the logical slots ``locs`` whose page this pool
+        holds; ``None`` when it holds every page (no context parallelism)."""
+        if self._identity:
+            return None
+        flat = locs.reshape(-1).cpu().long()
+        mask = self._translator.device_owned(flat // self._pool.page_size)
+        return None if mask is None else mask.reshape(locs.shape).to(locs.device)
 
     def slots(self, locs: torch.Tensor) -> torch.Tensor:
         """Physical slots of logical slots ``locs`` (same shape, dtype int64, same device)."""
