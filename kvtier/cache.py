@@ -34,6 +34,7 @@ from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usab
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.parallel.group import Group, SoloGroup
+from kvtier.parallel.layout import CPLayout
 from kvtier.paging import align_down
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -60,7 +61,7 @@ class TieredCache:
         """``group`` is the context-parallel group this rank belongs to (``CacheConfig.cp_size``
         ranks; ``None`` without context parallelism)."""
         validate_pool_set(specs)
-        self.group: Group = group or SoloGroup()
+        self.group: Group = _check_group(config, specs, group, translator)
         self.config = config
         self.specs = tuple(specs)
         self.kv_page_size = config.page_size
@@ -68,12 +69,17 @@ class TieredCache:
         self.page_size = ps = tree_page_size(config.page_size, specs)
         self.stateful = any(s.kind == "state" for s in specs)
         self.device = resolve_device(config.device)
-        self.device_pool = DevicePool(specs, config.device_pages, ps, self.device)
+        cp = config.cp_size
+        self.device_pool = DevicePool(specs, config.device_pages, ps, self.device, cp)
         self.host_pool: HostPool | None = None
         if config.enable_host:
             pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
             pages = config.resolve_host_pages(self.device_pool.page_bytes)
-            self.host_pool = HostPool(specs, pages, ps, config.host_layout, pin)
+            self.host_pool = HostPool(specs, pages, ps, config.host_layout, pin, cp)
+        if cp > 1:
+            layout = CPLayout(cp, config.cp_rank, config.cp_pattern)
+            host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
+            translator = layout.translator(config.device_pages, host_pages)
         self.namespace: Namespace = namespace_digest(
             model_fingerprint=config.model_fingerprint,
             dtype=",".join(s.dtype_name for s in specs),
@@ -87,7 +93,9 @@ class TieredCache:
         )
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
-        translator, self.kv_buffers = device_view(translator, self.device_pool, self.host_pool)
+        translator, self.kv_buffers = device_view(
+            translator, self.device_pool, self.host_pool, group if cp > 1 else None
+        )
         """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
         backend: StorageBackend | None = None
         if config.storage:
@@ -110,7 +118,7 @@ class TieredCache:
         self.engine_pages = EnginePages(
             self.device_pool,
             self.tree,
-            self.controller.alloc_device,
+            self.controller.alloc_device_at,
             self.controller.on_insert,
             self.stateful,
         )
@@ -269,11 +277,13 @@ class TieredCache:
         return self.controller.prefetcher.release(op)
 
     # ---- engine-owned pages -------------------------------------------------------------
-    def alloc(self, num_tokens: int) -> torch.Tensor:
+    def alloc(self, num_tokens: int, at: int | None = None) -> torch.Tensor:
         """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed;
-        ``CapacityError`` when even eviction leaves too few."""
+        ``CapacityError`` when even eviction leaves too few. ``at`` is the sequence position
+        of the first of the tokens (a page boundary); under context parallelism it says
+        which rank owns each page and is required."""
         self._check_open("alloc")
-        return self.engine_pages.alloc(num_tokens)
+        return self.engine_pages.alloc(num_tokens, at)
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the whole pages containing ``locs``; they must be the engine's (from ``alloc``,
@@ -352,19 +362,19 @@ class TieredCache:
         """Drop every unlocked cached page from the device tier (and the host tier when
         ``host``); storage keeps its objects. In-flight work completes first."""
         self.drain()
-        self.controller.evict_device(self.device_pool.num_pages)
+        self.controller.evict_device(self.device_pool.logical_pages)
         if host and self.host_pool is not None:
-            self.controller.evict_host(self.host_pool.num_pages)
+            self.controller.evict_host(self.host_pool.logical_pages)
 
     def stats(self) -> dict:
         snap: dict = self.controller.metrics.snapshot()
         dev, host = self.device_pool, self.host_pool
         snap.update(
-            device_pages_total=dev.num_pages,
+            device_pages_total=dev.logical_pages,
             device_pages_used=dev.allocator.used,
             device_pages_cached=self.tree.held_pages("device").numel(),
             device_pages_engine=self.engine_pages.count,
-            host_pages_total=host.num_pages if host else 0,
+            host_pages_total=host.logical_pages if host else 0,
             host_pages_used=host.allocator.used if host else 0,
             host_bytes_total=host.nbytes if host else 0,
             host_bytes_used=host.allocator.used * host.page_bytes if host else 0,
@@ -406,3 +416,38 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_group(
+    config: CacheConfig,
+    specs: Sequence[PoolSpec],
+    group: Group | None,
+    translator: PageTranslator | None,
+) -> Group:
+    """The CP group a cache with ``config`` runs in; ``ConfigError`` naming the options for a
+    group that does not match ``cp_size``/``cp_rank`` and for what CP does not support yet."""
+    cp = config.cp_size
+    if group is None:
+        if cp > 1:
+            raise ConfigError(
+                f"cp_size={cp} needs the CP group: TieredCache(..., group=GlooGroup.init(...))"
+            )
+        return SoloGroup()
+    if (group.size, group.rank) != (cp, config.cp_rank):
+        raise ConfigError(
+            f"cp_size={cp}, cp_rank={config.cp_rank} but the group has size {group.size} "
+            f"and this process is its rank {group.rank}"
+        )
+    if cp > 1:
+        states = [s.name for s in specs if s.kind == "state"]
+        if states:
+            raise ConfigError(
+                f"cp_size={cp} with the state pool(s) {states} (a recurrent model) is not "
+                "supported yet: recurrent state is not split by page owner; use cp_size=1"
+            )
+        if translator is not None:
+            raise ConfigError(
+                f"cp_size={cp} with a translator: under context parallelism the cache "
+                "translates through the CP layout (cp_pattern) itself"
+            )
+    return group

@@ -16,6 +16,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_LAYOUTS = ("page_first", "layer_first")
 EVICTION_POLICIES = ("lru", "lfu")
 TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
+CP_PATTERNS = ("round_robin", "zigzag")
 
 
 def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -99,7 +100,7 @@ class CacheConfig:
     page_size: int = 16
     """Tokens per KV page; the tree splits only on page boundaries."""
     device_pages: int = 256
-    """Pages in the device (L1) pool."""
+    """Pages in the device (L1) pool (of each rank, under context parallelism)."""
     device: str | None = None
     """Torch device for L1: ``cuda``/``cuda:N``/``cpu``; ``None`` picks CUDA when available.
     Checked against the devices of the host that starts the cache (``resolve_device``)."""
@@ -154,6 +155,15 @@ class CacheConfig:
     """This process's shard (tensor/context-parallel rank) for rank-specific bytes."""
     world_size: int = 1
     """Number of shards."""
+    cp_size: int = 1
+    """Ranks of the context-parallel group (1: none). Each rank holds the pages of a sequence
+    that it owns; ``device_pages`` and the host pool size count one rank's pages. The tree,
+    the scheduler and L3 keys are the same on every rank and independent of ``cp_size``."""
+    cp_rank: int = 0
+    """This process's rank in the context-parallel group, ``0 <= cp_rank < cp_size``."""
+    cp_pattern: str = "round_robin"
+    """Which rank owns page ``i`` of a sequence: ``round_robin`` or ``zigzag``
+    (``kvtier.parallel.layout``)."""
     debug_checks: bool = False
     """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
     backup_share: float = 0.8
@@ -203,6 +213,11 @@ class CacheConfig:
         _integer("rank", self.rank, 0)
         if self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        _integer("cp_size", self.cp_size, 1)
+        _integer("cp_rank", self.cp_rank, 0)
+        if self.cp_rank >= self.cp_size:
+            raise ConfigError(f"cp_rank={self.cp_rank} must lie in [0, cp_size={self.cp_size})")
+        _choice("cp_pattern", self.cp_pattern, CP_PATTERNS)
         _flag("debug_checks", self.debug_checks)
         _flag("unbound_namespace", self.unbound_namespace)
         share = self.backup_share

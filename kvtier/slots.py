@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
 
-AllocFn = Callable[[int], "torch.Tensor | None"]
-"""Allocates ``n`` device pages, evicting cached ones if needed; ``None`` if impossible."""
+AllocFn = Callable[[int, int], "torch.Tensor | None"]
+"""``(first_page, n)``: device pages for sequence pages ``[first_page, first_page + n)``,
+evicting cached ones if needed; ``None`` if impossible."""
 InsertedFn = Callable[[list["Node"]], None]
 """Told which nodes took engine pages (the write policy backs them up)."""
 
@@ -48,7 +49,7 @@ class EnginePages:
         self._alloc = alloc
         self._on_insert = on_insert
         self.stateful = stateful
-        self._owned = torch.zeros(pool.num_pages, dtype=torch.bool)
+        self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
 
     @property
     def count(self) -> int:
@@ -56,14 +57,29 @@ class EnginePages:
         return int(self._owned.sum())
 
     # ---- the lifecycle ------------------------------------------------------------------
-    def alloc(self, num_tokens: int) -> torch.Tensor:
-        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages."""
+    def alloc(self, num_tokens: int, at: int | None = None) -> torch.Tensor:
+        """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages for the tokens from
+        sequence position ``at`` on (a multiple of ``page_size``; required when the pool is
+        one rank's shard of a CP group, where each page goes to its owner)."""
         n = -(-num_tokens // self.page_size)
-        pages = self._alloc(n)
+        if at is None:
+            if self.pool.allocator.lanes > 1:
+                raise RequestError(
+                    "alloc: under context parallelism (cp_size="
+                    f"{self.pool.allocator.lanes}) pass at=, the sequence position of the "
+                    "first token, so that each page goes to the rank that owns it"
+                )
+            at = 0
+        if isinstance(at, bool) or not isinstance(at, int) or at < 0 or at % self.page_size:
+            raise RequestError(
+                f"alloc: at={at!r} must be a sequence position >= 0 on a page boundary "
+                f"(page_size={self.page_size})"
+            )
+        pages = self._alloc(at // self.page_size, n)
         if pages is None:
             raise CapacityError(
                 f"device pool: {n} pages requested, {self.pool.allocator.available} free of "
-                f"{self.pool.num_pages} after evicting every unlocked cached page"
+                f"{self.pool.logical_pages} after evicting every unlocked cached page"
             )
         self._owned[pages.cpu()] = True
         return pages_to_locs(pages, self.page_size)
@@ -131,13 +147,13 @@ class EnginePages:
     def _pages_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page of every slot in ``locs`` (CPU int64), after checking the slots lie in the pool.
 
-        Raises ``RequestError`` naming the first slot outside ``[0, num_pages * page_size)``.
+        Raises ``RequestError`` naming the first slot outside ``[0, logical_pages * page_size)``.
         """
         locs = locs.reshape(-1).cpu()
         if locs.dtype.is_floating_point or locs.dtype == torch.bool:
             raise RequestError(f"{what}: slots must be an integer tensor, got {locs.dtype}")
         locs = locs.to(torch.int64)
-        limit = self.pool.num_pages * self.page_size
+        limit = self.pool.logical_pages * self.page_size
         bad = (locs < 0) | (locs >= limit)
         if bool(bad.any()):
             slot = int(locs[bad][0])

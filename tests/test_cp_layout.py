@@ -84,13 +84,19 @@ def test_translator_maps_only_this_ranks_lane():
     assert isinstance(t, CPTranslator)
     typed: PageTranslator = t  # the transfer boundary's protocol
     assert typed.device_physical(torch.tensor([1, 7, 3, 5])).tolist() == [0, 3, 1, 2]
-    assert typed.host_physical(torch.tensor([2, 0])).tolist() == [2, 0]
+    # Host ids use lanes too: a host copy stays on the rank of the device copy it came from.
+    assert typed.host_physical(torch.tensor([5, 1])).tolist() == [2, 0]
+    assert typed.device_owned(torch.tensor([1, 2, 7])).tolist() == [True, False, True]
     with pytest.raises(IntegrityError, match="rank 1: logical page 2 lives on rank 0"):
         t.device_physical(torch.tensor([1, 2]))
-    with pytest.raises(IntegrityError, match="rank 1: logical page 9 is beyond this rank's 4"):
+    with pytest.raises(
+        IntegrityError, match="rank 1: logical device page 9 is beyond this rank's 4"
+    ):
         t.device_physical(torch.tensor([9]))
-    with pytest.raises(IntegrityError, match=r"rank 1: host page ids \[3\] outside this rank's 3"):
-        t.host_physical(torch.tensor([3]))
+    with pytest.raises(IntegrityError, match="rank 1: logical host page 7 is beyond this rank's 3"):
+        t.host_physical(torch.tensor([7]))
+    with pytest.raises(IntegrityError, match="rank 1: logical page 2 lives on rank 0"):
+        t.host_physical(torch.tensor([2]))
     t.check(4, 3)
     with pytest.raises(ConfigError, match="built for device_pages=4, host_pages=3, but the pools"):
         t.check(8, 3)

@@ -26,14 +26,15 @@ from kvtier.tree.radix import RadixTree
 
 
 class Backups(Flights):
-    """Device → host → storage; ``io`` is ``None`` without an L3 tier."""
+    """Device → host → storage; ``io`` is ``None`` without an L3 tier. ``alloc_host(pages)``
+    allocates host pages for a copy of device ``pages`` (on their lanes under CP)."""
 
     def __init__(
         self,
         tree: RadixTree,
         host: HostPool,
         mover: Mover,
-        alloc_host: Callable[[int], torch.Tensor | None],
+        alloc_host: Callable[[torch.Tensor], torch.Tensor | None],
         namespace: Namespace,
         metrics: Metrics,
     ) -> None:
@@ -54,7 +55,7 @@ class Backups(Flights):
         for node in nodes:
             if node.device is None or node.on_host or node.device_io:
                 continue
-            pages = self._alloc_host(node.device.numel())
+            pages = self._alloc_host(node.device)
             if pages is None:
                 self.metrics.inc("dropped_host_backups", node.device.numel())
                 continue

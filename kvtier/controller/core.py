@@ -29,6 +29,8 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
+from kvtier.parallel.layout import CPLayout
+from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
@@ -57,6 +59,12 @@ class Controller:
         """``translator`` maps logical pages to the pools' physical pages for every copy and
         every storage object (identity when ``None``)."""
         self.config = config
+        self.lanes = config.cp_size
+        self.layout = (
+            CPLayout(config.cp_size, config.cp_rank, config.cp_pattern)
+            if config.cp_size > 1
+            else None
+        )
         self.translator = translator
         self.tree = tree
         self.dev = device_pool
@@ -73,8 +81,10 @@ class Controller:
                 backup_share=config.backup_share,
                 mechanism=config.transfer_mechanism,
             )
-            self.backups = Backups(tree, host_pool, self.mover, self.alloc_host, namespace, metrics)
-        self.loads = Loads(tree, device_pool, self.mover, self.alloc_device, metrics)
+            self.backups = Backups(
+                tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics
+            )
+        self.loads = Loads(tree, device_pool, self.mover, self.alloc_device_like, metrics)
         self.policy = make_policy(config, self.backups)
         self.io: StorageIO | None = None
         self.prefetcher: Prefetcher | None = None
@@ -89,7 +99,13 @@ class Controller:
         self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size, self.translator)
         self.backups.io = self.io
         self.prefetcher = Prefetcher(
-            self.config, self.tree, self.host, self.io, self.alloc_host, self.metrics
+            self.config,
+            self.tree,
+            self.host,
+            self.io,
+            self.alloc_host_at,
+            self.metrics,
+            self.seq_owners,
         )
 
     @property
@@ -98,33 +114,92 @@ class Controller:
         return self.io.backend if self.io is not None else None
 
     # ---- allocation with eviction --------------------------------------------------------
-    def alloc_device(self, n: int) -> torch.Tensor | None:
-        """``n`` device pages, evicting unlocked cached pages if needed; ``None`` if impossible."""
-        short = n - self.dev.allocator.available
-        if short > 0:
-            self.evict_device(short)
-        return self.dev.alloc_pages(n)
+    # Under context parallelism (``lanes > 1``) every allocation names each page's owner (the
+    # rank that holds its bytes, ``kvtier.pools.allocator``) and eviction counts progress in
+    # freed pages of the lanes that are short, not in logical pages: dropping a node whose
+    # pages all live on rank 1 frees nothing rank 0 can use.
+    def alloc_device(self, n: int, owners: list[int] | None = None) -> torch.Tensor | None:
+        """``n`` device pages (page ``i`` on lane ``owners[i]`` when given), evicting unlocked
+        cached pages if needed; ``None`` if impossible."""
+        alloc = self.dev.allocator
+        if owners is None:
+            short = n - alloc.available
+            if short > 0:
+                self.evict_device(short)
+            return self.dev.alloc_pages(n)
+        self._make_room(alloc, owners, self.evict_device)
+        return alloc.alloc_owned(owners)
 
-    def alloc_host(self, n: int) -> torch.Tensor | None:
-        """``n`` host pages, evicting unlocked host copies if needed; ``None`` if impossible."""
+    def alloc_host(self, n: int, owners: list[int] | None = None) -> torch.Tensor | None:
+        """``n`` host pages (on lanes ``owners`` when given), evicting unlocked host copies
+        if needed; ``None`` if impossible."""
         if self.host is None:
             return None
-        short = n - self.host.allocator.available
-        if short > 0:
-            self.evict_host(short)
-        return self.host.allocator.alloc(n)
+        alloc = self.host.allocator
+        if owners is None:
+            short = n - alloc.available
+            if short > 0:
+                self.evict_host(short)
+            return alloc.alloc(n)
+        self._make_room(alloc, owners, self.evict_host)
+        return alloc.alloc_owned(owners)
 
-    def evict_device(self, n: int) -> int:
-        """Drop at least ``n`` device pages' worth of unlocked copies if possible."""
-        ev = self.tree.evict_device(n, self.policy.before_evict)
+    def alloc_device_like(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """As many device pages as ``pages`` has, on the same lanes (a load of a host copy)."""
+        return self.alloc_device(pages.numel(), self._lanes_of(pages))
+
+    def alloc_host_like(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """As many host pages as ``pages`` has, on the same lanes (a backup of a device copy)."""
+        return self.alloc_host(pages.numel(), self._lanes_of(pages))
+
+    def alloc_device_at(self, first_page: int, n: int) -> torch.Tensor | None:
+        """Device pages for sequence pages ``[first_page, first_page + n)``, each on the lane
+        of the rank that owns it under the CP layout (fresh pages for computed tokens)."""
+        return self.alloc_device(n, self.seq_owners(first_page, n))
+
+    def alloc_host_at(self, first_page: int, n: int) -> torch.Tensor | None:
+        """Host pages for sequence pages ``[first_page, first_page + n)`` (a storage fetch)."""
+        return self.alloc_host(n, self.seq_owners(first_page, n))
+
+    def seq_owners(self, first_page: int, n: int) -> list[int] | None:
+        """Owner of each sequence page ``[first_page, first_page + n)`` (``None`` without
+        context parallelism)."""
+        if self.layout is None:
+            return None
+        return self.layout.owners(first_page, first_page + n)
+
+    def _lanes_of(self, pages: torch.Tensor) -> list[int] | None:
+        if self.lanes == 1:
+            return None
+        return (pages.reshape(-1).cpu() % self.lanes).tolist()
+
+    def _make_room(
+        self,
+        alloc: PageAllocator,
+        owners: list[int],
+        evict: Callable[[int, Callable[[torch.Tensor], int] | None], int],
+    ) -> None:
+        while short := alloc.shortfall(owners):
+            lanes = torch.tensor(list(short), dtype=torch.int64)
+
+            def useful(pages: torch.Tensor) -> int:
+                return int(torch.isin(pages.reshape(-1).cpu() % self.lanes, lanes).sum())
+
+            if evict(sum(short.values()), useful) == 0:
+                return
+
+    def evict_device(self, n: int, weight: Callable[[torch.Tensor], int] | None = None) -> int:
+        """Drop at least ``n`` device pages' worth of unlocked copies if possible (as counted
+        by ``weight``, see ``RadixTree.evict_device``); returns that count."""
+        ev = self.tree.evict_device(n, self.policy.before_evict, weight)
         self._release(ev)
-        return ev.num_device()
+        return sum(weight(p) for p in ev.device_pages) if weight else ev.num_device()
 
-    def evict_host(self, n: int) -> int:
+    def evict_host(self, n: int, weight: Callable[[torch.Tensor], int] | None = None) -> int:
         """Drop at least ``n`` host pages' worth of unlocked copies if possible."""
-        ev = self.tree.evict_host(n)
+        ev = self.tree.evict_host(n, weight)
         self._release(ev)
-        return ev.num_host()
+        return sum(weight(p) for p in ev.host_pages) if weight else ev.num_host()
 
     def _release(self, ev: Evicted) -> None:
         for p in ev.device_pages:

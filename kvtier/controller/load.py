@@ -22,14 +22,15 @@ from kvtier.tree.radix import RadixTree
 
 
 class Loads(Flights):
-    """Host → device copies in flight."""
+    """Host → device copies in flight. ``alloc_device(pages)`` allocates device pages for a
+    copy of host ``pages`` (on their lanes under CP), evicting if needed."""
 
     def __init__(
         self,
         tree: RadixTree,
         dev: DevicePool,
         mover: Mover | None,
-        alloc_device: Callable[[int], torch.Tensor | None],
+        alloc_device: Callable[[torch.Tensor], torch.Tensor | None],
         metrics: Metrics,
     ) -> None:
         self.tree = tree
@@ -58,14 +59,16 @@ class Loads(Flights):
             if node.host is None:
                 raise IntegrityError(f"load of {node!r}: locked without any copy")
             want = node.host.numel()
-            pages = self._alloc_device(want)
+            pages = self._alloc_device(node.host)
             if pages is None:
-                fit = self.dev.allocator.available  # what eviction could free is free now
+                # What eviction could free is free now: the leading pages whose lanes have
+                # room are the quota (evictable device cache counted, seed 004).
+                fit = self.dev.allocator.fit_like(node.host)
                 if fit == 0 or self.mover is None:
                     break
                 path.insert(loaded, self.tree.split(node, fit))
                 node = path[loaded]
-                pages = self._alloc_device(fit)
+                pages = self._alloc_device(node.host)
                 if pages is None:
                     raise IntegrityError(f"{fit} device pages free but not allocatable")
             spans.append(Span(node, node.host))

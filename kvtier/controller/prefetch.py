@@ -89,14 +89,18 @@ class Prefetcher:
         tree: RadixTree,
         host: HostPool,
         io: StorageIO,
-        alloc_host: Callable[[int], torch.Tensor | None],
+        alloc_host: Callable[[int, int], torch.Tensor | None],
         metrics: Metrics,
+        owners: Callable[[int, int], list[int] | None] = lambda first, n: None,
     ) -> None:
+        """``alloc_host(first, n)`` allocates host pages for sequence pages ``[first, first +
+        n)`` (each on its owner's lane under CP, ``owners(first, n)``), evicting if needed."""
         self.config = config
         self.tree = tree
         self.host = host
         self.io = io
         self._alloc_host = alloc_host
+        self._owners = owners
         self.metrics = metrics
         self.ops: list[PrefetchOp] = []
         """Open fetches, oldest first."""
@@ -124,9 +128,14 @@ class Prefetcher:
             prefix, tokens, keys = prefix + tokens[: j * ps], tokens[j * ps :], keys[j:]
         else:  # locked before allocating: host eviction must not take the matched prefix
             anchor = self.tree.lock(match)
-        pages = self._alloc_host(len(keys)) if keys else torch.empty(0, dtype=torch.int64)
+        first = len(prefix) // ps
+        pages = self._alloc_host(first, len(keys)) if keys else torch.empty(0, dtype=torch.int64)
         if pages is None:
-            pages = self.host.allocator.alloc(min(len(keys), self.host.allocator.available))
+            # Eviction already ran: take the leading pages whose lanes have room.
+            alloc = self.host.allocator
+            owners = self._owners(first, len(keys))
+            fit = min(len(keys), alloc.available) if owners is None else alloc.fit(owners)
+            pages = self._alloc_host(first, fit)
             if pages is None:
                 raise IntegrityError("host allocator refused the pages it reported free")
             keys, tokens = keys[: pages.numel()], tokens[: pages.numel() * ps]

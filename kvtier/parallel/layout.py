@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import CP_PATTERNS
 from kvtier.errors import ConfigError, IntegrityError
 
-PATTERNS = ("round_robin", "zigzag")
+PATTERNS = CP_PATTERNS
 """``CPLayout.pattern`` choices."""
 
 
@@ -157,15 +158,15 @@ class CPLayout:
 class CPTranslator:
     """Logical → physical pages for one rank's pools (a ``PageTranslator``).
 
-    Device side: the rank's device pool backs the logical ids of its lane, ``logical = physical
-    * cp_size + rank``; translating a page of another lane is a bug upstream (the owned pages
-    were not filtered) and raises ``IntegrityError`` naming the rank. Host side: each rank's host
-    allocator hands out ids of its own pool for the owned pages only (the host copy of a node
-    holds just this rank's shard), so host ids are already physical.
+    Both pools use lanes: the group's allocators hand out logical ids, and this rank's device
+    and host pools back the ids of its own lane, ``logical = physical * cp_size + rank``. A
+    node's pages keep one owner through every tier (a host copy sits on the lane of the device
+    copy it came from, a load on the lane of the host copy), so a rank only ever moves its own
+    shard. Translating a page of another lane is a bug upstream (the owned pages were not
+    filtered) and raises ``IntegrityError`` naming the rank.
 
-        logical device ids this rank translates    rank, rank + cp, ..., rank + (P-1) * cp
-        physical device pages                      0 .. P-1         (P = device_pages)
-        host ids = physical host pages             0 .. H-1         (H = host_pages)
+        logical ids this rank translates    rank, rank + cp, ..., rank + (P-1) * cp
+        physical pages                      0 .. P-1      (P = device_pages or host_pages)
     """
 
     __slots__ = ("layout", "device_pages", "host_pages")
@@ -179,26 +180,23 @@ class CPTranslator:
         self.host_pages = host_pages
 
     def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
-        phys = self.layout.physical(pages)
-        if phys.numel() and int(phys.max()) >= self.device_pages:
-            p = int(pages.reshape(-1).cpu()[phys >= self.device_pages][0])
-            raise IntegrityError(
-                f"rank {self.layout.rank}: logical page {p} is beyond this rank's "
-                f"{self.device_pages} device pages"
-            )
-        return phys
+        return self._physical(pages, self.device_pages, "device")
 
     def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
         return self.layout.owned_mask(pages.reshape(-1).cpu()).reshape(pages.shape)
 
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
-        out = pages.reshape(-1).cpu().to(torch.int64)
-        if out.numel() and (int(out.min()) < 0 or int(out.max()) >= self.host_pages):
+        return self._physical(pages, self.host_pages, "host")
+
+    def _physical(self, pages: torch.Tensor, limit: int, side: str) -> torch.Tensor:
+        phys = self.layout.physical(pages)
+        if phys.numel() and int(phys.max()) >= limit:
+            p = int(pages.reshape(-1).cpu()[phys >= limit][0])
             raise IntegrityError(
-                f"rank {self.layout.rank}: host page ids {out.tolist()[:16]} outside this "
-                f"rank's {self.host_pages} host pages"
+                f"rank {self.layout.rank}: logical {side} page {p} is beyond this rank's "
+                f"{limit} {side} pages"
             )
-        return out
+        return phys
 
     def check(self, device_pages: int, host_pages: int) -> None:
         if (device_pages, host_pages) != (self.device_pages, self.host_pages):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -12,34 +13,98 @@ from kvtier.errors import CapacityError, IntegrityError, RequestError
 class PageAllocator:
     """Hands out page ids ``0 .. num_pages-1``.
 
-    Order is deterministic: ``alloc`` takes from the front of the free list, ``free`` appends to
+    Order is deterministic: ``alloc`` takes from the front of a free list, ``free`` appends to
     the back (so a freed page is reused only after every page freed before it).
+
+    With ``lanes > 1`` (a context-parallel rank's view of its group's pages) page ``p`` belongs
+    to lane ``p % lanes``, the rank whose pools hold its bytes, and each lane has a free list of
+    its own. Every allocation then says which lane each page must come from (``alloc_owned``):
+    a page handed out on the wrong lane would have one rank write bytes that another rank's
+    attention reads, so a plain ``alloc`` is refused. Every rank runs the same allocator on the
+    same calls, so the ids agree everywhere::
+
+        lanes = 2, num_pages = 8     lane 0: 0 2 4 6     lane 1: 1 3 5 7
+        alloc_owned([0, 1, 1, 0])    → 0 1 3 2
     """
 
-    def __init__(self, num_pages: int, name: str = "pool") -> None:
+    def __init__(self, num_pages: int, name: str = "pool", lanes: int = 1) -> None:
         if num_pages <= 0:
             raise CapacityError(f"{name}: num_pages must be positive, got {num_pages}")
+        if lanes < 1 or num_pages % lanes:
+            raise CapacityError(f"{name}: {num_pages} pages do not split into {lanes} lanes")
         self.name = name
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self.lanes = lanes
+        self._lists: list[deque[int]] = [deque(range(k, num_pages, lanes)) for k in range(lanes)]
+        self._free = self._lists[0]  # the only list without lanes: the fast path
+        self._count = num_pages
         self._is_free = bytearray(b"\x01") * num_pages
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return self._count
 
     @property
     def used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._count
+
+    def available_in(self, lane: int) -> int:
+        """Free pages of ``lane``."""
+        return len(self._lists[lane])
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` page ids as an int64 CPU tensor, or ``None`` when fewer than ``n`` are free;
-        a negative ``n`` raises ``RequestError``."""
+        a negative ``n`` raises ``RequestError``. Refused with lanes (use ``alloc_owned``)."""
         if n < 0:
             raise RequestError(f"{self.name}: cannot allocate {n} pages")
-        if n > len(self._free):
+        if self.lanes > 1:
+            raise IntegrityError(
+                f"{self.name}: a plain allocation of {n} pages ignores which rank owns each "
+                f"page ({self.lanes} lanes); allocate with the pages' owners"
+            )
+        if n > self._count:
             return None
         pages = [self._free.popleft() for _ in range(n)]
+        self._count -= n
+        for p in pages:
+            self._is_free[p] = 0
+        return torch.tensor(pages, dtype=torch.int64)
+
+    def shortfall(self, owners: Sequence[int]) -> dict[int, int]:
+        """Pages missing per lane for ``alloc_owned(owners)`` (empty when it would succeed)."""
+        need: dict[int, int] = {}
+        for o in owners:
+            need[o] = need.get(o, 0) + 1
+        out = {}
+        for lane, k in sorted(need.items()):
+            if not 0 <= lane < self.lanes:
+                raise IntegrityError(f"{self.name}: owner {lane} outside {self.lanes} lanes")
+            if k > len(self._lists[lane]):
+                out[lane] = k - len(self._lists[lane])
+        return out
+
+    def fit(self, owners: Sequence[int]) -> int:
+        """How many leading entries of ``owners`` ``alloc_owned`` could serve now."""
+        left = [len(q) for q in self._lists]
+        for i, o in enumerate(owners):
+            if left[o] == 0:
+                return i
+            left[o] -= 1
+        return len(owners)
+
+    def fit_like(self, pages: torch.Tensor) -> int:
+        """``fit`` of the lanes of ``pages`` (a copy of them in this pool)."""
+        if self.lanes == 1:
+            return min(pages.numel(), self._count)
+        return self.fit((pages.reshape(-1).cpu() % self.lanes).tolist())
+
+    def alloc_owned(self, owners: Sequence[int]) -> torch.Tensor | None:
+        """One page per entry, page ``i`` from lane ``owners[i]``; ``None`` (nothing taken)
+        when a lane is short."""
+        if self.shortfall(owners):
+            return None
+        pages = [self._lists[o].popleft() for o in owners]
+        self._count -= len(pages)
         for p in pages:
             self._is_free[p] = 0
         return torch.tensor(pages, dtype=torch.int64)
@@ -59,13 +124,22 @@ class PageAllocator:
             seen.add(p)
         for p in ids:
             self._is_free[p] = 1
-        self._free.extend(ids)
+        if self.lanes == 1:
+            self._free.extend(ids)
+        else:
+            for p in ids:
+                self._lists[p % self.lanes].append(p)
+        self._count += len(ids)
 
     def check_integrity(self) -> None:
-        """free + used == capacity, and the free list has no duplicates."""
-        if len(set(self._free)) != len(self._free):
+        """free + used == capacity, every free list holds only its lane's pages, no duplicates."""
+        listed = [p for q in self._lists for p in q]
+        if len(set(listed)) != len(listed):
             raise IntegrityError(f"{self.name}: duplicate pages in the free list")
-        if sum(self._is_free) != len(self._free):
+        if len(listed) != self._count or sum(self._is_free) != self._count:
             raise IntegrityError(f"{self.name}: free flags disagree with the free list")
-        if any(not self._is_free[p] for p in self._free):
+        if any(not self._is_free[p] for p in listed):
             raise IntegrityError(f"{self.name}: a listed free page is marked used")
+        for lane, q in enumerate(self._lists):
+            if any(p % self.lanes != lane for p in q):
+                raise IntegrityError(f"{self.name}: lane {lane}'s free list holds another lane")

@@ -27,20 +27,33 @@ class DevicePool:
     tier: ClassVar[Tier] = "device"
 
     def __init__(
-        self, specs: Sequence[PoolSpec], num_pages: int, page_size: int, device: torch.device
+        self,
+        specs: Sequence[PoolSpec],
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        lanes: int = 1,
     ) -> None:
+        """``num_pages`` physical pages; with ``lanes > 1`` (a context-parallel rank) the
+        allocator hands out the group's ``num_pages * lanes`` logical ids, of which this pool
+        holds lane ``rank``'s (the translator maps them, ``kvtier.parallel.layout``)."""
         validate_pool_set(specs)
         self.specs = tuple(specs)
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = device
-        self.allocator = PageAllocator(num_pages, name="device")
+        self.allocator = PageAllocator(num_pages * lanes, name="device", lanes=lanes)
         self.buffers: dict[str, torch.Tensor] = {}
         for s in specs:
             rows = num_pages * s.rows_per_page(page_size)
             self.buffers[s.name] = torch.zeros(
                 (s.num_layers, rows, *s.row_shape), dtype=s.dtype, device=device
             )
+
+    @property
+    def logical_pages(self) -> int:
+        """Page ids the allocator hands out (``num_pages`` without context parallelism)."""
+        return self.allocator.num_pages
 
     @property
     def anchor(self) -> torch.Tensor:

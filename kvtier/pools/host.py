@@ -33,7 +33,9 @@ class HostPool:
         page_size: int,
         layout: str = "page_first",
         pin: bool = False,
+        lanes: int = 1,
     ) -> None:
+        """``num_pages`` physical pages; ``lanes`` as for ``DevicePool``."""
         if layout not in ("page_first", "layer_first"):
             raise ConfigError(f"host_layout={layout!r} is not one of page_first, layer_first")
         self.specs = tuple(specs)
@@ -41,7 +43,7 @@ class HostPool:
         self.num_pages = num_pages
         self.layout = layout
         self.pinned = pin
-        self.allocator = PageAllocator(num_pages, name="host")
+        self.allocator = PageAllocator(num_pages * lanes, name="host", lanes=lanes)
         self.buffers: dict[str, torch.Tensor] = {}
         for s in specs:
             r = s.rows_per_page(page_size)
@@ -50,6 +52,11 @@ class HostPool:
             else:
                 shape = (s.num_layers, num_pages * r, *s.row_shape)
             self.buffers[s.name] = torch.zeros(shape, dtype=s.dtype, pin_memory=pin)
+
+    @property
+    def logical_pages(self) -> int:
+        """Page ids the allocator hands out (``num_pages`` without context parallelism)."""
+        return self.allocator.num_pages
 
     @property
     def page_bytes(self) -> int:

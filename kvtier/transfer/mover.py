@@ -106,6 +106,13 @@ class Mover:
                 f"{direction} transfer of {device_pages.numel()} device pages into "
                 f"{host_pages.numel()} host pages"
             )
+        owned = self.translator.device_owned(device_pages)
+        if owned is not None:
+            # A context-parallel rank moves only its own shard; host pages sit on the lane of
+            # their device pages, which ``host_physical`` checks.
+            owned = owned.reshape(-1).cpu()
+            device_pages = device_pages.reshape(-1).cpu()[owned]
+            host_pages = host_pages.reshape(-1).cpu()[owned]
         phys = self.translator.device_physical(device_pages).cpu().long()
         pages = PageLists(self.translator.host_physical(host_pages).cpu().long(), phys)
         op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
@@ -124,7 +131,7 @@ class Mover:
         the rest at once); else this call queues them all.
         """
         pages, op = self._begin("d2h", device_pages, host_pages)
-        if not self.cuda:
+        if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
             return op
         start = torch.cuda.Event()
         start.record(torch.cuda.current_stream(self.dev.device))
@@ -190,7 +197,7 @@ class Mover:
         anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
         pages, op = self._begin("h2d", device_pages, host_pages)
-        if not self.cuda:
+        if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
             return op
         stream = self._stream(self.load_stream)
         overlap = overlap and self.pinned

@@ -90,7 +90,6 @@ class PermutationTranslator:
                     f"pool pages, got {table.numel()} entries {table.tolist()[:16]}"
                 )
 
-
     def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
         return None
 
@@ -151,7 +150,8 @@ class DeviceKV:
 
     @property
     def num_pages(self) -> int:
-        return self._pool.num_pages
+        """Logical pages (the group's, under context parallelism)."""
+        return self._pool.logical_pages
 
     def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
         """``[rows, *row_shape]`` view of one layer of a component (the anchor by default),

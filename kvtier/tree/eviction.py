@@ -99,13 +99,17 @@ class EvictionIndex:
         heapq.heappush(heap, self._entry(node))
 
     def evict_device(
-        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
+        self,
+        num_pages: int,
+        prepare: Callable[[Node], bool] | None = None,
+        weight: Callable[[torch.Tensor], int] | None = None,
     ) -> Evicted:
         """Drop device copies of at least ``num_pages`` pages (fewer if not possible).
 
         Candidates are unlocked, idle device leaves. ``prepare(node)`` may refuse one (return
         False) or make a host copy first. A node left with no copy is removed with its host-only
-        subtree.
+        subtree. ``weight(pages)`` counts what dropping ``pages`` achieves (default: all of
+        them; a context-parallel rank counts only the pages of the lanes it is short of).
         """
         out = Evicted()
 
@@ -113,7 +117,7 @@ class EvictionIndex:
             if node.device is None:
                 raise IntegrityError(f"device eviction of {node!r} without a device copy")
             out.device_pages.append(node.device)
-            n = node.device.numel()
+            n = node.device.numel() if weight is None else weight(node.device)
             node.device = None
             self.device_leaves.discard(node)
             parent = node.parent
@@ -133,15 +137,18 @@ class EvictionIndex:
         )
         return out
 
-    def evict_host(self, num_pages: int) -> Evicted:
-        """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
+    def evict_host(
+        self, num_pages: int, weight: Callable[[torch.Tensor], int] | None = None
+    ) -> Evicted:
+        """Drop host copies of at least ``num_pages`` pages (fewer if not possible); ``weight``
+        as for ``evict_device``."""
         out = Evicted()
 
         def take(node: Node) -> int:
             if node.host is None:
                 raise IntegrityError(f"host eviction of {node!r} without a host copy")
             out.host_pages.append(node.host)
-            n = node.host.numel()
+            n = node.host.numel() if weight is None else weight(node.host)
             node.host = None
             self.hosted -= 1
             if not node.on_device:

@@ -293,15 +293,20 @@ class RadixTree:
         return self.eviction.drop_host(node)
 
     def evict_device(
-        self, num_pages: int, prepare: Callable[[Node], bool] | None = None
+        self,
+        num_pages: int,
+        prepare: Callable[[Node], bool] | None = None,
+        weight: Callable[[torch.Tensor], int] | None = None,
     ) -> Evicted:
         """Drop device copies of at least ``num_pages`` pages (fewer if not possible); see
         ``EvictionIndex.evict_device``."""
-        return self.eviction.evict_device(num_pages, prepare)
+        return self.eviction.evict_device(num_pages, prepare, weight)
 
-    def evict_host(self, num_pages: int) -> Evicted:
+    def evict_host(
+        self, num_pages: int, weight: Callable[[torch.Tensor], int] | None = None
+    ) -> Evicted:
         """Drop host copies of at least ``num_pages`` pages (fewer if not possible)."""
-        return self.eviction.evict_host(num_pages)
+        return self.eviction.evict_host(num_pages, weight)
 
     # ---- keys ---------------------------------------------------------------------------
     def ensure_keys(self, node: Node, namespace: Namespace) -> list[PageKey]:
