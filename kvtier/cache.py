@@ -33,9 +33,9 @@ from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
+from kvtier.paging import align_down
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
-from kvtier.paging import align_down
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set

@@ -182,7 +182,7 @@ class Controller:
         while short := alloc.shortfall(owners):
             lanes = torch.tensor(list(short), dtype=torch.int64)
 
-            def useful(pages: torch.Tensor) -> int:
+            def useful(pages: torch.Tensor, lanes: torch.Tensor = lanes) -> int:
                 return int(torch.isin(pages.reshape(-1).cpu() % self.lanes, lanes).sum())
 
             if evict(sum(short.values()), useful) == 0:
