@@ -23,6 +23,7 @@ Range table of one finished request's slots (``ps`` = page size)::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -114,6 +115,7 @@ class TieredCache:
             self.namespace,
             self.metrics,
             translator,
+            self.group,
         )
         self.engine_pages = EnginePages(
             self.device_pool,
@@ -123,6 +125,25 @@ class TieredCache:
             self.stateful,
         )
         self._closed = False
+        if self.group.size > 1:
+            self._handshake()
+
+    def _handshake(self) -> None:
+        """Every rank of the CP group started a cache with the same shape: the same namespace,
+        tree page and pool sizes (else their trees would diverge at the first eviction).
+        Raises ``ConfigError`` on a mismatch, ``RankError`` naming a rank that never came."""
+        host = self.host_pool.num_pages if self.host_pool is not None else 0
+        shape = f"{self.namespace}|{self.page_size}|{self.config.device_pages}|{host}"
+        shape += f"|{self.config.cp_pattern}|{self.config.write_policy}"
+        digest = int.from_bytes(hashlib.blake2b(shape.encode(), digest_size=7).digest(), "big")
+        low, neg = self.group.all_reduce_min_many([digest, -digest])
+        if low != -neg:
+            self.close()
+            raise ConfigError(
+                f"cp_rank={self.config.cp_rank}: the ranks of the CP group started caches of "
+                "different shapes (model_fingerprint, page_size, device_pages, host pool size, "
+                "cp_pattern or write_policy differ); every rank needs the same configuration"
+            )
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -182,13 +203,30 @@ class TieredCache:
         io = self.controller.io
         if probe_storage and io is not None:
             keys = storage_extension(
-                io.backend, self.tree, self.namespace, tm, t, ps, self.stateful
+                io.backend, self.tree, self.namespace, tm, t, ps, self.stateful, self._exists
             )
+            if self.group.size > 1:
+                # What storage holds is what every rank found of the pages it owns.
+                keys = keys[: self.group.all_reduce_min(len(keys))]
             if len(keys) < self.config.prefetch_min_pages:
                 keys = []
         storage_len = tm.matched_len + len(keys) * ps - usable if keys else 0
         handle = Handle(tm, usable, t, keys)
         return MatchResult(device_len, usable - device_len, storage_len, handle)
+
+    def _exists(self, keys: list[PageKey], first_page: int) -> int:
+        """Leading ``keys`` (sequence pages from ``first_page``) present in storage, as far as
+        this rank can tell: under CP it asks only about the pages it owns (the objects it
+        writes and reads); the MIN over ranks is the group's answer."""
+        backend = self.controller.storage
+        if backend is None:
+            return 0
+        owners = self.controller.seq_owners(first_page, len(keys))
+        if owners is None:
+            return backend.batch_exists(keys)
+        mine = [i for i, o in enumerate(owners) if o == self.config.cp_rank]
+        k = backend.batch_exists([keys[i] for i in mine]) if mine else 0
+        return len(keys) if k == len(mine) else mine[k]
 
     # ---- lock protocol ------------------------------------------------------------------
     def lock(self, handle: Handle) -> None:
@@ -256,8 +294,9 @@ class TieredCache:
         return pf.start(m.handle.match, m.handle.tokens, m.handle.storage_keys)
 
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
-        """Whether a request waiting on ``op`` may proceed under the prefetch policy."""
-        return op is None or op.ready(self.config.prefetch_policy)
+        """Whether a request waiting on ``op`` may proceed under the prefetch policy (on every
+        rank of a CP group: I/O ends and deadlines pass at different times on each)."""
+        return op is None or self.agree(op.ready(self.config.prefetch_policy))
 
     def wait_prefetch(self, ops: Sequence[PrefetchOp], timeout: float) -> None:
         """Block until one of ``ops`` (or a fetch it waits on) finished its I/O, a ``timeout``

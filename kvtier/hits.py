@@ -9,7 +9,7 @@ matched length, whose page carries one — an earlier checkpoint rather than no 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +59,13 @@ def storage_extension(
     tokens: Sequence[int],
     page_size: int,
     stateful: bool,
+    exists: Callable[[list[PageKey], int], int] | None = None,
 ) -> list[PageKey]:
     """Keys of the pages after the tree match that storage holds and a request could resume
     after: a prefix of present page objects, cut (state models) after the deepest page whose
-    checkpoint object is present too."""
+    checkpoint object is present too. ``exists(keys, first_page)`` counts the leading keys
+    present, ``first_page`` being the sequence page of ``keys[0]`` (default: the backend's
+    ``batch_exists``; a CP rank asks only about the pages it owns)."""
     start = m.matched_len
     prev = None
     if m.path:
@@ -72,7 +75,7 @@ def storage_extension(
     # Keys are computed in growing chunks: a miss early on costs a few hashes, not the prompt.
     while pos + page_size <= len(tokens):
         cand = chain_keys(namespace, tokens[pos : pos + chunk * page_size], page_size, prev)
-        k = backend.batch_exists(cand)
+        k = exists(cand, pos // page_size) if exists else backend.batch_exists(cand)
         found += cand[:k]
         if k < len(cand):
             break

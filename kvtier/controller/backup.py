@@ -19,6 +19,7 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group
 from kvtier.pools.host import HostPool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
@@ -37,6 +38,7 @@ class Backups(Flights):
         alloc_host: Callable[[torch.Tensor], torch.Tensor | None],
         namespace: Namespace,
         metrics: Metrics,
+        group: Group | None = None,
     ) -> None:
         self.tree = tree
         self.host = host
@@ -45,7 +47,7 @@ class Backups(Flights):
         self.namespace = namespace
         self.metrics = metrics
         self.io: StorageIO | None = None
-        super().__init__()
+        super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
     def to_host(self, nodes: list[Node]) -> InFlight | None:
@@ -111,7 +113,7 @@ class Backups(Flights):
     def poll(self) -> None:
         """Complete finished copies (their host copies become visible), reap storage writes
         and touches; nodes whose objects are gone are written again."""
-        for flight in [f for f in self.flights if f.op.done()]:
+        for flight in self.finished():
             self._finish(flight)
         if self.io is None:
             return

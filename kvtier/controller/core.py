@@ -29,6 +29,7 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
@@ -55,9 +56,12 @@ class Controller:
         namespace: Namespace,
         metrics: Metrics,
         translator: PageTranslator | None = None,
+        group: Group | None = None,
     ) -> None:
         """``translator`` maps logical pages to the pools' physical pages for every copy and
-        every storage object (identity when ``None``)."""
+        every storage object (identity when ``None``); ``group`` is the CP group whose ranks
+        agree on every completion (``config.cp_size`` ranks)."""
+        self.group: Group = group or SoloGroup()
         self.config = config
         self.lanes = config.cp_size
         self.layout = (
@@ -82,9 +86,11 @@ class Controller:
                 mechanism=config.transfer_mechanism,
             )
             self.backups = Backups(
-                tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics
+                tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics, self.group
             )
-        self.loads = Loads(tree, device_pool, self.mover, self.alloc_device_like, metrics)
+        self.loads = Loads(
+            tree, device_pool, self.mover, self.alloc_device_like, metrics, self.group
+        )
         self.policy = make_policy(config, self.backups)
         self.io: StorageIO | None = None
         self.prefetcher: Prefetcher | None = None
@@ -96,7 +102,15 @@ class Controller:
         """Start the L3 I/O thread over ``storage``."""
         if self.host is None or self.backups is None:
             raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
-        self.io = StorageIO(storage, self.host, self.metrics, self.tree.page_size, self.translator)
+        self.io = StorageIO(
+            storage,
+            self.host,
+            self.metrics,
+            self.tree.page_size,
+            self.translator,
+            self.layout,
+            self.group,
+        )
         self.backups.io = self.io
         self.prefetcher = Prefetcher(
             self.config,
@@ -106,6 +120,7 @@ class Controller:
             self.alloc_host_at,
             self.metrics,
             self.seq_owners,
+            self.group,
         )
 
     @property

@@ -15,6 +15,7 @@ import torch
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.errors import IntegrityError
 from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group
 from kvtier.pools.device import DevicePool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
@@ -32,13 +33,14 @@ class Loads(Flights):
         mover: Mover | None,
         alloc_device: Callable[[torch.Tensor], torch.Tensor | None],
         metrics: Metrics,
+        group: Group | None = None,
     ) -> None:
         self.tree = tree
         self.dev = dev
         self.mover = mover
         self._alloc_device = alloc_device
         self.metrics = metrics
-        super().__init__()
+        super().__init__(group)
 
     def load(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
         """Give the host-only nodes of the locked ``path`` device copies, in order.
@@ -90,7 +92,7 @@ class Loads(Flights):
         return loaded, op.layer_events
 
     def poll(self) -> None:
-        for flight in [f for f in self.flights if f.op.done()]:
+        for flight in self.finished():
             self.flights.remove(flight)
             flight.op.complete()
             for sp in flight.spans:

@@ -22,6 +22,7 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey
 from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.pools.host import HostPool
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
@@ -58,6 +59,10 @@ class PrefetchOp:
     """``read_fence``s of short reads: until they are done an abandoned backend call may still
     write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
     staging: list[torch.Tensor] = field(default_factory=list)
+    agreed_done: int = 0
+    """CP group: ``done_pages`` as every rank has it (the MIN at the last sync)."""
+    agreed_settled: bool = False
+    """CP group: whether the fetch could close on every rank at the last sync."""
 
     def io_done(self) -> bool:
         return self.future is not None and self.future.done()
@@ -92,6 +97,7 @@ class Prefetcher:
         alloc_host: Callable[[int, int], torch.Tensor | None],
         metrics: Metrics,
         owners: Callable[[int, int], list[int] | None] = lambda first, n: None,
+        group: Group | None = None,
     ) -> None:
         """``alloc_host(first, n)`` allocates host pages for sequence pages ``[first, first +
         n)`` (each on its owner's lane under CP, ``owners(first, n)``), evicting if needed."""
@@ -101,6 +107,7 @@ class Prefetcher:
         self.io = io
         self._alloc_host = alloc_host
         self._owners = owners
+        self.group: Group = group or SoloGroup()
         self.metrics = metrics
         self.ops: list[PrefetchOp] = []
         """Open fetches, oldest first."""
@@ -167,7 +174,7 @@ class Prefetcher:
         """Insert the pages ``op`` has verified so far below its anchor and move the anchor (a
         lock) to their end; returns how many tokens became newly visible."""
         ps = self.tree.page_size
-        lo, hi = op.committed_pages, op.done_pages
+        lo, hi = op.committed_pages, self._done(op)
         if hi <= lo or op.closed:
             return 0
         if op.anchor is None:
@@ -200,6 +207,7 @@ class Prefetcher:
         """The waiting request stops waiting: commit what arrived (``op``'s and the fetches it
         waits on); ``op`` closes now if its I/O is over, else at the poll that sees it end.
         Returns the tokens ``op`` itself made visible."""
+        self._sync([*op.deps, op])
         for dep in op.deps:
             self.commit(dep)
         self.commit(op)
@@ -223,13 +231,34 @@ class Prefetcher:
         self.ops.remove(op)
 
     @staticmethod
-    def _settled(op: PrefetchOp) -> bool:
-        """Whether ``op`` can close: its I/O ended (no abandoned read can still write into its
-        pages) and nothing it waits on can still commit."""
+    def _local_settled(op: PrefetchOp) -> bool:
+        """Whether ``op`` can close here: its I/O ended (no abandoned read can still write into
+        its pages) and nothing it waits on can still commit."""
         return op.io_done() and op.unfenced() and all(d.closed for d in op.deps)
+
+    def _settled(self, op: PrefetchOp) -> bool:
+        return self._local_settled(op) if self.group.size == 1 else op.agreed_settled
+
+    def _done(self, op: PrefetchOp) -> int:
+        return op.done_pages if self.group.size == 1 else op.agreed_done
+
+    def _sync(self, ops: list[PrefetchOp]) -> None:
+        """CP group: agree on what ``ops`` fetched and whether they can close, so that every
+        rank commits the same pages (only what every rank verified its shard of) and closes
+        the same fetches. The I/O thread moves on meanwhile; what it adds is seen next sync."""
+        if self.group.size == 1 or not ops:
+            return
+        # Settled before done: pages counted after the I/O ended are final on that rank.
+        settled = [1 if self._local_settled(op) else 0 for op in ops]
+        done = [op.done_pages for op in ops]
+        agreed = self.group.all_reduce_min_many(settled + done)
+        for i, op in enumerate(ops):
+            op.agreed_settled = agreed[i] == 1
+            op.agreed_done = agreed[len(ops) + i]
 
     def poll(self) -> None:
         """Commit what arrived; close released fetches whose I/O ended."""
+        self._sync(self.ops)
         for op in list(self.ops):
             self.commit(op)
             if op.released and self._settled(op):

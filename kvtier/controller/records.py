@@ -8,13 +8,43 @@ needs a span of its own: ``split_spans`` gives it the head of the span's part.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.transfer.op import TransferOp
 from kvtier.tree.node import Node
+
+T = TypeVar("T")
+
+
+def finished(items: Sequence[T], done: Callable[[T], bool], group: Group) -> list[T]:
+    """The in-flight ``items`` (oldest first) to complete now.
+
+    Alone, every one that is ``done``. In a CP group, completion must become visible on every
+    rank at once (contracts 3 and 4): each rank counts its *leading* done items and the group
+    takes the minimum, so the same items complete everywhere, in issue order, and an item
+    completes only once every rank finished its shard of it (a rank with nothing to move for
+    it was done at once: a zero-owned acknowledgement).
+    """
+    if group.size == 1:
+        return [x for x in items if done(x)]
+    local = 0
+    for x in items:
+        if not done(x):
+            break
+        local += 1
+    return list(items[: group.all_reduce_min(local)])
+
+
+def agree_all(flags: list[bool], group: Group) -> list[bool]:
+    """Each flag true only where it is true on every rank (itself without a CP group)."""
+    if group.size == 1 or not flags:
+        return flags
+    return [v == 1 for v in group.all_reduce_min_many([1 if f else 0 for f in flags])]
 
 
 @dataclass(slots=True, eq=False)
@@ -49,8 +79,13 @@ class InFlight:
 class Flights:
     """Device ↔ host copies of one kind in flight, oldest first (``Backups`` and ``Loads``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Group | None = None) -> None:
         self.flights: list[InFlight] = []
+        self.group: Group = group or SoloGroup()
+
+    def finished(self) -> list[InFlight]:
+        """The copies to complete at this poll (see :func:`finished`)."""
+        return finished(self.flights, lambda f: f.op.done(), self.group)
 
     def wait(self) -> None:
         """Block until every copy in flight completed (a poll makes it visible)."""

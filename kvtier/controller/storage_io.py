@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.controller.records import Span, split_spans
+from kvtier.controller.records import Span, agree_all, finished, split_spans
 from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey, state_key
 from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group, SoloGroup
+from kvtier.parallel.layout import CPLayout
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.objects import ObjectCodec
@@ -43,6 +45,10 @@ class WriteOp:
     ckpt: torch.Tensor | None
     future: Future | None = None
     started: float = field(default_factory=time.perf_counter)
+    mine: int = -1
+    """Under CP: how many of the pages are this rank's to write (-1: all of them)."""
+    stored_here: int = 0
+    """Under CP: how many of those this rank stored."""
 
 
 @dataclass(slots=True, eq=False)
@@ -67,8 +73,15 @@ class StorageIO:
         metrics: Metrics,
         page_tokens: int,
         translator: PageTranslator | None = None,
+        layout: CPLayout | None = None,
+        group: Group | None = None,
     ) -> None:
+        """With a CP ``layout`` this rank writes, reads and touches only the page objects it
+        owns (objects are per logical page and do not name the rank, so any CP size reads
+        them), and reaping agrees with the ``group``."""
         self.backend = backend
+        self.layout = layout
+        self.group: Group = group or SoloGroup()
         self.host = host
         self.metrics = metrics
         self.page_tokens = page_tokens
@@ -109,6 +122,20 @@ class StorageIO:
         """
         t0 = time.perf_counter()
         n = len(op.keys)
+        if self.layout is not None:
+            # This rank's shard: the pages on its lane; the others are not its to write.
+            done = torch.ones(n, dtype=torch.bool)
+            mine = torch.nonzero(self.layout.owned_mask(op.pages)).reshape(-1)
+            keys = [op.keys[i] for i in mine.tolist()]
+            stored = 0
+            if keys:  # a zero-owned shard: nothing to write, the op is still acknowledged
+                bufs = self.pages.gather(len(keys), self.pages.slots(op.pages[mine]))
+                stored = self.backend.batch_set(keys, bufs)
+            done[mine[stored:]] = False
+            op.mine, op.stored_here = len(keys), stored
+            self.metrics.inc("storage_write_seconds", time.perf_counter() - t0)
+            self.metrics.inc("storage_write_bytes", stored * self.pages.nbytes)
+            return done
         stored = self.backend.batch_set(op.keys, self.pages.gather(n, self.pages.slots(op.pages)))
         done = torch.zeros(n, dtype=torch.bool)
         done[:stored] = True
@@ -131,16 +158,21 @@ class StorageIO:
         """Spans of the finished writes, each with whether all its pages are now stored (the
         caller unpins the nodes and records that in the tree)."""
         out: list[tuple[Span, bool]] = []
-        for op in [w for w in self._writes if w.future is not None and w.future.done()]:
+        ops = finished(self._writes, lambda w: w.future is not None and w.future.done(), self.group)
+        for op in ops:
             self._writes.remove(op)
             done = op.future.result()
             out += [(sp, bool(done[sp.part.start : sp.part.stop].all())) for sp in op.spans]
-            complete = int(done.sum())
+            complete, total = int(done.sum()), len(op.keys)
+            if op.mine >= 0:  # count this rank's shard
+                complete, total = op.stored_here, op.mine
             self.metrics.inc("storage_backup_pages", complete)
             self.metrics.inc("storage_backup_tokens", complete * self.page_tokens)
-            if complete < len(op.keys):
-                self.metrics.inc("dropped_storage_backups", len(op.keys) - complete)
-        return out
+            if complete < total:
+                self.metrics.inc("dropped_storage_backups", total - complete)
+        # A node is stored only once every rank stored its shard of it.
+        flags = agree_all([ok for _, ok in out], self.group)
+        return [(sp, ok) for (sp, _), ok in zip(out, flags, strict=True)]
 
     def pinned(self) -> list[Span]:
         """Spans of the writes in flight (each pins its node's host copy once)."""
@@ -158,7 +190,7 @@ class StorageIO:
                     op.runs.append(range(start, len(op.keys)))
                     start = None
                 continue
-            ks = keys_of(node)
+            ks = self._mine(node, keys_of(node))
             self._touch_nodes.add(node)
             start = len(op.keys) if start is None else start
             op.spans.append(Span(node, range(len(op.keys), len(op.keys) + len(ks))))
@@ -167,18 +199,22 @@ class StorageIO:
     def flush_touches(self) -> None:
         """Send the queued touches to the I/O thread as one job."""
         op = self._touch_next
-        if not op.keys:
+        if not op.spans:  # not ``keys``: a CP rank owning none of them still issues the op
             return
         self._touch_next, self._touch_nodes = TouchOp(), set()
         op.future = self._pool.submit(
-            lambda: [self.backend.touch(op.keys[r.start : r.stop]) for r in op.runs]
+            lambda: [self.backend.touch(op.keys[r.start : r.stop]) if r else 0 for r in op.runs]
         )
         self._touches.append(op)
 
     def reap_touches(self) -> list[Node]:
         """Nodes (still in the tree) with an object that a finished touch found gone."""
-        lost: list[Node] = []
-        for op in [t for t in self._touches if t.future is not None and t.future.done()]:
+        lost: list[bool] = []
+        ops = finished(
+            self._touches, lambda t: t.future is not None and t.future.done(), self.group
+        )
+        spans: list[Span] = []
+        for op in ops:
             self._touches.remove(op)
             gone = [
                 range(r.start + found, r.stop)
@@ -188,9 +224,11 @@ class StorageIO:
             for sp in op.spans:
                 r = sp.part
                 hit = any(max(r.start, g.start) < min(r.stop, g.stop) for g in gone)
-                if hit and sp.node.parent is not None:
-                    lost.append(sp.node)
-        return lost
+                spans.append(sp)
+                lost.append(hit)
+        # Gone on any rank is gone: that rank's shard must be written again.
+        kept = agree_all([not h for h in lost], self.group)
+        return [sp.node for sp, k in zip(spans, kept, strict=True) if not k and sp.node.parent]
 
     # ---- prefetch -------------------------------------------------------------------------
     def read(self, op: PrefetchOp) -> None:
@@ -209,7 +247,7 @@ class StorageIO:
                 if op.cancel:
                     return
                 hi = min(lo + CHUNK_PAGES, total)
-                got = self._read(self.pages, op.keys[lo:hi], op.pages[lo:hi], op)
+                got = self._read_mine(op.keys[lo:hi], op.pages[lo:hi], op)
                 if self.states is not None and got:
                     got = self._read_states(op, lo, lo + got) - lo
                 op.done_pages = lo + got  # publish only after the bytes are in place
@@ -217,6 +255,25 @@ class StorageIO:
                     return
         finally:
             self.metrics.inc("storage_read_seconds", time.perf_counter() - t0)
+
+    def _read_mine(self, keys: list[PageKey], pages: torch.Tensor, op: PrefetchOp) -> int:
+        """Read the page objects of this rank's shard of ``keys`` (all without CP); returns how
+        many leading pages have nothing left to wait for here (``kvtier.parallel.acks``)."""
+        if self.layout is None:
+            return self._read(self.pages, keys, pages, op)
+        mine = torch.nonzero(self.layout.owned_mask(pages)).reshape(-1)
+        if not mine.numel():
+            return len(keys)
+        got = self._read(self.pages, [keys[i] for i in mine.tolist()], pages[mine], op)
+        return len(keys) if got == mine.numel() else int(mine[got])
+
+    def _mine(self, node: Node, keys: list[PageKey]) -> list[PageKey]:
+        """The keys of ``node``'s pages this rank owns (all of them without CP)."""
+        if self.layout is None:
+            return keys
+        first = (node.depth_tokens() - len(node.tokens)) // self.page_tokens
+        owners = self.layout.owners(first, first + len(keys))
+        return [k for k, o in zip(keys, owners, strict=True) if o == self.layout.rank]
 
     def _read(
         self, codec: ObjectCodec, keys: list[PageKey], pages: torch.Tensor, op: PrefetchOp

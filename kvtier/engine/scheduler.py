@@ -132,7 +132,7 @@ class Scheduler:
                 i += 1
                 continue
             try:
-                page = self.cache.alloc(self.page_size)
+                page = self.cache.alloc(self.page_size, at=req.locs.numel())
             except CapacityError:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -165,7 +165,8 @@ class Scheduler:
         if req.prefetch_tries > MAX_PREFETCH_TRIES:
             return False  # the host tier keeps being too full: recompute rather than starve
         deadline = req.arrival + self.cache.config.prefetch_timeout_s
-        return policy == "wait_complete" or time.perf_counter() < deadline
+        # A clock: every rank of a CP group must read it the same way.
+        return policy == "wait_complete" or self.cache.agree(time.perf_counter() < deadline)
 
     def _admit(self) -> list[Work]:
         work: list[Work] = []
@@ -195,7 +196,7 @@ class Scheduler:
             ld = self.cache.load(m, overlap=self.overlap_loads)
             num_new = len(req.tokens) - ld.locs.numel()
             try:
-                own = self.cache.alloc(num_new)
+                own = self.cache.alloc(num_new, at=ld.locs.numel())
             except CapacityError:
                 # First come, first served: the head waits for running requests to free
                 # pages, and no finished fetch behind it keeps pages pinned meanwhile.

@@ -1,0 +1,240 @@
+"""The cache under context parallelism, ranks as threads (``LocalWorld``): every page keeps its
+owner through device, host and storage; each rank moves only its shard; completions agree;
+objects written at one CP size restore at another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import CacheConfig, TieredCache
+from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.parallel.group import LocalWorld, SoloGroup
+from kvtier.parallel.layout import CPLayout
+from kvtier.pools import PoolSpec
+
+PS = 4
+SPEC = PoolSpec("kv", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32)
+TOKENS = list(range(100, 140))  # 10 pages
+
+
+def _config(tmp_path, cp: int, rank: int, **kw) -> CacheConfig:
+    base = dict(
+        page_size=PS,
+        device_pages=12,
+        host_pages=16,
+        cp_size=cp,
+        cp_rank=rank,
+        storage="file",
+        storage_dir=str(tmp_path),
+        model_fingerprint="test-model",
+        debug_checks=True,
+    )
+    return CacheConfig(**{**base, **kw})
+
+
+def _value(pos: torch.Tensor) -> torch.Tensor:
+    """The bytes a token's KV row holds in this test: a function of its position only."""
+    v = pos.to(torch.float32)[:, None, None, None]
+    return v + torch.arange(8, dtype=torch.float32).view(2, 1, 4) / 8
+
+
+def _write(cache: TieredCache, locs: torch.Tensor, start: int) -> None:
+    """Write positions ``start ..`` at logical ``locs``: only the slots this rank holds."""
+    kv = cache.kv_buffers
+    owned = kv.owned(locs)
+    pos = torch.arange(start, start + locs.numel())
+    if owned is not None:
+        locs, pos = locs[owned], pos[owned]
+    for layer in range(SPEC.num_layers):
+        kv.layer(layer)[kv.slots(locs)] = _value(pos) + layer
+
+
+def _check(cache: TieredCache, locs: torch.Tensor) -> int:
+    """Assert the slots this rank holds of ``locs`` (positions 0 ..) hold their bytes; returns
+    how many slots were checked."""
+    kv = cache.kv_buffers
+    owned = kv.owned(locs)
+    pos = torch.arange(locs.numel())
+    if owned is not None:
+        locs, pos = locs[owned], pos[owned]
+    for layer in range(SPEC.num_layers):
+        got = kv.layer(layer)[kv.slots(locs)]
+        assert torch.equal(got, _value(pos) + layer), f"layer {layer}"
+    return locs.numel()
+
+
+def _serve(cache: TieredCache, expect: str) -> int:
+    """Admit TOKENS: match, (prefetch), lock, load; check the restored bytes; finish."""
+    m = cache.match(TOKENS)
+    if expect == "storage":
+        assert m.storage_len == len(TOKENS) and m.cached_len == 0
+        op = cache.prefetch(m)
+        cache.drain()
+        assert cache.prefetch_ready(op)
+        cache.finish_prefetch(op)
+        m = cache.match(TOKENS, probe_storage=False)
+        expect = "host"
+    assert (m.device_len if expect == "device" else m.host_len) == len(TOKENS), m
+    cache.lock(m.handle)
+    ld = cache.load(m)
+    assert ld.locs.numel() == len(TOKENS)
+    checked = _check(cache, ld.locs)
+    cache.finish(TOKENS, ld.locs, ld.locs.numel(), m.handle)
+    cache.drain()
+    cache.check_integrity()
+    return checked
+
+
+def _owners_hold(cache: TieredCache, layout: CPLayout) -> None:
+    """Every node's device and host pages sit on the lanes of the pages' sequence owners."""
+    for node in cache.tree.nodes():
+        if node.parent is None:
+            continue
+        first = (node.depth_tokens() - len(node.tokens)) // PS
+        owners = layout.owners(first, first + len(node.tokens) // PS)
+        for pages in (node.device, node.host):
+            if pages is not None:
+                assert (pages % layout.cp_size).tolist() == owners
+
+
+def _first_run(tmp_path, cp: int, pattern: str) -> list[list[int]]:
+    def rank(g) -> list[int]:
+        cfg = _config(tmp_path, cp, g.rank, cp_pattern=pattern)
+        layout = CPLayout(cp, g.rank, pattern)
+        with TieredCache(cfg, [SPEC], group=g) as cache:
+            m = cache.match(TOKENS)
+            cache.lock(m.handle)
+            ld = cache.load(m)
+            locs = cache.alloc(len(TOKENS), at=0)
+            assert (locs[::PS] // PS % cp).tolist() == layout.owners(0, 10)
+            _write(cache, locs, 0)
+            cache.finish(TOKENS, locs, 0, m.handle)
+            cache.drain()
+            _owners_hold(cache, layout)
+            counts = [_serve(cache, "device")]
+            cache.flush(host=False)
+            counts.append(_serve(cache, "host"))
+            _owners_hold(cache, layout)
+            cache.flush(host=True)
+            counts.append(_serve(cache, "storage"))
+            _owners_hold(cache, layout)
+            st = cache.stats()
+            assert st["host_backup_pages"] == layout.rank_pages(10)  # this rank's shard, once
+            return counts
+
+    return LocalWorld(cp, timeout=20).run(rank)
+
+
+@pytest.mark.parametrize(("cp", "pattern"), [(2, "round_robin"), (4, "zigzag"), (3, "zigzag")])
+def test_every_tier_keeps_pages_on_their_owners(tmp_path, cp, pattern):
+    counts = _first_run(tmp_path, cp, pattern)
+    layout = CPLayout(cp, 0, pattern)
+    # Each rank checked exactly the slots it owns, at every tier.
+    for r, c in enumerate(counts):
+        assert c == [layout.rank_pages(10, r) * PS] * 3
+
+
+@pytest.mark.parametrize("later", [1, 4])
+def test_storage_written_at_cp2_restores_at_another_size(tmp_path, later):
+    _first_run(tmp_path, 2, "round_robin")
+
+    def rank(g) -> int:
+        cfg = _config(tmp_path, later, g.rank, cp_pattern="zigzag")
+        with TieredCache(cfg, [SPEC], group=g if later > 1 else None) as cache:
+            return _serve(cache, "storage")
+
+    if later == 1:
+        assert rank(SoloGroup()) == len(TOKENS)
+    else:
+        got = LocalWorld(later, timeout=20).run(rank)
+        assert sum(got) == len(TOKENS)
+
+
+def test_zero_owned_rank_still_agrees(tmp_path):
+    """A 1-page prompt at CP=2: rank 1 owns nothing of it, moves nothing, and still sees the
+    same tree and visibility as rank 0."""
+    toks = TOKENS[:PS]
+
+    def rank(g) -> tuple:
+        with TieredCache(_config(tmp_path, 2, g.rank), [SPEC], group=g) as cache:
+            m = cache.match(toks)
+            cache.lock(m.handle)
+            cache.load(m)
+            locs = cache.alloc(PS, at=0)
+            _write(cache, locs, 0)
+            cache.finish(toks, locs, 0, m.handle)
+            cache.drain()
+            cache.flush(host=False)
+            m = cache.match(toks)
+            st = cache.stats()
+            return m.host_len, st["host_backup_pages"], st.get("storage_backup_pages", 0)
+
+    assert LocalWorld(2, timeout=20).run(rank) == [(PS, 1, 1), (PS, 0, 0)]
+
+
+def test_plain_allocation_is_refused_under_cp(tmp_path):
+    """A plain allocation would place pages on arbitrary ranks (the seeds' ``load_cp`` bug):
+    the cache refuses it and the allocator refuses a lane-blind request."""
+
+    def rank(g) -> None:
+        with TieredCache(_config(tmp_path, 2, g.rank), [SPEC], group=g) as cache:
+            with pytest.raises(RequestError, match="under context parallelism .* pass at="):
+                cache.alloc(8)
+            with pytest.raises(IntegrityError, match="plain allocation of 2 pages ignores"):
+                cache.device_pool.allocator.alloc(2)
+            # a host copy on the wrong lane is refused at the transfer boundary
+            with pytest.raises(IntegrityError, match=f"rank {g.rank}: logical page"):
+                cache.controller.mover.device_to_host(
+                    torch.tensor([g.rank]), torch.tensor([1 - g.rank])
+                )
+
+    LocalWorld(2, timeout=20).run(rank)
+
+
+def test_eviction_progress_counts_the_short_lane(tmp_path):
+    """Rank-lane eviction: with lane 0 full, freeing cached pages that live on lane 1 is no
+    progress; the cache evicts until lane 0 has room, counting lane-0 pages only."""
+
+    def rank(g) -> tuple[int, int]:
+        cfg = _config(tmp_path, 2, g.rank, device_pages=4, storage=None, enable_host=False)
+        with TieredCache(cfg, [SPEC], group=g) as cache:
+            alloc = cache.device_pool.allocator
+            # 4 one-page prompts at different depths fill lane 1 (odd sequence pages) ...
+            for i in range(4):
+                toks = [7, i] * PS  # 2 pages: page 0 on rank 0, page 1 on rank 1
+                m = cache.match(toks)
+                cache.lock(m.handle)
+                cache.load(m)
+                locs = cache.alloc(2 * PS, at=0)
+                cache.finish(toks, locs, 0, m.handle)
+            assert (alloc.available_in(0), alloc.available_in(1)) == (0, 0)
+            # ... now a 1-page allocation on lane 0 must evict one node's lane-0 page; the
+            # eviction count is in lane-0 pages (1), not logical pages.
+            ev = cache.controller.evict_device(1, lambda p: int(((p % 2) == 0).sum()))
+            return ev, alloc.available_in(0)
+
+    assert LocalWorld(2, timeout=20).run(rank) == [(1, 1), (1, 1)]
+
+
+def test_misconfigured_groups_fail_fast(tmp_path):
+    with pytest.raises(ConfigError, match="cp_size=2 needs the CP group"):
+        TieredCache(_config(tmp_path, 2, 0), [SPEC])
+    with pytest.raises(ConfigError, match="cp_rank=1 must lie in"):
+        _config(tmp_path, 1, 1)
+    with pytest.raises(ConfigError, match="cp_pattern='spiral' is not one of"):
+        _config(tmp_path, 2, 0, cp_pattern="spiral")
+    state = PoolSpec("state", num_layers=1, row_shape=(4,), dtype=torch.float32, kind="state")
+
+    def rank(g) -> None:
+        with pytest.raises(ConfigError, match=r"cp_size=2 with the state pool\(s\) \['state'\]"):
+            TieredCache(_config(tmp_path, 2, g.rank), [SPEC, state], group=g)
+
+    LocalWorld(2, timeout=5).run(rank)
+
+    def mismatched(g) -> None:
+        cfg = _config(tmp_path, 2, g.rank, device_pages=12 + g.rank)
+        with pytest.raises(ConfigError, match="started caches of different shapes"):
+            TieredCache(cfg, [SPEC], group=g)
+
+    LocalWorld(2, timeout=5).run(mismatched)
