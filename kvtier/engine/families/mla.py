@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine import cp
 from kvtier.engine.common import DTYPES, ConfigBase
 from kvtier.engine.model import (
     DecoderLayer,
@@ -143,25 +144,39 @@ class Indexer(nn.Module):
         out_locs: torch.Tensor,
         anchor: torch.Tensor,
         side: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
     ) -> None:
         """Fill the sidecar for this forward's tokens (``anchor`` already holds their latents).
 
         ``dsa``: one key per new token. ``dsa-compressed``: one row for every group whose last
         token is new, compressed from the group's latents as stored in ``anchor`` and written
-        to sidecar row ``slot // G`` of the group's slots.
+        to sidecar row ``slot // G`` of the group's slots. Under CP only the rows of
+        ``out_rows`` (``dsa``) or of the groups on this rank's pages (``dsa-compressed``: a
+        group lies inside one page, so its owner holds all its latents) are written.
         """
         if self.compress_proj is None:
             keys = rope(self.wk(x)[:, None, :], positions, self.cfg.rope_theta)[:, 0]
+            if out_rows is not None:
+                keys = keys.index_select(0, out_rows)
             side.index_copy_(0, out_locs, keys.to(side.dtype))
             return
         g = self.cfg.index_group
         for s in seqs:
-            ctx_len = s.ctx_locs.shape[0]
+            ctx_len = s.seq_len
             first, last = (ctx_len - s.num_new) // g, ctx_len // g
             if first == last:
                 continue
-            slots = s.ctx_locs[first * g : last * g].view(last - first, g)
-            latents = anchor.index_select(0, slots.reshape(-1)).view(last - first, g, -1)
+            if s.ctx_cols is None:
+                slots = s.ctx_locs[first * g : last * g].view(last - first, g)
+            else:
+                # position -> this rank's slot (-1: on another rank), groups wholly local kept
+                by_pos = torch.full((ctx_len,), -1, dtype=torch.int64, device=x.device)
+                by_pos[s.ctx_cols] = s.ctx_locs
+                slots = by_pos[first * g : last * g].view(last - first, g)
+                slots = slots[slots[:, 0] >= 0]
+                if slots.shape[0] == 0:
+                    continue
+            latents = anchor.index_select(0, slots.reshape(-1)).view(slots.shape[0], g, -1)
             rows = self.compress_proj(self.wk(latents.to(x.dtype)).mean(dim=1))
             side.index_copy_(0, slots[:, 0] // g, rows.to(side.dtype))
 
@@ -178,13 +193,24 @@ class Indexer(nn.Module):
         return torch.einsum("nh,nhc->nc", w, dots) / math.sqrt(c.index_head_dim)
 
     def select(
-        self, x: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, side: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_pos: torch.Tensor,
+        s: SeqSlots,
+        side: torch.Tensor,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
         """Bool ``[n, C]``: the context tokens the ``n`` queries (hidden ``x`` at ``q_pos``) of
         sequence ``s`` attend to. ``dsa``: the ``index_topk`` best of positions ``<= q_pos``,
         the query's own token always among them. ``dsa-compressed``: every token of the
         ``index_topk_groups`` best complete groups before the query's group, plus its own
-        group up to ``q_pos``."""
+        group up to ``q_pos``.
+
+        With a CP ``group``: the choice over the whole context, the same on every rank (each
+        scores its own columns, the scores are gathered), returned for this rank's columns
+        ``s.ctx_cols`` only (``[n, len(ctx_locs)]``)."""
+        if group is not None:
+            return self._select_cp(x, q_pos, s, side, group)
         c, ctx_len = self.cfg, s.ctx_locs.shape[0]
         cols = torch.arange(ctx_len, device=x.device)
         visible = cols[None, :] <= q_pos[:, None]
@@ -202,6 +228,36 @@ class Indexer(nn.Module):
         earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
         picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
         return F.pad(picked, (0, ctx_len - complete * g), value=False) | own
+
+    def _select_cp(
+        self,
+        x: torch.Tensor,
+        q_pos: torch.Tensor,
+        s: SeqSlots,
+        side: torch.Tensor,
+        group: cp.Group,
+    ) -> torch.Tensor:
+        c, ctx_len, local = self.cfg, s.seq_len, cp.require_cols(s)
+        cols = torch.arange(ctx_len, device=x.device)
+        visible = cols[None, :] <= q_pos[:, None]
+        if self.compress_proj is None:
+            mine = self._scores(x, side.index_select(0, s.ctx_locs), q_pos)
+            scores = cp.gather_max(group, cp.scatter_cols(mine, local, ctx_len))
+            scores = scores.masked_fill(cols[None, :] == q_pos[:, None], float("inf"))
+            return top_k_mask(scores, visible, c.index_topk)[:, local]
+        g = c.index_group
+        own = visible & ((cols // g)[None, :] == (q_pos // g)[:, None])
+        complete = ctx_len // g
+        if complete == 0:
+            return own[:, local]
+        # this rank's complete groups: those whose first token it holds
+        firsts = torch.nonzero((local % g == 0) & (local < complete * g)).reshape(-1)
+        rows = side.index_select(0, s.ctx_locs.index_select(0, firsts) // g)
+        mine = self._scores(x, rows, None)
+        scores = cp.gather_max(group, cp.scatter_cols(mine, local[firsts] // g, complete))
+        earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
+        picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
+        return (F.pad(picked, (0, ctx_len - complete * g), value=False) | own)[:, local]
 
 
 class MLAAttention(nn.Module):
@@ -243,6 +299,25 @@ class MLAAttention(nn.Module):
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(n, -1)
 
+    def attend_partial(
+        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` over this rank's latent rows only (CP): ``(out [n, heads,
+        v_head_dim], lse [n, heads])``, ``lse`` float32 and ``-inf`` (``out`` 0) for a query
+        with no allowed local row."""
+        c, ctx = self.cfg, latents.shape[0]
+        c_kv, k_pe = latents.to(q.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(c_kv).view(ctx, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], -1)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
+        scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
+        scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        probs, lse = cp.softmax_partial(scores, mask)
+        out = torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v)
+        return out, lse.transpose(0, 1).float()
+
     def forward(
         self,
         x: torch.Tensor,
@@ -251,17 +326,26 @@ class MLAAttention(nn.Module):
         out_locs: torch.Tensor,
         kv: KVBuffers,
         layer: int,
+        out_rows: torch.Tensor | None = None,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
+        """Write the new tokens' rows (only ``out_rows`` of them when given) and attend; with
+        a CP ``group`` each sequence's partial over this rank's rows is merged over it."""
         c, t = self.cfg, x.shape[0]
         anchor = kv.layer(layer, "kv")
-        anchor.index_copy_(0, out_locs, self.latent(x, positions).to(anchor.dtype))
+        latent = self.latent(x, positions)
+        if out_rows is not None:
+            latent = latent.index_select(0, out_rows)
+        anchor.index_copy_(0, out_locs, latent.to(anchor.dtype))
         side = None
         if self.indexer is not None:
             side = kv.layer(layer, SIDECAR_NAMES[c.variant])
-            self.indexer.write(x, positions, seqs, out_locs, anchor, side)
+            self.indexer.write(x, positions, seqs, out_locs, anchor, side, out_rows)
         q = self.q_proj(x).view(t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_pe = rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
         q = torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
+        if group is not None:
+            return self.o_proj(self._forward_cp(x, q, positions, seqs, anchor, side, group))
         outs, start = [], 0
         for s in seqs:
             end = start + s.num_new
@@ -274,6 +358,31 @@ class MLAAttention(nn.Module):
             outs.append(self.attend(q[start:end], anchor.index_select(0, s.ctx_locs), mask))
             start = end
         return self.o_proj(torch.cat(outs))
+
+    def _forward_cp(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        anchor: torch.Tensor,
+        side: torch.Tensor | None,
+        group: cp.Group,
+    ) -> torch.Tensor:
+        """Every sequence's partial over this rank's rows, merged over ``group`` at once."""
+        outs, lses, start = [], [], 0
+        for s in seqs:
+            end = start + s.num_new
+            q_pos = positions[start:end]
+            if self.indexer is not None and side is not None:
+                mask = self.indexer.select(x[start:end], q_pos, s, side, group)
+            else:
+                mask = cp.local_visible(s, q_pos)
+            o, lse = self.attend_partial(q[start:end], anchor.index_select(0, s.ctx_locs), mask)
+            outs.append(o)
+            lses.append(lse)
+            start = end
+        return cp.merge_partials(group, torch.cat(outs), torch.cat(lses))[0].reshape(x.shape[0], -1)
 
 
 class MLAModel(DecoderLM):
@@ -308,4 +417,4 @@ class MLAModel(DecoderLM):
         return 1_000_003 if ".indexer." in name else 0
 
     def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv, i)
+        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv, i, b.out_rows, b.group)
