@@ -95,6 +95,19 @@ def batch_out_rows(seqs: Any) -> torch.Tensor:
     return torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
 
 
+def group_slots(s: SeqSlots, first: int, last: int, g: int) -> torch.Tensor:
+    """``[groups, g]`` physical slots of the ``g``-token groups ``first .. last - 1`` of ``s``
+    that this rank holds (all of them without CP). A group lies inside one page (pages are
+    multiples of ``g``), so a rank holds all of a group's tokens or none."""
+    if s.ctx_cols is None:
+        return s.ctx_locs[first * g : last * g].view(last - first, g)
+    # position -> this rank's slot (-1: held by another rank)
+    by_pos = torch.full((s.seq_len,), -1, dtype=torch.int64, device=s.ctx_locs.device)
+    by_pos[s.ctx_cols] = s.ctx_locs
+    slots = by_pos[first * g : last * g].view(last - first, g)
+    return slots[slots[:, 0] >= 0]
+
+
 def local_visible(s: SeqSlots, q_pos: torch.Tensor) -> torch.Tensor:
     """Bool ``[n, C_local]``: causal visibility of this rank's context rows to the queries."""
     return require_cols(s)[None, :] <= q_pos[:, None]

@@ -166,16 +166,9 @@ class Indexer(nn.Module):
             first, last = (ctx_len - s.num_new) // g, ctx_len // g
             if first == last:
                 continue
-            if s.ctx_cols is None:
-                slots = s.ctx_locs[first * g : last * g].view(last - first, g)
-            else:
-                # position -> this rank's slot (-1: on another rank), groups wholly local kept
-                by_pos = torch.full((ctx_len,), -1, dtype=torch.int64, device=x.device)
-                by_pos[s.ctx_cols] = s.ctx_locs
-                slots = by_pos[first * g : last * g].view(last - first, g)
-                slots = slots[slots[:, 0] >= 0]
-                if slots.shape[0] == 0:
-                    continue
+            slots = cp.group_slots(s, first, last, g)
+            if slots.shape[0] == 0:
+                continue
             latents = anchor.index_select(0, slots.reshape(-1)).view(slots.shape[0], g, -1)
             rows = self.compress_proj(self.wk(latents.to(x.dtype)).mean(dim=1))
             side.index_copy_(0, slots[:, 0] // g, rows.to(side.dtype))
@@ -284,27 +277,9 @@ class MLAAttention(nn.Module):
         k_pe = rope(k_pe[:, None, :], positions, c.rope_theta)[:, 0]
         return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
 
-    def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``n`` queries ``[n, heads, nope + rope]`` (RoPE applied) over ``C`` latent rows where
-        ``mask`` (``[n, C]``) allows; returns ``[n, heads * v_head_dim]``."""
-        c, n, ctx = self.cfg, q.shape[0], latents.shape[0]
-        c_kv, k_pe = latents.to(q.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        kv = self.kv_b_proj(c_kv).view(ctx, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], -1)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
-        scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
-        scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
-        scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(n, -1)
-
-    def attend_partial(
-        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`attend` over this rank's latent rows only (CP): ``(out [n, heads,
-        v_head_dim], lse [n, heads])``, ``lse`` float32 and ``-inf`` (``out`` 0) for a query
-        with no allowed local row."""
+    def _scores(self, q: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores ``[heads, n, C]`` (float32 or wider) of ``n`` queries over ``C`` latent rows,
+        and the rows' decompressed values ``[C, heads, v_head_dim]``."""
         c, ctx = self.cfg, latents.shape[0]
         c_kv, k_pe = latents.to(q.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         kv = self.kv_b_proj(c_kv).view(ctx, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
@@ -313,10 +288,24 @@ class MLAAttention(nn.Module):
         scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
         scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
         scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        return scores.to(torch.promote_types(scores.dtype, torch.float32)), v
+
+    def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``n`` queries ``[n, heads, nope + rope]`` (RoPE applied) over ``C`` latent rows where
+        ``mask`` (``[n, C]``) allows; returns ``[n, heads * v_head_dim]``."""
+        scores, v = self._scores(q, latents)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(q.shape[0], -1)
+
+    def attend_partial(
+        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` over this rank's latent rows only (CP): ``(out [n, heads,
+        v_head_dim], lse [n, heads])``, ``lse`` float32, ``-inf`` (``out`` 0) for a query
+        with no allowed local row."""
+        scores, v = self._scores(q, latents)
         probs, lse = cp.softmax_partial(scores, mask)
-        out = torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v)
-        return out, lse.transpose(0, 1).float()
+        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v), lse.transpose(0, 1).float()
 
     def forward(
         self,
@@ -344,45 +333,29 @@ class MLAAttention(nn.Module):
         q = self.q_proj(x).view(t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_pe = rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
         q = torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
-        if group is not None:
-            return self.o_proj(self._forward_cp(x, q, positions, seqs, anchor, side, group))
-        outs, start = [], 0
-        for s in seqs:
-            end = start + s.num_new
-            q_pos = positions[start:end]
-            if self.indexer is not None and side is not None:
-                mask = self.indexer.select(x[start:end], q_pos, s, side)
-            else:
-                cols = torch.arange(s.ctx_locs.shape[0], device=x.device)
-                mask = cols[None, :] <= q_pos[:, None]
-            outs.append(self.attend(q[start:end], anchor.index_select(0, s.ctx_locs), mask))
-            start = end
-        return self.o_proj(torch.cat(outs))
-
-    def _forward_cp(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[SeqSlots],
-        anchor: torch.Tensor,
-        side: torch.Tensor | None,
-        group: cp.Group,
-    ) -> torch.Tensor:
-        """Every sequence's partial over this rank's rows, merged over ``group`` at once."""
         outs, lses, start = [], [], 0
         for s in seqs:
             end = start + s.num_new
             q_pos = positions[start:end]
             if self.indexer is not None and side is not None:
                 mask = self.indexer.select(x[start:end], q_pos, s, side, group)
-            else:
+            elif group is not None:
                 mask = cp.local_visible(s, q_pos)
-            o, lse = self.attend_partial(q[start:end], anchor.index_select(0, s.ctx_locs), mask)
-            outs.append(o)
-            lses.append(lse)
+            else:
+                cols = torch.arange(s.ctx_locs.shape[0], device=x.device)
+                mask = cols[None, :] <= q_pos[:, None]
+            latents = anchor.index_select(0, s.ctx_locs)
+            if group is None:
+                outs.append(self.attend(q[start:end], latents, mask))
+            else:  # this rank's partial, merged below
+                o, lse = self.attend_partial(q[start:end], latents, mask)
+                outs.append(o)
+                lses.append(lse)
             start = end
-        return cp.merge_partials(group, torch.cat(outs), torch.cat(lses))[0].reshape(x.shape[0], -1)
+        if group is None:
+            return self.o_proj(torch.cat(outs))
+        merged = cp.merge_partials(group, torch.cat(outs), torch.cat(lses))[0]
+        return self.o_proj(merged.reshape(t, -1))
 
 
 class MLAModel(DecoderLM):
