@@ -61,7 +61,13 @@ class LLM:
         cache_config = dataclasses.replace(
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
-        self.cache = TieredCache(cache_config, model.pool_specs(), group=group)
+        specs = model.pool_specs()
+        # without CP the cache is built exactly as before (no group argument at all)
+        self.cache = (
+            TieredCache(cache_config, specs)
+            if group is None
+            else TieredCache(cache_config, specs, group=group)
+        )
         kv = self.cache.kv_buffers
         self.model = model.to(kv.device)
         self.scheduler = Scheduler(
