@@ -23,6 +23,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
 from kvtier.errors import ConfigError, RequestError
+from kvtier.parallel.group import Group
 
 Prompt = Sequence[int] | str
 
@@ -43,7 +44,10 @@ class LLM:
         max_running: int = 16,
         max_prefill_tokens: int = 4096,
         overlap_loads: bool = True,
+        group: Group | None = None,
     ) -> None:
+        """``group``: the context-parallel group this rank belongs to (``None`` without
+        context parallelism); every rank of it runs the same requests."""
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
@@ -57,7 +61,13 @@ class LLM:
         cache_config = dataclasses.replace(
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
-        self.cache = TieredCache(cache_config, model.pool_specs())
+        specs = model.pool_specs()
+        # without CP the cache is built exactly as before (no group argument at all)
+        self.cache = (
+            TieredCache(cache_config, specs)
+            if group is None
+            else TieredCache(cache_config, specs, group=group)
+        )
         kv = self.cache.kv_buffers
         self.model = model.to(kv.device)
         self.scheduler = Scheduler(
@@ -142,14 +152,29 @@ class LLM:
         # Right after the step's device → host read: the backups the poll queues have until the
         # next step's read to finish (``CacheConfig.backup_share``), so none delays it.
         self.cache.poll()
-        tokens: list[int] = []
-        for i, w in enumerate(list(work)):
+        sampled: list[int] = []
+        errors: dict[int, Exception] = {}
+        for i, w in enumerate(work):
             try:
-                tokens += self.runner.sample([w], logits[i : i + 1])
+                sampled += self.runner.sample([w], logits[i : i + 1])
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                errors[i] = e
+                sampled.append(-1)
+        # Once per step over every item, on every CP rank: the same tokens everywhere, and an
+        # item that failed on any rank (-1, the minimum) fails on all of them.
+        agreed = self.runner.agree(sampled)
+        ok: list[Work] = []
+        tokens: list[int] = []
+        for i, (w, t) in enumerate(zip(work, agreed, strict=True)):
+            if t >= 0:
+                ok.append(w)
+                tokens.append(t)
+            else:
+                e = errors.get(i) or RequestError(
+                    f"request {w.req.id}: sampling failed on another CP rank"
+                )
                 failed.append((w.req, e))
-                work.remove(w)
-        finished = self.scheduler.update(work, tokens)
+        finished = self.scheduler.update(ok, tokens)
         finished += [self.scheduler.abort(req, e) for req, e in failed]
         return [r.to_output(self._decode(r.output)) for r in finished]
 

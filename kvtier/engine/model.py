@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine import cp
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.ops import RMSNorm, linear, rope
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
@@ -50,6 +52,20 @@ class SeqSlots:
     state_out: list[tuple[int, int]] = field(default_factory=list)
     """Stateful models: ``(i, row)`` pairs: after new token ``i`` (0-based among the new
     tokens), write the state into row ``row`` of the pool's state component (a checkpoint)."""
+    ctx_cols: torch.Tensor | None = None
+    """Context parallelism: int64 ``[len(ctx_locs)]``, the positions (ascending) of the rows in
+    ``ctx_locs``, which are only the rows this rank holds. ``None``: ``ctx_locs[i]`` is
+    position ``i`` (every row)."""
+    out_rows: torch.Tensor | None = None
+    """Context parallelism: int64, which of the ``num_new`` tokens (0-based) this rank writes,
+    aligned with ``out_locs``. ``None``: all of them."""
+    context_len: int | None = None
+    """Context parallelism: the whole context's length. ``None``: ``len(ctx_locs)``."""
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the whole context (cached prefix + new tokens), on every rank."""
+        return self.ctx_locs.shape[0] if self.context_len is None else self.context_len
 
 
 @dataclass(slots=True)
@@ -64,48 +80,11 @@ class ForwardBatch:
     """``[T]``: the pool slots receiving the tokens' rows (the sequences' ``out_locs``)."""
     kv: KVBuffers
     """The pool set the layers write and read."""
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    """A bias-optional projection with zero weights, for ``DecoderLM.init_random`` to fill."""
-    # built on meta so construction leaves torch's global RNG alone
-    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device="meta")
-    lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
-    if bias:
-        lin.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype), requires_grad=False)
-    return lin
-
-
-def rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    inv_freq: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout).
-
-    ``inv_freq`` (``[head_dim // 2]``, float32, on ``x``'s device) replaces the unscaled
-    frequencies of base ``theta``."""
-    d = x.shape[-1]
-    if inv_freq is None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    group: cp.Group | None = None
+    """The CP group the attention partials merge over; ``None`` without context parallelism."""
+    out_rows: torch.Tensor | None = None
+    """Context parallelism: indices into the ``T`` tokens of the rows this rank writes, aligned
+    with ``out_locs``. ``None``: every token's row."""
 
 
 QUERY_CHUNK = 1024
@@ -164,7 +143,12 @@ class Attention(nn.Module):
         seqs: Sequence[SeqSlots],
         out_locs: torch.Tensor,
         kv: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
+        """Write the new tokens' K/V rows (only ``out_rows`` of them when given) and attend.
+        With a CP ``group`` each sequence's attention is this rank's partial, merged over the
+        group (``cp.merge_partials``)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -176,7 +160,12 @@ class Attention(nn.Module):
             self._inv_freq = self._inv_freq.to(x.device)
         q = rope(q, positions, self.theta, self._inv_freq)
         k = rope(k, positions, self.theta, self._inv_freq)
-        kv.index_copy_(0, out_locs, torch.stack((k, v), dim=1).to(kv.dtype))
+        rows = torch.stack((k, v), dim=1)
+        if out_rows is not None:
+            rows = rows.index_select(0, out_rows)
+        kv.index_copy_(0, out_locs, rows.to(kv.dtype))
+        if group is not None:
+            return self.o_proj(cp.dense_attention(q, positions, seqs, kv, group).reshape(t, -1))
         outs, start = [], 0
         for s in seqs:
             end = start + s.num_new
@@ -254,6 +243,10 @@ class DecoderLM(nn.Module):
 
     stateful = False
     """Attention-only: no recurrent state, no checkpoints."""
+
+    supports_cp = True
+    """Runs sharded over a context-parallel group (``kvtier.engine.cp``); a family that cannot
+    says ``False`` and a CP forward raises ``ConfigError``."""
 
     def __init__(
         self, config: ConfigBase, layers: Iterable[nn.Module], tie_word_embeddings: bool = False
@@ -345,11 +338,17 @@ class DecoderLM(nn.Module):
         Returns float32 logits of each sequence's last token (``[len(seqs), vocab]``), or of
         every token when ``all_logits``. Each sequence's attention is computed on its own, so
         the result depends only on its tokens and the batch's composition.
+        When ``kv`` is one rank's shard of a CP group (``kv.group``), ``seqs`` come from
+        ``cp.seq_slots`` and every rank runs the same batch (``kvtier.engine.cp``).
         ``before_layer(j)`` is called before the first layer that reads anchor-pool layer ``j``
         (and with 0 before layer 0): where a load that is still arriving is waited for.
         """
         self.check_batch(input_ids, seqs)
         b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
+        group = cp.cp_group(kv)
+        if group is not None:
+            cp.check_supported(self, group)
+            b.group, b.out_rows = group, cp.batch_out_rows(seqs)
         x = self.model.embed_tokens(input_ids)
         anchor = self.anchor_layers()
         for i, layer in enumerate(self.model.layers):
@@ -387,4 +386,6 @@ class CausalLM(DecoderLM):
         )
 
     def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv.layer(i))
+        return layer.self_attn(
+            h, b.positions, b.seqs, b.out_locs, b.kv.layer(i), b.out_rows, b.group
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.engine import cp
 from kvtier.engine.model import CausalLM, SeqSlots
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
@@ -25,10 +26,13 @@ class ModelRunner:
         self.checkpoint_every = (
             int(getattr(model.config, "checkpoint_every", 1)) if self.stateful else 0
         )
+        self.group = cp.cp_group(kv)
+        """The CP group this rank runs in (``None`` without context parallelism)."""
+        cp.check_supported(model, self.group)
 
     def run(self, work: list[Work]) -> list[int]:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
-        return self.sample(work, self.forward(work))
+        return self.agree(self.sample(work, self.forward(work)))
 
     def forward(self, work: list[Work]) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
@@ -43,6 +47,9 @@ class ModelRunner:
             start, end = req.num_computed, req.num_computed + w.num_new
             ids.extend(req.tokens[start:end])
             positions.extend(range(start, end))
+            if self.group is not None:
+                seqs.append(cp.seq_slots(self.kv, req.locs[:end], start, self.device))
+                continue
             phys = self.kv.slots(req.locs[:end])
             ctx = phys.to(self.device, non_blocking=True)
             seq = SeqSlots(w.num_new, ctx[start:], ctx)
@@ -68,6 +75,15 @@ class ModelRunner:
             tokens.append(sample(logits[i], w.req.params, w.req.generator))
             w.req.record_logits(logits[i])
         return tokens
+
+    def agree(self, tokens: list[int]) -> list[int]:
+        """The step's tokens, the same on every CP rank: the elementwise minimum over the
+        group (ranks whose generators differ still continue identically). A negative entry
+        (an item that failed here) stays negative everywhere. Without CP: ``tokens``. Every
+        rank calls it once per step with one entry per item, in the same order."""
+        if self.group is None:
+            return tokens
+        return self.group.all_reduce_min_many(tokens)
 
     def _attach_state(self, req, seq: SeqSlots, start: int, end: int, locs: torch.Tensor) -> None:
         """Give a stateful model the request's running state and where to checkpoint it.

@@ -180,6 +180,10 @@ class HybridModel(DecoderLM):
     stateful = True
     """Recurrent layers carry a running state; the engine checkpoints it per page."""
 
+    supports_cp = False
+    """The running state spans every page, so it cannot be sharded by page (context
+    parallelism)."""
+
     def __init__(self, config: HybridConfig) -> None:
         attn = config.attn_layers
         super().__init__(config, (HybridLayer(config, i in attn) for i in range(config.num_layers)))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine import cp
 from kvtier.engine.common import DTYPES, ConfigBase
 from kvtier.engine.model import (
     DecoderLayer,
@@ -143,25 +144,32 @@ class Indexer(nn.Module):
         out_locs: torch.Tensor,
         anchor: torch.Tensor,
         side: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
     ) -> None:
         """Fill the sidecar for this forward's tokens (``anchor`` already holds their latents).
 
         ``dsa``: one key per new token. ``dsa-compressed``: one row for every group whose last
         token is new, compressed from the group's latents as stored in ``anchor`` and written
-        to sidecar row ``slot // G`` of the group's slots.
+        to sidecar row ``slot // G`` of the group's slots. Under CP only the rows of
+        ``out_rows`` (``dsa``) or of the groups on this rank's pages (``dsa-compressed``: a
+        group lies inside one page, so its owner holds all its latents) are written.
         """
         if self.compress_proj is None:
             keys = rope(self.wk(x)[:, None, :], positions, self.cfg.rope_theta)[:, 0]
+            if out_rows is not None:
+                keys = keys.index_select(0, out_rows)
             side.index_copy_(0, out_locs, keys.to(side.dtype))
             return
         g = self.cfg.index_group
         for s in seqs:
-            ctx_len = s.ctx_locs.shape[0]
+            ctx_len = s.seq_len
             first, last = (ctx_len - s.num_new) // g, ctx_len // g
             if first == last:
                 continue
-            slots = s.ctx_locs[first * g : last * g].view(last - first, g)
-            latents = anchor.index_select(0, slots.reshape(-1)).view(last - first, g, -1)
+            slots = cp.group_slots(s, first, last, g)
+            if slots.shape[0] == 0:
+                continue
+            latents = anchor.index_select(0, slots.reshape(-1)).view(slots.shape[0], g, -1)
             rows = self.compress_proj(self.wk(latents.to(x.dtype)).mean(dim=1))
             side.index_copy_(0, slots[:, 0] // g, rows.to(side.dtype))
 
@@ -178,13 +186,24 @@ class Indexer(nn.Module):
         return torch.einsum("nh,nhc->nc", w, dots) / math.sqrt(c.index_head_dim)
 
     def select(
-        self, x: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, side: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_pos: torch.Tensor,
+        s: SeqSlots,
+        side: torch.Tensor,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
         """Bool ``[n, C]``: the context tokens the ``n`` queries (hidden ``x`` at ``q_pos``) of
         sequence ``s`` attend to. ``dsa``: the ``index_topk`` best of positions ``<= q_pos``,
         the query's own token always among them. ``dsa-compressed``: every token of the
         ``index_topk_groups`` best complete groups before the query's group, plus its own
-        group up to ``q_pos``."""
+        group up to ``q_pos``.
+
+        With a CP ``group``: the choice over the whole context, the same on every rank (each
+        scores its own columns, the scores are gathered), returned for this rank's columns
+        ``s.ctx_cols`` only (``[n, len(ctx_locs)]``)."""
+        if group is not None:
+            return self._select_cp(x, q_pos, s, side, group)
         c, ctx_len = self.cfg, s.ctx_locs.shape[0]
         cols = torch.arange(ctx_len, device=x.device)
         visible = cols[None, :] <= q_pos[:, None]
@@ -202,6 +221,36 @@ class Indexer(nn.Module):
         earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
         picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
         return F.pad(picked, (0, ctx_len - complete * g), value=False) | own
+
+    def _select_cp(
+        self,
+        x: torch.Tensor,
+        q_pos: torch.Tensor,
+        s: SeqSlots,
+        side: torch.Tensor,
+        group: cp.Group,
+    ) -> torch.Tensor:
+        c, ctx_len, local = self.cfg, s.seq_len, cp.require_cols(s)
+        cols = torch.arange(ctx_len, device=x.device)
+        visible = cols[None, :] <= q_pos[:, None]
+        if self.compress_proj is None:
+            mine = self._scores(x, side.index_select(0, s.ctx_locs), q_pos)
+            scores = cp.gather_max(group, cp.scatter_cols(mine, local, ctx_len))
+            scores = scores.masked_fill(cols[None, :] == q_pos[:, None], float("inf"))
+            return top_k_mask(scores, visible, c.index_topk)[:, local]
+        g = c.index_group
+        own = visible & ((cols // g)[None, :] == (q_pos // g)[:, None])
+        complete = ctx_len // g
+        if complete == 0:
+            return own[:, local]
+        # this rank's complete groups: those whose first token it holds
+        firsts = torch.nonzero((local % g == 0) & (local < complete * g)).reshape(-1)
+        rows = side.index_select(0, s.ctx_locs.index_select(0, firsts) // g)
+        mine = self._scores(x, rows, None)
+        scores = cp.gather_max(group, cp.scatter_cols(mine, local[firsts] // g, complete))
+        earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
+        picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
+        return (F.pad(picked, (0, ctx_len - complete * g), value=False) | own)[:, local]
 
 
 class MLAAttention(nn.Module):
@@ -228,10 +277,10 @@ class MLAAttention(nn.Module):
         k_pe = rope(k_pe[:, None, :], positions, c.rope_theta)[:, 0]
         return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
 
-    def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``n`` queries ``[n, heads, nope + rope]`` (RoPE applied) over ``C`` latent rows where
-        ``mask`` (``[n, C]``) allows; returns ``[n, heads * v_head_dim]``."""
-        c, n, ctx = self.cfg, q.shape[0], latents.shape[0]
+    def _scores(self, q: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores ``[heads, n, C]`` (float32 or wider) of ``n`` queries over ``C`` latent rows,
+        and the rows' decompressed values ``[C, heads, v_head_dim]``."""
+        c, ctx = self.cfg, latents.shape[0]
         c_kv, k_pe = latents.to(q.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         kv = self.kv_b_proj(c_kv).view(ctx, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], -1)
@@ -239,9 +288,24 @@ class MLAAttention(nn.Module):
         scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
         scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
         scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        return scores.to(torch.promote_types(scores.dtype, torch.float32)), v
+
+    def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``n`` queries ``[n, heads, nope + rope]`` (RoPE applied) over ``C`` latent rows where
+        ``mask`` (``[n, C]``) allows; returns ``[n, heads * v_head_dim]``."""
+        scores, v = self._scores(q, latents)
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(n, -1)
+        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v).reshape(q.shape[0], -1)
+
+    def attend_partial(
+        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` over this rank's latent rows only (CP): ``(out [n, heads,
+        v_head_dim], lse [n, heads])``, ``lse`` float32, ``-inf`` (``out`` 0) for a query
+        with no allowed local row."""
+        scores, v = self._scores(q, latents)
+        probs, lse = cp.softmax_partial(scores, mask)
+        return torch.einsum("hnc,chd->nhd", probs.to(v.dtype), v), lse.transpose(0, 1).float()
 
     def forward(
         self,
@@ -251,29 +315,47 @@ class MLAAttention(nn.Module):
         out_locs: torch.Tensor,
         kv: KVBuffers,
         layer: int,
+        out_rows: torch.Tensor | None = None,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
+        """Write the new tokens' rows (only ``out_rows`` of them when given) and attend; with
+        a CP ``group`` each sequence's partial over this rank's rows is merged over it."""
         c, t = self.cfg, x.shape[0]
         anchor = kv.layer(layer, "kv")
-        anchor.index_copy_(0, out_locs, self.latent(x, positions).to(anchor.dtype))
+        latent = self.latent(x, positions)
+        if out_rows is not None:
+            latent = latent.index_select(0, out_rows)
+        anchor.index_copy_(0, out_locs, latent.to(anchor.dtype))
         side = None
         if self.indexer is not None:
             side = kv.layer(layer, SIDECAR_NAMES[c.variant])
-            self.indexer.write(x, positions, seqs, out_locs, anchor, side)
+            self.indexer.write(x, positions, seqs, out_locs, anchor, side, out_rows)
         q = self.q_proj(x).view(t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_pe = rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
         q = torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
-        outs, start = [], 0
+        outs, lses, start = [], [], 0
         for s in seqs:
             end = start + s.num_new
             q_pos = positions[start:end]
             if self.indexer is not None and side is not None:
-                mask = self.indexer.select(x[start:end], q_pos, s, side)
+                mask = self.indexer.select(x[start:end], q_pos, s, side, group)
+            elif group is not None:
+                mask = cp.local_visible(s, q_pos)
             else:
                 cols = torch.arange(s.ctx_locs.shape[0], device=x.device)
                 mask = cols[None, :] <= q_pos[:, None]
-            outs.append(self.attend(q[start:end], anchor.index_select(0, s.ctx_locs), mask))
+            latents = anchor.index_select(0, s.ctx_locs)
+            if group is None:
+                outs.append(self.attend(q[start:end], latents, mask))
+            else:  # this rank's partial, merged below
+                o, lse = self.attend_partial(q[start:end], latents, mask)
+                outs.append(o)
+                lses.append(lse)
             start = end
-        return self.o_proj(torch.cat(outs))
+        if group is None:
+            return self.o_proj(torch.cat(outs))
+        merged = cp.merge_partials(group, torch.cat(outs), torch.cat(lses))[0]
+        return self.o_proj(merged.reshape(t, -1))
 
 
 class MLAModel(DecoderLM):
@@ -308,4 +390,4 @@ class MLAModel(DecoderLM):
         return 1_000_003 if ".indexer." in name else 0
 
     def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv, i)
+        return layer.self_attn(h, b.positions, b.seqs, b.out_locs, b.kv, i, b.out_rows, b.group)

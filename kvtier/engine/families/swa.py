@@ -124,3 +124,7 @@ class SWAModel(CausalLM):
 
     stateful = False
     """Attention-only: no recurrent state, no checkpoints."""
+
+    supports_cp = False
+    """Window attention reads a trailing slice of the local rows, not yet sharded (context
+    parallelism)."""

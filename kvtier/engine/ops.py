@@ -1,0 +1,49 @@
+"""Building blocks every model family shares: RMS normalisation, zero-initialised projections
+(filled later by ``DecoderLM.init_random``) and rotary position embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    """A bias-optional projection with zero weights, for ``DecoderLM.init_random`` to fill."""
+    # built on meta so construction leaves torch's global RNG alone
+    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device="meta")
+    lin.weight = nn.Parameter(torch.zeros(n_out, n_in, dtype=dtype), requires_grad=False)
+    if bias:
+        lin.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype), requires_grad=False)
+    return lin
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    inv_freq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout).
+
+    ``inv_freq`` (``[head_dim // 2]``, float32, on ``x``'s device) replaces the unscaled
+    frequencies of base ``theta``."""
+    d = x.shape[-1]
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
