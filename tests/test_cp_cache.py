@@ -105,7 +105,7 @@ def _first_run(tmp_path, cp: int, pattern: str) -> list[list[int]]:
         with TieredCache(cfg, [SPEC], group=g) as cache:
             m = cache.match(TOKENS)
             cache.lock(m.handle)
-            ld = cache.load(m)
+            cache.load(m)
             locs = cache.alloc(len(TOKENS), at=0)
             assert (locs[::PS] // PS % cp).tolist() == layout.owners(0, 10)
             _write(cache, locs, 0)
