@@ -1,8 +1,8 @@
 """The content oracle under context parallelism, in real processes (gloo on 127.0.0.1).
 
-For the dense, MLA and DSA families at CP=2: the first run, a device hit and a host restore
+For the dense, MLA and DSA families at CP=2 and CP=4: the first run, a device hit and a host restore
 give the tokens of a CP=1 cold run with logits within float32 tolerance, and the restored bytes
-equal the ones first written. Fresh processes at CP=2, and at other CP sizes (1 and 4) reading
+equal the ones first written. Fresh processes at the same CP size, and at other CP sizes (1 and 4) reading
 the objects CP=2 wrote, restore from storage alone with the same outputs and bytes. A rank that
 dies inside a storage write makes the other fail within the timeout, naming it.
 """
@@ -58,12 +58,13 @@ def _union(rank_rows: list[dict]) -> dict:
     return out
 
 
+@pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cp2_every_tier_matches_cp1_cold(tmp_path, family):
+def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
     base, prompts = _prompts(_vocab(family))
     ref = cold(family, prompts)
     store = str(tmp_path / "l3")
-    ranks = results(launch(2, live, family, store, prompts, base, timeout=30))
+    ranks = results(launch(cp, live, family, store, prompts, base, timeout=30))
     written = _union([r["rows"] for r in ranks])
     assert sorted(written) == list(range(100 // 16))  # every page of the prefix, once
     for r in ranks:
@@ -73,8 +74,8 @@ def test_cp2_every_tier_matches_cp1_cold(tmp_path, family):
         assert all(o["cached"][0] > 0 for o in r["device"])
         assert all(o["cached"][1] > 0 for o in r["host"])
         assert _rows_equal(r["restored"], written) == len(r["rows"])
-    # fresh processes at CP=2 restore from storage alone
-    again = results(launch(2, restore, family, store, prompts, base, timeout=30))
+    # fresh processes at the same CP size restore from storage alone
+    again = results(launch(cp, restore, family, store, prompts, base, timeout=30))
     assert sum(_rows_equal(r["rows"], written) for r in again) == len(written)
     for r in again:
         _same(r["outs"], ref, "storage restore")
