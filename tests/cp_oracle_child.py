@@ -16,12 +16,15 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
 
 
 def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
+    """``storage_dir`` is a directory (file L3), a ``mooncake://`` URL or ``None`` (no L2/L3)."""
+    mooncake = storage_dir is not None and storage_dir.startswith("mooncake://")
     return CacheConfig(
         page_size=PAGE,
         device_pages=48,
         host_pages=96,
-        storage="file" if storage_dir else None,
-        storage_dir=storage_dir or "unused",
+        storage=("mooncake" if mooncake else "file") if storage_dir else None,
+        storage_url=storage_dir if mooncake else None,
+        storage_dir="unused" if mooncake or not storage_dir else storage_dir,
         enable_host=storage_dir is not None,
         prefetch_policy="wait_complete",
         cp_size=cp,

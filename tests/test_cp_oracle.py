@@ -4,7 +4,8 @@ For the dense, MLA and DSA families at CP=2 and CP=4: the first run, a device hi
 give the tokens of a CP=1 cold run with logits within float32 tolerance, and the restored bytes
 equal the ones first written. Fresh processes at the same CP size, and at other CP sizes (1 and 4) reading
 the objects CP=2 wrote, restore from storage alone with the same outputs and bytes. A rank that
-dies inside a storage write makes the other fail within the timeout, naming it.
+dies inside a storage write makes the other fail within the timeout, naming it. Cross-size
+reuse runs on the file backend and on a real Mooncake Store.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import pytest
 import torch
 from cp_oracle_child import cold, die_mid_write, live, restore, restore_solo
+from mooncake_harness import mooncake_cluster  # noqa: F401 - fixture
 
 from kvtier.parallel.launch import launch, results
 
@@ -82,11 +84,9 @@ def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
         assert r["outs"][0]["cached"][2] > 0
 
 
-def test_l3_written_at_cp2_restores_at_cp1_and_cp4(tmp_path):
-    family = "mla"
+def _cross_size(store: str, family: str) -> None:
     base, prompts = _prompts(_vocab(family))
     ref = cold(family, prompts)
-    store = str(tmp_path / "l3")
     written = _union([r["rows"] for r in results(launch(2, live, family, store, prompts, base))])
     solo = restore_solo(family, store, prompts, base)
     assert _rows_equal(solo["rows"], written) == len(written)
@@ -96,6 +96,14 @@ def test_l3_written_at_cp2_restores_at_cp1_and_cp4(tmp_path):
     assert sum(_rows_equal(r["rows"], written) for r in four) == len(written)
     for r in four:
         _same(r["outs"], ref, "CP=4 from CP=2 storage")
+
+
+def test_file_l3_written_at_cp2_restores_at_cp1_and_cp4(tmp_path):
+    _cross_size(str(tmp_path / "l3"), "mla")
+
+
+def test_mooncake_l3_written_at_cp2_restores_at_cp1_and_cp4(mooncake_cluster):  # noqa: F811
+    _cross_size(mooncake_cluster.url(timeout_s=5), "dsa")
 
 
 def test_a_rank_dying_mid_transfer_is_named(tmp_path):
