@@ -35,6 +35,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         device_pages=args.device_pages,
         seed=args.seed,
+        cp=args.cp,
     )
     summary = demo.run_demo(cfg)
     if args.json:
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=_positive, default=12)
     d.add_argument("--device-pages", type=_positive, default=64)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--cp", type=_positive, default=1, help="context-parallel ranks (local gloo processes)"
+    )
     d.add_argument("--restart-phase", metavar="WORK_FILE", help=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 

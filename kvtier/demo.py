@@ -62,11 +62,16 @@ class DemoConfig:
     """Requests decoded together."""
     seed: int = 0
     """Workload seed."""
+    cp: int = 1
+    """Context-parallel ranks (local processes over gloo); the group's device pages add up to
+    ``device_pages``, and each rank's outputs are checked against a cold CP=1 run."""
     logit_tolerance: float | None = None
     """Largest |logit difference| to the cold run, over every generated step, that the oracle
     accepts; ``None`` picks it from the model's dtype (``kvtier.oracle.LOGIT_TOLERANCES``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ConfigError(f"cp must be a positive integer, got {self.cp!r}")
         tol = self.logit_tolerance
         if tol is not None and (
             isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 <= tol < math.inf
@@ -125,13 +130,16 @@ class PhaseReport:
 class Progress:
     """A one-line progress bar on stderr (a line per 25% when stderr is not a terminal)."""
 
-    def __init__(self, label: str, total: int) -> None:
+    def __init__(self, label: str, total: int, shown: bool = True) -> None:
         self.label, self.total, self.done = label, total, 0
+        self.shown = shown
         self.tty = sys.stderr.isatty()
         self._last_quarter = -1
 
     def step(self, n: int = 1) -> None:
         self.done += n
+        if not self.shown:
+            return
         frac = self.done / max(self.total, 1)
         if self.tty:
             bar = "#" * int(frac * 30)
@@ -156,7 +164,7 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
     )
 
 
-def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
+def _make_llm(cfg: DemoConfig, cache_config: CacheConfig, group=None):  # noqa: ANN001
     from kvtier.engine import LLM
     from kvtier.engine.families import build_model, preset, preset_names
     from kvtier.engine.weights import load_model
@@ -181,7 +189,16 @@ def _make_llm(cfg: DemoConfig, cache_config: CacheConfig):
     # index groups) gets the same device memory in fewer, larger pages.
     tree = tree_page_size(cache_config.page_size, model.pool_specs())
     pages = max(1, cache_config.device_pages * cache_config.page_size // tree)
-    return LLM(model, replace(cache_config, device_pages=pages), max_running=cfg.max_running)
+    if group is None:
+        return LLM(model, replace(cache_config, device_pages=pages), max_running=cfg.max_running)
+    # A CP rank holds its share of the group's pages.
+    cc = replace(
+        cache_config,
+        device_pages=-(-pages // group.size),
+        cp_size=group.size,
+        cp_rank=group.rank,
+    )
+    return LLM(model, cc, max_running=cfg.max_running, group=group)
 
 
 def _run(llm, prompts, max_tokens: int, report: PhaseReport, expected, progress: Progress):
@@ -211,9 +228,7 @@ def _cold(ref, prompt: list[int], max_tokens: int) -> Expected:
     return Expected(list(out.output_ids), out.logits)
 
 
-def run_live(cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:
-    """The live phase; returns its report and the restart phase's work: for each request the
-    prompt and the cold output (``Expected``)."""
+def _fresh_storage(cfg: DemoConfig) -> None:
     root = Path(cfg.storage_dir)
     if root.exists():
         if not (root / _MARKER).exists() and any(root.iterdir()):
@@ -222,7 +237,14 @@ def run_live(cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:
     root.mkdir(parents=True)
     (root / _MARKER).write_text("kvtier demo storage\n")
 
-    llm = _make_llm(cfg, _cache_config(cfg))
+
+def run_live(cfg: DemoConfig, group=None) -> tuple[PhaseReport, list[dict]]:  # noqa: ANN001
+    """The live phase; returns its report and the restart phase's work: for each request the
+    prompt and the cold output (``Expected``). ``group``: this rank's CP group (the storage
+    directory is then prepared by the launcher)."""
+    if group is None:
+        _fresh_storage(cfg)
+    llm = _make_llm(cfg, _cache_config(cfg), group)
     cold_cache = CacheConfig(
         page_size=cfg.page_size, device_pages=cfg.device_pages, enable_host=False
     )
@@ -232,7 +254,7 @@ def run_live(cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:
     system = [rng.randrange(vocab) for _ in range(cfg.system_tokens)]
     history = [list(system) for _ in range(cfg.conversations)]
     report = PhaseReport("live", logit_tolerance=logit_tolerance(cfg, llm.model_config.dtype))
-    progress = Progress("live", cfg.conversations * cfg.turns)
+    progress = Progress("live", cfg.conversations * cfg.turns, group is None or group.rank == 0)
     last: list[dict] = []
     t0 = time.perf_counter()
     for turn in range(cfg.turns):
@@ -259,11 +281,11 @@ def run_live(cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:
     return report, last
 
 
-def run_restart(cfg: DemoConfig, work: list[dict]) -> PhaseReport:
-    """The restart phase (run in a fresh process)."""
-    llm = _make_llm(cfg, _cache_config(cfg))
+def run_restart(cfg: DemoConfig, work: list[dict], group=None) -> PhaseReport:  # noqa: ANN001
+    """The restart phase (run in a fresh process, or fresh ranks)."""
+    llm = _make_llm(cfg, _cache_config(cfg), group)
     report = PhaseReport("restart", logit_tolerance=logit_tolerance(cfg, llm.model_config.dtype))
-    progress = Progress("restart", len(work))
+    progress = Progress("restart", len(work), group is None or group.rank == 0)
     t0 = time.perf_counter()
     prompts = [w["prompt"] for w in work]
     expected = [Expected(w["tokens"], w["logits"]) for w in work]
@@ -276,7 +298,14 @@ def run_restart(cfg: DemoConfig, work: list[dict]) -> PhaseReport:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Both phases; the restart phase in a child process. Returns the JSON summary."""
-    live, work = run_live(cfg)
+    if cfg.cp > 1:
+        from kvtier.parallel.launch import launch, results
+
+        _fresh_storage(cfg)
+        print(f"live: {cfg.cp} context-parallel ranks (gloo)", file=sys.stderr, flush=True)
+        live, work = results(launch(cfg.cp, _live_rank, cfg, timeout=60))[0]
+    else:
+        live, work = run_live(cfg)
     # The cold logits travel as a tensor file: as JSON, vocab x steps floats a request are slow.
     work_file = Path(cfg.storage_dir) / "restart-work.pt"
     torch.save({"config": _cfg_json(cfg), "work": work}, work_file)
@@ -307,8 +336,25 @@ def config_from_json(d: dict) -> DemoConfig:
 def restart_main(work_file: str) -> None:
     """Entry of the child process: run the restart phase, print its report as JSON."""
     data = torch.load(work_file, weights_only=True)
-    report = run_restart(config_from_json(data["config"]), data["work"])
+    cfg = config_from_json(data["config"])
+    if cfg.cp > 1:
+        from kvtier.parallel.launch import launch, results
+
+        report = results(launch(cfg.cp, _restart_rank, cfg, data["work"], timeout=60))[0]
+    else:
+        report = run_restart(cfg, data["work"])
     print(json.dumps(asdict(report)))
+
+
+def _live_rank(group, cfg: DemoConfig) -> tuple[PhaseReport, list[dict]]:  # noqa: ANN001
+    """One CP rank of the live phase; every rank checks its outputs against the oracle."""
+    # Every rank's outputs are checked; the ranks agree on every token, so rank 0's report
+    # stands for the group.
+    return run_live(cfg, group)
+
+
+def _restart_rank(group, cfg: DemoConfig, work: list[dict]) -> PhaseReport:  # noqa: ANN001
+    return run_restart(cfg, work, group)
 
 
 def summarize(cfg: DemoConfig, phases: list[PhaseReport]) -> dict:
