@@ -193,28 +193,40 @@ def test_plain_allocation_is_refused_under_cp(tmp_path):
 
 
 def test_eviction_progress_counts_the_short_lane(tmp_path):
-    """Rank-lane eviction: with lane 0 full, freeing cached pages that live on lane 1 is no
-    progress; the cache evicts until lane 0 has room, counting lane-0 pages only."""
+    """Device eviction under CP counts freed pages of the lane that is short, not logical
+    pages: with lane 0 full, the least recently used leaves hold only lane-1 pages, and
+    dropping them is no progress; the cache goes on to a lane-0 page, so the allocation
+    succeeds (a count of logical pages would stop after the first leaf and fail)."""
 
-    def rank(g) -> tuple[int, int]:
-        cfg = _config(tmp_path, 2, g.rank, device_pages=4, storage=None, enable_host=False)
+    def rank(g) -> tuple:
+        cfg = _config(tmp_path, 2, g.rank, device_pages=2, storage=None, enable_host=False)
         with TieredCache(cfg, [SPEC], group=g) as cache:
             alloc = cache.device_pool.allocator
-            # 4 one-page prompts at different depths fill lane 1 (odd sequence pages) ...
-            for i in range(4):
-                toks = [7, i] * PS  # 2 pages: page 0 on rank 0, page 1 on rank 1
+
+            def insert(toks: list[int]) -> None:
                 m = cache.match(toks)
                 cache.lock(m.handle)
-                cache.load(m)
-                locs = cache.alloc(2 * PS, at=0)
-                cache.finish(toks, locs, 0, m.handle)
-            assert (alloc.available_in(0), alloc.available_in(1)) == (0, 0)
-            # ... now a 1-page allocation on lane 0 must evict one node's lane-0 page; the
-            # eviction count is in lane-0 pages (1), not logical pages.
-            ev = cache.controller.evict_device(1, lambda p: int(((p % 2) == 0).sum()))
-            return ev, alloc.available_in(0)
+                ld = cache.load(m)
+                n = ld.locs.numel()
+                locs = torch.cat([ld.locs, cache.alloc(len(toks) - n, at=n)])
+                cache.finish(toks, locs, n, m.handle)
 
-    assert LocalWorld(2, timeout=20).run(rank) == [(1, 1), (1, 1)]
+            insert([1] * PS + [2] * PS)  # sequence pages 0 (lane 0) and 1 (lane 1)
+            insert([1] * PS + [3] * PS)  # shares page 0; its page 1 takes lane 1's last page
+            leaves = sorted(
+                (int(n.device[0]) % 2) for n in cache.tree.nodes() if n.parent and not n.children
+            )
+            held = cache.alloc(PS, at=0)  # the engine holds lane 0's other page
+            full = (alloc.available_in(0), alloc.available_in(1))
+            evicted_before = cache.stats().get("evicted_device_pages", 0)
+            page = cache.alloc(PS, at=0)  # lane 0: only the shared root-side page can give it
+            cache.free(page)
+            cache.free(held)
+            cache.check_integrity()
+            return leaves, full, cache.stats()["evicted_device_pages"] - evicted_before
+
+    # Both lane-1 leaves went (2 pages that did not help), then the lane-0 page (1 that did).
+    assert LocalWorld(2, timeout=20).run(rank) == [([1, 1], (0, 0), 3)] * 2
 
 
 def test_misconfigured_groups_fail_fast(tmp_path):
