@@ -167,10 +167,23 @@ def test_zero_owned_rank_still_agrees(tmp_path):
             cache.drain()
             cache.flush(host=False)
             m = cache.match(toks)
+            host_len = m.host_len
+            # the load: rank 1 copies nothing, its ack is born done; both see it complete
+            cache.lock(m.handle)
+            ld = cache.load(m)
+            cache.finish(toks, ld.locs, ld.locs.numel(), m.handle)
+            cache.drain()
+            assert not cache.in_flight()
             st = cache.stats()
-            return m.host_len, st["host_backup_pages"], st.get("storage_backup_pages", 0)
+            return (
+                host_len,
+                cache.match(toks).device_len,
+                st["host_backup_pages"],
+                st.get("storage_backup_pages", 0),
+                st["load_bytes"] // cache.device_pool.page_bytes,
+            )
 
-    assert LocalWorld(2, timeout=20).run(rank) == [(PS, 1, 1), (PS, 0, 0)]
+    assert LocalWorld(2, timeout=20).run(rank) == [(PS, PS, 1, 1, 1), (PS, PS, 0, 0, 0)]
 
 
 def test_plain_allocation_is_refused_under_cp(tmp_path):

@@ -30,7 +30,9 @@ from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group, SoloGroup
+from kvtier.parallel.alloc import verify_owners
 from kvtier.parallel.layout import CPLayout
+from kvtier.parallel.meta import CPNodeMeta
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -322,6 +324,27 @@ class Controller:
             self.backups.check_integrity()
         if self.prefetcher is not None:
             self.prefetcher.check_integrity()
+        if self.layout is not None:
+            self._check_owners(self.layout)
+
+    def _check_owners(self, layout: CPLayout) -> None:
+        """Under CP every copy of a node's page sits on the lane of the page's sequence owner
+        (so each rank holds exactly its shard), and this rank's host shard of the node is a
+        consistent seed-003 record (owned positions, distinct host slots)."""
+        ps = self.tree.page_size
+        for node in self.tree.nodes():
+            if node.parent is None:
+                continue
+            n = len(node.tokens) // ps
+            first = node.depth_tokens() // ps - n
+            owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
+            for pages in (node.device, node.host):
+                if pages is not None:
+                    verify_owners(layout, pages, owners, node.id)
+            if node.host is not None:
+                mine = node.host[owners == layout.rank]
+                meta = CPNodeMeta.build(node.id, layout.rank, ps, owners, layout.physical(mine))
+                meta.check(len(node.tokens))
 
     def close(self) -> None:
         self.drain()
