@@ -29,8 +29,8 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
-from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.alloc import verify_owners
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.parallel.meta import CPNodeMeta
 from kvtier.pools.allocator import PageAllocator
