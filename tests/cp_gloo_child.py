@@ -1,9 +1,9 @@
-"""One rank of the two-process gloo acknowledgement test (``test_cp_acks``).
+"""One rank of the two-process gloo agreement test (``test_cp_acks``).
 
-Each rank backs up three nodes, retires acks by MIN agreement over three steps, then rank 1
-dies (``dead``) or stops answering while alive (``stuck``), and rank 0 must fail within the
-timeout with an error naming it. Each rank writes what it saw to
-``<out>/rank<r>.json`` (rank 1 before it dies).
+Each rank agrees on a few MIN reductions, on the usable prefix of a fetch and on two flags, then
+rank 1 dies (``dead``) or stops answering while alive (``stuck``), and rank 0 must fail within
+the timeout with an error naming it. Each rank writes what it saw to ``<out>/rank<r>.json``
+(rank 1 before it dies).
 """
 
 from __future__ import annotations
@@ -18,38 +18,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvtier.parallel.acks import AckQueue, all_ranks, usable_prefix
-from kvtier.parallel.alloc import OwnerAllocator, write_shard
+from kvtier.parallel.acks import all_ranks, ready_pages, usable_prefix
 from kvtier.parallel.group import GlooGroup, RankError
-from kvtier.parallel.layout import CPLayout
-from kvtier.pools.allocator import PageAllocator
 
-NODES = {1: [0, 0], 2: [1], 3: [0, 1]}
-"""Saved owners per node: rank 1 owns nothing of node 1, rank 0 nothing of node 2."""
+VALUES = [(3, 5), (7, 2), (4, 4)]
+"""Per round, the value each rank offers to ``all_reduce_min``."""
+OWNERS = [0, 1, 1, 0, 1]
+"""Owners of a five-page fetch."""
+ARRIVED = {0: [True, False, False, True, False], 1: [False, True, False, False, False]}
+"""Which pages of the fetch landed on each rank (only a rank's own pages matter)."""
 
 
 def worker(rank: int, port: int, out: str, mode: str, timeout: float) -> None:
     group = GlooGroup.init(rank, 2, f"tcp://127.0.0.1:{port}", timeout=timeout)
-    layout = CPLayout(2, rank, "round_robin")
-    devices, host = OwnerAllocator(layout, pages_per_rank=4), PageAllocator(8, name="host")
-    writes = AckQueue(group, "write")
-    acks, seen = {}, {"rank": rank, "pages": {}, "retired": []}
-    for node, owners in NODES.items():
-        pages = devices.alloc(owners)
-        if pages is None:
-            raise RuntimeError("device lanes too small for the test")
-        shard = write_shard(layout, node, pages, owners, host.alloc, 4)
-        if shard is None:
-            raise RuntimeError("host pool too small for the test")
-        meta, copy = shard
-        acks[node] = writes.open(node, copy.positions.numel())
-        seen["pages"][node] = [acks[node].pages, acks[node].done, meta.host_pages.tolist()]
-    # Step 1 rank 0 finishes node 1; step 2 rank 1 finishes node 2; step 3 both finish node 3.
-    for finish in ({0: 1}, {1: 2}, {0: 3, 1: 3}):
-        if rank in finish:
-            writes.complete(acks[finish[rank]])
-        seen["retired"].append([a.node for a in writes.agree()])
-    seen["usable"] = usable_prefix(group, 3 if rank == 0 else 1)
+    seen: dict = {"rank": rank}
+    seen["mins"] = [group.all_reduce_min(v[rank]) for v in VALUES]
+    seen["ready"] = ready_pages(rank, OWNERS, ARRIVED[rank])
+    seen["usable"] = usable_prefix(group, seen["ready"])
     seen["all"] = [all_ranks(group, True), all_ranks(group, rank == 0)]
     if rank == 1:
         _write(out, rank, seen)
@@ -61,10 +46,9 @@ def worker(rank: int, port: int, out: str, mode: str, timeout: float) -> None:
             with contextlib.suppress(RuntimeError):
                 never.wait(timedelta(seconds=6 * timeout))
         os._exit(0)  # leaves without joining the next collective
-    writes.open(4, 1)
     start = time.monotonic()
     try:
-        writes.agree()
+        group.all_reduce_min(1)
         seen["error"] = None
     except RankError as e:
         seen["error"] = {"ranks": list(e.ranks), "message": str(e)}

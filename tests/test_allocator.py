@@ -210,3 +210,87 @@ def test_interleaved_sequence_matches_a_queue() -> None:
         check(a)
         assert a.used == len(held) and a.available == len(expected)
     assert free_list(a) == expected
+
+
+# -- lanes: one free list per context-parallel rank ------------------------------------------
+
+
+def test_lanes_hand_out_each_page_from_its_owner_lane() -> None:
+    a = PageAllocator(8, lanes=2)
+    check(a)
+    assert (a.available_in(0), a.available_in(1)) == (4, 4)
+    assert ids(a.alloc_owned([0, 1, 1, 0])) == [0, 1, 3, 2]
+    assert (a.available_in(0), a.available_in(1), a.used) == (2, 2, 4)
+    assert ids(a.alloc_owned([1, 0])) == [5, 4]
+    check(a)
+
+
+def test_lanes_refuse_a_plain_allocation() -> None:
+    a = PageAllocator(8, lanes=2)
+    with pytest.raises(IntegrityError, match="plain allocation"):
+        a.alloc(2)
+    assert a.available == 8
+    check(a)
+
+
+def test_lane_shortfall_and_fit() -> None:
+    a = PageAllocator(6, lanes=3)
+    assert a.shortfall([0, 1, 2]) == {} and a.fit([0, 1, 2]) == 3
+    assert a.shortfall([2, 2, 2, 0]) == {2: 1}
+    assert a.shortfall([1, 1, 1, 2, 2, 2]) == {1: 1, 2: 1}
+    assert a.fit([2, 0, 2, 2, 0]) == 3  # the third page of lane 2 is the first one missing
+    assert a.alloc_owned([2, 2, 2]) is None  # nothing taken
+    assert (a.available, a.available_in(2)) == (6, 2)
+    with pytest.raises(IntegrityError, match="owner 3 outside 3 lanes"):
+        a.shortfall([3])
+    with pytest.raises(IntegrityError, match="owner 3 outside 3 lanes"):
+        a.alloc_owned([0, 3])
+    assert a.available == 6
+    assert a.fit_like(pages(0, 3, 5)) == 3 and a.fit_like(pages(2, 5, 8)) == 2
+    check(a)
+
+
+def test_lane_free_returns_pages_to_their_lane_in_order() -> None:
+    a = PageAllocator(8, lanes=2)
+    got = ids(a.alloc_owned([0, 0, 1, 1]))
+    assert got == [0, 2, 1, 3]
+    a.free(pages(3, 0, 1))
+    check(a)
+    assert (a.available_in(0), a.available_in(1)) == (3, 4)
+    # Lane 0: 4 6 then freed 0; lane 1: 5 7 then freed 3, 1 in the order they came back.
+    assert ids(a.alloc_owned([0, 0, 0])) == [4, 6, 0]
+    assert ids(a.alloc_owned([1, 1, 1, 1])) == [5, 7, 3, 1]
+    with pytest.raises(IntegrityError, match="double free of page 3"):
+        a.free(pages(2, 3, 3))
+    assert a.used == 8  # the rejected batch changed nothing
+    check(a)
+
+
+def test_lane_integrity_catches_a_page_on_the_wrong_lane() -> None:
+    a = PageAllocator(8, lanes=2)
+    a._lists[0].append(a._lists[1].pop())
+    with pytest.raises(IntegrityError, match="lane 0's free list holds another lane"):
+        a.check_integrity()
+
+
+@pytest.mark.parametrize(("n", "lanes"), [(6, 4), (4, 0)])
+def test_pages_that_do_not_split_into_lanes_are_rejected(n: int, lanes: int) -> None:
+    with pytest.raises(CapacityError, match=f"{n} pages do not split into {lanes} lanes"):
+        PageAllocator(n, lanes=lanes)
+
+
+def test_one_lane_behaves_like_no_lanes() -> None:
+    a, b = PageAllocator(6), PageAllocator(6, lanes=1)
+    assert b.lanes == 1 and b.available_in(0) == 6
+    for step in range(4):
+        x, y = ids(a.alloc(2)), ids(b.alloc(2))
+        assert x == y
+        a.free(pages(*x[::-1]))
+        b.free(pages(*y[::-1]))
+        assert free_list(a) == free_list(b), step
+    assert a.alloc(7) is None and b.alloc(7) is None
+    assert ids(b.alloc_owned([0, 0])) == ids(a.alloc(2))
+    assert b.shortfall([0] * 5) == {0: 1} and b.fit([0] * 5) == 4
+    assert b.fit_like(pages(0, 1, 2, 3, 4)) == 4
+    check(a)
+    check(b)

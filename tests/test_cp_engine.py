@@ -16,9 +16,9 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Work
 from kvtier.errors import ConfigError
-from kvtier.parallel.alloc import OwnerAllocator
 from kvtier.parallel.group import LocalWorld
 from kvtier.parallel.layout import CPLayout
+from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
 from kvtier.transfer.translate import DeviceKV, IdentityTranslator
 
@@ -52,7 +52,10 @@ def prompt(seed: int = 0) -> list[int]:
 def logical_locs(layout: CPLayout, page: int, n: int) -> torch.Tensor:
     """Logical slots of ``n`` tokens whose sequence page ``i`` lives on ``layout.owner(i)``."""
     pages = -(-n // page)
-    ids = OwnerAllocator(layout, PAGES_PER_RANK).alloc(layout.owners(0, pages))
+    cp_size = layout.cp_size
+    ids = PageAllocator(PAGES_PER_RANK * cp_size, lanes=cp_size).alloc_owned(
+        layout.owners(0, pages)
+    )
     assert ids is not None
     return (ids[:, None] * page + torch.arange(page)).reshape(-1)[:n]
 

@@ -6,15 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.errors import ConfigError, IntegrityError
-from kvtier.parallel.alloc import (
-    OwnerAllocator,
-    load_nodes,
-    load_shard,
-    owned_count,
-    verify_owners,
-    write_shard,
-)
+from kvtier.errors import IntegrityError
+from kvtier.parallel.alloc import verify_owners
 from kvtier.parallel.layout import CPLayout
 from kvtier.parallel.meta import CPNodeMeta
 from kvtier.pools.allocator import PageAllocator
@@ -114,95 +107,36 @@ def test_plain_allocation_is_refused_for_a_saved_owner_pattern():
     )
     with pytest.raises(IntegrityError, match=msg):
         verify_owners(layout, plain, torch.tensor(ZIGZAG), node=12)
-    meta = CPNodeMeta.build(12, 0, PS, ZIGZAG, [5, 6])
-    with pytest.raises(IntegrityError, match="node 12 rank 0: page 2 was written by rank 1"):
-        load_shard(layout, meta, plain)
+    with pytest.raises(IntegrityError, match="node 5 rank 0: 3 logical pages for 4 saved owners"):
+        verify_owners(layout, torch.tensor([0, 1, 3]), torch.tensor(ZIGZAG), node=5)
 
 
-def test_owner_allocator_keeps_every_page_on_its_saved_owner():
-    layout = CPLayout(2, 0, "zigzag")
-    alloc = OwnerAllocator(layout, pages_per_rank=3)
-    assert alloc.num_pages == 6
-    pages = alloc.alloc(ZIGZAG)
-    assert pages is not None and pages.tolist() == [0, 1, 3, 2]
-    assert layout.lanes(pages).tolist() == ZIGZAG
-    verify_owners(layout, pages, torch.tensor(ZIGZAG), node=12)
-    assert (alloc.available(0), alloc.available(1)) == (1, 1)
-    # Lane 1 is short by one: nothing is taken, and the shortfall names the lane.
-    assert alloc.shortfall([1, 1]) == {1: 1}
-    assert alloc.alloc([1, 1]) is None and alloc.available(1) == 1
-    alloc.free(torch.tensor([3]))
-    assert alloc.alloc([1, 1]).tolist() == [5, 3]  # freed ids go to the back of their lane
-    with pytest.raises(IntegrityError, match="cp-device rank 0: free of page 3, which is not"):
-        alloc.free(torch.tensor([0, 3, 3]))
-    assert alloc.available(0) == 1  # the rejected batch changed nothing
-    with pytest.raises(IntegrityError, match="cp-device rank 0: owner 2 outside a group of 2"):
-        alloc.alloc([2])
-    with pytest.raises(ConfigError, match="cp-device: pages_per_rank must be a positive integer"):
-        OwnerAllocator(layout, pages_per_rank=0)
+def test_a_lane_blind_allocation_is_refused():
+    alloc = PageAllocator(8, lanes=2)
+    with pytest.raises(IntegrityError, match="plain allocation of 2 pages ignores which rank"):
+        alloc.alloc(2)
+    assert alloc.available == 8  # nothing taken
 
 
-def test_write_then_load_moves_only_the_owned_shard():
-    metas, copies = {}, {}
+def test_lane_allocation_keeps_every_page_on_its_saved_owner():
     for rank in (0, 1):
         layout = CPLayout(2, rank, "zigzag")
-        alloc = OwnerAllocator(layout, pages_per_rank=4)
-        pages = alloc.alloc(ZIGZAG)  # the same ids on both ranks: [0, 1, 3, 2]
+        alloc = PageAllocator(3 * layout.cp_size, lanes=layout.cp_size)
+        pages = alloc.alloc_owned(ZIGZAG)  # the same ids on every rank
         assert pages is not None and pages.tolist() == [0, 1, 3, 2]
-        host = PageAllocator(4, name="host")
-        meta, copy = write_shard(layout, 12, pages, ZIGZAG, host.alloc, PS)
-        metas[rank], copies[rank] = meta, copy
-    # Rank 0 owns pages 0 and 3 (logical 0, 2 → physical 0, 1), rank 1 pages 1, 2 (1, 3 → 0, 1).
-    assert copies[0].positions.tolist() == [0, 3] and copies[0].device.tolist() == [0, 1]
-    assert copies[1].positions.tolist() == [1, 2] and copies[1].device.tolist() == [0, 1]
-    assert copies[0].host.tolist() == [0, 1] and metas[1].host_pages.tolist() == [0, 1]
-
-    # Load into a fresh allocator whose lanes are partly used: ids differ, owners do not.
-    for rank in (0, 1):
-        layout = CPLayout(2, rank, "zigzag")
-        alloc = OwnerAllocator(layout, pages_per_rank=4)
-        alloc.alloc([0, 0, 1])
-        pages, (copy,) = load_nodes(alloc, [metas[rank]])
-        assert pages.tolist() == [4, 3, 5, 6] and layout.lanes(pages).tolist() == ZIGZAG
-        assert copy.positions.tolist() == metas[rank].owned_pages.tolist()
-        assert copy.host.tolist() == metas[rank].host_pages.tolist()
-        assert copy.device.tolist() == ([2, 3] if rank == 0 else [1, 2])
+        assert layout.lanes(pages).tolist() == ZIGZAG
+        verify_owners(layout, pages, torch.tensor(ZIGZAG), node=12)
 
 
-def test_zero_owned_write_allocates_no_host_pages():
-    layout = CPLayout(3, 2, "round_robin")
-    calls: list[int] = []
-
-    def alloc_host(n: int) -> torch.Tensor | None:
-        calls.append(n)
-        return torch.arange(n)
-
-    owners = [0, 1]  # a two-page node: rank 2 owns nothing of it
-    assert owned_count(layout, owners) == 0
-    meta, copy = write_shard(layout, 4, torch.tensor([0, 1]), owners, alloc_host, PS)
-    assert calls == [] and copy.noop and meta.zero_owned and meta.logical_len == 8
-    pages, (load,) = load_nodes(OwnerAllocator(layout, 2), [meta])
-    assert pages.tolist() == [0, 1] and load.noop
-
-
-def test_write_reports_a_short_host_pool_by_physical_pages():
-    layout = CPLayout(2, 1, "round_robin")
-    assert owned_count(layout, [0, 1, 0, 1]) == 2
-    out = write_shard(layout, 4, torch.tensor([0, 1, 2, 3]), [0, 1, 0, 1], lambda n: None, PS)
-    assert out is None
-
-
-def test_load_of_several_nodes_splits_the_allocation_per_node():
+def test_a_saved_node_loads_on_its_owners_into_partly_used_lanes():
     layout = CPLayout(2, 1, "zigzag")
-    a = CPNodeMeta.build(1, 1, PS, [0, 1], [7])
-    b = CPNodeMeta.build(2, 1, PS, [1, 0, 0], [3])
-    alloc = OwnerAllocator(layout, pages_per_rank=3)
-    pages, copies = load_nodes(alloc, [a, b])
-    assert pages.tolist() == [0, 1, 3, 2, 4]
-    assert [(c.node, c.positions.tolist(), c.device.tolist(), c.host.tolist()) for c in copies] == [
-        (1, [1], [0], [7]),
-        (2, [0], [1], [3]),
-    ]
-    assert load_nodes(alloc, [a]) is None and alloc.shortfall([0, 1]) == {0: 1}
-    with pytest.raises(IntegrityError, match="node 1 rank 0: metadata belongs to rank 1"):
-        load_shard(CPLayout(2, 0, "zigzag"), a, torch.tensor([0, 1]))
+    meta = CPNodeMeta.build(12, 1, PS, ZIGZAG, [5, 6])
+    alloc = PageAllocator(8, lanes=2)
+    alloc.alloc_owned([0, 0, 1])  # takes 0, 2 and 1
+    pages = alloc.alloc_owned(meta.page_owners.tolist())
+    assert pages is not None and pages.tolist() == [4, 3, 5, 6]  # ids differ, owners do not
+    verify_owners(layout, pages, meta.page_owners, meta.node)
+    assert layout.physical(pages[meta.owned_pages]).tolist() == [1, 2]
+    # A lane short of pages: nothing is taken and the shortfall names the lane.
+    assert alloc.shortfall(meta.page_owners.tolist()) == {0: 2, 1: 1}
+    assert alloc.alloc_owned(meta.page_owners.tolist()) is None and alloc.available == 1
