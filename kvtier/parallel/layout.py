@@ -14,7 +14,8 @@ Two mappings, both the same on every rank of a CP group:
 * **Logical page ids.** The tree, the scheduler and the engine hold logical page ids in one
   space for the whole group; logical page ``L`` lives on lane (rank) ``L % cp_size`` at
   physical page ``L // cp_size`` of that rank's pools. An allocator that keeps a page on its
-  sequence owner hands out ids from the owner's lane (``kvtier.parallel.alloc``)::
+  sequence owner hands out ids from the owner's lane (``kvtier.pools.allocator.PageAllocator``
+  with lanes)::
 
       cp_size = 3, 4 physical pages per rank → logical ids 0 .. 11
       logical L        0 1 2 3 4 5 6 7 8 9 10 11
