@@ -30,7 +30,7 @@ _ROPE_DEFAULTS: dict[str, Any] = {
 class ModelConfig(ConfigBase):
     """A Llama/Qwen-style dense GQA decoder."""
 
-    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset(_ROPE_DEFAULTS)
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*_ROPE_DEFAULTS, "mtp_layers"})
 
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
@@ -58,9 +58,15 @@ class ModelConfig(ConfigBase):
     kept; those between the two bands are blended."""
     rope_original_max_position: int = 8192
     """``llama3``: the context length the model was pretrained at."""
+    mtp_layers: int = 0
+    """Decoder layers of the multi-token-prediction draft head (``kvtier.engine.mtp``, built by
+    ``build_model``), its K/V in the ``draft_kv`` sidecar; ``0``: no draft head."""
 
     def __post_init__(self) -> None:
-        self._check_sizes("seed")
+        self._check_sizes("seed", "mtp_layers")
+        m = self.mtp_layers
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise self._error(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of "

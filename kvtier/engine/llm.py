@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch import nn
 
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
+from kvtier.engine import spec
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
@@ -26,6 +28,7 @@ from kvtier.errors import ConfigError, RequestError
 from kvtier.parallel.group import Group
 
 Prompt = Sequence[int] | str
+log = logging.getLogger("kvtier.engine")
 
 
 class LLM:
@@ -45,9 +48,13 @@ class LLM:
         max_prefill_tokens: int = 4096,
         overlap_loads: bool = True,
         group: Group | None = None,
+        speculative_tokens: int = 0,
     ) -> None:
         """``group``: the context-parallel group this rank belongs to (``None`` without
-        context parallelism); every rank of it runs the same requests."""
+        context parallelism); every rank of it runs the same requests.
+        ``speculative_tokens``: draft tokens each decode step of a greedy request proposes
+        with the model's draft head and verifies in one forward (``kvtier.engine.spec``);
+        ``0``: off. Needs a draft head (``mtp_layers > 0``) and no context parallelism."""
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
@@ -58,6 +65,9 @@ class LLM:
         elif not isinstance(model, nn.Module):
             model = build_model(model)
         self.model_config = model.config
+        cp_size = (cache_config or CacheConfig()).cp_size
+        self.speculative_tokens = spec.check_option(speculative_tokens, model, cp_size)
+        self._drafts = {"spec_draft_proposed": 0, "spec_draft_accepted": 0}
         cache_config = dataclasses.replace(
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
@@ -76,6 +86,7 @@ class LLM:
             max_prefill_tokens,
             self.model_config.eos_token_ids,
             overlap_loads,
+            self.speculative_tokens,
         )
         self.runner = ModelRunner(self.model, kv, self.cache.page_size)
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
@@ -148,35 +159,55 @@ class LLM:
             if self.scheduler.prefetching():  # nothing to compute until storage reads land
                 self.cache.wait_prefetch(self.scheduler.prefetch_ops(), timeout=0.05)
             return []
+        if self.speculative_tokens:
+            self._propose(work)
         work, logits, failed = self._forward(work)
         # Right after the step's device → host read: the backups the poll queues have until the
         # next step's read to finish (``CacheConfig.backup_share``), so none delays it.
         self.cache.poll()
-        sampled: list[int] = []
+        sampled: list[list[int]] = []
         errors: dict[int, Exception] = {}
+        row = 0
         for i, w in enumerate(work):
+            rows = logits[row : row + 1 + len(w.draft)]
+            row += rows.shape[0]
             try:
-                sampled += self.runner.sample([w], logits[i : i + 1])
+                sampled.append(spec.accept(w, rows) if w.draft else self.runner.sample([w], rows))
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
                 errors[i] = e
-                sampled.append(-1)
+                sampled.append([-1])
         # Once per step over every item, on every CP rank: the same tokens everywhere, and an
-        # item that failed on any rank (-1, the minimum) fails on all of them.
-        agreed = self.runner.agree(sampled)
+        # item that failed on any rank (-1, the minimum) fails on all of them. (Speculation,
+        # which appends several tokens, is refused under CP: only first tokens need agreeing.)
+        agreed = self.runner.agree([t[0] for t in sampled])
         ok: list[Work] = []
-        tokens: list[int] = []
+        tokens: list[list[int]] = []
         for i, (w, t) in enumerate(zip(work, agreed, strict=True)):
             if t >= 0:
                 ok.append(w)
-                tokens.append(t)
+                tokens.append([t, *sampled[i][1:]])
             else:
                 e = errors.get(i) or RequestError(
                     f"request {w.req.id}: sampling failed on another CP rank"
                 )
                 failed.append((w.req, e))
+        for w in ok:
+            self._drafts["spec_draft_proposed"] += len(w.draft)
+        self._drafts["spec_draft_accepted"] += sum(len(t) - 1 for t in tokens)
         finished = self.scheduler.update(ok, tokens)
         finished += [self.scheduler.abort(req, e) for req, e in failed]
         return [r.to_output(self._decode(r.output)) for r in finished]
+
+    def _propose(self, work: list[Work]) -> None:
+        """Draft tokens for the step's speculating items. A failing draft costs only the
+        speculation: the items then decode one token this step."""
+        try:
+            spec.propose(self.model, self.cache.kv_buffers, work)
+        except Exception as e:  # noqa: BLE001 - the target forward does not need a draft
+            log.warning("draft proposal failed, decoding without it: %s: %s", type(e).__name__, e)
+            for w in work:
+                if w.draft:
+                    w.draft, w.num_new = [], 1
 
     def _forward(
         self, work: list[Work]
@@ -232,8 +263,12 @@ class LLM:
         return [done[i] for i in ids]
 
     def stats(self) -> dict:
-        """The cache's counters."""
-        return self.cache.stats()
+        """The cache's counters, and with speculative decoding the draft tokens proposed and
+        accepted (``spec_draft_proposed``/``spec_draft_accepted``) over every request."""
+        st = self.cache.stats()
+        if self.speculative_tokens:
+            st.update(self._drafts)
+        return st
 
     def close(self) -> None:
         """Let in-flight cache transfers land (storage writes included) and release L3."""

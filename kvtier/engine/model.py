@@ -7,6 +7,7 @@ loading a checkpoint is a name-for-name copy.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -331,6 +332,7 @@ class DecoderLM(nn.Module):
         kv: KVBuffers,
         all_logits: bool = False,
         before_layer: Callable[[int], None] | None = None,
+        last_logits: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run ``sum(s.num_new)`` tokens of several sequences, writing their K/V into ``kv``.
 
@@ -342,6 +344,7 @@ class DecoderLM(nn.Module):
         ``cp.seq_slots`` and every rank runs the same batch (``kvtier.engine.cp``).
         ``before_layer(j)`` is called before the first layer that reads anchor-pool layer ``j``
         (and with 0 before layer 0): where a load that is still arriving is waited for.
+        ``last_logits[i]``: logits of sequence ``i``'s last that many tokens instead of one.
         """
         self.check_batch(input_ids, seqs)
         b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
@@ -356,10 +359,16 @@ class DecoderLM(nn.Module):
                 before_layer(max(0, sum(1 for a in anchor if a <= i) - 1))
             x = x + self.mix(i, layer, layer.input_layernorm(x), b)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.after_layers(input_ids, x, b)
         if not all_logits:
-            last = torch.tensor([s.num_new for s in seqs], device=x.device).cumsum(0) - 1
-            x = x.index_select(0, last)
+            ends = itertools.accumulate(s.num_new for s in seqs)
+            counts = last_logits or [1] * len(seqs)
+            rows = [r for e, m in zip(ends, counts, strict=True) for r in range(e - m, e)]
+            x = x.index_select(0, torch.tensor(rows, device=x.device))
         return F.linear(self.model.norm(x), self.head_weight()).float()
+
+    def after_layers(self, input_ids: torch.Tensor, x: torch.Tensor, b: ForwardBatch) -> None:
+        """Sees the batch's final (pre-norm) hidden states ``x``; a draft head writes here."""
 
 
 class CausalLM(DecoderLM):

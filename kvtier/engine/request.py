@@ -101,6 +101,10 @@ class Request:
     """Stateful models: pages (by index in ``tokens``) whose state row this request wrote."""
     logit_rows: list[torch.Tensor] | None = None
     """With ``params.return_logits``: the float32 CPU logits of every generated token so far."""
+    draft_proposed: int = 0
+    """Speculative decoding: draft tokens proposed for this request so far."""
+    draft_accepted: int = 0
+    """Speculative decoding: of those, the ones the target agreed with."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -139,6 +143,8 @@ class Request:
             text=text,
             error=self.error,
             logits=torch.stack(rows) if rows else None,
+            draft_proposed=self.draft_proposed,
+            draft_accepted=self.draft_accepted,
         )
 
 
@@ -174,6 +180,16 @@ class RequestOutput:
     logits: torch.Tensor | None = None
     """With ``SamplingParams.return_logits``: float32 CPU ``[len(output_ids), vocab]``, row
     ``i`` the logits ``output_ids[i]`` was sampled from; ``None`` otherwise."""
+
+    draft_proposed: int = 0
+    """Speculative decoding (``LLM(speculative_tokens=k)``): draft tokens proposed."""
+    draft_accepted: int = 0
+    """Of ``draft_proposed``, the tokens the target's greedy choice agreed with."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """``draft_accepted / draft_proposed``; ``None`` when nothing was proposed."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
     def cached_tokens(self) -> int:

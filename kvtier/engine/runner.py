@@ -36,7 +36,8 @@ class ModelRunner:
 
     def forward(self, work: list[Work]) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
-        (the step's one device → host read)."""
+        (the step's one device → host read): one row per item, ``1 + len(draft)`` rows (its
+        last token's and every draft token's) for an item verifying a draft."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -45,7 +46,7 @@ class ModelRunner:
             if req.locs is None:
                 raise IntegrityError(f"request {req.id} scheduled without slots")
             start, end = req.num_computed, req.num_computed + w.num_new
-            ids.extend(req.tokens[start:end])
+            ids.extend(req.tokens[start : end - len(w.draft)] + w.draft)
             positions.extend(range(start, end))
             if self.group is not None:
                 seqs.append(cp.seq_slots(self.kv, req.locs[:end], start, self.device))
@@ -65,6 +66,7 @@ class ModelRunner:
             seqs,
             self.kv,
             before_layer=_layer_waiter(waits) if waits else None,
+            last_logits=[1 + len(w.draft) for w in work],
         ).cpu()
 
     def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:

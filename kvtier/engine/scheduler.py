@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,10 +25,15 @@ MAX_PREFETCH_TRIES = 4
 
 @dataclass(slots=True)
 class Work:
-    """One sequence of a step's batch: compute ``tokens[num_computed : num_computed + num_new]``."""
+    """One sequence of a step's batch: compute ``tokens[num_computed : num_computed + num_new]``
+    or, when ``draft`` is set, the request's last token followed by ``draft``."""
 
     req: Request
     num_new: int
+    spec_k: int = 0
+    """Speculative decoding: draft tokens to propose before this decode step's forward."""
+    draft: list[int] = field(default_factory=list)
+    """The proposed tokens the forward verifies (``num_new == 1 + len(draft)``)."""
 
 
 class Scheduler:
@@ -48,8 +53,11 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
         overlap_loads: bool = True,
+        speculative_tokens: int = 0,
     ) -> None:
+        """``speculative_tokens``: draft tokens a greedy decode step proposes (0: none)."""
         self.cache = cache
+        self.speculative_tokens = speculative_tokens
         self.overlap_loads = overlap_loads
         self.page_size = cache.page_size
         self.max_running = max_running
@@ -95,7 +103,7 @@ class Scheduler:
         nothing in flight raises ``CapacityError``.
         """
         preempted = self._reserve_decode_slots()
-        work = [Work(r, 1) for r in self.running]
+        work = [Work(r, 1, self.spec_k(r)) for r in self.running]
         if not preempted:
             work += self._admit()
         if not work and not preempted and self.waiting and not self.prefetching():
@@ -121,18 +129,30 @@ class Scheduler:
             f"{st['device_pages_engine']} held by running requests"
         )
 
+    def spec_k(self, req: Request) -> int:
+        """Draft tokens ``req``'s next decode step proposes: ``speculative_tokens`` for greedy
+        requests (sampled ones decode one token at a time), fewer near ``max_tokens`` so that
+        a step never computes tokens the request cannot keep."""
+        if not self.speculative_tokens or not req.params.greedy:
+            return 0
+        left = req.params.max_tokens - req.num_output - 1
+        return max(0, min(self.speculative_tokens, left))
+
     def _reserve_decode_slots(self) -> bool:
+        """Give every running request slots for its next decode step: its last token and,
+        speculating, its ``spec_k`` draft tokens (whole pages, allocated at their position)."""
         preempted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
             if req.locs is None:
                 raise IntegrityError(f"request {req.id} runs without slots")
-            if req.locs.numel() >= len(req.tokens):
+            need = len(req.tokens) + self.spec_k(req)
+            if req.locs.numel() >= need:
                 i += 1
                 continue
             try:
-                page = self.cache.alloc(self.page_size, at=req.locs.numel())
+                page = self.cache.alloc(need - req.locs.numel(), at=req.locs.numel())
             except CapacityError:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -264,22 +284,32 @@ class Scheduler:
         req.preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, work: list[Work], next_tokens: list[int]) -> list[Request]:
-        """Record the step's sampled tokens; returns the requests that finished."""
+    def update(self, work: list[Work], next_tokens: list[list[int]]) -> list[Request]:
+        """Record the step's new tokens (one per item, or a verified draft's accepted tokens
+        plus the target's next one); returns the requests that finished. Tokens after a stop
+        token are dropped. Every computed token is kept: only the last new one is pending."""
         now = time.perf_counter()
         finished: list[Request] = []
-        for w, tok in zip(work, next_tokens, strict=True):
+        for w, toks in zip(work, next_tokens, strict=True):
             req = w.req
-            req.num_computed += w.num_new
-            req.tokens.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             p = req.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-                req.finish_reason = "stop"
-            elif req.num_output >= p.max_tokens:
-                req.finish_reason = "length"
-            else:
+            for tok in toks:
+                req.tokens.append(tok)
+                if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                    req.finish_reason = "stop"
+                elif req.num_output >= p.max_tokens:
+                    req.finish_reason = "length"
+                else:
+                    continue
+                break
+            # the item computed every token but the last new one (rejected drafts are not
+            # counted: their rows are rewritten before anything reads them)
+            req.num_computed = len(req.tokens) - 1
+            if req.logit_rows is not None:
+                del req.logit_rows[req.num_output :]
+            if req.finish_reason is None:
                 continue
             self._release(req)
             req.status = Status.FINISHED

@@ -13,6 +13,7 @@ from kvtier.errors import ConfigError
 # family's code loads only when it is used.
 _PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny": ("kvtier.engine.config", "tiny_dense", "kvtier.engine.model:CausalLM"),
+    "tiny-mtp": ("kvtier.engine.mtp", "tiny_mtp_preset", "kvtier.engine.mtp:MTPCausalLM"),
     "small": ("kvtier.engine.config", "small_dense", "kvtier.engine.model:CausalLM"),
     "mla": ("kvtier.engine.families.mla", "mla_preset", "kvtier.engine.families.mla:MLAModel"),
     "dsa": ("kvtier.engine.families.mla", "dsa_preset", "kvtier.engine.families.mla:MLAModel"),
@@ -49,7 +50,10 @@ def preset(name: str, **overrides: Any) -> Any:
 
 
 def build_model(config: Any) -> Any:
-    """The model for ``config`` (its family is the config's type)."""
+    """The model for ``config`` (its family is the config's type; a dense config with a draft
+    head, ``mtp_layers > 0``, gets the dense model with that head)."""
+    if getattr(config, "mtp_layers", 0):
+        return _load("kvtier.engine.mtp:MTPCausalLM")(config)
     for _, _, model_path in _PRESETS.values():
         cls = _load(model_path)
         if isinstance(config, cls.config_class):

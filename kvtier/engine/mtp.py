@@ -1,0 +1,193 @@
+"""A multi-token-prediction draft head on the dense model (DeepSeek-V3 style, simplified), whose
+K/V are components of the target's pool set.
+
+The head predicts the token after next. For the pair ``(h_{j-1}, x_j)`` (the target's final
+hidden state of position ``j - 1`` and the token at ``j``) it computes
+``eh_proj([enorm(embed(x_j)); hnorm(h_{j-1})])``, runs ``mtp_layers`` decoder layers (same
+shapes as a target layer), then the shared final norm and LM head: a guess of ``x_{j+1}``
+that the target only makes after processing ``x_j``. ``h_{-1}`` is zero.
+
+Two sidecar components (one row per token slot) hold what the head needs:
+
+==================  ================================  ==========================================
+component           row at token slot ``j``           written
+==================  ================================  ==========================================
+``draft_kv``        the head's K/V of pair ``j``,     by every target forward for its new tokens;
+                    RoPE position ``j``               speculatively by draft steps
+``draft_hidden``    the target's ``h_j``              by every target forward for its new tokens
+==================  ================================  ==========================================
+
+Keying the draft row of pair ``(h_{j-1}, x_j)`` by ``x_j``'s slot makes it, like the target's
+K/V at ``j``, a function of ``x_0 .. x_j`` only, so a cached page's draft rows are exactly
+those a cold run computes, whoever wrote them; ``draft_hidden`` gives a prefill that resumes
+after a cached prefix of ``s`` tokens the ``h_{s-1}`` its first pair needs. The cache moves
+both with the anchor through every tier, so nothing here keeps bookkeeping of its own.
+
+Which rows exist for a request with ``n = num_computed`` (``tokens[:n]`` computed):
+
+========================================  ===========  ============  ==========================
+after                                     ``kv``       ``draft_*``   speculative (overwritten)
+========================================  ===========  ============  ==========================
+a target forward over ``[s, e)``          ``[0, e)``   ``[0, e)``    --
+``k`` draft steps from ``n``              ``[0, n)``   ``[0, n]``    ``draft_kv`` ``(n, n+k)``
+the verify forward over ``[n, n+k]``      ``[0, n+k]``  ``[0, n+k]``  rows past the accepted ones
+========================================  ===========  ============  ==========================
+
+Draft step ``i`` (from 0) writes the pair at slot ``n + i``; step 0's pair ``(h_{n-1}, x_n)``
+is exact, later ones stand in the head's own output for the unknown target hidden (as
+EAGLE/MTP drafting does). After verification ``num_computed`` counts the accepted tokens only;
+rows beyond it are rewritten before anything reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model import Attention, CausalLM, DecoderLayer, ForwardBatch, KVBuffers, SeqSlots
+from kvtier.engine.ops import RMSNorm, linear
+from kvtier.pools import PoolSpec
+
+DRAFT_KV = "draft_kv"
+"""Sidecar component of the draft head's K/V."""
+DRAFT_HIDDEN = "draft_hidden"
+"""Sidecar component of the target's final hidden state per token."""
+
+DRAFT_SEED_STREAM = 7919
+"""The draft's perturbations draw from ``seed + DRAFT_SEED_STREAM``: the target's weights are
+those of the same config without a head."""
+DRAFT_NOISE = 0.3
+"""Relative std of the perturbation of the draft's copy of the target's last layer."""
+HIDDEN_GAIN = 0.3
+"""Weight of ``hnorm(h)`` against the embedding in the draft's input projection."""
+
+
+def tiny_mtp_preset(**overrides: Any) -> ModelConfig:
+    """``tiny`` with a one-layer draft head."""
+    return ModelConfig.preset("tiny", **{"mtp_layers": 1, **overrides})
+
+
+class DraftHead(nn.Module):
+    """The draft head's own weights (embeddings, final norm and LM head are the target's)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dt, h = cfg.torch_dtype, cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.eh_proj = linear(2 * h, h, False, dt)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, Attention(cfg)) for _ in range(cfg.mtp_layers)
+        )
+
+
+class MTPCausalLM(CausalLM):
+    """The dense model with a draft head (``config.mtp_layers`` layers) for speculative
+    decoding. Every forward also writes the ``draft_hidden`` and ``draft_kv`` rows of its new
+    tokens (see the module's range table); ``draft_step`` runs the head alone."""
+
+    supports_cp = False
+    """The draft rows are not sharded over a CP group (yet)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.mtp_layers < 1:
+            raise ValueError("MTPCausalLM needs config.mtp_layers >= 1")
+        super().__init__(config)
+        self.mtp = DraftHead(config)
+        self.init_draft(config.seed)
+
+    def pool_specs(self) -> list[PoolSpec]:
+        c = self.config
+        return [
+            self.kv_pool_spec(),
+            PoolSpec(
+                DRAFT_KV, c.mtp_layers, (2, c.num_kv_heads, c.head_dim), c.torch_dtype, "sidecar"
+            ),
+            PoolSpec(DRAFT_HIDDEN, 1, (c.hidden_size,), c.torch_dtype, "sidecar"),
+        ]
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        super().init_random(seed)
+        if "mtp" in self._modules:  # not yet while the base class builds the target
+            self.init_draft(seed)
+
+    @torch.no_grad()
+    def init_draft(self, seed: int) -> None:
+        """Make the head a perturbed copy of the target's last layer whose input is mostly the
+        token's embedding: a random target is dominated by its input embedding, so such a
+        head often (not always) agrees with it on the next token."""
+        gen = torch.Generator().manual_seed(seed + DRAFT_SEED_STREAM)
+        last = dict(self.model.layers[-1].named_parameters())
+        for layer in self.mtp.layers:
+            for name, p in layer.named_parameters():
+                src = last[name].float()
+                noise = torch.randn(src.shape, generator=gen) * src.std().clamp_min(1e-3)
+                p.copy_((src + DRAFT_NOISE * noise).to(p.dtype))
+        h = self.config.hidden_size
+        mix = torch.randn(h, h, generator=gen) / h**0.5
+        eye = torch.eye(h) + DRAFT_NOISE * torch.randn(h, h, generator=gen) / h**0.5
+        self.mtp.eh_proj.weight.copy_(torch.cat((eye, HIDDEN_GAIN * mix), dim=1))
+
+    def after_layers(self, input_ids: torch.Tensor, x: torch.Tensor, b: ForwardBatch) -> None:
+        hid = b.kv.layer(0, DRAFT_HIDDEN)
+        prev = []
+        start = 0
+        for s in b.seqs:
+            first = s.seq_len - s.num_new
+            # h of the token before the first new one: the cached prefix's last row, or zero
+            before = (
+                hid.index_select(0, s.ctx_locs[first - 1 : first]).to(x.dtype)
+                if first > 0
+                else x.new_zeros(1, x.shape[1])
+            )
+            prev += [before, x[start : start + s.num_new - 1]]
+            start += s.num_new
+        h_prev = torch.cat(prev)
+        hid.index_copy_(0, b.out_locs, x.to(hid.dtype))
+        self.draft_hidden_states(input_ids, b.positions, b.seqs, b.out_locs, b.kv, h_prev)
+
+    def draft_hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        out_locs: torch.Tensor,
+        kv: KVBuffers,
+        h_prev: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the head on pairs ``(h_prev[i], input_ids[i])``, writing their ``draft_kv`` rows
+        at ``out_locs``; returns its final (pre-norm) hidden states ``[T, hidden]``."""
+        m = self.mtp
+        e = self.model.embed_tokens(input_ids)
+        x = m.eh_proj(torch.cat((m.enorm(e), m.hnorm(h_prev.to(e.dtype))), dim=-1))
+        for i, layer in enumerate(m.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(i, DRAFT_KV))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    @torch.inference_mode()
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[SeqSlots],
+        kv: KVBuffers,
+        h_prev: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft token per sequence (``seqs`` each with ``num_new == 1``): float32 logits
+        ``[len(seqs), vocab]`` and the head's hidden states, the stand-in ``h_prev`` of the
+        next step. Writes only ``draft_kv`` rows."""
+        out_locs = torch.cat([s.out_locs for s in seqs])
+        g = self.draft_hidden_states(input_ids, positions, seqs, out_locs, kv, h_prev)
+        return F.linear(self.model.norm(g), self.head_weight()).float(), g
+
+    def hidden_rows(self, kv: KVBuffers, slots: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden states stored at physical ``slots``."""
+        return kv.layer(0, DRAFT_HIDDEN).index_select(0, slots)
