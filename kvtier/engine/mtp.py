@@ -61,9 +61,9 @@ DRAFT_HIDDEN = "draft_hidden"
 DRAFT_SEED_STREAM = 7919
 """The draft's perturbations draw from ``seed + DRAFT_SEED_STREAM``: the target's weights are
 those of the same config without a head."""
-DRAFT_NOISE = 0.3
+DRAFT_NOISE = 0.1
 """Relative std of the perturbation of the draft's copy of the target's last layer."""
-HIDDEN_GAIN = 0.3
+HIDDEN_GAIN = 0.1
 """Weight of ``hnorm(h)`` against the embedding in the draft's input projection."""
 
 
