@@ -25,18 +25,21 @@ both with the anchor through every tier, so nothing here keeps bookkeeping of it
 
 Which rows exist for a request with ``n = num_computed`` (``tokens[:n]`` computed):
 
-========================================  ===========  ============  ==========================
-after                                     ``kv``       ``draft_*``   speculative (overwritten)
-========================================  ===========  ============  ==========================
-a target forward over ``[s, e)``          ``[0, e)``   ``[0, e)``    --
-``k`` draft steps from ``n``              ``[0, n)``   ``[0, n]``    ``draft_kv`` ``(n, n+k)``
-the verify forward over ``[n, n+k]``      ``[0, n+k]``  ``[0, n+k]``  rows past the accepted ones
-========================================  ===========  ============  ==========================
+====================================  ============  ================  ========================
+after                                 ``kv``        ``draft_hidden``  ``draft_kv``
+====================================  ============  ================  ========================
+a target forward over ``[s, e)``      ``[0, e)``    ``[0, e)``        ``[0, e)``
+``k`` draft steps from ``n``          ``[0, n)``    ``[0, n)``        ``[0, n]`` exact, then
+                                                                      ``n+1 .. n+k-1`` guessed
+the verify forward over ``[n, n+k]``  ``[0, n+k]``  ``[0, n+k]``      ``[0, n+k]``
+====================================  ============  ================  ========================
+
+Verification accepts ``a`` of the ``k`` drafts: ``num_computed`` becomes ``n + a + 1`` and the
+rows past it, computed for rejected tokens, are rewritten before anything reads them.
 
 Draft step ``i`` (from 0) writes the pair at slot ``n + i``; step 0's pair ``(h_{n-1}, x_n)``
 is exact, later ones stand in the head's own output for the unknown target hidden (as
-EAGLE/MTP drafting does). After verification ``num_computed`` counts the accepted tokens only;
-rows beyond it are rewritten before anything reads them.
+EAGLE/MTP drafting does).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from torch import nn
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import Attention, CausalLM, DecoderLayer, ForwardBatch, KVBuffers, SeqSlots
 from kvtier.engine.ops import RMSNorm, linear
+from kvtier.errors import ConfigError
 from kvtier.pools import PoolSpec
 
 DRAFT_KV = "draft_kv"
@@ -96,7 +100,7 @@ class MTPCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         if config.mtp_layers < 1:
-            raise ValueError("MTPCausalLM needs config.mtp_layers >= 1")
+            raise ConfigError(f"MTPCausalLM needs mtp_layers >= 1, got {config.mtp_layers}")
         super().__init__(config)
         self.mtp = DraftHead(config)
         self.init_draft(config.seed)
