@@ -78,6 +78,16 @@ def test_stop_tokens_logits_and_sampled_requests() -> None:
     assert outs[1].output_ids == plain[1].output_ids and outs[1].draft_proposed == 0
 
 
+def test_preemption_for_draft_slots_keeps_tokens() -> None:
+    ps = prompts(4, 10, 14, seed=6)
+    long = SamplingParams(max_tokens=24)
+    want = [o.output_ids for o in LLM(MODEL, cache_cfg()).generate(ps, long)]
+    tight = LLM(MODEL, cache_cfg(device_pages=24, enable_host=False), speculative_tokens=3)
+    outs = tight.generate(ps, long)
+    assert [o.output_ids for o in outs] == want
+    assert sum(o.preemptions for o in outs) > 0
+
+
 SHARED = prompts(1, 45, 45, seed=11)[0]
 FIRST, SECOND = SHARED + [1, 2, 3], SHARED + [9, 8, 7, 6]
 LONG = SamplingParams(max_tokens=24)
