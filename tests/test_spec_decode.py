@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams
+from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, spec
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.mtp import DRAFT_HIDDEN, DRAFT_KV, MTPCausalLM
 from kvtier.errors import ConfigError
@@ -76,6 +76,22 @@ def test_stop_tokens_logits_and_sampled_requests() -> None:
     assert torch.allclose(outs[0].logits, plain[0].logits, atol=1e-4)
     # sampled requests decode one token at a time
     assert outs[1].output_ids == plain[1].output_ids and outs[1].draft_proposed == 0
+
+
+def test_draft_steps_write_only_draft_kv() -> None:
+    llm = LLM(MODEL, cache_cfg(), speculative_tokens=3)
+    llm.add_request(prompts(1, 9, 9, seed=4)[0], GREEDY)
+    assert llm.step() == []  # the prefill
+    work = llm.scheduler.schedule()
+    assert [(w.num_new, w.spec_k) for w in work] == [(1, 3)]
+    assert work[0].req.locs.numel() >= 10 + 3  # slots reserved for the drafts
+    bufs = llm.cache.device_pool.buffers
+    before = {name: b.clone() for name, b in bufs.items()}
+    spec.propose(llm.model, llm.cache.kv_buffers, work)
+    assert len(work[0].draft) == 3 and work[0].num_new == 4
+    assert torch.equal(bufs["kv"], before["kv"])
+    assert torch.equal(bufs[DRAFT_HIDDEN], before[DRAFT_HIDDEN])
+    assert not torch.equal(bufs[DRAFT_KV], before[DRAFT_KV])
 
 
 def test_preemption_for_draft_slots_keeps_tokens() -> None:
