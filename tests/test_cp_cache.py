@@ -47,7 +47,8 @@ def _write(cache: TieredCache, locs: torch.Tensor, start: int) -> None:
     if owned is not None:
         locs, pos = locs[owned], pos[owned]
     for layer in range(SPEC.num_layers):
-        kv.layer(layer)[kv.slots(locs)] = _value(pos) + layer
+        buf = kv.layer(layer)
+        buf[kv.slots(locs).to(buf.device)] = (_value(pos) + layer).to(buf.device)
 
 
 def _check(cache: TieredCache, locs: torch.Tensor) -> int:
@@ -59,7 +60,8 @@ def _check(cache: TieredCache, locs: torch.Tensor) -> int:
     if owned is not None:
         locs, pos = locs[owned], pos[owned]
     for layer in range(SPEC.num_layers):
-        got = kv.layer(layer)[kv.slots(locs)]
+        buf = kv.layer(layer)
+        got = buf[kv.slots(locs).to(buf.device)].cpu()
         assert torch.equal(got, _value(pos) + layer), f"layer {layer}"
     return locs.numel()
 

@@ -50,12 +50,14 @@ def _host_rows(llm: LLM, tokens: list[int]) -> tuple[torch.Tensor, ...]:
 def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path):
     ps = _prompts()
     at_insert, per_layer = _llm(tmp_path, "at_insert"), _llm(tmp_path, "per_layer")
-    cold = [o.output_ids for o in at_insert.generate(ps, GREEDY)]
+    # One at a time on both: the shared prefix is then cached, and the batches (hence the
+    # float bytes on CUDA) are the same on both sides.
+    cold = [at_insert.generate([p], GREEDY)[0].output_ids for p in ps]
     mover = per_layer.cache.controller.mover
     at_insert_copies = []
     real = mover.device_to_host
     mover.device_to_host = lambda d, h: at_insert_copies.append(d) or real(d, h)
-    outs = [per_layer.generate([p], GREEDY)[0] for p in ps]  # one at a time: shared prefix
+    outs = [per_layer.generate([p], GREEDY)[0] for p in ps]
     assert [o.output_ids for o in outs] == cold
     for llm in (at_insert, per_layer):
         llm.cache.drain()
@@ -70,6 +72,14 @@ def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path)
     for p in ps:
         mine, theirs = _host_rows(per_layer, p), _host_rows(at_insert, p)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+        # and each host copy holds exactly what its device copy holds
+        for node in per_layer.cache.tree.match(p).path:
+            for spec in per_layer.cache.specs:
+                dev = per_layer.cache.device_pool.buffers[spec.name]
+                rows = (node.device[:, None] * 16 + torch.arange(16)).reshape(-1)
+                want = dev[:, rows.to(dev.device)].cpu()
+                got = per_layer.cache.host_pool.read_pages(spec.name, node.host)
+                assert torch.equal(got.transpose(0, 1).reshape(want.shape), want)
     per_layer.cache.flush(host=False)  # restore from the per-layer copies
     again = per_layer.generate(ps, GREEDY)
     assert [o.output_ids for o in again] == cold
@@ -129,7 +139,7 @@ def _cache(tmp_path, **kw) -> TieredCache:
         prefetch_policy="wait_complete",
         debug_checks=True,
     )
-    cfg = CacheConfig(**{**base, **kw})
+    cfg = CacheConfig(**{**base, "device": DEVICE, **kw})
     return TieredCache(cfg, [KV, DRAFT])
 
 
@@ -142,32 +152,44 @@ def _fill(cache: TieredCache, tokens: list[int], seed: int) -> torch.Tensor:
     for spec in (KV, DRAFT):
         for layer in range(spec.num_layers):
             buf = cache.kv_buffers.layer(layer, spec.name)
-            buf[locs] = torch.randn(buf[locs].shape, generator=g)
+            idx = locs.to(buf.device)
+            buf[idx] = torch.randn(buf[idx].shape, generator=g).to(buf.device)
     cache.finish(tokens, locs, 0, m.handle)
     return locs
 
 
 def _rows(cache: TieredCache, locs: torch.Tensor) -> list[torch.Tensor]:
-    return [
-        cache.kv_buffers.layer(layer, s.name)[locs].clone()
-        for s in (KV, DRAFT)
-        for layer in range(s.num_layers)
-    ]
+    out = []
+    for s in (KV, DRAFT):
+        for layer in range(s.num_layers):
+            buf = cache.kv_buffers.layer(layer, s.name)
+            out.append(buf[locs.to(buf.device)].cpu())
+    return out
 
 
 def test_a_node_is_not_matchable_on_host_before_its_copy_completed(tmp_path):
     """The copy covers target and draft; until its final event (the draft rows land after the
     target's) the node's host copy is invisible to ``match``, then both become visible at
     once."""
-    cache = _cache(tmp_path, storage=None)
+    cache = _cache(tmp_path, storage=None, backup_share=0.0)
     toks = list(range(8))
     real = cache.controller.mover.device_to_host
-    held = []
+    landed = {"yes": False}
+
+    class Event:  # the copy's completion event, held back until the test lets it land
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def query(self) -> bool:
+            return landed["yes"] and (self.inner is None or self.inner.query())
+
+        def synchronize(self) -> None:
+            if self.inner is not None:
+                self.inner.synchronize()
 
     def in_flight(dev, host):
         op = real(dev, host)
-        op.pending = lambda: None  # queued but not landed: ``done()`` stays False
-        held.append(op)
+        op.event = Event(op.event)
         return op
 
     cache.controller.mover.device_to_host = in_flight
@@ -175,7 +197,7 @@ def test_a_node_is_not_matchable_on_host_before_its_copy_completed(tmp_path):
     for _ in range(3):
         cache.poll()
         assert all(not n.on_host for n in cache.tree.match(toks).path)
-    held[0].pending = None
+    landed["yes"] = True
     cache.poll()
     assert [n.on_host for n in cache.tree.match(toks).path] == [True]
     cache.check_integrity()
