@@ -233,6 +233,11 @@ class CacheConfig:
         if self.cp_rank >= self.cp_size:
             raise ConfigError(f"cp_rank={self.cp_rank} must lie in [0, cp_size={self.cp_size})")
         _choice("cp_pattern", self.cp_pattern, CP_PATTERNS)
+        if self.cp_size > 1 and self.backup_timing == "per_layer":
+            raise ConfigError(
+                f"backup_timing='per_layer' with cp_size={self.cp_size} is not supported yet: "
+                "use backup_timing='at_insert' under context parallelism"
+            )
         _flag("debug_checks", self.debug_checks)
         _flag("unbound_namespace", self.unbound_namespace)
         share = self.backup_share
