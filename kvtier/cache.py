@@ -44,6 +44,7 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
+from kvtier.transfer.layers import Layered
 from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
@@ -123,6 +124,7 @@ class TieredCache:
             self.controller.alloc_device_at,
             self.controller.on_insert,
             self.stateful,
+            self.controller.released,
         )
         self._closed = False
         if self.group.size > 1:
@@ -323,6 +325,42 @@ class TieredCache:
         which rank owns each page and is required."""
         self._check_open("alloc")
         return self.engine_pages.alloc(num_tokens, at)
+
+    def backup_layers(
+        self, runs: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]
+    ) -> Layered | None:
+        """Before a forward, with ``backup_timing='per_layer'``: reserve host copies of the
+        pages the forward completes and make them layer by layer. ``runs`` holds, per
+        sequence, ``(tokens, locs, start, end)``: the forward computes ``tokens[start:end]``
+        into ``locs[start:end]``. Pages that are full after it, the engine's, and whose tokens
+        have no host copy yet are copied. Returns the copy (call ``layer_done(j)`` after each
+        anchor layer ``j``, then :meth:`end_backup_layers`), or ``None`` (nothing to copy,
+        per-layer backups off, or no host room: those pages are backed up at insert)."""
+        self._check_open("backup_layers")
+        if self.config.backup_timing != "per_layer":
+            return None
+        ps, pages = self.page_size, []
+        for tokens, locs, start, end in runs:
+            first, last = start // ps, end // ps  # pages [first, last) are full after it
+            if last <= first:
+                continue
+            tm, hosted = self.tree.match(tokens[: last * ps]), 0
+            for node in tm.path:  # a prefix with a host copy (or one in flight) is not copied
+                if not (node.on_host or node.device_io):
+                    break
+                hosted += len(node.tokens)
+            first = max(first, min(hosted, tm.matched_len) // ps)
+            if last > first:
+                pages.append(self.engine_pages.owned_pages(locs[first * ps : last * ps]))
+        if not pages:
+            return None
+        return self.controller.reserve_layers(torch.cat(pages))
+
+    def end_backup_layers(self, layered: Layered, ok: bool = True) -> None:
+        """After the forward of :meth:`backup_layers`: the copy completes on its own and the
+        pages' host copies become visible once they are inserted and it landed. ``ok=False``
+        (the forward failed): the reservation is given up; the pages back up at insert."""
+        self.controller.finish_layers(layered, ok)
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the whole pages containing ``locs``; they must be the engine's (from ``alloc``,

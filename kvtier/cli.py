@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step} | plot``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step,backup} | plot``."""
 
 from __future__ import annotations
 
@@ -85,6 +85,15 @@ def _bench(args: argparse.Namespace) -> int:
         from kvtier.bench.step import bench_step
 
         result = bench_step()
+    elif args.which == "backup":
+        from kvtier.bench.backup_timing import run as bench_backup
+
+        result = bench_backup(
+            model=args.model,
+            batch=args.batch,
+            prompt_tokens=args.prompt_tokens if args.prompt_tokens != 32768 else 2048,
+            page_size=args.page_size,
+        )
     elif args.which == "ttft":
         from kvtier.bench.ttft import bench_ttft
 
@@ -127,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
-    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft", "step"))
+    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft", "step", "backup"))
+    b.add_argument("--model", default="small", help="backup: model preset")
+    b.add_argument("--batch", type=_positive, default=8, help="backup: requests decoded together")
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
     b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
     b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")

@@ -17,6 +17,7 @@ HOST_LAYOUTS = ("page_first", "layer_first")
 EVICTION_POLICIES = ("lru", "lfu")
 TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
 CP_PATTERNS = ("round_robin", "zigzag")
+BACKUP_TIMINGS = ("at_insert", "per_layer")
 
 
 def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -155,6 +156,11 @@ class CacheConfig:
     """This process's shard (tensor/context-parallel rank) for rank-specific bytes."""
     world_size: int = 1
     """Number of shards."""
+    backup_timing: str = "at_insert"
+    """When ``write_through`` copies a computed page to host: ``at_insert`` (when the finished
+    request hands it to the cache) or ``per_layer`` (during the forward that computes it, each
+    layer as it finishes: the host copy exists when the request ends; seed 004). ``per_layer``
+    needs ``write_policy='write_through'`` and a host tier."""
     cp_size: int = 1
     """Ranks of the context-parallel group (1: none). Each rank holds the pages of a sequence
     that it owns; ``device_pages`` and the host pool size count one rank's pages. The tree,
@@ -213,11 +219,25 @@ class CacheConfig:
         _integer("rank", self.rank, 0)
         if self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        _choice("backup_timing", self.backup_timing, BACKUP_TIMINGS)
+        if self.backup_timing == "per_layer" and (
+            self.write_policy != "write_through" or not self.enable_host
+        ):
+            raise ConfigError(
+                f"backup_timing='per_layer' needs write_policy='write_through' and "
+                f"enable_host=True (got write_policy={self.write_policy!r}, "
+                f"enable_host={self.enable_host})"
+            )
         _integer("cp_size", self.cp_size, 1)
         _integer("cp_rank", self.cp_rank, 0)
         if self.cp_rank >= self.cp_size:
             raise ConfigError(f"cp_rank={self.cp_rank} must lie in [0, cp_size={self.cp_size})")
         _choice("cp_pattern", self.cp_pattern, CP_PATTERNS)
+        if self.cp_size > 1 and self.backup_timing == "per_layer":
+            raise ConfigError(
+                f"backup_timing='per_layer' with cp_size={self.cp_size} is not supported yet: "
+                "use backup_timing='at_insert' under context parallelism"
+            )
         _flag("debug_checks", self.debug_checks)
         _flag("unbound_namespace", self.unbound_namespace)
         share = self.backup_share

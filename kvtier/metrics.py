@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "evicted_device_pages": "Device pages evicted",
     "evicted_host_pages": "Host pages evicted",
     "dropped_host_backups": "Pages whose device to host backup was dropped (host full)",
+    "layer_backup_pages": "Pages copied to host during the forward that computed them",
+    "dropped_layer_backups": "Pages whose per-layer backup found no host room (backed up later)",
     "dropped_storage_backups": "Pages whose storage backup failed",
     "prefetched_pages": "Pages read from storage into the host tier",
     "prefetch_failed_pages": "Pages a prefetch wanted but storage could not deliver",

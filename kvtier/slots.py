@@ -42,13 +42,16 @@ class EnginePages:
         alloc: AllocFn,
         on_insert: InsertedFn,
         stateful: bool,
+        on_free: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """``on_free(pages)`` is told of engine pages going back to the allocator."""
         self.pool = pool
         self.tree = tree
         self.page_size = tree.page_size
         self._alloc = alloc
         self._on_insert = on_insert
         self.stateful = stateful
+        self._on_free = on_free
         self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
 
     @property
@@ -140,10 +143,17 @@ class EnginePages:
         return out.cached_len
 
     def _free(self, pages: torch.Tensor) -> None:
+        if self._on_free is not None:
+            self._on_free(pages)
         self._owned[pages] = False
         self.pool.free_pages(pages)
 
     # ---- checks -------------------------------------------------------------------------
+    def owned_pages(self, locs: torch.Tensor) -> torch.Tensor:
+        """The distinct pages of ``locs`` that are the engine's (CPU int64, ascending)."""
+        pages = torch.unique(self._pages_of(locs, "owned_pages"))
+        return pages[self._owned[pages]]
+
     def _pages_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page of every slot in ``locs`` (CPU int64), after checking the slots lie in the pool.
 

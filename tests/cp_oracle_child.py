@@ -21,6 +21,7 @@ def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
     return CacheConfig(
         page_size=PAGE,
         device_pages=48,
+        device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
         host_pages=96,
         storage=("mooncake" if mooncake else "file") if storage_dir else None,
         storage_url=storage_dir if mooncake else None,

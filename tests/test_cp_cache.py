@@ -47,7 +47,8 @@ def _write(cache: TieredCache, locs: torch.Tensor, start: int) -> None:
     if owned is not None:
         locs, pos = locs[owned], pos[owned]
     for layer in range(SPEC.num_layers):
-        kv.layer(layer)[kv.slots(locs)] = _value(pos) + layer
+        buf = kv.layer(layer)
+        buf[kv.slots(locs).to(buf.device)] = (_value(pos) + layer).to(buf.device)
 
 
 def _check(cache: TieredCache, locs: torch.Tensor) -> int:
@@ -59,7 +60,8 @@ def _check(cache: TieredCache, locs: torch.Tensor) -> int:
     if owned is not None:
         locs, pos = locs[owned], pos[owned]
     for layer in range(SPEC.num_layers):
-        got = kv.layer(layer)[kv.slots(locs)]
+        buf = kv.layer(layer)
+        got = buf[kv.slots(locs).to(buf.device)].cpu()
         assert torch.equal(got, _value(pos) + layer), f"layer {layer}"
     return locs.numel()
 
@@ -247,6 +249,8 @@ def test_misconfigured_groups_fail_fast(tmp_path):
         TieredCache(_config(tmp_path, 2, 0), [SPEC])
     with pytest.raises(ConfigError, match="cp_rank=1 must lie in"):
         _config(tmp_path, 1, 1)
+    with pytest.raises(ConfigError, match="backup_timing='per_layer' with cp_size=2 is not"):
+        _config(tmp_path, 2, 0, backup_timing="per_layer")
     with pytest.raises(ConfigError, match="cp_pattern='spiral' is not one of"):
         _config(tmp_path, 2, 0, cp_pattern="spiral")
     state = PoolSpec("state", num_layers=1, row_shape=(4,), dtype=torch.float32, kind="state")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.controller.layered import Reservation, Reservations
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
@@ -21,6 +22,7 @@ from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
 from kvtier.pools.host import HostPool
+from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
@@ -47,6 +49,8 @@ class Backups(Flights):
         self.namespace = namespace
         self.metrics = metrics
         self.io: StorageIO | None = None
+        self.reserved = Reservations(host)
+        self._open: list[Layered] = []
         super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
@@ -54,8 +58,19 @@ class Backups(Flights):
         """Start one batched copy giving ``nodes`` host copies (skipping those that have one
         or are getting one); ``None`` when nothing was started."""
         spans: list[Span] = []
+        made: list[InFlight] = []
         for node in nodes:
             if node.device is None or node.on_host or node.device_io:
+                if node.device is not None:
+                    self.reserved.release(node.device)
+                continue
+            early = self.reserved.take(node.device)
+            if early is not None:  # copied during the forward (per-layer backup)
+                op, host = early
+                self.tree.begin_io(node, "device")
+                owned = self.mover.translator.device_owned(node.device)
+                n = node.device.numel() if owned is None else int(owned.sum())
+                made.append(InFlight(op, [Span(node, host)], "device", pages=n))
                 continue
             pages = self._alloc_host(node.device)
             if pages is None:
@@ -63,13 +78,47 @@ class Backups(Flights):
                 continue
             self.tree.begin_io(node, "device")
             spans.append(Span(node, pages))
+        self.flights += made
         if not spans:
-            return None
+            return made[-1] if made else None
         dev = torch.cat([sp.node.device for sp in spans])  # type: ignore[misc]
         host = torch.cat([sp.part for sp in spans])  # type: ignore[misc]
         flight = InFlight(self.mover.device_to_host(dev, host), spans, "device")
         self.flights.append(flight)
         return flight
+
+    def wait(self) -> None:
+        super().wait()
+        self.reserved.wait()
+
+    # ---- per-layer backups --------------------------------------------------------------
+    def reserve(self, device: torch.Tensor) -> Layered | None:
+        """Reserve host pages for a copy of the engine's ``device`` pages made during the
+        coming forward; ``None`` (nothing reserved, counted) when the host tier is short."""
+        if not device.numel():
+            return None
+        host = self._alloc_host(device)
+        if host is None:
+            self.metrics.inc("dropped_layer_backups", device.numel())
+            return None
+        layered = self.mover.layered_backup(device, host)
+        if layered is None:
+            self.host.allocator.free(host)
+            return None
+        self.reserved.add(Reservation(layered, device.clone(), host))
+        self.metrics.inc("layer_backup_pages", device.numel())
+        self._open.append(layered)
+        return layered
+
+    def finish_layers(self, layered: Layered, ok: bool = True) -> None:
+        """The forward ended: the copy's op is complete once its last rows land. Not ``ok``:
+        the copy is given up (its host pages are freed once it is done)."""
+        op = layered.finish()
+        for res in self.reserved.of(layered):
+            res.op = op
+            if not ok:
+                self.reserved.release(res.device)
+        self._open.remove(layered)
 
     def _finish(self, flight: InFlight) -> None:
         flight.op.complete()
@@ -82,8 +131,10 @@ class Backups(Flights):
                 stored.append(sp.node)
             else:  # the node got a host copy meanwhile, or left the tree
                 self.host.allocator.free(sp.part)
-        self.metrics.inc("host_backup_pages", flight.op.num_pages)
-        self.metrics.inc("backup_bytes", flight.op.nbytes)
+        # A per-layer copy serves several nodes' flights: each counts its own pages once.
+        pages = flight.op.num_pages if flight.pages is None else flight.pages
+        self.metrics.inc("host_backup_pages", pages)
+        self.metrics.inc("backup_bytes", pages * self.host.page_bytes)
         self.metrics.inc("backup_seconds", time.perf_counter() - flight.started)
         self.to_storage(stored)
 
@@ -115,6 +166,7 @@ class Backups(Flights):
         and touches; nodes whose objects are gone are written again."""
         for flight in self.finished():
             self._finish(flight)
+        self.reserved.poll()
         if self.io is None:
             return
         for sp, stored in self.io.reap_writes():
@@ -129,7 +181,8 @@ class Backups(Flights):
 
     def inflight_host_pages(self) -> int:
         """Host pages owned by copies in flight rather than by the tree."""
-        return sum(sp.part.numel() for f in self.flights for sp in f.spans)  # type: ignore[union-attr]
+        n = sum(sp.part.numel() for f in self.flights for sp in f.spans)  # type: ignore[union-attr]
+        return n + self.reserved.host_pages()
 
     def pinned(self) -> list[tuple[Node, str]]:
         """``(node, tier)`` once for every pin in-flight backups and writes hold."""

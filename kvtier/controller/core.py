@@ -37,6 +37,7 @@ from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
+from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.node import Node
@@ -220,6 +221,7 @@ class Controller:
 
     def _release(self, ev: Evicted) -> None:
         for p in ev.device_pages:
+            self.released(p)
             self.dev.free_pages(p)
         if ev.device_pages:
             self.metrics.inc("evicted_device_pages", ev.num_device())
@@ -228,6 +230,25 @@ class Controller:
                 self.host.allocator.free(p)
             if ev.host_pages:
                 self.metrics.inc("evicted_host_pages", ev.num_host())
+
+    # ---- per-layer backups ----------------------------------------------------------------
+    def reserve_layers(self, device: torch.Tensor) -> Layered | None:
+        """Host pages and a per-layer copy for the engine's ``device`` pages during the coming
+        forward (``Backups.reserve``); ``None`` without a host tier or room in it."""
+        if self.backups is None:
+            return None
+        return self.backups.reserve(device)
+
+    def finish_layers(self, layered: Layered, ok: bool = True) -> None:
+        if self.backups is None:
+            raise IntegrityError("finish_layers without a host tier")
+        self.backups.finish_layers(layered, ok)
+
+    def released(self, device: torch.Tensor) -> None:
+        """``device`` pages leave their owner (freed or evicted): a host copy reserved for them
+        is given up (freed once its copy is done)."""
+        if self.backups is not None:
+            self.backups.reserved.release(device)
 
     # ---- the lock protocol and the hooks of the write policy -----------------------------
     def lock(self, match: TreeMatch) -> Node:
@@ -289,7 +310,7 @@ class Controller:
         busy = bool(self.loads.flights) or bool(self.backups and self.backups.flights)
         return (
             busy
-            or bool(self.backups and self.backups.pinned())
+            or bool(self.backups and (self.backups.pinned() or self.backups.reserved.busy()))
             or bool(self.prefetcher and self.prefetcher.ops)
         )
 

@@ -70,10 +70,13 @@ class InFlight:
     """A device ↔ host copy in flight. ``tier`` is the copy it pins on every spanned node:
     ``device`` for a backup (it reads the device copy), ``host`` for a load."""
 
-    op: TransferOp
+    op: TransferOp  # or ``layered.Joined``: several per-layer copies of one node
     spans: list[Span]
     tier: Literal["device", "host"]
     started: float = field(default_factory=time.perf_counter)
+    pages: int | None = None
+    """Pages this flight moves on this rank when its op is shared with other flights (a
+    per-layer backup); ``None``: all of ``op``'s."""
 
 
 class Flights:

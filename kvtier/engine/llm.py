@@ -215,9 +215,24 @@ class LLM:
         """The step's forward. If it raises, the requests are run one by one to find the ones
         that fail (a stateful model's running state may be half updated: the whole batch
         fails); the failures come back to be finished with their error."""
+        layered = self.cache.backup_layers(
+            [
+                # a draft's positions may be rejected: only the verified token's KV is kept
+                (w.req.tokens, w.req.locs, w.req.num_computed, w.req.num_computed + 1)
+                if w.draft
+                else (w.req.tokens, w.req.locs, w.req.num_computed, w.req.num_computed + w.num_new)
+                for w in work
+                if w.req.locs is not None
+            ]
+        )
         try:
-            return work, self.runner.forward(work), []
+            logits = self.runner.forward(work, layered)
+            if layered is not None:
+                self.cache.end_backup_layers(layered)
+            return work, logits, []
         except Exception as e:  # noqa: BLE001 - isolated below, re-raised per request
+            if layered is not None:  # what it copied may be half written: back up at insert
+                self.cache.end_backup_layers(layered, ok=False)
             if len(work) == 1 or self.runner.stateful:
                 return [], torch.empty(0), [(w.req, e) for w in work]
         ok: list[Work] = []

@@ -333,6 +333,7 @@ class DecoderLM(nn.Module):
         all_logits: bool = False,
         before_layer: Callable[[int], None] | None = None,
         last_logits: Sequence[int] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``sum(s.num_new)`` tokens of several sequences, writing their K/V into ``kv``.
 
@@ -345,6 +346,8 @@ class DecoderLM(nn.Module):
         ``before_layer(j)`` is called before the first layer that reads anchor-pool layer ``j``
         (and with 0 before layer 0): where a load that is still arriving is waited for.
         ``last_logits[i]``: logits of sequence ``i``'s last that many tokens instead of one.
+        ``after_layer(j)`` is called once the layer writing anchor-pool layer ``j`` ran: where
+        a per-layer backup copies it.
         """
         self.check_batch(input_ids, seqs)
         b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
@@ -359,6 +362,8 @@ class DecoderLM(nn.Module):
                 before_layer(max(0, sum(1 for a in anchor if a <= i) - 1))
             x = x + self.mix(i, layer, layer.input_layernorm(x), b)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if after_layer is not None and i in anchor:
+                after_layer(anchor.index(i))
         self.after_layers(input_ids, x, b)
         if not all_logits:
             ends = itertools.accumulate(s.num_new for s in seqs)

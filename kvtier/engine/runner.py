@@ -10,6 +10,7 @@ from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
 from kvtier.errors import IntegrityError
 from kvtier.transfer import DeviceKV
+from kvtier.transfer.layers import Layered
 
 
 class ModelRunner:
@@ -34,10 +35,11 @@ class ModelRunner:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
         return self.agree(self.sample(work, self.forward(work)))
 
-    def forward(self, work: list[Work]) -> torch.Tensor:
+    def forward(self, work: list[Work], layered: Layered | None = None) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
         (the step's one device → host read): one row per item, ``1 + len(draft)`` rows (its
-        last token's and every draft token's) for an item verifying a draft."""
+        last token's and every draft token's) for an item verifying a draft. ``layered``
+        (``cache.backup_layers``) is told of each anchor layer the forward finished."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -67,6 +69,7 @@ class ModelRunner:
             self.kv,
             before_layer=_layer_waiter(waits) if waits else None,
             last_logits=[1 + len(w.draft) for w in work],
+            after_layer=layered.layer_done if layered is not None else None,
         ).cpu()
 
     def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:

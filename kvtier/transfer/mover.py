@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
 from kvtier.transfer.translate import MECHANISMS, IdentityTranslator, PageTranslator
+
+if TYPE_CHECKING:
+    from kvtier.transfer.layers import Layered
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +96,14 @@ class Mover:
         }
 
     def _begin(
-        self, direction: str, device_pages: torch.Tensor, host_pages: torch.Tensor
+        self,
+        direction: str,
+        device_pages: torch.Tensor,
+        host_pages: torch.Tensor,
+        copy: bool = True,
     ) -> tuple[PageLists, TransferOp]:
         """The page lists (physical host and device pages, on the CPU) and the op; on CPU the
-        copy is done here and the op is born done."""
+        copy is done here (unless ``copy`` is off) and the op is born done."""
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
@@ -116,11 +124,24 @@ class Mover:
         phys = self.translator.device_physical(device_pages).cpu().long()
         pages = PageLists(self.translator.host_physical(host_pages).cpu().long(), phys)
         op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
-        if not self.cuda:
+        if not self.cuda and copy:
             for name, r in self.rows.items():
                 r.cpu(direction, pages)
                 op.paths[name] = "cpu"
         return pages, op
+
+    def layered_backup(
+        self, device_pages: torch.Tensor, host_pages: torch.Tensor
+    ) -> Layered | None:
+        """A device → host copy made layer by layer while a forward writes the pages
+        (``kvtier.transfer.layers``); ``None`` on CUDA with a pageable host pool (the rows
+        kernel needs the pinned pool's device view): back up at insertion instead."""
+        from kvtier.transfer.layers import Layered
+
+        if self.cuda and not self.pinned:
+            return None
+        pages, op = self._begin("d2h", device_pages, host_pages, copy=False)
+        return Layered(self, pages, op)
 
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
         """Copy device pages into host pages (a backup). The host copy is valid once done.

@@ -1,0 +1,132 @@
+"""Host copies made during the forward (``CacheConfig.backup_timing='per_layer'``, seed 004).
+
+Before a forward the engine asks for the pages that will be full after it and are its own
+(:meth:`Reservations.reserve`): the tree is probed first, so pages whose tokens already have a
+host copy are not copied twice; host pages are reserved on the device pages' lanes, and the
+mover copies each layer as the forward finishes it (``kvtier.transfer.layers``). The copies
+stay the reservation's until the pages are inserted: then ``Backups.to_host`` hands them to the
+node as a backup in flight (visible at the poll after the copy completed, like any backup, so
+``match`` never sees a half-copied node). Reserved pages the tree never takes (a duplicate, a
+failed request, a node that got a host copy meanwhile) are released once their copy is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import IntegrityError
+from kvtier.pools.host import HostPool
+from kvtier.transfer.layers import Layered
+from kvtier.transfer.op import TransferOp
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """One forward's per-layer backup."""
+
+    layered: Layered
+    device: torch.Tensor
+    """Logical device pages copied (the engine's)."""
+    host: torch.Tensor
+    """Reserved host pages, aligned with ``device``."""
+    op: TransferOp | None = None
+    """Set when the forward finished (``Layered.finish``)."""
+    left: set[int] = field(default_factory=set)
+    """Device pages whose host page is still reserved here."""
+
+
+class Joined:
+    """Several forwards' copies standing for one node's backup: done when all are."""
+
+    def __init__(self, ops: list[TransferOp]) -> None:
+        self.ops = ops
+        self.num_pages = sum(op.num_pages for op in ops)
+        self.nbytes = sum(op.nbytes for op in ops)
+
+    def done(self) -> bool:
+        return all(op.done() for op in self.ops)
+
+    def wait(self) -> None:
+        for op in self.ops:
+            op.wait()
+
+    def complete(self) -> None:
+        for op in self.ops:
+            op.complete()
+
+
+class Reservations:
+    """Reserved host pages by engine device page; the host allocator still owns them."""
+
+    def __init__(self, host: HostPool) -> None:
+        self.host = host
+        self._by_page: dict[int, tuple[int, Reservation]] = {}
+        self._orphans: list[tuple[TransferOp | None, Reservation, torch.Tensor]] = []
+
+    def of(self, layered: Layered) -> list[Reservation]:
+        """The reservation (at most one) of ``layered`` still holding pages or orphans."""
+        out = {id(r): r for _, r in self._by_page.values() if r.layered is layered}
+        out.update({id(r): r for _, r, _ in self._orphans if r.layered is layered})
+        return list(out.values())
+
+    def add(self, res: Reservation) -> None:
+        for d, h in zip(res.device.tolist(), res.host.tolist(), strict=True):
+            if d in self._by_page:
+                raise IntegrityError(f"device page {d} reserved for two per-layer backups")
+            self._by_page[d] = (h, res)
+            res.left.add(d)
+
+    def take(self, device: torch.Tensor) -> tuple[TransferOp | Joined, torch.Tensor] | None:
+        """The copy and host pages of every page of ``device`` (a node being inserted), if
+        finished forwards reserved all of them (a node's pages may come from several: its
+        prefill and decode steps); ``None`` otherwise (its reserved pages are released)."""
+        pages = device.tolist()
+        found = [self._by_page.get(p) for p in pages]
+        if not found or any(f is None or f[1].op is None for f in found):
+            self.release(device)
+            return None
+        ops: dict[int, TransferOp] = {}
+        for p, (_, res) in zip(pages, found, strict=True):  # type: ignore[misc]
+            del self._by_page[p]
+            res.left.discard(p)
+            ops[id(res.op)] = res.op  # type: ignore[assignment]
+        host = torch.tensor([f[0] for f in found], dtype=torch.int64)  # type: ignore[index]
+        op = next(iter(ops.values())) if len(ops) == 1 else Joined(list(ops.values()))
+        return op, host
+
+    def release(self, device: torch.Tensor) -> None:
+        """Give up the reservations of ``device`` pages: their host pages are freed once the
+        copy writing them is done (:meth:`poll`)."""
+        for p in device.reshape(-1).tolist():
+            got = self._by_page.pop(p, None)
+            if got is None:
+                continue
+            h, res = got
+            res.left.discard(p)
+            self._orphans.append((res.op, res, torch.tensor([h], dtype=torch.int64)))
+
+    def poll(self) -> None:
+        """Free released host pages whose copy can no longer write them."""
+        keep = []
+        for op, res, pages in self._orphans:
+            op = op or res.op
+            if op is not None and op.done():
+                self.host.allocator.free(pages)
+            else:
+                keep.append((op, res, pages))
+        self._orphans = keep
+
+    def wait(self) -> None:
+        for op, res, _ in self._orphans:
+            if (op or res.op) is not None:
+                (op or res.op).wait()  # type: ignore[union-attr]
+        self.poll()
+
+    def host_pages(self) -> int:
+        """Host pages held by reservations and released copies still in flight."""
+        return len(self._by_page) + sum(p.numel() for _, _, p in self._orphans)
+
+    def busy(self) -> bool:
+        return bool(self._orphans)

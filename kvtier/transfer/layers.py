@@ -1,0 +1,98 @@
+"""Per-layer backups: a device → host copy made while the forward that writes the pages runs.
+
+The host pages are reserved before the forward; each time the forward finishes an anchor layer
+the engine calls :meth:`Layered.layer_done` and that layer's anchor rows are queued on the backup
+stream behind the compute stream's work so far. :meth:`Layered.finish`, after the forward, copies
+what is left (every other component: sidecars such as a draft head's KV may be written after the
+last target layer, whatever their layer count; and any layer not reported) and records the op's
+completion; visibility is the caller's, after ``op.done()`` (contract 3)::
+
+    forward      layer 0 ─ layer 1 ─ ... ─ layer L-1 ─ draft head
+    backup            kv 0 ─    kv 1 ─ ...   ─ kv L-1 ─ sidecars ─ event (op done)
+
+On CPU each layer is copied synchronously when reported. On CUDA the rows move by the row kernel
+through the device view of the pinned host pool (a pageable one takes the plain backup).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.errors import IntegrityError
+from kvtier.transfer.component import PageLists, queue_rows
+from kvtier.transfer.op import TransferOp
+from kvtier.transfer.rows import copy_rows
+
+if TYPE_CHECKING:
+    from kvtier.transfer.mover import Mover
+
+
+class Layered:
+    """One per-layer backup of a fixed page list (physical pages, this rank's shard)."""
+
+    def __init__(self, mover: Mover, pages: PageLists, op: TransferOp) -> None:
+        self.mover = mover
+        self.pages = pages
+        self.op = op
+        specs = mover.dev.specs
+        self.anchor_layers = specs[0].num_layers
+        self._done: dict[str, set[int]] = {s.name: set() for s in specs}
+        self._finished = False
+        for name in self._done:
+            op.paths[name] = "per layer"
+
+    def layer_done(self, layer: int) -> None:
+        """Anchor layer ``layer`` of the pages is written: queue its rows (and that layer of
+        every component layered like the anchor)."""
+        if self._finished:
+            raise IntegrityError(f"layer_done({layer}) after the per-layer backup finished")
+        if not 0 <= layer < self.anchor_layers:
+            raise IntegrityError(f"layer_done({layer}): the anchor has {self.anchor_layers}")
+        if not self.op.num_pages:
+            return
+        anchor = self.mover.dev.specs[0].name
+        if layer not in self._done[anchor]:
+            self._copy({anchor: [layer]})
+
+    def finish(self) -> TransferOp:
+        """Copy every layer not copied yet and mark the op's end; returns the op."""
+        if self._finished:
+            raise IntegrityError("per-layer backup finished twice")
+        self._finished = True
+        if self.op.num_pages:
+            rest = {
+                s.name: [j for j in range(s.num_layers) if j not in self._done[s.name]]
+                for s in self.mover.dev.specs
+            }
+            self._copy({n: ls for n, ls in rest.items() if ls})
+        if self.mover.cuda and self.op.num_pages:
+            self.op.event = torch.cuda.Event()
+            self.op.event.record(self.mover.backup_stream)
+        return self.op
+
+    def _copy(self, layers: dict[str, list[int]]) -> None:
+        m, pages = self.mover, self.pages
+        for name, ls in layers.items():
+            self._done[name].update(ls)
+        if not m.cuda:
+            for name, ls in layers.items():
+                r = m.rows[name]
+                for j in ls:
+                    h, d = r.geo.host_rows(pages.host, j), r.geo.device_rows(pages.device, j)
+                    copy_rows(r.device, d, r.host, h)
+            return
+        stream = m.backup_stream
+        compute = torch.cuda.current_stream(m.dev.device)
+        with torch.cuda.device(m.dev.device):
+            stream.wait_stream(compute)  # the layer's rows were written on the compute stream
+            with torch.cuda.stream(stream):
+                hg, dg = pages.on_gpu(m.dev.device, self.op)
+                for name, ls in layers.items():
+                    r = m.rows[name]
+                    if r.mapped is None:
+                        raise IntegrityError(f"per-layer backup of {name} without a mapped host")
+                    for j in ls:
+                        d, h = r.geo.device_rows(dg, j), r.geo.host_rows(hg, j)
+                        queue_rows(r.device, d, r.mapped, h, self.op)
