@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -14,12 +15,14 @@ from kvtier.engine.families import build_model, preset
 from kvtier.engine.mtp import DRAFT_HIDDEN, DRAFT_KV, MTPCausalLM
 from kvtier.errors import ConfigError
 
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+
 MODEL = preset("tiny-mtp", max_position=512)
 GREEDY = SamplingParams(max_tokens=20)
 
 
 def cache_cfg(page_size: int = 4, **kw) -> CacheConfig:
-    base = dict(page_size=page_size, device_pages=384 // page_size, device="cpu")
+    base = dict(page_size=page_size, device_pages=384 // page_size, device=DEVICE)
     return CacheConfig(**{**base, "debug_checks": True, **kw})
 
 
