@@ -267,3 +267,42 @@ def test_misconfigured_groups_fail_fast(tmp_path):
             TieredCache(cfg, [SPEC], group=g)
 
     LocalWorld(2, timeout=5).run(mismatched)
+
+
+def test_a_host_hit_under_device_pressure_loads_by_evicting(tmp_path):
+    """The load-back quota counts evictable device cache (seed 004): with every device page
+    of both lanes held by unlocked cached pages, a host hit is still loaded whole, on its
+    owners' lanes, by evicting them, instead of being skipped as if the pool were full."""
+
+    def rank(g) -> tuple[int, int, int]:
+        cfg = _config(tmp_path, 2, g.rank, device_pages=3, host_pages=12, storage=None)
+        layout = CPLayout(2, g.rank)
+        with TieredCache(cfg, [SPEC], group=g) as cache:
+            hit = TOKENS[:16]  # 4 pages: 2 per lane
+            m = cache.match(hit)
+            cache.lock(m.handle)
+            cache.load(m)
+            locs = cache.alloc(len(hit), at=0)
+            _write(cache, locs, 0)
+            cache.finish(hit, locs, 0, m.handle)
+            cache.drain()
+            cache.flush(host=False)  # ``hit`` is on host only now
+            for i in range(3):  # fill both lanes with other, unlocked cached pages
+                toks = [900 + i] * (2 * PS)
+                m = cache.match(toks)
+                cache.lock(m.handle)
+                cache.load(m)
+                cache.finish(toks, cache.alloc(2 * PS, at=0), 0, m.handle)
+            cache.drain()  # their backups landed: nothing pins them
+            alloc = cache.device_pool.allocator
+            full = alloc.available_in(0) + alloc.available_in(1)
+            m = cache.match(hit)
+            cache.lock(m.handle)
+            ld = cache.load(m)
+            checked = _check(cache, ld.locs)
+            _owners_hold(cache, layout)
+            cache.finish(hit, ld.locs, ld.locs.numel(), m.handle)
+            cache.check_integrity()
+            return full, ld.locs.numel(), checked
+
+    assert LocalWorld(2, timeout=20).run(rank) == [(0, 16, 8), (0, 16, 8)]
