@@ -152,7 +152,7 @@ def _run(
         t0 = time.perf_counter()
         cache.poll()
         work = sched.schedule()
-        finished = sched.update(work, [rng.randrange(32000) for _ in work])
+        finished = sched.update(work, [[rng.randrange(32000)] for _ in work])
         arrive(len(finished))
         step_s.append(time.perf_counter() - t0)
         cache_s.append(cache.seconds - before)
