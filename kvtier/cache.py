@@ -13,12 +13,26 @@ Request flow (engine's view)::
     cache.poll()                     # once per step, right after the step's device → host read:
                                      # completes transfers, makes copies visible, queues backups
 
-Range table of one finished request's slots (``ps`` = page size)::
+Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens computed,
+``full = n - n % ps``)::
 
     [0, prefix_len)            cache-owned pages from load(); never written or freed by the engine
+                               (except a tail copy: see below)
     [prefix_len, cached_len)   the engine's pages that duplicate pages cached meanwhile → freed
     [cached_len, full)         the engine's pages, now owned by the tree
-    [full, len(locs))          the trailing partial page → freed
+    [full, n)                  the trailing partial page: cached as a partial tail (default),
+                               freed with ``cache_partial_pages=False``, a state pool or CP
+    [n, len(locs))             padding slots of the last page: never cached, never returned
+
+Partial tails (``kvtier.tree.tails`` has the match/insert rules). Lengths (``MatchResult``,
+``LoadResult``) count valid tokens. When ``load`` serves a prefix ending in a cached partial
+tail of ``r`` tokens, its last ``r`` slots are a *tail copy*: a fresh engine page holding a
+device copy of the tail page, so the request appends in place (``alloc(k, at=len(ld.locs))``
+returns the copy's remaining slots, then fresh pages) and the shared tail is never written.
+If no page can be had for the copy, ``load`` serves the whole pages before the tail. At
+``finish`` the copy is the request's page: extending the tail replaces it in the tree (the
+old tail is freed when unlocked and idle, else the copy is freed like a duplicate);
+``unlock`` without ``finish`` frees a copy no ``alloc`` continued.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
 from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
-from kvtier.tree.results import truncate_match
+from kvtier.tree.results import Evicted, truncate_match
 
 
 class TieredCache:
@@ -123,10 +137,33 @@ class TieredCache:
             self.controller.alloc_device_at,
             self.controller.on_insert,
             self.stateful,
+            # Tails need one copy page on the tail page's lane and a copy of the state row;
+            # neither is supported, so state models and CP free the tail (page-aligned cache).
+            tails=config.cache_partial_pages and not self.stateful and cp == 1,
+            release=self._release_dropped,
+            copy_page=self._copy_page,
         )
         self._closed = False
         if self.group.size > 1:
             self._handshake()
+
+    def _release_dropped(self, ev: Evicted) -> None:
+        """Free the pages of partial tails a longer version replaced (owners: allocators)."""
+        for p in ev.device_pages:
+            self.device_pool.free_pages(p)
+        if self.host_pool is not None:
+            for p in ev.host_pages:
+                self.host_pool.allocator.free(p)
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        """Device → device copy of every component's rows of logical page ``src`` to ``dst``
+        (the padding slots too: harmless, and one contiguous copy per component)."""
+        pages = torch.tensor([src, dst], dtype=torch.int64)
+        s, d = self.kv_buffers.translator.device_physical(pages).tolist()
+        for spec in self.specs:
+            buf = self.device_pool.buffers[spec.name]
+            rows = spec.rows_per_page(self.page_size)
+            buf[:, d * rows : (d + 1) * rows].copy_(buf[:, s * rows : (s + 1) * rows])
 
     def _handshake(self) -> None:
         """Every rank of the CP group started a cache with the same shape: the same namespace,
@@ -238,11 +275,19 @@ class TieredCache:
         handle.node = self.controller.lock(handle.locked)
 
     def unlock(self, handle: Handle) -> None:
+        """Release the lock (and a tail copy of the last ``load`` that no ``alloc``
+        continued: the request was not admitted)."""
+        self._release_handle(handle, free_copy=True)
+
+    def _release_handle(self, handle: Handle, free_copy: bool) -> None:
         if handle.node is None:
             raise IntegrityError("unlock of a handle that is not locked")
         self.controller.unlock(handle.node)
         handle.node = None
         handle.load_result = None
+        if handle.tail_copy is not None:
+            self.engine_pages.forget_copy(handle.tail_copy, free_copy)
+            handle.tail_copy = None
 
     # ---- host → device ------------------------------------------------------------------
     def load(self, m: MatchResult, overlap: bool = False) -> LoadResult:
@@ -267,11 +312,35 @@ class TieredCache:
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
         served = served_prefix(path, before, usable, ps)
-        ld = LoadResult(
-            served.locs, *served.tokens, layer_events=layer_events, state_source=served.last
-        )
+        locs = served.locs
+        if h.tail_copy is not None:  # a second load of this handle: its first copy goes
+            self.engine_pages.forget_copy(h.tail_copy, free=True)
+            h.tail_copy = None
+        if usable % ps:
+            locs = self._copy_tail(h, locs, layer_events)
+            if locs is None:  # no page for the copy: serve the whole pages before the tail
+                served = served_prefix(path, before, align_down(usable, ps), ps)
+                locs = served.locs
+        ld = LoadResult(locs, *served.tokens, layer_events=layer_events, state_source=served.last)
         h.load_result, h.moved_nodes = ld, served.moved
         return ld
+
+    def _copy_tail(
+        self, h: Handle, locs: torch.Tensor, layer_events: list | None
+    ) -> torch.Tensor | None:
+        """``locs`` with their last, partial page replaced by a tail copy (module docstring);
+        ``None`` when no device page can be had for it."""
+        ps, n = self.page_size, locs.numel()
+        if layer_events:
+            # The tail may still be arriving from host on the transfer stream.
+            torch.cuda.current_stream(self.device).wait_event(layer_events[-1])
+        copy = self.engine_pages.tail_copy(int(locs[-1]) // ps, n)
+        if copy is None:
+            return None
+        h.tail_copy = copy
+        out = locs.clone()
+        out[n - n % ps :] = torch.arange(copy * ps, copy * ps + n % ps, dtype=out.dtype)
+        return out
 
     def record_hits(self, handle: Handle) -> None:
         """Count the cached prefix of an admitted request (its handle's last ``load``) per
@@ -353,7 +422,8 @@ class TieredCache:
         handle: Handle | None,
         checkpoints: torch.Tensor | None = None,
     ) -> int:
-        """End of a request: insert, free duplicates and the partial tail page, unlock.
+        """End of a request: insert (the partial tail page too, see the range table), free
+        duplicates, unlock.
 
         ``tokens[i]``'s KV is at ``locs[i]`` (``locs`` may run on to the end of the last
         allocated page); ``checkpoints`` as for ``insert``. Returns the tokens now cached.
@@ -363,10 +433,13 @@ class TieredCache:
         ``RequestError`` before anything changes.
         """
         self._check_open("finish")
-        n = self.engine_pages.finish(tokens, locs, prefix_len, handle, checkpoints)
+        unlock = None
         if handle is not None:
-            self.unlock(handle)
-        return n
+            # A tail copy in ``locs`` is the request's page now: ``finish`` caches or frees it.
+            def unlock() -> None:
+                self._release_handle(handle, free_copy=False)
+
+        return self.engine_pages.finish(tokens, locs, prefix_len, handle, checkpoints, unlock)
 
     def agree(self, flag: bool) -> bool:
         """True only when ``flag`` is true on every rank of the CP group (``flag`` itself

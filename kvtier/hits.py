@@ -67,6 +67,8 @@ def storage_extension(
     present, ``first_page`` being the sequence page of ``keys[0]`` (default: the backend's
     ``batch_exists``; a CP rank asks only about the pages it owns)."""
     start = m.matched_len
+    if m.tail:
+        return []  # nothing hangs below a partial tail
     prev = None
     if m.path:
         prev = tree.ensure_keys(m.path[-1], namespace)[m.last_pages - 1]
@@ -126,9 +128,11 @@ def served_prefix(
             moved.append(node)
         if node.device is None:
             raise IntegrityError(f"node {node.id}: loaded but has no device copy")
-        pages.append(node.device[: take // page_size])
+        pages.append(node.device[: -(-take // page_size)])
         left -= take
     locs = (
-        pages_to_locs(torch.cat(pages), page_size) if pages else torch.empty(0, dtype=torch.int64)
+        pages_to_locs(torch.cat(pages), page_size)[:usable]
+        if pages
+        else torch.empty(0, dtype=torch.int64)
     )
     return Served(locs, (counts["device"], counts["host"], counts["storage"]), last, moved)
