@@ -234,21 +234,34 @@ class TieredCache:
         self._check_open("match")
         ps = self.page_size
         tm = self.tree.match(tokens)
-        t = tuple(tokens[: align_down(len(tokens), ps)])
+        end = max(align_down(len(tokens), ps), tm.matched_len)
         device_len, usable = usable_lengths(tm, self.stateful, ps)
         keys: list[PageKey] = []
+        tail = 0
         io = self.controller.io
         if probe_storage and io is not None:
-            keys = storage_extension(
-                io.backend, self.tree, self.namespace, tm, t, ps, self.stateful, self._exists
+            tails = self.engine_pages.tails
+            keys, tail = storage_extension(
+                io.backend,
+                self.tree,
+                self.namespace,
+                tm,
+                tokens if tails else tokens[:end],
+                ps,
+                self.stateful,
+                self._exists,
+                tails,
             )
             if self.group.size > 1:
                 # What storage holds is what every rank found of the pages it owns.
                 keys = keys[: self.group.all_reduce_min(len(keys))]
             if len(keys) < self.config.prefetch_min_pages:
-                keys = []
-        storage_len = tm.matched_len + len(keys) * ps - usable if keys else 0
-        handle = Handle(tm, usable, t, keys)
+                keys, tail = [], 0
+        fetched = len(keys) * ps - (ps - tail) % ps if keys else 0
+        if tail:  # the fetch's last page is a partial tail: the handle's tokens end with it
+            end = tm.matched_len + fetched
+        storage_len = tm.matched_len + fetched - usable if keys else 0
+        handle = Handle(tm, usable, tuple(tokens[:end]), keys)
         return MatchResult(device_len, usable - device_len, storage_len, handle)
 
     def _exists(self, keys: list[PageKey], first_page: int) -> int:

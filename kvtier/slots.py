@@ -95,8 +95,11 @@ class EnginePages:
 
         An ``at`` inside a page continues the tail copy a ``load`` just handed out for that
         position: its remaining slots come first (all of them, to the page's end), then fresh
-        pages for the rest."""
+        pages for the rest. Without ``at`` the newest such copy is continued (the usual
+        ``load`` then ``alloc`` of one request; interleaved admissions pass ``at``)."""
         ps = self.page_size
+        if at is None and self._pending:
+            at = self._pending[-1][0]
         if self.tails and isinstance(at, int) and at % ps and not isinstance(at, bool):
             copy = next((p for a, p in reversed(self._pending) if a == at), None)
             if copy is not None:
