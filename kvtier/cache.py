@@ -58,9 +58,10 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
+from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
-from kvtier.tree.results import Evicted, truncate_match
+from kvtier.tree.results import truncate_match
 
 
 class TieredCache:
@@ -140,30 +141,12 @@ class TieredCache:
             # Tails need one copy page on the tail page's lane and a copy of the state row;
             # neither is supported, so state models and CP free the tail (page-aligned cache).
             tails=config.cache_partial_pages and not self.stateful and cp == 1,
-            release=self._release_dropped,
-            copy_page=self._copy_page,
+            release=lambda ev: release(self.device_pool, self.host_pool, ev),
+            copy_page=lambda src, dst: copy_page(self.device_pool, translator, src, dst),
         )
         self._closed = False
         if self.group.size > 1:
             self._handshake()
-
-    def _release_dropped(self, ev: Evicted) -> None:
-        """Free the pages of partial tails a longer version replaced (owners: allocators)."""
-        for p in ev.device_pages:
-            self.device_pool.free_pages(p)
-        if self.host_pool is not None:
-            for p in ev.host_pages:
-                self.host_pool.allocator.free(p)
-
-    def _copy_page(self, src: int, dst: int) -> None:
-        """Device → device copy of every component's rows of logical page ``src`` to ``dst``
-        (the padding slots too: harmless, and one contiguous copy per component)."""
-        pages = torch.tensor([src, dst], dtype=torch.int64)
-        s, d = self.kv_buffers.translator.device_physical(pages).tolist()
-        for spec in self.specs:
-            buf = self.device_pool.buffers[spec.name]
-            rows = spec.rows_per_page(self.page_size)
-            buf[:, d * rows : (d + 1) * rows].copy_(buf[:, s * rows : (s + 1) * rows])
 
     def _handshake(self) -> None:
         """Every rank of the CP group started a cache with the same shape: the same namespace,
@@ -330,30 +313,15 @@ class TieredCache:
             self.engine_pages.forget_copy(h.tail_copy, free=True)
             h.tail_copy = None
         if usable % ps:
-            locs = self._copy_tail(h, locs, layer_events)
-            if locs is None:  # no page for the copy: serve the whole pages before the tail
+            copied = with_tail_copy(self.engine_pages, locs, layer_events, self.device)
+            if copied is None:  # no page for the copy: serve the whole pages before the tail
                 served = served_prefix(path, before, align_down(usable, ps), ps)
                 locs = served.locs
+            else:
+                locs, h.tail_copy = copied
         ld = LoadResult(locs, *served.tokens, layer_events=layer_events, state_source=served.last)
         h.load_result, h.moved_nodes = ld, served.moved
         return ld
-
-    def _copy_tail(
-        self, h: Handle, locs: torch.Tensor, layer_events: list | None
-    ) -> torch.Tensor | None:
-        """``locs`` with their last, partial page replaced by a tail copy (module docstring);
-        ``None`` when no device page can be had for it."""
-        ps, n = self.page_size, locs.numel()
-        if layer_events:
-            # The tail may still be arriving from host on the transfer stream.
-            torch.cuda.current_stream(self.device).wait_event(layer_events[-1])
-        copy = self.engine_pages.tail_copy(int(locs[-1]) // ps, n)
-        if copy is None:
-            return None
-        h.tail_copy = copy
-        out = locs.clone()
-        out[n - n % ps :] = torch.arange(copy * ps, copy * ps + n % ps, dtype=out.dtype)
-        return out
 
     def record_hits(self, handle: Handle) -> None:
         """Count the cached prefix of an admitted request (its handle's last ``load``) per

@@ -366,3 +366,32 @@ def test_engine_outputs_equal_cold_and_recompute_less(tmp_path, where):
     # Each follow-up recomputes its tail fewer tokens: (n + 5) % 16.
     drop = [a - b for a, b in zip(recomputed[False], recomputed[True], strict=True)]
     assert drop == [(n + 5) % 16 for n in lengths]
+
+
+def test_context_parallel_keeps_the_page_aligned_behaviour(tmp_path):
+    """Under CP a tail copy would have to sit on the tail page's lane: not supported, so the
+    tail is freed as before, on every rank alike."""
+    from kvtier.parallel.group import LocalWorld
+
+    def rank(g) -> tuple:
+        cfg = CacheConfig(
+            page_size=16,
+            device_pages=8,
+            host_pages=16,
+            cp_size=2,
+            cp_rank=g.rank,
+            storage="file",
+            storage_dir=str(tmp_path),
+            model_fingerprint="test-model",
+            debug_checks=True,
+        )
+        with TieredCache(cfg, [KV], group=g) as c:
+            m = c.match(T)
+            c.lock(m.handle)
+            ld = c.load(m)
+            locs = c.alloc(len(T), at=0)
+            c.finish(T, locs, ld.locs.numel(), m.handle)
+            c.check_integrity()
+            return c.engine_pages.tails, c.match(T + [1]).device_len, shape(c)[0][:2]
+
+    assert LocalWorld(2, timeout=20).run(rank) == [(False, 16, (16, 16))] * 2
