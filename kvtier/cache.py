@@ -62,6 +62,7 @@ from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
+from kvtier.tree.tails import unpin_tail
 
 
 class TieredCache:
@@ -319,6 +320,9 @@ class TieredCache:
                 locs = served.locs
             else:
                 locs, h.tail_copy = copied
+            # Either way the request no longer reads the cached tail: unpinned, it can be
+            # evicted for the request's own pages (a pool sized for the request still fits).
+            h.node = unpin_tail(self.tree, h.node)
         ld = LoadResult(locs, *served.tokens, layer_events=layer_events, state_source=served.last)
         h.load_result, h.moved_nodes = ld, served.moved
         return ld

@@ -149,14 +149,21 @@ def test_a_locked_tail_is_kept_and_the_longer_copy_freed(tmp_path):
     play(c, T)
     a, b = T + [1, 2], T + [3, 4, 5]
     ha, lda, la = begin(c, a)
-    hb, ldb, lb = begin(c, b)
     assert lda.locs[16:].tolist() == list(range(32, 37))
-    assert ldb.locs[16:].tolist() == list(range(48, 53))  # each request has its own copy
-    c.finish(a, la, lda.locs.numel(), ha)  # b still holds the tail: a's page is freed
-    assert shape(c) == [(16, 16, [0]), (21, 5, [1])]  # split off, kept
-    assert c.engine_pages.count == 1
+    (prefix, tail) = sorted(c.tree.nodes(), key=lambda n: n.depth_tokens())
+    # With its copy made, a no longer pins the tail (split off its whole page).
+    assert (prefix.lock_ref, tail.lock_ref) == (1, 0)
+    mb = c.match(b)
+    c.lock(mb.handle)  # b pins the tail until its own load
+    assert tail.lock_ref == 1
+    c.finish(a, la, lda.locs.numel(), ha)  # the tail is locked: a's page is freed
+    assert shape(c) == [(16, 16, [0]), (21, 5, [1])]
+    assert c.engine_pages.count == 0
     c.check_integrity()
-    c.finish(b, lb, ldb.locs.numel(), hb)  # nobody holds it now: b's page replaces it
+    ldb = c.load(mb)
+    assert ldb.locs[16:].tolist() == list(range(48, 53))
+    lb = torch.cat((ldb.locs, c.alloc(3, at=21)))
+    c.finish(b, lb, ldb.locs.numel(), mb.handle)  # nobody holds it now: b's page replaces it
     assert shape(c) == [(16, 16, [0]), (24, 8, [3])]
     assert c.engine_pages.count == 0 and c.device_pool.allocator.used == 2
     c.check_integrity()

@@ -22,8 +22,13 @@ Rules (``RadixTree.match`` / ``insert``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from kvtier.errors import IntegrityError
 from kvtier.tree.node import Node
+
+if TYPE_CHECKING:
+    from kvtier.tree.radix import RadixTree
 
 
 def tail_child(node: Node, tokens: Sequence[int], pos: int, page_size: int) -> Node | None:
@@ -49,3 +54,24 @@ def shorter_tail(node: Node, key: tuple[int, ...], page_size: int) -> Node | Non
         if child is not None:
             return child
     return None
+
+
+def unpin_tail(tree: RadixTree, node: Node) -> Node:
+    """Move a request's lock off the partial tail ending at ``node`` (its lock node) once the
+    request no longer reads it (it got a tail copy, or recomputes the tail): the tail becomes
+    evictable and replaceable, so the request needs no page beyond its own. Splits a node that
+    has whole pages before its tail. Returns the new lock node (the root when nothing is left).
+    A tail still being loaded from host (``host_io``) keeps the lock: its device pages must
+    not be reused under the copy."""
+    ps = tree.page_size
+    if node is tree.root or not node.tail(ps) or node.host_io:
+        return node
+    if node.num_pages(ps) > 1:
+        tree.split(node, node.num_pages(ps) - 1)
+    parent = node.parent
+    if parent is None:
+        raise IntegrityError(f"unpin of a detached tail {node!r}")
+    tree.unlock(node)
+    if parent is not tree.root:
+        tree.lock_node(parent, hit=False)
+    return parent
