@@ -291,7 +291,9 @@ class TieredCache:
         """Device slots of the locked prefix, loading its host part into the device tier.
 
         If the device pool cannot take all of it, a shorter prefix is returned (for a model
-        with a state pool, one ending at a checkpoint). With ``overlap`` (CUDA) the compute
+        with a state pool, one ending at a checkpoint). A prefix ending in a cached partial
+        tail ends with a tail copy's slots, and the lock no longer pins that tail (module
+        docstring). With ``overlap`` (CUDA) the compute
         stream is not made to wait for the load: the caller waits on
         ``layer_events[i]`` before reading anchor layer ``i`` (see ``LoadResult``).
         """
@@ -374,7 +376,8 @@ class TieredCache:
         """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed;
         ``CapacityError`` when even eviction leaves too few. ``at`` is the sequence position
         of the first of the tokens (a page boundary); under context parallelism it says
-        which rank owns each page and is required."""
+        which rank owns each page and is required. After a ``load`` that ended in a tail copy,
+        ``at=len(ld.locs)`` (or no ``at``) continues the copy: its remaining slots first."""
         self._check_open("alloc")
         return self.engine_pages.alloc(num_tokens, at)
 

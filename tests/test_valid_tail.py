@@ -402,3 +402,40 @@ def test_context_parallel_keeps_the_page_aligned_behaviour(tmp_path):
             return c.engine_pages.tails, c.match(T + [1]).device_len, shape(c)[0][:2]
 
     assert LocalWorld(2, timeout=20).run(rank) == [(False, 16, (16, 16))] * 2
+
+
+# ---- the tree against its rules, on random sequences ----------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_with_tails_keeps_its_invariants(seed):
+    import itertools
+    import random
+
+    from kvtier.tree import RadixTree
+
+    rng = random.Random(seed)
+    ps = 4
+    tree = RadixTree(ps)
+    ids = itertools.count()
+    seqs: list[list[int]] = []
+    for _ in range(60):
+        base = rng.choice(seqs) if seqs and rng.random() < 0.7 else []
+        s = base[: rng.randint(0, len(base))] + [rng.randrange(3) for _ in range(rng.randint(1, 9))]
+        pages = torch.tensor([next(ids) for _ in range(-(-len(s) // ps))])
+        out = tree.insert(s, pages)
+        held = set(tree.held_pages("device").tolist())
+        # Every page is the tree's, a duplicate, or was dropped with a replaced tail.
+        dropped = {int(p) for d in out.dropped.device_pages for p in d}
+        assert not dropped & held
+        assert set(pages.tolist()) <= held | set(out.duplicates.tolist())
+        tree.check_integrity()
+        seqs.append(s)
+        assert tree.match(s).matched_len == len(s)  # what was just inserted is all cached
+        for q in rng.sample(seqs, min(5, len(seqs))):
+            q = q + [rng.randrange(3)] if rng.random() < 0.5 else q[: rng.randint(0, len(q))]
+            m = tree.match(q)
+            got = [t for n in m.path for t in n.tokens][: m.matched_len]
+            assert got == q[: m.matched_len]
+            # A match ends on a page boundary or exactly at the end of a partial tail.
+            assert m.matched_len % ps == 0 or (
+                m.node.tail(ps) and m.last_pages == m.node.num_pages(ps)
+            )
