@@ -13,12 +13,26 @@ Request flow (engine's view)::
     cache.poll()                     # once per step, right after the step's device → host read:
                                      # completes transfers, makes copies visible, queues backups
 
-Range table of one finished request's slots (``ps`` = page size)::
+Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens computed,
+``full = n - n % ps``)::
 
     [0, prefix_len)            cache-owned pages from load(); never written or freed by the engine
+                               (except a tail copy: see below)
     [prefix_len, cached_len)   the engine's pages that duplicate pages cached meanwhile → freed
     [cached_len, full)         the engine's pages, now owned by the tree
-    [full, len(locs))          the trailing partial page → freed
+    [full, n)                  the trailing partial page: cached as a partial tail (default),
+                               freed with ``cache_partial_pages=False``, a state pool or CP
+    [n, len(locs))             padding slots of the last page: never cached, never returned
+
+Partial tails (``kvtier.tree.tails`` has the match/insert rules). Lengths (``MatchResult``,
+``LoadResult``) count valid tokens. When ``load`` serves a prefix ending in a cached partial
+tail of ``r`` tokens, its last ``r`` slots are a *tail copy*: a fresh engine page holding a
+device copy of the tail page, so the request appends in place (``alloc(k, at=len(ld.locs))``
+returns the copy's remaining slots, then fresh pages) and the shared tail is never written.
+If no page can be had for the copy, ``load`` serves the whole pages before the tail. At
+``finish`` the copy is the request's page: extending the tail replaces it in the tree (the
+old tail is freed when unlocked and idle, else the copy is freed like a duplicate);
+``unlock`` without ``finish`` frees a copy no ``alloc`` continued.
 """
 
 from __future__ import annotations
@@ -44,10 +58,12 @@ from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import create_backend
+from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
+from kvtier.tree.tails import unpin_tail
 
 
 class TieredCache:
@@ -125,6 +141,11 @@ class TieredCache:
             self.controller.on_insert,
             self.stateful,
             self.controller.released,
+            # Tails need one copy page on the tail page's lane and a copy of the state row;
+            # neither is supported, so state models and CP free the tail (page-aligned cache).
+            tails=config.cache_partial_pages and not self.stateful and cp == 1,
+            release=lambda ev: release(self.device_pool, self.host_pool, ev),
+            copy_page=lambda src, dst: copy_page(self.device_pool, translator, src, dst),
         )
         self._closed = False
         if self.group.size > 1:
@@ -199,21 +220,34 @@ class TieredCache:
         self._check_open("match")
         ps = self.page_size
         tm = self.tree.match(tokens)
-        t = tuple(tokens[: align_down(len(tokens), ps)])
+        end = max(align_down(len(tokens), ps), tm.matched_len)
         device_len, usable = usable_lengths(tm, self.stateful, ps)
         keys: list[PageKey] = []
+        tail = 0
         io = self.controller.io
         if probe_storage and io is not None:
-            keys = storage_extension(
-                io.backend, self.tree, self.namespace, tm, t, ps, self.stateful, self._exists
+            tails = self.engine_pages.tails
+            keys, tail = storage_extension(
+                io.backend,
+                self.tree,
+                self.namespace,
+                tm,
+                tokens if tails else tokens[:end],
+                ps,
+                self.stateful,
+                self._exists,
+                tails,
             )
             if self.group.size > 1:
                 # What storage holds is what every rank found of the pages it owns.
                 keys = keys[: self.group.all_reduce_min(len(keys))]
             if len(keys) < self.config.prefetch_min_pages:
-                keys = []
-        storage_len = tm.matched_len + len(keys) * ps - usable if keys else 0
-        handle = Handle(tm, usable, t, keys)
+                keys, tail = [], 0
+        fetched = len(keys) * ps - (ps - tail) % ps if keys else 0
+        if tail:  # the fetch's last page is a partial tail: the handle's tokens end with it
+            end = tm.matched_len + fetched
+        storage_len = tm.matched_len + fetched - usable if keys else 0
+        handle = Handle(tm, usable, tuple(tokens[:end]), keys)
         return MatchResult(device_len, usable - device_len, storage_len, handle)
 
     def _exists(self, keys: list[PageKey], first_page: int) -> int:
@@ -240,18 +274,28 @@ class TieredCache:
         handle.node = self.controller.lock(handle.locked)
 
     def unlock(self, handle: Handle) -> None:
+        """Release the lock (and a tail copy of the last ``load`` that no ``alloc``
+        continued: the request was not admitted)."""
+        self._release_handle(handle, free_copy=True)
+
+    def _release_handle(self, handle: Handle, free_copy: bool) -> None:
         if handle.node is None:
             raise IntegrityError("unlock of a handle that is not locked")
         self.controller.unlock(handle.node)
         handle.node = None
         handle.load_result = None
+        if handle.tail_copy is not None:
+            self.engine_pages.forget_copy(handle.tail_copy, free_copy)
+            handle.tail_copy = None
 
     # ---- host → device ------------------------------------------------------------------
     def load(self, m: MatchResult, overlap: bool = False) -> LoadResult:
         """Device slots of the locked prefix, loading its host part into the device tier.
 
         If the device pool cannot take all of it, a shorter prefix is returned (for a model
-        with a state pool, one ending at a checkpoint). With ``overlap`` (CUDA) the compute
+        with a state pool, one ending at a checkpoint). A prefix ending in a cached partial
+        tail ends with a tail copy's slots, and the lock no longer pins that tail (module
+        docstring). With ``overlap`` (CUDA) the compute
         stream is not made to wait for the load: the caller waits on
         ``layer_events[i]`` before reading anchor layer ``i`` (see ``LoadResult``).
         """
@@ -269,9 +313,21 @@ class TieredCache:
         if n < len(path) and self.stateful:
             usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
         served = served_prefix(path, before, usable, ps)
-        ld = LoadResult(
-            served.locs, *served.tokens, layer_events=layer_events, state_source=served.last
-        )
+        locs = served.locs
+        if h.tail_copy is not None:  # a second load of this handle: its first copy goes
+            self.engine_pages.forget_copy(h.tail_copy, free=True)
+            h.tail_copy = None
+        if usable % ps:
+            copied = with_tail_copy(self.engine_pages, locs, layer_events, self.device)
+            if copied is None:  # no page for the copy: serve the whole pages before the tail
+                served = served_prefix(path, before, align_down(usable, ps), ps)
+                locs = served.locs
+            else:
+                locs, h.tail_copy = copied
+            # Either way the request no longer reads the cached tail: unpinned, it can be
+            # evicted for the request's own pages (a pool sized for the request still fits).
+            h.node = unpin_tail(self.tree, h.node)
+        ld = LoadResult(locs, *served.tokens, layer_events=layer_events, state_source=served.last)
         h.load_result, h.moved_nodes = ld, served.moved
         return ld
 
@@ -322,7 +378,8 @@ class TieredCache:
         """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages, evicting if needed;
         ``CapacityError`` when even eviction leaves too few. ``at`` is the sequence position
         of the first of the tokens (a page boundary); under context parallelism it says
-        which rank owns each page and is required."""
+        which rank owns each page and is required. After a ``load`` that ended in a tail copy,
+        ``at=len(ld.locs)`` (or no ``at``) continues the copy: its remaining slots first."""
         self._check_open("alloc")
         return self.engine_pages.alloc(num_tokens, at)
 
@@ -391,7 +448,8 @@ class TieredCache:
         handle: Handle | None,
         checkpoints: torch.Tensor | None = None,
     ) -> int:
-        """End of a request: insert, free duplicates and the partial tail page, unlock.
+        """End of a request: insert (the partial tail page too, see the range table), free
+        duplicates, unlock.
 
         ``tokens[i]``'s KV is at ``locs[i]`` (``locs`` may run on to the end of the last
         allocated page); ``checkpoints`` as for ``insert``. Returns the tokens now cached.
@@ -401,10 +459,13 @@ class TieredCache:
         ``RequestError`` before anything changes.
         """
         self._check_open("finish")
-        n = self.engine_pages.finish(tokens, locs, prefix_len, handle, checkpoints)
+        unlock = None
         if handle is not None:
-            self.unlock(handle)
-        return n
+            # A tail copy in ``locs`` is the request's page now: ``finish`` caches or frees it.
+            def unlock() -> None:
+                self._release_handle(handle, free_copy=False)
+
+        return self.engine_pages.finish(tokens, locs, prefix_len, handle, checkpoints, unlock)
 
     def agree(self, flag: bool) -> bool:
         """True only when ``flag`` is true on every rank of the CP group (``flag`` itself

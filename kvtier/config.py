@@ -170,6 +170,11 @@ class CacheConfig:
     cp_pattern: str = "round_robin"
     """Which rank owns page ``i`` of a sequence: ``round_robin`` or ``zigzag``
     (``kvtier.parallel.layout``)."""
+    cache_partial_pages: bool = True
+    """Cache the valid tail of a request's last, partial page when it finishes (up to one page
+    minus a token fewer recomputed per shared prefix); ``False`` frees it as a whole-page cache
+    does. Ignored (the tail is freed) for models with a state pool and under context
+    parallelism (``kvtier.slots``)."""
     debug_checks: bool = False
     """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
     backup_share: float = 0.8
@@ -192,6 +197,7 @@ class CacheConfig:
             _integer(opt, getattr(self, opt), 1)
         _text("device", self.device, allow_none=True, nonempty=True)
         _flag("enable_host", self.enable_host)
+        _flag("cache_partial_pages", self.cache_partial_pages)
         _positive("host_ratio", self.host_ratio)
         _integer("host_pages", self.host_pages, 1, allow_none=True)
         _integer("host_bytes", self.host_bytes, 1, allow_none=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.keys import Namespace, PageKey, chain_keys, state_key
+from kvtier.keys import Namespace, PageKey, chain_keys, state_key, tail_key
 from kvtier.paging import pages_to_locs
 from kvtier.storage.base import StorageBackend
 from kvtier.tree.node import Node
@@ -60,13 +60,22 @@ def storage_extension(
     page_size: int,
     stateful: bool,
     exists: Callable[[list[PageKey], int], int] | None = None,
-) -> list[PageKey]:
+    tails: bool = False,
+) -> tuple[list[PageKey], int]:
     """Keys of the pages after the tree match that storage holds and a request could resume
     after: a prefix of present page objects, cut (state models) after the deepest page whose
     checkpoint object is present too. ``exists(keys, first_page)`` counts the leading keys
     present, ``first_page`` being the sequence page of ``keys[0]`` (default: the backend's
-    ``batch_exists``; a CP rank asks only about the pages it owns)."""
+    ``batch_exists``; a CP rank asks only about the pages it owns).
+
+    With ``tails`` (not for state models) a partial tail object may end the run: when
+    something is cached before it (tree or storage) and the tokens run on past the whole
+    pages found, the longest stored tail of the next ``page_size - 1`` tokens is looked up,
+    one existence check per candidate length, longest first. Returns ``(keys, tail)``,
+    ``tail`` being the valid tokens of the last key's page when it is a tail (else 0)."""
     start = m.matched_len
+    if m.tail:
+        return [], 0  # nothing hangs below a partial tail
     prev = None
     if m.path:
         prev = tree.ensure_keys(m.path[-1], namespace)[m.last_pages - 1]
@@ -83,7 +92,17 @@ def storage_extension(
     if stateful:
         while found and backend.batch_exists([state_key(found[-1])]) == 0:
             found.pop()
-    return found
+        return found, 0
+    pos = start + len(found) * page_size
+    if not tails or not (found or start) or pos >= len(tokens):
+        return found, 0
+    last = found[-1] if found else prev
+    rest = tokens[pos : pos + page_size - 1]
+    for r in range(len(rest), 0, -1):
+        key = tail_key(namespace, rest[:r], last)
+        if (exists([key], pos // page_size) if exists else backend.batch_exists([key])) == 1:
+            return [*found, key], r
+    return found, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +145,11 @@ def served_prefix(
             moved.append(node)
         if node.device is None:
             raise IntegrityError(f"node {node.id}: loaded but has no device copy")
-        pages.append(node.device[: take // page_size])
+        pages.append(node.device[: -(-take // page_size)])
         left -= take
     locs = (
-        pages_to_locs(torch.cat(pages), page_size) if pages else torch.empty(0, dtype=torch.int64)
+        pages_to_locs(torch.cat(pages), page_size)[:usable]
+        if pages
+        else torch.empty(0, dtype=torch.int64)
     )
     return Served(locs, (counts["device"], counts["host"], counts["storage"]), last, moved)

@@ -1,6 +1,7 @@
 """L3 keys: a hash chain over pages inside a namespace digest.
 
-``key(i) = H(namespace, key(i-1), tokens of page i)`` with ``key(-1) = namespace``. The namespace
+``key(i) = H(namespace, key(i-1), tokens of page i)`` with ``key(-1) = namespace``; a leaf's
+partial last page is keyed by ``tail_key`` over exactly its valid tokens. The namespace
 covers everything that changes the stored bytes or their meaning, so different deployments never
 read each other's objects by accident.
 """
@@ -54,23 +55,43 @@ def namespace_digest(
 
 
 def chain_keys(
-    namespace: Namespace, tokens: Sequence[int], page_size: int, prev: PageKey | None = None
+    namespace: Namespace,
+    tokens: Sequence[int],
+    page_size: int,
+    prev: PageKey | None = None,
+    tail: bool = False,
 ) -> list[PageKey]:
-    """Keys of every whole page of ``tokens``, chained after ``prev`` (``None``: chain start)."""
+    """Keys of every whole page of ``tokens``, chained after ``prev`` (``None``: chain start);
+    with ``tail``, also the key of a trailing partial page (``tail_key``)."""
     n_pages = len(tokens) // page_size
-    if n_pages == 0:
-        return []
-    arr = np.asarray(tokens[: n_pages * page_size], dtype=np.int64).reshape(n_pages, page_size)
-    ns = namespace.encode()
-    last = (prev or namespace).encode()
     out: list[PageKey] = []
-    for row in arr:
-        h = hashlib.blake2b(ns, digest_size=_DIGEST)
-        h.update(last)
-        h.update(row.tobytes())
-        last = h.hexdigest().encode()
-        out.append(PageKey(last.decode()))
+    if n_pages:
+        arr = np.asarray(tokens[: n_pages * page_size], dtype=np.int64)
+        arr = arr.reshape(n_pages, page_size)
+        ns = namespace.encode()
+        last = (prev or namespace).encode()
+        for row in arr:
+            h = hashlib.blake2b(ns, digest_size=_DIGEST)
+            h.update(last)
+            h.update(row.tobytes())
+            last = h.hexdigest().encode()
+            out.append(PageKey(last.decode()))
+    if tail and len(tokens) % page_size:
+        out.append(tail_key(namespace, tokens[n_pages * page_size :], out[-1] if out else prev))
     return out
+
+
+def tail_key(namespace: Namespace, tokens: Sequence[int], prev: PageKey | None = None) -> PageKey:
+    """Key of a partial page holding exactly ``tokens`` (fewer than a page) after ``prev``.
+
+    It covers exactly the valid tokens and is marked as a tail, so it differs from the key of
+    any whole page (and of any other tail): the whole page that later extends the tail is
+    stored under its own key. The object still holds the whole physical page."""
+    h = hashlib.blake2b(namespace.encode(), digest_size=_DIGEST)
+    h.update((prev or namespace).encode())
+    h.update(f"tail:{len(tokens)}".encode())
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return PageKey(h.hexdigest())
 
 
 def state_key(key: PageKey) -> PageKey:

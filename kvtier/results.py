@@ -31,11 +31,15 @@ class Handle:
     engine hands its slots back."""
     moved_nodes: list[Node] = field(default_factory=list)
     """Nodes whose copies were moved up for this request (``Node.origin``), not yet counted."""
+    tail_copy: int | None = None
+    """The engine page holding the copy of a partial tail the last ``load`` served (see
+    ``kvtier.cache``), until ``finish`` or ``unlock``."""
 
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
-    """Where the longest cached prefix of a request lives (token counts, whole pages)."""
+    """Where the longest cached prefix of a request lives (valid token counts: whole pages,
+    plus a partial tail when the request runs on past all its tokens)."""
 
     device_len: int
     """Tokens ``[0, device_len)`` are in the device tier."""
@@ -53,7 +57,8 @@ class MatchResult:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """The device slots of a locked prefix, and where its tokens came from."""
+    """The device slots of a locked prefix (one per valid token; a served partial tail's slots
+    are a tail copy's, see ``kvtier.cache``), and where its tokens came from."""
 
     locs: torch.Tensor
     device_tokens: int

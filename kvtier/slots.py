@@ -6,6 +6,22 @@ not yet given to the tree by ``insert`` nor returned by ``free``. ``EnginePages`
 record of the third state. Every slot list handed in is checked against it before any state
 changes, so a double ``finish``, a ``free`` of a cached page, a wrong ``prefix_len``, a
 misaligned page or a slot outside the pool is refused instead of corrupting the pools.
+
+Partial tails (``tails``: ``CacheConfig.cache_partial_pages``, no state pool, no context
+parallelism). ``finish`` caches the valid tail of the last, partial page too. A cached tail is
+shared and never written: ``load`` serving a prefix that ends in one hands the request a
+*tail copy* instead, a fresh engine page holding a copy of the tail page (``tail_copy``), and
+the next ``alloc`` at the unaligned position continues it. A finished request's pages
+(``ps`` = page size, ``n`` = valid tokens, ``r = n % ps``)::
+
+    pages of locs               tails on                          tails off
+    [0, n // ps)                whole pages: inserted             same
+    page n // ps (r > 0)        inserted as a partial tail        freed
+    the tail copy of a load     extends the cached tail: the      same as the pages
+                                tree replaces the tail (freed)    around it
+                                or, when that tail is locked or
+                                busy, the copy is freed
+    duplicates, refused pages   freed                             freed
 """
 
 from __future__ import annotations
@@ -23,12 +39,17 @@ if TYPE_CHECKING:
     from kvtier.results import Handle
     from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
+    from kvtier.tree.results import Evicted
 
 AllocFn = Callable[[int, int], "torch.Tensor | None"]
 """``(first_page, n)``: device pages for sequence pages ``[first_page, first_page + n)``,
 evicting cached ones if needed; ``None`` if impossible."""
 InsertedFn = Callable[[list["Node"]], None]
 """Told which nodes took engine pages (the write policy backs them up)."""
+ReleaseFn = Callable[["Evicted"], None]
+"""Frees the device and host pages of partial tails the tree dropped."""
+CopyFn = Callable[[int, int], None]
+"""``(src, dst)``: copy every component's rows of device page ``src`` to page ``dst``."""
 
 
 class EnginePages:
@@ -43,8 +64,12 @@ class EnginePages:
         on_insert: InsertedFn,
         stateful: bool,
         on_free: Callable[[torch.Tensor], None] | None = None,
+        tails: bool = False,
+        release: ReleaseFn | None = None,
+        copy_page: CopyFn | None = None,
     ) -> None:
-        """``on_free(pages)`` is told of engine pages going back to the allocator."""
+        """``on_free(pages)`` is told of engine pages going back to the allocator. ``tails``:
+        cache partial tails (then ``release`` and ``copy_page`` are needed)."""
         self.pool = pool
         self.tree = tree
         self.page_size = tree.page_size
@@ -52,7 +77,13 @@ class EnginePages:
         self._on_insert = on_insert
         self.stateful = stateful
         self._on_free = on_free
+        self.tails = tails and release is not None and copy_page is not None
+        self._release = release
+        self._copy_page = copy_page
         self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
+        self._pending: list[tuple[int, int]] = []
+        """``(at, page)``: tail copies handed out by ``load`` that no ``alloc`` continued yet
+        (``at`` = the sequence position after the copied valid tokens)."""
 
     @property
     def count(self) -> int:
@@ -63,7 +94,23 @@ class EnginePages:
     def alloc(self, num_tokens: int, at: int | None = None) -> torch.Tensor:
         """Slots of ``ceil(num_tokens / page_size)`` fresh whole pages for the tokens from
         sequence position ``at`` on (a multiple of ``page_size``; required when the pool is
-        one rank's shard of a CP group, where each page goes to its owner)."""
+        one rank's shard of a CP group, where each page goes to its owner).
+
+        An ``at`` inside a page continues the tail copy a ``load`` just handed out for that
+        position: its remaining slots come first (all of them, to the page's end), then fresh
+        pages for the rest. Without ``at`` the newest such copy is continued (the usual
+        ``load`` then ``alloc`` of one request; interleaved admissions pass ``at``)."""
+        ps = self.page_size
+        if at is None and self._pending:
+            at = self._pending[-1][0]
+        if self.tails and isinstance(at, int) and at % ps and not isinstance(at, bool):
+            copy = next((p for a, p in reversed(self._pending) if a == at), None)
+            if copy is not None:
+                room = ps - at % ps
+                rest = self.alloc(num_tokens - room, at + room) if num_tokens > room else None
+                self._pending.remove((at, copy))
+                head = torch.arange(copy * ps + at % ps, (copy + 1) * ps, dtype=torch.int64)
+                return head if rest is None else torch.cat((head, rest))
         n = -(-num_tokens // self.page_size)
         if at is None:
             if self.pool.allocator.lanes > 1:
@@ -93,6 +140,28 @@ class EnginePages:
         self._require_owned(pages, "free")
         self._free(pages)
 
+    def tail_copy(self, src: int, at: int) -> int | None:
+        """A fresh engine page (for the sequence page holding position ``at``) holding a copy
+        of device page ``src``, a cached partial tail whose valid tokens end at ``at``; the
+        next ``alloc(…, at=at)`` continues it. ``None`` when no page can be had."""
+        pages = self._alloc(at // self.page_size, 1)
+        if pages is None or self._copy_page is None:
+            return None
+        page = int(pages[0])
+        self._copy_page(src, page)
+        self._owned[page] = True
+        self._pending.append((at, page))
+        return page
+
+    def forget_copy(self, page: int, free: bool) -> None:
+        """The request a tail copy was made for is done with it: ``free`` it (an admission
+        given up before its ``alloc``) unless an ``alloc`` already handed it to the engine."""
+        pending = [e for e in self._pending if e[1] == page]
+        for e in pending:
+            self._pending.remove(e)
+        if free and pending and bool(self._owned[page]):
+            self._free(torch.tensor([page], dtype=torch.int64))
+
     def insert(
         self,
         tokens: Sequence[int],
@@ -100,7 +169,8 @@ class EnginePages:
         checkpoints: torch.Tensor | None,
         what: str = "insert",
     ) -> int:
-        """Give the tree the whole pages of ``tokens`` at ``locs``; returns ``cached_len``."""
+        """Give the tree the whole pages of ``tokens`` at ``locs``; returns ``cached_len``.
+        Engine pages the tree did not take stay the engine's."""
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
         pages = self._whole_pages(locs[:n], what)
         self._check_insert(tokens[:n], pages, what)
@@ -113,13 +183,20 @@ class EnginePages:
         prefix_len: int,
         handle: Handle | None,
         checkpoints: torch.Tensor | None,
+        unlock: Callable[[], None] | None = None,
     ) -> int:
-        """Insert, then free every engine page of ``locs`` the tree did not take (duplicates
-        and the partial tail). All checks run first. Returns the tokens inserted."""
+        """Insert, then free every engine page of ``locs`` the tree did not take (duplicates,
+        refused pages, and the partial tail when tails are off). All checks run first, then
+        ``unlock`` (the request's own lock must not keep the tail it extends from being
+        replaced). Returns the tokens inserted."""
         all_pages = self._check_finish(locs, prefix_len, handle)
-        n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        pages = self._whole_pages(locs[:n], "finish")
+        n = min(len(tokens), locs.numel())
+        if not self.tails:
+            n = align_down(n, self.page_size)
+        pages = self._pages_with_tail(locs[:n], "finish")
         self._check_insert(tokens[:n], pages, "finish")
+        if unlock is not None:
+            unlock()
         self._insert(tokens[:n], pages, checkpoints)
         rest = torch.unique(all_pages)
         rest = rest[self._owned[rest]]
@@ -136,9 +213,16 @@ class EnginePages:
             flags = torch.zeros(k, dtype=torch.bool)
             if checkpoints is not None:
                 flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
+        mine = pages[self._owned[pages]]
         out = self.tree.insert(tokens, pages, tier="device", checkpoints=flags)
-        # Duplicates only ever precede cached_len (a device copy's parent has one too).
-        self._owned[pages[out.cached_len // self.page_size :]] = False
+        # Every page is the tree's now except the duplicates, which stay with their owner.
+        self._owned[pages] = False
+        dups = out.duplicates
+        self._owned[dups[torch.isin(dups, mine)]] = True
+        if out.dropped.device_pages or out.dropped.host_pages:
+            if self._release is None:
+                raise IntegrityError("the tree dropped a partial tail with nobody to free it")
+            self._release(out.dropped)
         self._on_insert(out.taken)
         return out.cached_len
 
@@ -187,6 +271,23 @@ class EnginePages:
                 f"slots starting at a multiple of page_size={ps}"
             )
         return rows[:, 0] // ps
+
+    def _pages_with_tail(self, locs: torch.Tensor, what: str) -> torch.Tensor:
+        """Page ids of ``locs``: whole pages as for ``_whole_pages``, then a trailing run of
+        consecutive slots from the start of one more page (a partial tail)."""
+        ps = self.page_size
+        full = align_down(locs.numel(), ps)
+        pages = self._whole_pages(locs[:full], what)
+        if full == locs.numel():
+            return pages
+        tail = locs[full:].reshape(-1).cpu().to(torch.int64)
+        page = int(self._pages_of(tail[:1], what)[0])
+        if not torch.equal(tail, page * ps + torch.arange(tail.numel())):
+            raise RequestError(
+                f"{what}: the last, partial page of the slots ({tail.tolist()}) does not run "
+                f"from the start of one page (page_size={ps})"
+            )
+        return torch.cat((pages, torch.tensor([page], dtype=torch.int64)))
 
     def _require_owned(self, pages: torch.Tensor, what: str) -> None:
         mine = self._owned[pages]

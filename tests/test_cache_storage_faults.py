@@ -13,7 +13,7 @@ from conftest import make_cache as _make_cache
 from kvtier.controller import prefetch as prefetch_mod
 from kvtier.storage.file import FileBackend
 
-TOKENS = list(range(200, 233))  # 33 tokens: 8 whole pages
+TOKENS = list(range(200, 233))  # 33 tokens: 8 whole pages and a valid tail of 1
 
 
 def make_cache(tmp_path, **kw):
@@ -23,7 +23,7 @@ def make_cache(tmp_path, **kw):
 def _seed_storage(tmp_path) -> torch.Tensor:
     c = make_cache(tmp_path)
     first = run_request(c, TOKENS)
-    orig = kv_of(c, first["locs"][:32])
+    orig = kv_of(c, first["locs"][:33])
     c.close()
     return orig
 
@@ -50,7 +50,7 @@ def test_best_effort_never_waits_and_pages_arrive_later(tmp_path):
     orig = _seed_storage(tmp_path)
     c, gated = _gated_cache(tmp_path, "best_effort")
     m = c.match(TOKENS)
-    assert m.storage_len == 32
+    assert m.storage_len == 33
     pf = c.prefetch(m)
     assert c.prefetch_ready(pf)
     assert c.finish_prefetch(pf) == 0  # nothing arrived yet: the request recomputes
@@ -59,7 +59,7 @@ def test_best_effort_never_waits_and_pages_arrive_later(tmp_path):
     pf.future.result()
     c.poll()
     m = c.match(TOKENS)
-    assert (m.host_len, m.storage_len) == (32, 0)
+    assert (m.host_len, m.storage_len) == (33, 0)
     c.lock(m.handle)
     assert torch.equal(kv_of(c, c.load(m).locs), orig)
     c.unlock(m.handle)
@@ -76,7 +76,7 @@ def test_wait_complete_waits_for_every_page(tmp_path):
     gated.gate.set()
     pf.future.result()
     assert c.prefetch_ready(pf)
-    assert c.finish_prefetch(pf) == 32
+    assert c.finish_prefetch(pf) == 33
     c.check_integrity()
     c.close()
 
@@ -94,7 +94,7 @@ def test_timeout_gives_up_at_the_deadline(tmp_path, monkeypatch):
     assert c.finish_prefetch(pf) == 0
     gated.gate.set()
     c.drain()
-    assert c.match(TOKENS).host_len == 32  # late pages still become visible
+    assert c.match(TOKENS).host_len == 33  # late pages still become visible
     c.check_integrity()
     c.close()
 
@@ -116,7 +116,7 @@ def _page_files_in_order(c) -> list[str]:
 def test_corrupt_object_is_a_miss_not_garbage(tmp_path, damage):
     orig = _seed_storage(tmp_path)
     c = make_cache(tmp_path)
-    victim = _page_files_in_order(c)[5]  # page 5 of 8
+    victim = _page_files_in_order(c)[5]  # page 5 of 9
     with open(victim, "r+b") as f:
         if damage == "flip":
             f.seek(-1, os.SEEK_END)
@@ -126,13 +126,13 @@ def test_corrupt_object_is_a_miss_not_garbage(tmp_path, damage):
         else:
             f.truncate(os.path.getsize(victim) - 3)
     m = c.match(TOKENS)
-    assert m.storage_len == 32  # existence looks fine; the read verifies
+    assert m.storage_len == 33  # existence looks fine; the read verifies
     pf = c.prefetch(m)
     pf.future.result()
     assert c.finish_prefetch(pf) == 20  # pages 0..4 verified, page 5 failed
     kind = "checksum" if damage == "flip" else "short_read"
     assert c.stats()["storage_errors"] == {kind: 1}
-    assert c.stats()["prefetch_failed_pages"] == 3
+    assert c.stats()["prefetch_failed_pages"] == 4
     assert not os.path.exists(victim)
     m = c.match(TOKENS)
     assert (m.host_len, m.storage_len) == (20, 0)
@@ -156,11 +156,11 @@ def test_full_disk_drops_backups_without_crashing(tmp_path):
     run_request(c, TOKENS)
     c.drain()
     s = c.stats()
-    assert s["dropped_storage_backups"] == 8 and s["storage_backup_pages"] == 0
+    assert s["dropped_storage_backups"] == 9 and s["storage_backup_pages"] == 0
     assert s["storage_errors"] == {"no_space": 1}
     (node,) = c.tree.nodes()
     assert node.host is not None and not node.in_storage
-    assert c.match(TOKENS).device_len == 32  # the device and host copies are unaffected
+    assert c.match(TOKENS).device_len == 33  # the device and host copies are unaffected
     c.check_integrity()
     c.close()
 
@@ -184,7 +184,7 @@ def test_unreadable_directory_is_a_miss(tmp_path):
 def test_concurrent_prefetches_of_one_prefix_share_the_reads(tmp_path):
     orig = _seed_storage(tmp_path)
     c, gated = _gated_cache(tmp_path, "wait_complete")
-    longer = TOKENS[:32] + list(range(900, 909))  # same 8 stored pages + 2 uncached
+    longer = TOKENS[:32] + list(range(900, 909))  # same 8 stored pages (not the tail) + 2
     a = c.prefetch(c.match(TOKENS))
     b = c.prefetch(c.match(longer))
     assert b.deps == [a] and b.keys == []  # nothing of its own to read
@@ -194,11 +194,11 @@ def test_concurrent_prefetches_of_one_prefix_share_the_reads(tmp_path):
     assert c.prefetch_ready(b)
     assert c.finish_prefetch(b) == 0
     assert c.match(longer).host_len == 32  # b's wait made a's pages visible
-    assert c.finish_prefetch(a) == 32
-    assert c.stats()["prefetched_pages"] == 8
+    assert c.finish_prefetch(a) == 33
+    assert c.stats()["prefetched_pages"] == 9
     m = c.match(longer)
     c.lock(m.handle)
-    assert torch.equal(kv_of(c, c.load(m).locs), orig)
+    assert torch.equal(kv_of(c, c.load(m).locs), orig[:, :32])
     c.unlock(m.handle)
     c.poll()
     assert c.controller.prefetcher.ops == []

@@ -19,7 +19,7 @@ from kvtier.storage.mooncake import MooncakeBackend
 mooncake_cluster = mooncake_harness.mooncake_cluster
 NS = Namespace("c" * 32)
 TIMEOUT_S = 0.5
-TOKENS = list(range(200, 233))  # 8 whole pages
+TOKENS = list(range(200, 233))  # 8 whole pages and a valid tail of 1
 
 
 class Controls:
@@ -174,7 +174,7 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
 ) -> None:
     url = mooncake_cluster.url(timeout_s=TIMEOUT_S)
     seed = _cache(tmp_path, lambda ns: MooncakeBackend(url, ns))
-    orig = kv_of(seed, run_request(seed, TOKENS)["locs"][:32])
+    orig = kv_of(seed, run_request(seed, TOKENS)["locs"][:33])
     seed.drain()
     seed.close()
 
@@ -182,7 +182,7 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
     c = _cache(tmp_path, lambda ns: hanging_backend(mooncake_cluster, ns, ctl))
     ctl.hang.set()
     m = c.match(TOKENS)
-    assert m.storage_len == 32
+    assert m.storage_len == 33
     t0 = time.monotonic()
     pf = c.prefetch(m)
     pf.future.result(timeout=10)
@@ -192,7 +192,7 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
     assert c.match(TOKENS, probe_storage=False).host_len == 0
     # The abandoned read may still write into the fetch's host pages: they stay allocated.
     c.poll()
-    assert c.controller.prefetcher.ops == [pf] and c.stats()["host_pages_used"] == 8
+    assert c.controller.prefetcher.ops == [pf] and c.stats()["host_pages_used"] == 9
     c.check_integrity()
 
     ctl.release.set()
@@ -200,7 +200,7 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
         fence.result(timeout=30)
     c.poll()
     assert c.controller.prefetcher.ops == [] and c.stats()["host_pages_used"] == 0
-    assert c.stats()["prefetch_failed_pages"] == 8
+    assert c.stats()["prefetch_failed_pages"] == 9
     c.check_integrity()
 
     assert c.storage.wait_healthy(5.0)
@@ -208,7 +208,7 @@ def test_wait_complete_prefetch_is_released_within_the_timeout(
     m = c.match(TOKENS)
     pf = c.prefetch(m)
     pf.future.result(timeout=10)
-    assert c.finish_prefetch(pf) == 32
+    assert c.finish_prefetch(pf) == 33
     m = c.match(TOKENS)
     c.lock(m.handle)
     assert torch.equal(kv_of(c, c.load(m).locs), orig)

@@ -214,7 +214,8 @@ class Prefetcher:
         op.released = True
         if self._settled(op) and not op.closed:
             self._close(op)
-        return op.committed_pages * self.tree.page_size
+        # A partial tail page holds fewer tokens than a page: count the tokens themselves.
+        return min(op.committed_pages * self.tree.page_size, len(op.tokens))
 
     def _close(self, op: PrefetchOp) -> None:
         """The I/O thread is done with ``op``: commit, free what never arrived, unlock."""

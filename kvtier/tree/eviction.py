@@ -229,11 +229,32 @@ class EvictionIndex:
             out.removed_nodes += 1
         self._detach(node)
 
-    def _detach(self, node: Node) -> None:
+    def drop_leaf(self, node: Node, out: Evicted) -> None:
+        """Remove the leaf ``node`` with all its copies (a partial tail a longer version
+        replaces; the caller checked it is unlocked and idle); its pages go to ``out``."""
+        if node.children:
+            raise IntegrityError(f"drop_leaf of {node!r} with children")
+        if node.device is not None:
+            out.device_pages.append(node.device)
+            node.device = None
+        if node.host is not None:
+            out.host_pages.append(node.host)
+            node.host = None
+            self.hosted -= 1
+        self.device_leaves.discard(node)
         parent = node.parent
-        if parent is None or parent.children.get(node.tokens[: self.tree.page_size]) is not node:
+        self._detach(node)
+        out.removed_nodes += 1
+        if parent is not None:
+            self.refresh_leaf(parent)
+
+    def _detach(self, node: Node) -> None:
+        ps = self.tree.page_size
+        parent = node.parent
+        if parent is None or parent.children.get(node.tokens[:ps]) is not node:
             raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
-        del parent.children[node.tokens[: self.tree.page_size]]
+        del parent.children[node.tokens[:ps]]
+        parent.tails -= len(node.tokens) < ps
         node.parent = None
         if parent.host is not None and not parent.children and parent is not self.tree.root:
             self.queue_host(parent)

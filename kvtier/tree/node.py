@@ -1,4 +1,4 @@
-"""Tree node: a run of whole pages and where copies of them live."""
+"""Tree node: a run of pages and where copies of them live."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from kvtier.keys import PageKey
 @dataclass(slots=True, eq=False)
 class Node:
     """A run of pages sharing one residency.
+
+    ``tokens`` counts valid tokens: every page is whole except, possibly, the last page of a
+    leaf (a *partial tail*, ``tail(page_size) > 0`` valid tokens in a whole physical page whose
+    other slots are padding). Nothing hangs below a partial page. ``tails`` counts the children
+    that are partial tails (a partial tail child is keyed by all its tokens, fewer than a page).
 
     Residency is per node: ``device``/``host`` hold one page id per page of the node or are
     ``None``. Every node except the root has at least one of them. Device residency is closed
@@ -46,9 +51,15 @@ class Node:
     host_io: int = 0
     last_access: int = 0
     hits: int = 0
+    tails: int = 0
 
     def num_pages(self, page_size: int) -> int:
-        return len(self.tokens) // page_size
+        """Physical pages of the node (a partial tail counts as one)."""
+        return -(-len(self.tokens) // page_size)
+
+    def tail(self, page_size: int) -> int:
+        """Valid tokens of the last page when it is partial, else 0."""
+        return len(self.tokens) % page_size
 
     @property
     def on_device(self) -> bool:

@@ -20,10 +20,12 @@ import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
+from kvtier.tree.checks import check_tree
 from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
+from kvtier.tree.tails import shorter_tail, tail_child
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -37,7 +39,8 @@ parent ``prefix``; owners of in-flight work on ``suffix`` re-attribute it."""
 
 
 class RadixTree:
-    """Pages of ``page_size`` tokens; nodes split only on page boundaries."""
+    """Pages of ``page_size`` tokens; nodes split only on page boundaries. Lengths count
+    valid tokens: a leaf's last page may be a partial tail (``kvtier.tree.tails``)."""
 
     def __init__(self, page_size: int, policy: EvictionPolicy | str = "lru") -> None:
         self.page_size = page_size
@@ -51,41 +54,48 @@ class RadixTree:
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> TreeMatch:
-        """Longest cached prefix of ``tokens`` in whole pages. Never mutates."""
-        ps = self.page_size
-        end = len(tokens) - len(tokens) % ps
-        node, pos, path, last = self.root, 0, [], 0
+        """Longest cached prefix of ``tokens``: whole pages, plus a partial tail only when all
+        its valid tokens equal the next tokens (a request that diverges or ends inside a
+        partial tail gets the whole pages before it). Never mutates."""
+        ps, n_tok = self.page_size, len(tokens)
+        node, pos, path, last, tail = self.root, 0, [], 0, 0
         device_len = host_len = 0
-        while pos < end:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
+        while pos < n_tok:
+            child = None
+            if pos + ps <= n_tok:
+                child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
-                break
+                child = tail_child(node, tokens, pos, ps)
+                if child is None:
+                    break
             # Only the span this node covers is converted: a miss costs one page, not the prompt.
-            span = tuple(tokens[pos : min(end, pos + len(child.tokens))])
-            n = self._common_pages(child, span, 0)
+            span = tuple(tokens[pos : pos + len(child.tokens)])
+            k = self._common_len(child, span, 0)
             path.append(child)
-            last = n
+            last, tail = -(-k // ps), k % ps
             if child.on_device:
-                device_len += n * ps
+                device_len += k
             else:
-                host_len += n * ps
-            pos += n * ps
-            if n < child.num_pages(ps):
+                host_len += k
+            pos += k
+            if k < len(child.tokens):
                 break
             node = child
-        return TreeMatch(path=path, last_pages=last, device_len=device_len, host_len=host_len)
+        return TreeMatch(path, last, device_len, host_len, tail)
 
-    def _common_pages(self, node: Node, t: tuple[int, ...], pos: int) -> int:
-        """Whole pages ``node.tokens`` shares with ``t[pos:]`` (at least the first one)."""
+    def _common_len(self, node: Node, t: tuple[int, ...], pos: int) -> int:
+        """Tokens ``node.tokens`` shares with ``t[pos:]``: all of them (its partial tail
+        included) when they all match, else its whole matching pages (at least the first one,
+        which matched through the children dict)."""
         ps, nt = self.page_size, node.tokens
         if t[pos : pos + len(nt)] == nt:
-            return len(nt) // ps
-        n = 1  # the first page matched through the children dict
+            return len(nt)
+        n = 1
         while (n + 1) * ps <= len(nt) and nt[n * ps : (n + 1) * ps] == t[
             pos + n * ps : pos + (n + 1) * ps
         ]:
             n += 1
-        return n
+        return n * ps
 
     # ---- locking ------------------------------------------------------------------------
     def lock(self, m: TreeMatch) -> Node:
@@ -136,7 +146,8 @@ class RadixTree:
         start: Node | None = None,
         checkpoints: torch.Tensor | None = None,
     ) -> InsertOutcome:
-        """Record ``pages`` (one id per whole page of ``tokens``) as copies in ``tier``.
+        """Record ``pages`` (one id per page of ``tokens``, the last one possibly partial) as
+        copies in ``tier``.
 
         Existing nodes lacking a copy in ``tier`` adopt the caller's pages; pages of nodes that
         already have one are returned as duplicates. ``keys`` (one per page) marks the pages as
@@ -144,23 +155,37 @@ class RadixTree:
         default the root) is where ``tokens`` begin; ``cached_len`` is relative to it.
         ``checkpoints`` (bool per page, state models) says which pages' state rows are valid; a
         node adopting a copy keeps a checkpoint only where both copies have one.
+
+        Partial tails (``kvtier.tree.tails``): tokens that run on past a cached partial tail
+        (a longer tail, or a whole page) replace it when ``tier`` is ``device`` and the tail is
+        unlocked and idle: its node is dropped with every copy (``dropped``, the caller frees
+        them). Otherwise the caller's pages from that page on are returned as duplicates.
         """
         ps = self.page_size
-        if len(tokens) % ps or pages.numel() != len(tokens) // ps:
+        if pages.numel() != -(-len(tokens) // ps):
             raise IntegrityError(
                 f"insert of {len(tokens)} tokens with {pages.numel()} pages (page_size={ps})"
             )
         t = tuple(tokens)
         node, pos, cached, prefix = start or self.root, 0, 0, True
+        if pos < len(t) and node.tail(ps):
+            raise IntegrityError(f"insert below the partial tail of {node!r}")
         dups: list[torch.Tensor] = []
         taken: list[Node] = []
+        dropped = Evicted()
         now = next(self._clock)
         while pos < len(t):
             p0 = pos // ps
-            child = node.children.get(t[pos : pos + ps])
+            key = t[pos : pos + ps]
+            child = node.children.get(key)
             if child is None:
+                stale = shorter_tail(node, key, ps)
+                if stale is not None and not self._replace_tail(stale, tier, dropped):
+                    dups.append(pages[p0:])
+                    break
                 child = Node(id=next(self._ids), parent=node, tokens=t[pos:])
-                node.children[t[pos : pos + ps]] = child
+                node.children[key] = child
+                node.tails += len(key) < ps
                 self._set_copy(child, tier, pages[p0:])
                 if checkpoints is not None:
                     child.ckpt = checkpoints[p0:].clone()
@@ -170,13 +195,19 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            n = self._common_pages(child, t, pos)
+            k = self._common_len(child, t, pos)
+            if k == len(child.tokens) and child.tail(ps) and pos + k < len(t):
+                # ``t`` runs on past this node's partial tail: handle its whole pages here and
+                # the tail as a stale sibling of the continuation (next round).
+                # (found through a whole-page key, so it has at least one whole page)
+                k = (child.num_pages(ps) - 1) * ps
+            n = -(-k // ps)
             if n < child.num_pages(ps):
                 child = self._split(child, n)
             if self._copy(child, tier) is not None:
                 dups.append(pages[p0 : p0 + n])
                 if prefix:
-                    cached = pos + n * ps
+                    cached = pos + k
             else:
                 prefix = False
                 self._set_copy(child, tier, pages[p0 : p0 + n])
@@ -186,10 +217,18 @@ class RadixTree:
             if keys is not None and not child.in_storage:
                 child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
             child.last_access = now
-            pos += n * ps
+            pos += k
             node = child
         dup = torch.cat(dups) if dups else _EMPTY
-        return InsertOutcome(cached_len=cached, duplicates=dup, taken=taken, last=node)
+        return InsertOutcome(cached, dup, taken, node, dropped)
+
+    def _replace_tail(self, stale: Node, tier: CopyTier, out: Evicted) -> bool:
+        """Drop the partial tail ``stale`` that a longer version replaces, if allowed (see
+        ``insert``); its pages go to ``out``. Returns whether it was dropped."""
+        if tier != "device" or stale.lock_ref or stale.device_io or stale.host_io:
+            return False
+        self.eviction.drop_leaf(stale, out)
+        return True
 
     @staticmethod
     def _copy(node: Node, tier: CopyTier) -> torch.Tensor | None:
@@ -230,6 +269,7 @@ class RadixTree:
         node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
         node.parent = new
         new.children[node.tokens[:ps]] = node
+        new.tails = int(len(node.tokens) < ps)
         self.eviction.refresh_leaf(new)
         if new.host is not None:
             self.eviction.queue_host(new)
@@ -316,7 +356,7 @@ class RadixTree:
             prev = None
             if parent is not None and parent is not self.root:
                 prev = self.ensure_keys(parent, namespace)[-1]
-            node.keys = chain_keys(namespace, node.tokens, self.page_size, prev)
+            node.keys = chain_keys(namespace, node.tokens, self.page_size, prev, tail=True)
         return node.keys
 
     # ---- traversal and checks -----------------------------------------------------------
@@ -342,44 +382,6 @@ class RadixTree:
         return torch.cat(parts) if parts else _EMPTY
 
     def check_integrity(self) -> None:
-        """Structure, residency and reference-count invariants; raises ``IntegrityError``."""
-        ps = self.page_size
-        for tier in ("device", "host"):
-            held = self.held_pages(tier)
-            if held.numel() != torch.unique(held).numel():
-                raise IntegrityError(f"a {tier} page is held by two nodes")
-        for n in self.nodes():
-            ctx = f"node {n.id} at depth {n.depth_tokens()}"
-            parent = n.parent
-            if parent is None or parent.children.get(n.tokens[:ps]) is not n:
-                raise IntegrityError(f"{ctx}: not linked from its parent")
-            if not n.tokens or len(n.tokens) % ps:
-                raise IntegrityError(f"{ctx}: {len(n.tokens)} tokens is not whole pages")
-            if not (n.on_device or n.on_host):
-                raise IntegrityError(f"{ctx}: no copy in any tier")
-            for tier in ("device", "host"):
-                c = self._copy(n, tier)
-                if c is not None and c.numel() != n.num_pages(ps):
-                    raise IntegrityError(f"{ctx}: {tier} copy has {c.numel()} pages")
-            if n.ckpt is not None and n.ckpt.numel() != n.num_pages(ps):
-                raise IntegrityError(f"{ctx}: {n.ckpt.numel()} checkpoint flags")
-            if n.keys is not None and len(n.keys) != n.num_pages(ps):
-                raise IntegrityError(f"{ctx}: {len(n.keys)} keys for {n.num_pages(ps)} pages")
-            if n.on_device and parent is not self.root and not parent.on_device:
-                raise IntegrityError(f"{ctx}: on device but its parent is not")
-            if min(n.lock_ref, n.device_io, n.host_io) < 0:
-                raise IntegrityError(f"{ctx}: negative reference count")
-            if n.device_io and not n.on_device:
-                raise IntegrityError(f"{ctx}: device I/O in flight without a device copy")
-            if parent is not self.root and parent.lock_ref < n.lock_ref:
-                raise IntegrityError(f"{ctx}: locked more than its parent")
-        leaves = {
-            n
-            for n in self.nodes()
-            if n.on_device and not any(c.on_device for c in n.children.values())
-        }
-        if leaves != self.eviction.device_leaves:
-            raise IntegrityError(
-                f"device leaf index out of date: {len(leaves ^ self.eviction.device_leaves)} nodes differ"
-            )
-        self.eviction.check(leaves)
+        """Structure, residency, partial-tail and reference-count invariants; raises
+        ``IntegrityError`` (``kvtier.tree.checks``)."""
+        check_tree(self)

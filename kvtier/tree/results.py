@@ -15,13 +15,15 @@ class TreeMatch:
 
     ``path`` lists the matched nodes from the root down; only the last one may be matched
     partially (``last_pages`` of its pages). Tokens ``[0, device_len)`` are on device and
-    ``[device_len, device_len + host_len)`` are on host only.
+    ``[device_len, device_len + host_len)`` are on host only (valid tokens: when the match
+    ends in a partial tail, ``tail`` is its valid tokens and the last of ``last_pages``).
     """
 
     path: list[Node]
     last_pages: int
     device_len: int
     host_len: int
+    tail: int = 0
 
     @property
     def node(self) -> Node | None:
@@ -33,21 +35,24 @@ class TreeMatch:
 
 
 def truncate_match(m: TreeMatch, tokens: int, page_size: int) -> TreeMatch:
-    """The part of ``m`` covering its first ``tokens`` tokens (a page multiple)."""
-    path, left, device_len, host_len, last = [], tokens, 0, 0, 0
+    """The part of ``m`` covering its first ``tokens`` tokens (a page multiple, or all of
+    ``m`` when it ends in a partial tail)."""
+    path, left, device_len, host_len, last, tail = [], tokens, 0, 0, 0, 0
     for i, node in enumerate(m.path):
         if left <= 0:
             break
-        avail = (m.last_pages if i == len(m.path) - 1 else node.num_pages(page_size)) * page_size
+        avail = len(node.tokens)
+        if i == len(m.path) - 1:
+            avail = min(avail, m.last_pages * page_size - (page_size - m.tail) % page_size)
         take = min(avail, left)
         path.append(node)
-        last = take // page_size
+        last, tail = -(-take // page_size), take % page_size
         if node.on_device:
             device_len += take
         else:
             host_len += take
         left -= take
-    return TreeMatch(path=path, last_pages=last, device_len=device_len, host_len=host_len)
+    return TreeMatch(path, last, device_len, host_len, tail)
 
 
 @dataclass(slots=True)
@@ -57,12 +62,15 @@ class InsertOutcome:
     ``cached_len``: tokens (a prefix) that already had a copy in the target tier.
     ``duplicates``: the caller's page ids the tree did not take; the caller frees them.
     ``taken``: nodes that received the caller's pages (new or adopted), in path order.
+    ``dropped``: see the field.
     """
 
     cached_len: int
     duplicates: torch.Tensor
     taken: list[Node]
     last: Node
+    dropped: Evicted = field(default_factory=lambda: Evicted())
+    """Partial tails a longer version replaced, with their pages; the caller frees them."""
 
 
 @dataclass(slots=True)

@@ -1,0 +1,53 @@
+"""Partial tails at the device pool: the copy page a served tail is handed out as, and the
+freeing of tails the tree replaced (``kvtier.cache`` has the rules, ``kvtier.tree.tails`` the
+match/insert table)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvtier.pools.device import DevicePool
+    from kvtier.pools.host import HostPool
+    from kvtier.slots import EnginePages
+    from kvtier.transfer.translate import PageTranslator
+    from kvtier.tree.results import Evicted
+
+
+def copy_page(pool: DevicePool, translator: PageTranslator, src: int, dst: int) -> None:
+    """Device → device copy of every component's rows of logical page ``src`` to ``dst``
+    (the padding slots too: harmless, and one contiguous copy per component)."""
+    pages = torch.tensor([src, dst], dtype=torch.int64)
+    s, d = translator.device_physical(pages).tolist()
+    for spec in pool.specs:
+        buf = pool.buffers[spec.name]
+        rows = spec.rows_per_page(pool.page_size)
+        buf[:, d * rows : (d + 1) * rows].copy_(buf[:, s * rows : (s + 1) * rows])
+
+
+def release(device: DevicePool, host: HostPool | None, ev: Evicted) -> None:
+    """Free the pages of partial tails a longer version replaced (owners: the allocators)."""
+    for p in ev.device_pages:
+        device.free_pages(p)
+    if host is not None:
+        for p in ev.host_pages:
+            host.allocator.free(p)
+
+
+def with_tail_copy(
+    pages: EnginePages, locs: torch.Tensor, layer_events: list | None, device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """``locs`` (a loaded prefix ending in a partial page) with that page's slots replaced by
+    a tail copy's, and the copy page; ``None`` when no device page can be had for it."""
+    ps, n = pages.page_size, locs.numel()
+    if layer_events:
+        # The tail may still be arriving from host on the transfer stream.
+        torch.cuda.current_stream(device).wait_event(layer_events[-1])
+    copy = pages.tail_copy(int(locs[-1]) // ps, n)
+    if copy is None:
+        return None
+    out = locs.clone()
+    out[n - n % ps :] = torch.arange(copy * ps, copy * ps + n % ps, dtype=out.dtype)
+    return out, copy
