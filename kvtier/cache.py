@@ -37,7 +37,6 @@ old tail is freed when unlocked and idle, else the copy is freed like a duplicat
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -49,11 +48,12 @@ from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usab
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down
-from kvtier.parallel.group import Group, SoloGroup
+from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
+from kvtier.ranks import check_group, handshake, owned_exists
 from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
@@ -79,7 +79,7 @@ class TieredCache:
         """``group`` is the context-parallel group this rank belongs to (``CacheConfig.cp_size``
         ranks; ``None`` without context parallelism)."""
         validate_pool_set(specs)
-        self.group: Group = _check_group(config, specs, group, translator)
+        self.group: Group = check_group(config, specs, group, translator)
         self.config = config
         self.specs = tuple(specs)
         self.kv_page_size = config.page_size
@@ -152,21 +152,12 @@ class TieredCache:
             self._handshake()
 
     def _handshake(self) -> None:
-        """Every rank of the CP group started a cache with the same shape: the same namespace,
-        tree page and pool sizes (else their trees would diverge at the first eviction).
-        Raises ``ConfigError`` on a mismatch, ``RankError`` naming a rank that never came."""
         host = self.host_pool.num_pages if self.host_pool is not None else 0
-        shape = f"{self.namespace}|{self.page_size}|{self.config.device_pages}|{host}"
-        shape += f"|{self.config.cp_pattern}|{self.config.write_policy}"
-        digest = int.from_bytes(hashlib.blake2b(shape.encode(), digest_size=7).digest(), "big")
-        low, neg = self.group.all_reduce_min_many([digest, -digest])
-        if low != -neg:
+        try:
+            handshake(self.group, self.config, self.namespace, self.page_size, host)
+        except ConfigError:
             self.close()
-            raise ConfigError(
-                f"cp_rank={self.config.cp_rank}: the ranks of the CP group started caches of "
-                "different shapes (model_fingerprint, page_size, device_pages, host pool size, "
-                "cp_pattern or write_policy differ); every rank needs the same configuration"
-            )
+            raise
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -251,18 +242,13 @@ class TieredCache:
         return MatchResult(device_len, usable - device_len, storage_len, handle)
 
     def _exists(self, keys: list[PageKey], first_page: int) -> int:
-        """Leading ``keys`` (sequence pages from ``first_page``) present in storage, as far as
-        this rank can tell: under CP it asks only about the pages it owns (the objects it
-        writes and reads); the MIN over ranks is the group's answer."""
+        """Leading ``keys`` (sequence pages from ``first_page``) in storage as far as this
+        rank can tell (``ranks.owned_exists``)."""
         backend = self.controller.storage
         if backend is None:
             return 0
         owners = self.controller.seq_owners(first_page, len(keys))
-        if owners is None:
-            return backend.batch_exists(keys)
-        mine = [i for i, o in enumerate(owners) if o == self.config.cp_rank]
-        k = backend.batch_exists([keys[i] for i in mine]) if mine else 0
-        return len(keys) if k == len(mine) else mine[k]
+        return owned_exists(backend, keys, owners, self.config.cp_rank)
 
     # ---- lock protocol ------------------------------------------------------------------
     def lock(self, handle: Handle) -> None:
@@ -396,22 +382,10 @@ class TieredCache:
         self._check_open("backup_layers")
         if self.config.backup_timing != "per_layer":
             return None
-        ps, pages = self.page_size, []
-        for tokens, locs, start, end in runs:
-            first, last = start // ps, end // ps  # pages [first, last) are full after it
-            if last <= first:
-                continue
-            tm, hosted = self.tree.match(tokens[: last * ps]), 0
-            for node in tm.path:  # a prefix with a host copy (or one in flight) is not copied
-                if not (node.on_host or node.device_io):
-                    break
-                hosted += len(node.tokens)
-            first = max(first, min(hosted, tm.matched_len) // ps)
-            if last > first:
-                pages.append(self.engine_pages.owned_pages(locs[first * ps : last * ps]))
-        if not pages:
+        pages = self.engine_pages.layer_backup_pages(runs)
+        if pages is None:
             return None
-        return self.controller.reserve_layers(torch.cat(pages))
+        return self.controller.reserve_layers(pages)
 
     def end_backup_layers(self, layered: Layered, ok: bool = True) -> None:
         """After the forward of :meth:`backup_layers`: the copy completes on its own and the
@@ -554,38 +528,3 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_group(
-    config: CacheConfig,
-    specs: Sequence[PoolSpec],
-    group: Group | None,
-    translator: PageTranslator | None,
-) -> Group:
-    """The CP group a cache with ``config`` runs in; ``ConfigError`` naming the options for a
-    group that does not match ``cp_size``/``cp_rank`` and for what CP does not support yet."""
-    cp = config.cp_size
-    if group is None:
-        if cp > 1:
-            raise ConfigError(
-                f"cp_size={cp} needs the CP group: TieredCache(..., group=GlooGroup.init(...))"
-            )
-        return SoloGroup()
-    if (group.size, group.rank) != (cp, config.cp_rank):
-        raise ConfigError(
-            f"cp_size={cp}, cp_rank={config.cp_rank} but the group has size {group.size} "
-            f"and this process is its rank {group.rank}"
-        )
-    if cp > 1:
-        states = [s.name for s in specs if s.kind == "state"]
-        if states:
-            raise ConfigError(
-                f"cp_size={cp} with the state pool(s) {states} (a recurrent model) is not "
-                "supported yet: recurrent state is not split by page owner; use cp_size=1"
-            )
-        if translator is not None:
-            raise ConfigError(
-                f"cp_size={cp} with a translator: under context parallelism the cache "
-                "translates through the CP layout (cp_pattern) itself"
-            )
-    return group

@@ -232,6 +232,27 @@ class EnginePages:
         self._owned[pages] = False
         self.pool.free_pages(pages)
 
+    def layer_backup_pages(
+        self, runs: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]
+    ) -> torch.Tensor | None:
+        """The pages a per-layer backup of a forward copies (``TieredCache.backup_layers``):
+        per ``(tokens, locs, start, end)`` run, those full after it, the engine's, and past
+        the prefix that already has a host copy (or one in flight); ``None`` if none."""
+        ps, pages = self.page_size, []
+        for tokens, locs, start, end in runs:
+            first, last = start // ps, end // ps  # pages [first, last) are full after it
+            if last <= first:
+                continue
+            tm, hosted = self.tree.match(tokens[: last * ps]), 0
+            for node in tm.path:
+                if not (node.on_host or node.device_io):
+                    break
+                hosted += len(node.tokens)
+            first = max(first, min(hosted, tm.matched_len) // ps)
+            if last > first:
+                pages.append(self.owned_pages(locs[first * ps : last * ps]))
+        return torch.cat(pages) if pages else None
+
     # ---- checks -------------------------------------------------------------------------
     def owned_pages(self, locs: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``locs`` that are the engine's (CPU int64, ascending)."""

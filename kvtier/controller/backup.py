@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.controller.layered import Reservation, Reservations
+from kvtier.controller.layered import Joined, Reservation, Reservations
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
@@ -66,7 +66,17 @@ class Backups(Flights):
                 continue
             early = self.reserved.take(node.device)
             if early is not None:  # copied during the forward (per-layer backup)
-                op, host = early
+                ops, host = early
+                missing = host < 0
+                if bool(missing.any()):  # pages no forward copied: copy them now
+                    rest = self._alloc_host(node.device[missing])
+                    if rest is None:
+                        self.reserved.orphan(ops, host[~missing])
+                        self.metrics.inc("dropped_host_backups", node.device.numel())
+                        continue
+                    host[missing] = rest
+                    ops.append(self.mover.device_to_host(node.device[missing], rest))
+                op = ops[0] if len(ops) == 1 else Joined(ops)
                 self.tree.begin_io(node, "device")
                 owned = self.mover.translator.device_owned(node.device)
                 n = node.device.numel() if owned is None else int(owned.sum())

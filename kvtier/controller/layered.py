@@ -63,12 +63,16 @@ class Reservations:
     def __init__(self, host: HostPool) -> None:
         self.host = host
         self._by_page: dict[int, tuple[int, Reservation]] = {}
-        self._orphans: list[tuple[TransferOp | None, Reservation, torch.Tensor]] = []
+        self._orphans: list[
+            tuple[TransferOp | Joined | None, Reservation | None, torch.Tensor]
+        ] = []
 
     def of(self, layered: Layered) -> list[Reservation]:
         """The reservation (at most one) of ``layered`` still holding pages or orphans."""
         out = {id(r): r for _, r in self._by_page.values() if r.layered is layered}
-        out.update({id(r): r for _, r, _ in self._orphans if r.layered is layered})
+        out.update(
+            {id(r): r for _, r, _ in self._orphans if r is not None and r.layered is layered}
+        )
         return list(out.values())
 
     def add(self, res: Reservation) -> None:
@@ -78,23 +82,31 @@ class Reservations:
             self._by_page[d] = (h, res)
             res.left.add(d)
 
-    def take(self, device: torch.Tensor) -> tuple[TransferOp | Joined, torch.Tensor] | None:
-        """The copy and host pages of every page of ``device`` (a node being inserted), if
-        finished forwards reserved all of them (a node's pages may come from several: its
-        prefill and decode steps); ``None`` otherwise (its reserved pages are released)."""
+    def take(self, device: torch.Tensor) -> tuple[list[TransferOp], torch.Tensor] | None:
+        """The copies and host pages finished forwards reserved for the pages of ``device``
+        (a node being inserted; its pages may come from several forwards, its prefill and
+        decode steps): the ops and, per page, its host page or -1 where none was reserved
+        (a partial tail page, say). ``None`` when none of them was reserved. Reservations
+        still in an unfinished forward are released."""
         pages = device.tolist()
         found = [self._by_page.get(p) for p in pages]
-        if not found or any(f is None or f[1].op is None for f in found):
+        if any(f is not None and f[1].op is None for f in found):
             self.release(device)
             return None
+        if all(f is None for f in found):
+            return None
         ops: dict[int, TransferOp] = {}
-        for p, (_, res) in zip(pages, found, strict=True):  # type: ignore[misc]
+        host = []
+        for p, f in zip(pages, found, strict=True):
+            if f is None:
+                host.append(-1)
+                continue
+            h, res = f
             del self._by_page[p]
             res.left.discard(p)
             ops[id(res.op)] = res.op  # type: ignore[assignment]
-        host = torch.tensor([f[0] for f in found], dtype=torch.int64)  # type: ignore[index]
-        op = next(iter(ops.values())) if len(ops) == 1 else Joined(list(ops.values()))
-        return op, host
+            host.append(h)
+        return list(ops.values()), torch.tensor(host, dtype=torch.int64)
 
     def release(self, device: torch.Tensor) -> None:
         """Give up the reservations of ``device`` pages: their host pages are freed once the
@@ -107,11 +119,17 @@ class Reservations:
             res.left.discard(p)
             self._orphans.append((res.op, res, torch.tensor([h], dtype=torch.int64)))
 
+    def orphan(self, ops: list[TransferOp], host: torch.Tensor) -> None:
+        """Taken host pages the node could not use after all: freed once ``ops`` are done."""
+        joined = ops[0] if len(ops) == 1 else Joined(ops)
+        for h in host.tolist():
+            self._orphans.append((joined, None, torch.tensor([h], dtype=torch.int64)))
+
     def poll(self) -> None:
         """Free released host pages whose copy can no longer write them."""
         keep = []
         for op, res, pages in self._orphans:
-            op = op or res.op
+            op = op or (res.op if res is not None else None)
             if op is not None and op.done():
                 self.host.allocator.free(pages)
             else:
@@ -120,8 +138,9 @@ class Reservations:
 
     def wait(self) -> None:
         for op, res, _ in self._orphans:
-            if (op or res.op) is not None:
-                (op or res.op).wait()  # type: ignore[union-attr]
+            op = op or (res.op if res is not None else None)
+            if op is not None:
+                op.wait()
         self.poll()
 
     def host_pages(self) -> int:
