@@ -489,13 +489,20 @@ class TieredCache:
             host_pages_total=host.logical_pages if host else 0,
             host_pages_used=host.allocator.used if host else 0,
             host_bytes_total=host.nbytes if host else 0,
-            host_bytes_used=host.allocator.used * host.page_bytes if host else 0,
+            host_bytes_used=self._host_pages_here() * host.page_bytes if host else 0,
             tree_nodes=sum(1 for _ in self.tree.nodes()),
         )
         if self.storage is not None:
             snap["storage_errors"] = dict(self.storage.errors)
             snap.update({f"storage_{k}": v for k, v in self.storage.stats().items()})
         return snap
+
+    def _host_pages_here(self) -> int:
+        """Host pages in use in this process's pool (this rank's lane under CP)."""
+        alloc = self.host_pool.allocator  # type: ignore[union-attr]
+        if alloc.lanes == 1:
+            return alloc.used
+        return alloc.num_pages // alloc.lanes - alloc.available_in(self.config.cp_rank)
 
     def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
         """A prometheus_client registry exporting ``stats()``."""

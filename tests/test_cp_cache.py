@@ -183,9 +183,10 @@ def test_zero_owned_rank_still_agrees(tmp_path):
                 st["host_backup_pages"],
                 st.get("storage_backup_pages", 0),
                 st["load_bytes"] // cache.device_pool.page_bytes,
+                st["host_bytes_used"] // cache.host_pool.page_bytes,  # this rank's pool
             )
 
-    assert LocalWorld(2, timeout=20).run(rank) == [(PS, PS, 1, 1, 1), (PS, PS, 0, 0, 0)]
+    assert LocalWorld(2, timeout=20).run(rank) == [(PS, PS, 1, 1, 1, 1), (PS, PS, 0, 0, 0, 0)]
 
 
 def test_plain_allocation_is_refused_under_cp(tmp_path):
