@@ -48,6 +48,7 @@ from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usab
 from kvtier.keys import Namespace, PageKey, namespace_digest
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down
+from kvtier.parallel.acks import all_ranks
 from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.device import DevicePool
@@ -445,9 +446,7 @@ class TieredCache:
         """True only when ``flag`` is true on every rank of the CP group (``flag`` itself
         without context parallelism): what a scheduler decision that depends on a clock or
         another per-process fact goes through, so every rank decides the same (contract 4)."""
-        if self.group.size == 1:
-            return bool(flag)
-        return self.group.all_reduce_min(1 if flag else 0) == 1
+        return bool(flag) if self.group.size == 1 else all_ranks(self.group, flag)
 
     def record_prefill(self, recomputed_tokens: int) -> None:
         """Count prompt tokens the engine had to compute."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
+from kvtier.parallel.acks import shard_ready
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.pools.spec import PoolSpec
 from kvtier.storage.base import StorageBackend
@@ -79,5 +80,4 @@ def owned_exists(
     if owners is None:
         return backend.batch_exists(keys)
     mine = [i for i, o in enumerate(owners) if o == rank]
-    k = backend.batch_exists([keys[i] for i in mine]) if mine else 0
-    return len(keys) if k == len(mine) else mine[k]
+    return shard_ready(rank, owners, backend.batch_exists([keys[i] for i in mine]) if mine else 0)

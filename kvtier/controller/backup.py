@@ -50,7 +50,8 @@ class Backups(Flights):
         self.metrics = metrics
         self.io: StorageIO | None = None
         self.reserved = Reservations(host)
-        self._open: list[Layered] = []
+        self._forwards: dict[int, Reservation] = {}
+        """Reservations of forwards still running, by ``id`` of their copy."""
         super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
@@ -115,20 +116,19 @@ class Backups(Flights):
         if layered is None:
             self.host.allocator.free(host)
             return None
-        self.reserved.add(Reservation(layered, device.clone(), host))
+        res = Reservation(layered, device.clone(), host)
+        self.reserved.add(res)
+        self._forwards[id(layered)] = res
         self.metrics.inc("layer_backup_pages", device.numel())
-        self._open.append(layered)
         return layered
 
     def finish_layers(self, layered: Layered, ok: bool = True) -> None:
         """The forward ended: the copy's op is complete once its last rows land. Not ``ok``:
         the copy is given up (its host pages are freed once it is done)."""
-        op = layered.finish()
-        for res in self.reserved.of(layered):
-            res.op = op
-            if not ok:
-                self.reserved.release(res.device)
-        self._open.remove(layered)
+        res = self._forwards.pop(id(layered))
+        res.op = layered.finish()
+        if not ok:
+            self.reserved.release(res.device)
 
     def _finish(self, flight: InFlight) -> None:
         flight.op.complete()

@@ -12,7 +12,7 @@ failed request, a node that got a host copy meanwhile) are released once their c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,8 +33,6 @@ class Reservation:
     """Reserved host pages, aligned with ``device``."""
     op: TransferOp | None = None
     """Set when the forward finished (``Layered.finish``)."""
-    left: set[int] = field(default_factory=set)
-    """Device pages whose host page is still reserved here."""
 
 
 class Joined:
@@ -67,20 +65,11 @@ class Reservations:
             tuple[TransferOp | Joined | None, Reservation | None, torch.Tensor]
         ] = []
 
-    def of(self, layered: Layered) -> list[Reservation]:
-        """The reservation (at most one) of ``layered`` still holding pages or orphans."""
-        out = {id(r): r for _, r in self._by_page.values() if r.layered is layered}
-        out.update(
-            {id(r): r for _, r, _ in self._orphans if r is not None and r.layered is layered}
-        )
-        return list(out.values())
-
     def add(self, res: Reservation) -> None:
         for d, h in zip(res.device.tolist(), res.host.tolist(), strict=True):
             if d in self._by_page:
                 raise IntegrityError(f"device page {d} reserved for two per-layer backups")
             self._by_page[d] = (h, res)
-            res.left.add(d)
 
     def take(self, device: torch.Tensor) -> tuple[list[TransferOp], torch.Tensor] | None:
         """The copies and host pages finished forwards reserved for the pages of ``device``
@@ -103,7 +92,6 @@ class Reservations:
                 continue
             h, res = f
             del self._by_page[p]
-            res.left.discard(p)
             ops[id(res.op)] = res.op  # type: ignore[assignment]
             host.append(h)
         return list(ops.values()), torch.tensor(host, dtype=torch.int64)
@@ -116,7 +104,6 @@ class Reservations:
             if got is None:
                 continue
             h, res = got
-            res.left.discard(p)
             self._orphans.append((res.op, res, torch.tensor([h], dtype=torch.int64)))
 
     def orphan(self, ops: list[TransferOp], host: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from kvtier.controller.records import Span, agree_all, finished, split_spans
 from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey, state_key
 from kvtier.metrics import Metrics
+from kvtier.parallel.acks import shard_ready
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.host import HostPool
@@ -261,11 +262,10 @@ class StorageIO:
         many leading pages have nothing left to wait for here (``kvtier.parallel.acks``)."""
         if self.layout is None:
             return self._read(self.pages, keys, pages, op)
-        mine = torch.nonzero(self.layout.owned_mask(pages)).reshape(-1)
-        if not mine.numel():
-            return len(keys)
-        got = self._read(self.pages, [keys[i] for i in mine.tolist()], pages[mine], op)
-        return len(keys) if got == mine.numel() else int(mine[got])
+        owners = self.layout.lanes(pages).tolist()
+        mine = [i for i, o in enumerate(owners) if o == self.layout.rank]
+        got = self._read(self.pages, [keys[i] for i in mine], pages[mine], op) if mine else 0
+        return shard_ready(self.layout.rank, owners, got)
 
     def _mine(self, node: Node, keys: list[PageKey]) -> list[PageKey]:
         """The keys of ``node``'s pages this rank owns (all of them without CP)."""

@@ -30,6 +30,16 @@ def ready_pages(rank: int, page_owners: Sequence[int], arrived: Sequence[bool]) 
     return n
 
 
+def shard_ready(rank: int, page_owners: Sequence[int], got: int) -> int:
+    """``ready_pages`` when the first ``got`` of this rank's own pages arrived (a backend
+    call over the rank's shard stops at its first miss)."""
+    arrived = [False] * len(page_owners)
+    mine = [i for i, o in enumerate(page_owners) if o == rank]
+    for i in mine[:got]:
+        arrived[i] = True
+    return ready_pages(rank, page_owners, arrived)
+
+
 def usable_prefix(group: Group, ready_pages: int) -> int:
     """Logical pages of a prefetch usable on every rank: the MIN of what each rank has ready.
 
