@@ -24,15 +24,7 @@ Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens 
                                freed with ``cache_partial_pages=False``, a state pool or CP
     [n, len(locs))             padding slots of the last page: never cached, never returned
 
-Partial tails (``kvtier.tree.tails`` has the match/insert rules). Lengths (``MatchResult``,
-``LoadResult``) count valid tokens. When ``load`` serves a prefix ending in a cached partial
-tail of ``r`` tokens, its last ``r`` slots are a *tail copy*: a fresh engine page holding a
-device copy of the tail page, so the request appends in place (``alloc(k, at=len(ld.locs))``
-returns the copy's remaining slots, then fresh pages) and the shared tail is never written.
-If no page can be had for the copy, ``load`` serves the whole pages before the tail. At
-``finish`` the copy is the request's page: extending the tail replaces it in the tree (the
-old tail is freed when unlocked and idle, else the copy is freed like a duplicate);
-``unlock`` without ``finish`` frees a copy no ``alloc`` continued.
+Partial tails and the *tail copy* a request ending in one is served through: ``kvtier.tail_copy``.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller, PrefetchOp
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
-from kvtier.keys import Namespace, PageKey, namespace_digest
+from kvtier.keys import Namespace, PageKey, cache_namespace
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down
 from kvtier.parallel.acks import all_ranks
@@ -55,10 +47,11 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
 from kvtier.ranks import check_group, handshake, owned_exists
+from kvtier.report import cache_stats, check_cache
 from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.registry import create_backend
+from kvtier.storage.registry import check_capabilities, create_backend
 from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.translate import PageTranslator, device_view
@@ -99,17 +92,7 @@ class TieredCache:
             layout = CPLayout(cp, config.cp_rank, config.cp_pattern)
             host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
             translator = layout.translator(config.device_pages, host_pages)
-        self.namespace: Namespace = namespace_digest(
-            model_fingerprint=config.model_fingerprint,
-            dtype=",".join(s.dtype_name for s in specs),
-            page_size=config.page_size,
-            tree_page_size=ps,
-            components=[s.describe() for s in specs],
-            rank=config.rank,
-            world_size=config.world_size,
-            tenant_salt=config.tenant_salt,
-            extra=config.extra_namespace,
-        )
+        self.namespace: Namespace = cache_namespace(config, specs, ps)
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy)
         translator, self.kv_buffers = device_view(
@@ -120,7 +103,7 @@ class TieredCache:
         if config.storage:
             backend = create_backend(config.storage, config, self.namespace)
             try:
-                self._check_capabilities(backend)
+                check_capabilities(backend, self.config, self.page_size)
             except ConfigError:
                 backend.close()
                 raise
@@ -164,29 +147,13 @@ class TieredCache:
         if self._closed:
             raise RequestError(f"TieredCache.{what}() after close()")
 
-    def _check_capabilities(self, backend: StorageBackend) -> None:
-        """Gate features on what ``backend`` declares (contract 9); refuse a namespace that
-        is not bound to the model's weights unless the config accepts one (contract 7)."""
-        if not self.config.model_fingerprint and not self.config.unbound_namespace:
-            raise ConfigError(
-                f"storage={backend.name!r} without model_fingerprint: every model sharing the "
-                "store would read the others' KV. Set model_fingerprint (LLM does) or "
-                "unbound_namespace=True for a store only one model uses"
-            )
-        if self.page_size != self.kv_page_size and not backend.capabilities.page_spans:
-            raise ConfigError(
-                f"storage backend {backend.name!r} does not support page spans, but this "
-                f"model's tree page is {self.page_size} tokens ({self.page_size // self.kv_page_size}"
-                f" pages of page_size={self.kv_page_size}): one storage object must span them"
-            )
-
     def attach_storage(self, backend: StorageBackend) -> None:
         """Attach an L3 backend at runtime (capability-gated like one configured at start)."""
         if self.host_pool is None:
             raise ConfigError("attaching storage requires enable_host=True")
         if self.storage is not None:
             raise ConfigError(f"storage backend {self.storage.name!r} is already attached")
-        self._check_capabilities(backend)
+        check_capabilities(backend, self.config, self.page_size)
         self.controller.attach_storage(backend)
 
     @property
@@ -478,30 +445,8 @@ class TieredCache:
             self.controller.evict_host(self.host_pool.logical_pages)
 
     def stats(self) -> dict:
-        snap: dict = self.controller.metrics.snapshot()
-        dev, host = self.device_pool, self.host_pool
-        snap.update(
-            device_pages_total=dev.logical_pages,
-            device_pages_used=dev.allocator.used,
-            device_pages_cached=self.tree.held_pages("device").numel(),
-            device_pages_engine=self.engine_pages.count,
-            host_pages_total=host.logical_pages if host else 0,
-            host_pages_used=host.allocator.used if host else 0,
-            host_bytes_total=host.nbytes if host else 0,
-            host_bytes_used=self._host_pages_here() * host.page_bytes if host else 0,
-            tree_nodes=sum(1 for _ in self.tree.nodes()),
-        )
-        if self.storage is not None:
-            snap["storage_errors"] = dict(self.storage.errors)
-            snap.update({f"storage_{k}": v for k, v in self.storage.stats().items()})
-        return snap
-
-    def _host_pages_here(self) -> int:
-        """Host pages in use in this process's pool (this rank's lane under CP)."""
-        alloc = self.host_pool.allocator  # type: ignore[union-attr]
-        if alloc.lanes == 1:
-            return alloc.used
-        return alloc.num_pages // alloc.lanes - alloc.available_in(self.config.cp_rank)
+        """Counters and pool usage (``kvtier.report.cache_stats``)."""
+        return cache_stats(self)
 
     def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
         """A prometheus_client registry exporting ``stats()``."""
@@ -509,19 +454,7 @@ class TieredCache:
 
     def check_integrity(self) -> None:
         """Every structure's invariants plus cross-structure page accounting."""
-        self.tree.check_integrity()
-        self.device_pool.check_integrity()
-        self.engine_pages.check_integrity()
-        self.controller.check_integrity()
-        if self.host_pool is not None:
-            self.host_pool.check_integrity()
-            held = self.tree.held_pages("host").numel()
-            flying = self.controller.inflight_host_pages()
-            if self.host_pool.allocator.used != held + flying:
-                raise IntegrityError(
-                    f"host pages: {self.host_pool.allocator.used} used != {held} cached + "
-                    f"{flying} in flight"
-                )
+        check_cache(self)
 
     def close(self) -> None:
         """Finish in-flight work (storage writes land) and release the backend."""

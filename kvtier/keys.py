@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvtier.config import CacheConfig
+    from kvtier.pools.spec import PoolSpec
 
 PageKey = NewType("PageKey", str)
 """Hex digest naming one storage page (one L3 object)."""
@@ -97,3 +101,19 @@ def tail_key(namespace: Namespace, tokens: Sequence[int], prev: PageKey | None =
 def state_key(key: PageKey) -> PageKey:
     """Key of the state-pool checkpoint stored for the page ``key`` (present only when valid)."""
     return PageKey(key + "-state")
+
+
+def cache_namespace(config: CacheConfig, specs: Sequence[PoolSpec], tree_page: int) -> Namespace:
+    """The namespace of a cache with ``config`` over the pool set ``specs`` (contract 7): the
+    context-parallel layout is not part of it, so any CP size reads the objects."""
+    return namespace_digest(
+        model_fingerprint=config.model_fingerprint,
+        dtype=",".join(s.dtype_name for s in specs),
+        page_size=config.page_size,
+        tree_page_size=tree_page,
+        components=[s.describe() for s in specs],
+        rank=config.rank,
+        world_size=config.world_size,
+        tenant_salt=config.tenant_salt,
+        extra=config.extra_namespace,
+    )

@@ -1,6 +1,16 @@
 """Partial tails at the device pool: the copy page a served tail is handed out as, and the
-freeing of tails the tree replaced (``kvtier.cache`` has the rules, ``kvtier.tree.tails`` the
-match/insert table)."""
+freeing of tails the tree replaced (``kvtier.tree.tails`` has the match/insert table).
+
+Partial tails (``kvtier.tree.tails`` has the match/insert rules). Lengths (``MatchResult``,
+``LoadResult``) count valid tokens. When ``load`` serves a prefix ending in a cached partial
+tail of ``r`` tokens, its last ``r`` slots are a *tail copy*: a fresh engine page holding a
+device copy of the tail page, so the request appends in place (``alloc(k, at=len(ld.locs))``
+returns the copy's remaining slots, then fresh pages) and the shared tail is never written.
+If no page can be had for the copy, ``load`` serves the whole pages before the tail. At
+``finish`` the copy is the request's page: extending the tail replaces it in the tree (the
+old tail is freed when unlocked and idle, else the copy is freed like a duplicate);
+``unlock`` without ``finish`` frees a copy no ``alloc`` continued.
+"""
 
 from __future__ import annotations
 

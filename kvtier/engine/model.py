@@ -20,7 +20,7 @@ from torch import nn
 from kvtier.engine import cp
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
-from kvtier.engine.ops import RMSNorm, linear, rope
+from kvtier.engine.ops import RMSNorm, default_init, linear, rope
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
@@ -218,24 +218,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
 
-def _default_init(
-    name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float
-) -> torch.Tensor:
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith("bias"):
-        std = 0.1
-    elif "embed_tokens" in name:
-        std = 1.0
-    else:
-        std = 1.0 / math.sqrt(shape[1])
-        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
-            std *= residual_scale
-        if name == "lm_head.weight":
-            std *= 2.0
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
-
-
 class DecoderLM(nn.Module):
     """What every family's model shares: ``config``, ``model`` (a ``Decoder`` whose layers have
     ``input_layernorm``, ``mlp`` and ``post_attention_layernorm``), ``lm_head`` (``None`` ties
@@ -315,7 +297,7 @@ class DecoderLM(nn.Module):
                 gens[offset] = torch.Generator().manual_seed(seed + offset)
             w = self.init_value(name, p.shape, gens[offset])
             if w is None:
-                w = _default_init(name, p.shape, gens[offset], residual_scale)
+                w = default_init(name, p.shape, gens[offset], residual_scale)
             p.copy_(w.to(p.dtype))
 
     def anchor_layers(self) -> list[int]:

@@ -1,7 +1,10 @@
 """Building blocks every model family shares: RMS normalisation, zero-initialised projections
-(filled later by ``DecoderLM.init_random``) and rotary position embeddings."""
+(filled later by ``DecoderLM.init_random``, whose shared rule ``default_init`` is) and rotary
+position embeddings."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -47,3 +50,21 @@ def rope(
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def default_init(
+    name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float
+) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        std = 0.1
+    elif "embed_tokens" in name:
+        std = 1.0
+    else:
+        std = 1.0 / math.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+            std *= residual_scale
+        if name == "lm_head.weight":
+            std *= 2.0
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std

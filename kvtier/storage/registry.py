@@ -38,6 +38,23 @@ def create_backend(name: str, config: CacheConfig, namespace: Namespace) -> Stor
     return _REGISTRY[name](config, namespace)
 
 
+def check_capabilities(backend: StorageBackend, config: CacheConfig, tree_page: int) -> None:
+    """Gate features on what ``backend`` declares (contract 9); refuse a namespace that
+    is not bound to the model's weights unless the config accepts one (contract 7)."""
+    if not config.model_fingerprint and not config.unbound_namespace:
+        raise ConfigError(
+            f"storage={backend.name!r} without model_fingerprint: every model sharing the "
+            "store would read the others' KV. Set model_fingerprint (LLM does) or "
+            "unbound_namespace=True for a store only one model uses"
+        )
+    if tree_page != config.page_size and not backend.capabilities.page_spans:
+        raise ConfigError(
+            f"storage backend {backend.name!r} does not support page spans, but this "
+            f"model's tree page is {tree_page} tokens ({tree_page // config.page_size}"
+            f" pages of page_size={config.page_size}): one storage object must span them"
+        )
+
+
 def _register_builtins() -> None:
     if "file" not in _REGISTRY:
         from kvtier.storage.file import FileBackend
