@@ -86,8 +86,8 @@ class StorageIO:
         self.host = host
         self.metrics = metrics
         self.page_tokens = page_tokens
-        self.pages = ObjectCodec(host, [s for s in host.specs if s.token_indexed], translator)
-        states = [s for s in host.specs if not s.token_indexed]
+        self.pages = ObjectCodec(host, [s for s in host.specs if not s.partial], translator)
+        states = [s for s in host.specs if s.partial]
         self.states = ObjectCodec(host, states, translator) if states else None
         backend.register_buffers([b for b in host.buffers.values() if b.is_contiguous()])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-l3")

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.errors import ConfigError, RequestError
 
-KINDS = ("kv", "sidecar", "state")
+KINDS = ("kv", "sidecar", "state", "window")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,13 @@ class PoolSpec:
     ``sidecar`` one per ``tokens_per_row`` tokens, indexed  indexer keys (1), compressed
                 like the anchor: row = token slot // tpr    index rows (group of tokens)
     ``state``   one per page (a checkpoint at its end)      recurrent conv + SSM state
+    ``window``  one per token, like the anchor, but only    sliding-window layers' K/V
+                for the pages some query's window reads
     ==========  ==========================================  ===============================
+
+    ``state`` and ``window`` components are *partial*: a page has them or not (``Node.ckpt``
+    flags which pages do, in every tier holding the page) and each is stored as an object of
+    its own per page, next to the page object of the other components.
     """
 
     name: str
@@ -41,6 +47,8 @@ class PoolSpec:
     """``kv`` (the anchor), ``sidecar`` (token-indexed, derived from KV) or ``state``."""
     tokens_per_row: int = 1
     """Tokens one row covers (``sidecar`` only; the page size must be a multiple)."""
+    window: int = 0
+    """``window`` only: positions a query reads, ``(p - window, p]`` for the query at ``p``."""
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or not self.row_shape or any(d <= 0 for d in self.row_shape):
@@ -55,6 +63,11 @@ class PoolSpec:
                 f"pool {self.name!r}: tokens_per_row={self.tokens_per_row} is only allowed "
                 "(>= 1) for sidecar pools"
             )
+        if (self.kind == "window") != (self.window > 0):
+            raise ConfigError(
+                f"pool {self.name!r}: window={self.window} must be positive exactly for "
+                "kind='window' pools"
+            )
 
     @property
     def row_numel(self) -> int:
@@ -63,6 +76,12 @@ class PoolSpec:
     @property
     def row_bytes(self) -> int:
         return self.row_numel * self.dtype.itemsize
+
+    @property
+    def partial(self) -> bool:
+        """Present on some pages only (``state``, ``window``): flagged per page, stored as an
+        object of its own per page."""
+        return self.kind in ("state", "window")
 
     @property
     def token_indexed(self) -> bool:
@@ -91,7 +110,8 @@ class PoolSpec:
     def describe(self) -> str:
         """Stable text naming everything that shapes this component's bytes (for namespaces)."""
         shape = "x".join(map(str, self.row_shape))
-        return f"{self.name}:{self.kind}:{self.num_layers}x{shape}:{self.dtype_name}/{self.tokens_per_row}"
+        out = f"{self.name}:{self.kind}:{self.num_layers}x{shape}:{self.dtype_name}/{self.tokens_per_row}"
+        return f"{out}/w{self.window}" if self.window else out
 
 
 def validate_pool_set(specs: Sequence[PoolSpec]) -> None:
