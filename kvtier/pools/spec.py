@@ -124,6 +124,9 @@ def validate_pool_set(specs: Sequence[PoolSpec]) -> None:
     kinds = [s.kind for s in specs]
     if kinds[0] != "kv" or kinds.count("kv") != 1:
         raise ConfigError(f"a pool set has exactly one kv anchor, listed first; got kinds {kinds}")
+    if "state" in kinds and "window" in kinds:
+        # One per-page flag (``Node.ckpt``) says which pages carry the partial component.
+        raise ConfigError(f"a pool set has state or window components, not both; got {kinds}")
 
 
 def tree_page_size(page_size: int, specs: Sequence[PoolSpec]) -> int:
