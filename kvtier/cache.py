@@ -36,13 +36,14 @@ import torch
 from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller, PrefetchOp
 from kvtier.errors import ConfigError, IntegrityError, RequestError
-from kvtier.hits import checkpointed_len, served_prefix, storage_extension, usable_lengths
+from kvtier.hits import Resume, served_prefix, storage_extension, usable_lengths
 from kvtier.keys import Namespace, PageKey, cache_namespace
 from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down
 from kvtier.parallel.acks import all_ranks
 from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
@@ -58,6 +59,7 @@ from kvtier.transfer.translate import PageTranslator, device_view
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import truncate_match
 from kvtier.tree.tails import unpin_tail
+from kvtier.windows import check_window_config, check_windows, window_stats
 
 
 class TieredCache:
@@ -79,10 +81,22 @@ class TieredCache:
         self.kv_page_size = config.page_size
         # The allocation, tree and storage unit: whole pages of every component (contract 6).
         self.page_size = ps = tree_page_size(config.page_size, specs)
-        self.stateful = any(s.kind == "state" for s in specs)
+        self.resume = Resume.of(specs)
+        """What resuming a prefix needs besides KV pages (a checkpoint, a window's rows)."""
+        self.stateful = self.resume.state
         self.device = resolve_device(config.device)
         cp = config.cp_size
-        self.device_pool = DevicePool(specs, config.device_pages, ps, self.device, cp)
+        check_window_config(config, specs, translator)
+        self.device_pool: DevicePool | UnifiedPool
+        self._on_device = None
+        """A window pool: which device pages hold window rows (the arena says)."""
+        if self.resume.window:
+            self.device_pool = UnifiedPool(
+                specs, config.device_pages, ps, self.device, config.compaction
+            )
+            self._on_device = self.device_pool.has_window
+        else:
+            self.device_pool = DevicePool(specs, config.device_pages, ps, self.device, cp)
         self.host_pool: HostPool | None = None
         if config.enable_host:
             pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
@@ -94,7 +108,7 @@ class TieredCache:
             translator = layout.translator(config.device_pages, host_pages)
         self.namespace: Namespace = cache_namespace(config, specs, ps)
         self.metrics = Metrics()
-        self.tree = RadixTree(ps, config.eviction_policy)
+        self.tree = RadixTree(ps, config.eviction_policy, host_flags=self.resume.window > 0)
         translator, self.kv_buffers = device_view(
             translator, self.device_pool, self.host_pool, group if cp > 1 else None
         )
@@ -123,11 +137,12 @@ class TieredCache:
             self.tree,
             self.controller.alloc_device_at,
             self.controller.on_insert,
-            self.stateful,
+            self.resume.partial,
             self.controller.released,
-            # Tails need one copy page on the tail page's lane and a copy of the state row;
-            # neither is supported, so state models and CP free the tail (page-aligned cache).
-            tails=config.cache_partial_pages and not self.stateful and cp == 1,
+            # Tails need one copy page on the tail page's lane and a copy of the partial
+            # component; neither is supported, so state and window pools and CP free the tail
+            # (page-aligned cache).
+            tails=config.cache_partial_pages and not self.resume.partial and cp == 1,
             release=lambda ev: release(self.device_pool, self.host_pool, ev),
             copy_page=lambda src, dst: copy_page(self.device_pool, translator, src, dst),
         )
@@ -180,7 +195,7 @@ class TieredCache:
         ps = self.page_size
         tm = self.tree.match(tokens)
         end = max(align_down(len(tokens), ps), tm.matched_len)
-        device_len, usable = usable_lengths(tm, self.stateful, ps)
+        device_len, usable = usable_lengths(tm, self.resume, ps, self._on_device)
         keys: list[PageKey] = []
         tail = 0
         io = self.controller.io
@@ -193,9 +208,10 @@ class TieredCache:
                 tm,
                 tokens if tails else tokens[:end],
                 ps,
-                self.stateful,
+                self.resume,
                 self._exists,
                 tails,
+                self._on_device,
             )
             if self.group.size > 1:
                 # What storage holds is what every rank found of the pages it owns.
@@ -259,13 +275,15 @@ class TieredCache:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
         path = h.locked.path
         was = {id(n): n.on_device for n in path}
+        overlap = overlap and not self.resume.window  # window rows arrive with the last layer
         n, layer_events = self.controller.load(path, overlap)  # may split a node of ``path``
         ps = self.page_size
         h.locked.last_pages = path[-1].num_pages(ps) if path else 0
         before = [was.get(id(node), False) for node in path]
         usable = sum(len(node.tokens) for node in path[:n])
-        if n < len(path) and self.stateful:
-            usable = checkpointed_len(truncate_match(h.locked, usable, ps), usable, ps)
+        if n < len(path) and self.resume.partial:
+            cut = truncate_match(h.locked, usable, ps)
+            usable = self.resume.cut(cut, usable, ps, self._on_device)
         served = served_prefix(path, before, usable, ps)
         locs = served.locs
         if h.tail_copy is not None:  # a second load of this handle: its first copy goes
@@ -336,6 +354,26 @@ class TieredCache:
         ``at=len(ld.locs)`` (or no ``at``) continues the copy: its remaining slots first."""
         self._check_open("alloc")
         return self.engine_pages.alloc(num_tokens, at)
+
+    @property
+    def window(self) -> int:
+        """Positions a window pool's queries read (``0``: no window pool)."""
+        return self.resume.window
+
+    def release_window(self, locs: torch.Tensor) -> int:
+        """The engine's queries no longer read the window rows of the pages of ``locs``
+        (window pools): the engine's own pages give theirs back to the arena now, cached pages
+        keep them. Returns the pages released; ``0`` without a window pool."""
+        self._check_open("release_window")
+        return self.engine_pages.release_window(locs)
+
+    def compact(self) -> int:
+        """Relocate the device arena's pages to close its holes (window pools; pages a transfer
+        holds stay put). Returns the pages moved; ``0`` without a window pool."""
+        self._check_open("compact")
+        if not isinstance(self.device_pool, UnifiedPool):
+            return 0
+        return self.device_pool.compact()
 
     def backup_layers(
         self, runs: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]
@@ -445,8 +483,8 @@ class TieredCache:
             self.controller.evict_host(self.host_pool.logical_pages)
 
     def stats(self) -> dict:
-        """Counters and pool usage (``kvtier.report.cache_stats``)."""
-        return cache_stats(self)
+        """Counters and pool usage (``kvtier.report.cache_stats``, ``windows.window_stats``)."""
+        return {**cache_stats(self), **window_stats(self)}
 
     def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
         """A prometheus_client registry exporting ``stats()``."""
@@ -455,6 +493,8 @@ class TieredCache:
     def check_integrity(self) -> None:
         """Every structure's invariants plus cross-structure page accounting."""
         check_cache(self)
+        if self.resume.window:
+            check_windows(self)
 
     def close(self) -> None:
         """Finish in-flight work (storage writes land) and release the backend."""

@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step,backup} | plot``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step,backup,window} | plot``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,15 @@ def _bench(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens if args.prompt_tokens != 32768 else 2048,
             page_size=args.page_size,
         )
+    elif args.which == "window":
+        from kvtier.bench.window_memory import run as bench_window
+
+        result = bench_window(
+            context=args.prompt_tokens if args.prompt_tokens != 32768 else 8192,
+            window=args.window,
+            page_size=args.page_size,
+            device=args.device,
+        )
     elif args.which == "ttft":
         from kvtier.bench.ttft import bench_ttft
 
@@ -136,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
-    b.add_argument("which", choices=("tree", "transfer", "storage", "ttft", "step", "backup"))
+    b.add_argument(
+        "which", choices=("tree", "transfer", "storage", "ttft", "step", "backup", "window")
+    )
+    b.add_argument(
+        "--window", type=_positive, default=512, help="window: sliding window (positions)"
+    )
     b.add_argument("--model", default="small", help="backup: model preset")
     b.add_argument("--batch", type=_positive, default=8, help="backup: requests decoded together")
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")

@@ -16,6 +16,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_LAYOUTS = ("page_first", "layer_first")
 EVICTION_POLICIES = ("lru", "lfu")
 TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
+COMPACTIONS = ("auto", "eager", "off")
 CP_PATTERNS = ("round_robin", "zigzag")
 BACKUP_TIMINGS = ("at_insert", "per_layer")
 
@@ -189,6 +190,11 @@ class CacheConfig:
     forces copy engines (staged through device buffers for page-first host pools, else direct
     block lists; a CUDA driver without batched copies then fails at start). CPU caches copy
     synchronously whatever the choice."""
+    compaction: str = "auto"
+    """When a window pool's device arena (``kvtier.pools.arena``) relocates pages to close its
+    holes: ``auto`` when an allocation finds room only in pieces, ``eager`` before every
+    allocation (moves pages as often as possible: for testing), ``off`` never (an allocation
+    that finds room only in pieces fails, and pages are evicted instead)."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)
     """Additional strings mixed into the key namespace."""
 
@@ -211,6 +217,7 @@ class CacheConfig:
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _choice("transfer_mechanism", self.transfer_mechanism, TRANSFER_MECHANISMS)
+        _choice("compaction", self.compaction, COMPACTIONS)
         # '' would read as "no L3" in some places and as a backend name in others
         _text("storage", self.storage, allow_none=True, nonempty=True)
         _text("storage_url", self.storage_url, allow_none=True, nonempty=True)

@@ -2,9 +2,14 @@
 
 A prefix is usable at a tier only up to the deepest point where every component needed to
 resume is present there. KV and sidecars always travel together (one storage object per page),
-so for them that is the matched length. A model with a state pool additionally needs a valid
-checkpoint at the resume point: the usable length is the deepest page boundary, within the
-matched length, whose page carries one — an earlier checkpoint rather than no hit at all.
+so for them that is the matched length. A *partial* component (``PoolSpec.partial``, flagged
+per page by ``Node.ckpt``) narrows it to the deepest page boundary ``b`` within the matched
+length whose flags say the component is there where resuming at ``b`` reads it — an earlier
+resume point rather than no hit at all:
+
+    state pool     the page ending at ``b`` carries a checkpoint
+    window pool    every page holding a token in ``[b - window + 1, b)`` carries window rows
+                   (the first query, at ``b``, reads ``(b - window, b]``)
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys, state_key, tail_key
 from kvtier.paging import pages_to_locs
+from kvtier.pools.spec import PoolSpec
 from kvtier.storage.base import StorageBackend
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
@@ -41,13 +47,103 @@ def checkpointed_len(m: TreeMatch, limit: int, page_size: int) -> int:
     return best
 
 
-def usable_lengths(m: TreeMatch, stateful: bool, page_size: int) -> tuple[int, int]:
+DeviceFlags = Callable[[torch.Tensor], torch.Tensor]
+"""Which of some device pages hold the partial component now (a window pool's arena)."""
+
+
+def path_flags(
+    m: TreeMatch, limit: int, page_size: int, on_device: DeviceFlags | None = None
+) -> torch.Tensor:
+    """Per whole page of ``m`` within ``limit`` tokens, in order, whether the partial
+    component is there where the page would be read from: ``on_device`` of a device copy when
+    given, else the node's ``Node.ckpt`` (false where a node has none)."""
+    flags, pos = [], 0
+    for i, node in enumerate(m.path):
+        pages = m.last_pages if i == len(m.path) - 1 else node.num_pages(page_size)
+        pages = min(pages, (limit - pos) // page_size)
+        if pages <= 0:
+            break
+        if on_device is not None and node.device is not None:
+            flags.append(on_device(node.device[:pages]))
+        elif node.ckpt is None:
+            flags.append(torch.zeros(pages, dtype=torch.bool))
+        else:
+            flags.append(node.ckpt[:pages])
+        pos += pages * page_size
+    return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
+
+
+def window_pages(boundary_page: int, page_size: int, window: int) -> int:
+    """Pages before page boundary ``boundary_page`` that resuming there reads (window pool)."""
+    first_token = max(0, boundary_page * page_size - window + 1)
+    return boundary_page - first_token // page_size
+
+
+def windowed_pages(flags: torch.Tensor, page_size: int, window: int) -> int:
+    """Deepest page boundary ``k <= len(flags)`` such that the window before it is flagged
+    (``0`` when none is: resuming at 0 reads nothing)."""
+    run = 0
+    runs = [0]
+    for f in flags.tolist():
+        run = run + 1 if f else 0
+        runs.append(run)
+    for k in range(len(runs) - 1, 0, -1):
+        if runs[k] >= window_pages(k, page_size, window):
+            return k
+    return 0
+
+
+def windowed_len(
+    m: TreeMatch, limit: int, page_size: int, window: int, on_device: DeviceFlags | None = None
+) -> int:
+    """Deepest page boundary ``<= limit`` tokens along ``m`` that a window pool of ``window``
+    positions can resume from (module docstring)."""
+    flags = path_flags(m, limit, page_size, on_device)
+    return windowed_pages(flags, page_size, window) * page_size
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What resuming a cached prefix needs besides the KV pages (module docstring)."""
+
+    state: bool = False
+    """A state pool: a checkpoint at the resume point."""
+    window: int = 0
+    """A window pool of this many positions (``0``: none)."""
+
+    @classmethod
+    def of(cls, specs: Sequence[PoolSpec]) -> Resume:
+        return cls(
+            state=any(s.kind == "state" for s in specs),
+            window=max((s.window for s in specs if s.kind == "window"), default=0),
+        )
+
+    @property
+    def partial(self) -> bool:
+        """Some component is present on some pages only (``Node.ckpt`` is kept)."""
+        return self.state or self.window > 0
+
+    def cut(
+        self, m: TreeMatch, limit: int, page_size: int, on_device: DeviceFlags | None = None
+    ) -> int:
+        """Deepest resumable point of ``m`` within ``limit`` tokens (``on_device``: where a
+        window pool's device pages have their rows, see ``path_flags``)."""
+        if self.state:
+            return checkpointed_len(m, limit, page_size)
+        if self.window:
+            return windowed_len(m, limit, page_size, self.window, on_device)
+        return limit
+
+
+def usable_lengths(
+    m: TreeMatch, resume: Resume, page_size: int, on_device: DeviceFlags | None = None
+) -> tuple[int, int]:
     """``(device_len, usable_len)``: resumable tokens on device alone and on device + host."""
-    if not stateful:
+    if not resume.partial:
         return m.device_len, m.matched_len
     return (
-        checkpointed_len(m, m.device_len, page_size),
-        checkpointed_len(m, m.matched_len, page_size),
+        resume.cut(m, m.device_len, page_size, on_device),
+        resume.cut(m, m.matched_len, page_size, on_device),
     )
 
 
@@ -58,13 +154,14 @@ def storage_extension(
     m: TreeMatch,
     tokens: Sequence[int],
     page_size: int,
-    stateful: bool,
+    resume: Resume,
     exists: Callable[[list[PageKey], int], int] | None = None,
     tails: bool = False,
+    on_device: DeviceFlags | None = None,
 ) -> tuple[list[PageKey], int]:
     """Keys of the pages after the tree match that storage holds and a request could resume
-    after: a prefix of present page objects, cut (state models) after the deepest page whose
-    checkpoint object is present too. ``exists(keys, first_page)`` counts the leading keys
+    after: a prefix of present page objects, cut (``resume.partial``) at the deepest resume
+    point whose partial-component objects (``state_key``) are present where it needs them. ``exists(keys, first_page)`` counts the leading keys
     present, ``first_page`` being the sequence page of ``keys[0]`` (default: the backend's
     ``batch_exists``; a CP rank asks only about the pages it owns).
 
@@ -89,10 +186,12 @@ def storage_extension(
         if k < len(cand):
             break
         pos, prev, chunk = pos + k * page_size, cand[-1], chunk * 4
-    if stateful:
+    if resume.state:
         while found and backend.batch_exists([state_key(found[-1])]) == 0:
             found.pop()
         return found, 0
+    if resume.window:
+        return _windowed(backend, m, found, page_size, resume.window, on_device), 0
     pos = start + len(found) * page_size
     if not tails or not (found or start) or pos >= len(tokens):
         return found, 0
@@ -103,6 +202,33 @@ def storage_extension(
         if (exists([key], pos // page_size) if exists else backend.batch_exists([key])) == 1:
             return [*found, key], r
     return found, 0
+
+
+def _windowed(
+    backend: StorageBackend,
+    m: TreeMatch,
+    found: list[PageKey],
+    page_size: int,
+    window: int,
+    on_device: DeviceFlags | None,
+) -> list[PageKey]:
+    """``found`` cut at the deepest resume point whose window is flagged in the tree or has
+    its window objects in storage. Only the last pages a window can reach are probed: a
+    resume point further back would need pages the probe skipped, which count as absent."""
+    if not found:
+        return found
+    reach = min(len(found), -(-(window - 1) // page_size))  # pages one window spans
+    probed = [backend.batch_exists([state_key(k)]) == 1 for k in found[-reach:]]
+    tree = path_flags(m, m.matched_len, page_size, on_device)
+    flags = torch.cat(
+        [
+            tree,
+            torch.zeros(len(found) - reach, dtype=torch.bool),
+            torch.tensor(probed, dtype=torch.bool),
+        ]
+    )
+    k = windowed_pages(flags, page_size, window) - tree.numel()
+    return found[: max(k, 0)]
 
 
 @dataclass(frozen=True, slots=True)

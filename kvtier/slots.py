@@ -69,7 +69,9 @@ class EnginePages:
         copy_page: CopyFn | None = None,
     ) -> None:
         """``on_free(pages)`` is told of engine pages going back to the allocator. ``tails``:
-        cache partial tails (then ``release`` and ``copy_page`` are needed)."""
+        cache partial tails (then ``release`` and ``copy_page`` are needed). ``stateful``:
+        the pool set has a partial component (a state or window pool), so every inserted
+        page carries a ``Node.ckpt`` flag."""
         self.pool = pool
         self.tree = tree
         self.page_size = tree.page_size
@@ -81,6 +83,8 @@ class EnginePages:
         self._release = release
         self._copy_page = copy_page
         self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
+        self.windowed = any(s.kind == "window" for s in pool.specs)
+        """A window pool (``UnifiedPool``): a page's flag is whether it has window rows."""
         self._pending: list[tuple[int, int]] = []
         """``(at, page)``: tail copies handed out by ``load`` that no ``alloc`` continued yet
         (``at`` = the sequence position after the copied valid tokens)."""
@@ -208,7 +212,9 @@ class EnginePages:
         self, tokens: Sequence[int], pages: torch.Tensor, checkpoints: torch.Tensor | None
     ) -> int:
         flags = None
-        if self.stateful:
+        if self.windowed:
+            flags = self.pool.has_window(pages)
+        elif self.stateful:
             k = pages.numel()
             flags = torch.zeros(k, dtype=torch.bool)
             if checkpoints is not None:
@@ -225,6 +231,19 @@ class EnginePages:
             self._release(out.dropped)
         self._on_insert(out.taken)
         return out.cached_len
+
+    def release_window(self, locs: torch.Tensor) -> int:
+        """The engine reads no window rows of the pages of ``locs`` any more: those of its own
+        pages go back to the arena now (cached pages keep theirs: a hit may resume there).
+        Returns the pages released."""
+        if not self.windowed or not locs.numel():
+            return 0
+        pages = torch.unique(self._pages_of(locs, "release_window"))
+        pages = pages[self._owned[pages]]
+        pages = pages[self.pool.has_window(pages)]
+        if pages.numel():
+            self.pool.release_window(pages)
+        return pages.numel()
 
     def _free(self, pages: torch.Tensor) -> None:
         if self._on_free is not None:

@@ -21,6 +21,7 @@ from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.host import HostPool
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
@@ -137,7 +138,7 @@ class Backups(Flights):
         for sp in flight.spans:
             self.tree.end_io(sp.node, "device")
             if sp.node.host is None and sp.node.parent is not None:
-                self.tree.set_host(sp.node, sp.part)
+                self.tree.set_host(sp.node, sp.part, self._host_flags(sp.node))
                 stored.append(sp.node)
             else:  # the node got a host copy meanwhile, or left the tree
                 self.host.allocator.free(sp.part)
@@ -147,6 +148,14 @@ class Backups(Flights):
         self.metrics.inc("backup_bytes", pages * self.host.page_bytes)
         self.metrics.inc("backup_seconds", time.perf_counter() - flight.started)
         self.to_storage(stored)
+
+    def _host_flags(self, node: Node) -> torch.Tensor | None:
+        """A window pool's host copy holds the window rows its device pages had (the copy
+        skips the others); ``None`` for every other pool."""
+        dev = self.mover.dev
+        if node.device is None or not isinstance(dev, UnifiedPool):
+            return None
+        return dev.has_window(node.device)
 
     # ---- host → storage -----------------------------------------------------------------
     def to_storage(self, nodes: list[Node]) -> None:

@@ -141,9 +141,10 @@ class Controller:
         cached pages if needed; ``None`` if impossible."""
         alloc = self.dev.allocator
         if owners is None:
-            short = n - alloc.available
-            if short > 0:
-                self.evict_device(short)
+            # A window pool's page frees less than a fresh page takes when it had no window
+            # rows: evict until the room is there or nothing more goes.
+            while (short := n - alloc.available) > 0 and self.evict_device(short) > 0:
+                pass
             return self.dev.alloc_pages(n)
         self._make_room(alloc, owners, self.evict_device)
         return alloc.alloc_owned(owners)

@@ -16,6 +16,7 @@ from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.errors import IntegrityError
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
@@ -73,6 +74,7 @@ class Loads(Flights):
                 pages = self._alloc_device(node.host)
                 if pages is None:
                     raise IntegrityError(f"{fit} device pages free but not allocatable")
+            self._bind_windows(node, pages)
             spans.append(Span(node, node.host))
             dev.append(pages)
             if node.origin is None:
@@ -90,6 +92,16 @@ class Loads(Flights):
         op = self.mover.host_to_device(host, torch.cat(dev), overlap=overlap)
         self.flights.append(InFlight(op, [Span(sp.node) for sp in spans], "host"))
         return loaded, op.layer_events
+
+    def _bind_windows(self, node: Node, pages: torch.Tensor) -> None:
+        """A window pool's fresh pages come with window rows; those of pages whose host copy
+        has none go back before anything is copied, so the copy skips them (a page without
+        window rows is not copied into)."""
+        if node.ckpt is None or not isinstance(self.dev, UnifiedPool):
+            return
+        drop = pages[~node.ckpt[: pages.numel()]]
+        if drop.numel():
+            self.dev.release_window(drop)
 
     def poll(self) -> None:
         for flight in self.finished():

@@ -62,6 +62,11 @@ class SeqSlots:
     aligned with ``out_locs``. ``None``: all of them."""
     context_len: int | None = None
     """Context parallelism: the whole context's length. ``None``: ``len(ctx_locs)``."""
+    window_locs: torch.Tensor | None = None
+    """Window pools: int64, the window component's slots of positions ``window_start ..``
+    up to the last new token (the new tokens' window rows are its last ``num_new``)."""
+    window_start: int = 0
+    """Window pools: the position of ``window_locs[0]``."""
 
     @property
     def seq_len(self) -> int:
@@ -86,6 +91,8 @@ class ForwardBatch:
     out_rows: torch.Tensor | None = None
     """Context parallelism: indices into the ``T`` tokens of the rows this rank writes, aligned
     with ``out_locs``. ``None``: every token's row."""
+    window_out: torch.Tensor | None = None
+    """Window pools: ``[T]``, the window component's slots receiving the tokens' rows."""
 
 
 QUERY_CHUNK = 1024
@@ -333,6 +340,10 @@ class DecoderLM(nn.Module):
         """
         self.check_batch(input_ids, seqs)
         b = ForwardBatch(positions, seqs, torch.cat([s.out_locs for s in seqs]), kv)
+        if seqs and seqs[0].window_locs is not None:
+            b.window_out = torch.cat(
+                [s.window_locs[s.window_locs.shape[0] - s.num_new :] for s in seqs]
+            )
         group = cp.cp_group(kv)
         if group is not None:
             cp.check_supported(self, group)

@@ -97,6 +97,8 @@ class Request:
     """Stateful models: the running recurrent state after ``num_computed`` tokens."""
     layer_events: list | None = None
     """Per-anchor-layer arrival events of a host load the next forward must wait on."""
+    window_left: int = 0
+    """Window pools: tokens of ``locs`` whose pages' window rows the request gave back."""
     checkpoints: set[int] = field(default_factory=set)
     """Stateful models: pages (by index in ``tokens``) whose state row this request wrote."""
     logit_rows: list[torch.Tensor] | None = None

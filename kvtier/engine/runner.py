@@ -27,6 +27,8 @@ class ModelRunner:
         self.checkpoint_every = (
             int(getattr(model.config, "checkpoint_every", 1)) if self.stateful else 0
         )
+        self.window = next((s for s in model.pool_specs() if s.kind == "window"), None)
+        """The window component (its layers read only the last ``window`` positions)."""
         self.group = cp.cp_group(kv)
         """The CP group this rank runs in (``None`` without context parallelism)."""
         cp.check_supported(model, self.group)
@@ -56,6 +58,11 @@ class ModelRunner:
             phys = self.kv.slots(req.locs[:end])
             ctx = phys.to(self.device, non_blocking=True)
             seq = SeqSlots(w.num_new, ctx[start:], ctx)
+            if self.window is not None:
+                # the first new query reads (start - window, start]: only those rows exist
+                lo = max(0, start - self.window.window + 1)
+                win = self.kv.slots(req.locs[lo:end], self.window.name)
+                seq.window_locs, seq.window_start = win.to(self.device, non_blocking=True), lo
             if self.stateful:
                 self._attach_state(req, seq, start, end, phys)
             seqs.append(seq)

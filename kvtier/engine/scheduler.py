@@ -261,8 +261,20 @@ class Scheduler:
         )
         req.state, req.checkpoints = None, set()
         req.locs, req.handle = None, None
-        req.num_computed = req.prefix_len = 0
+        req.num_computed = req.prefix_len = req.window_left = 0
         self.running.remove(req)
+
+    def _leave_window(self, req: Request) -> None:
+        """Give back the window rows of the pages the request's next query no longer reads
+        (it reads ``(num_computed - window, num_computed]``): a window pool holds only the
+        window of a running request, whatever its context length."""
+        window = self.cache.window
+        if not window or req.locs is None:
+            return
+        end = max(0, req.num_computed - window + 1) // self.page_size * self.page_size
+        if end > req.window_left:
+            self.cache.release_window(req.locs[req.window_left : end])
+            req.window_left = end
 
     def abort(self, req: Request, error: BaseException) -> Request:
         """Finish ``req`` with ``error``: its own pages are freed (nothing it computed is
@@ -310,6 +322,7 @@ class Scheduler:
             if req.logit_rows is not None:
                 del req.logit_rows[req.num_output :]
             if req.finish_reason is None:
+                self._leave_window(req)
                 continue
             self._release(req)
             req.status = Status.FINISHED

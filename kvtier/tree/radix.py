@@ -42,8 +42,13 @@ class RadixTree:
     """Pages of ``page_size`` tokens; nodes split only on page boundaries. Lengths count
     valid tokens: a leaf's last page may be a partial tail (``kvtier.tree.tails``)."""
 
-    def __init__(self, page_size: int, policy: EvictionPolicy | str = "lru") -> None:
+    def __init__(
+        self, page_size: int, policy: EvictionPolicy | str = "lru", host_flags: bool = False
+    ) -> None:
+        """``host_flags``: ``Node.ckpt`` describes the host copy (a window pool, whose device
+        arena knows its own rows) instead of every tier's copy (a state pool)."""
         self.page_size = page_size
+        self.host_flags = host_flags
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
@@ -212,7 +217,7 @@ class RadixTree:
                 prefix = False
                 self._set_copy(child, tier, pages[p0 : p0 + n])
                 if checkpoints is not None and child.ckpt is not None:
-                    child.ckpt = child.ckpt & checkpoints[p0 : p0 + n]
+                    child.ckpt = self._merge_flags(child.ckpt, checkpoints[p0 : p0 + n], tier)
                 taken.append(child)
             if keys is not None and not child.in_storage:
                 child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
@@ -221,6 +226,14 @@ class RadixTree:
             node = child
         dup = torch.cat(dups) if dups else _EMPTY
         return InsertOutcome(cached, dup, taken, node, dropped)
+
+    def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
+        """Flags of a node given a copy in ``tier`` next to the one it had. Flags of every
+        tier: only what both copies have. Host flags: a host copy brings its own; a device
+        copy leaves them alone (its rows are the arena's to know)."""
+        if not self.host_flags:
+            return old & new
+        return new.clone() if tier == "host" else old
 
     def _replace_tail(self, stale: Node, tier: CopyTier, out: Evicted) -> bool:
         """Drop the partial tail ``stale`` that a longer version replaces, if allowed (see
@@ -324,8 +337,15 @@ class RadixTree:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         self.eviction.set_device(node, pages)
 
-    def set_host(self, node: Node, pages: torch.Tensor) -> None:
-        """Record ``pages`` as the host copy of ``node``, which has none."""
+    def set_host(self, node: Node, pages: torch.Tensor, flags: torch.Tensor | None = None) -> None:
+        """Record ``pages`` as the host copy of ``node``, which has none; ``flags`` (with
+        ``host_flags``) become its ``Node.ckpt``: the pages of the copy holding window rows."""
+        if flags is not None:
+            if not self.host_flags or flags.numel() != pages.numel():
+                raise IntegrityError(
+                    f"{node!r}: {flags.numel()} host flags for {pages.numel()} pages"
+                )
+            node.ckpt = flags.clone()
         self.eviction.set_host(node, pages)
 
     def drop_host(self, node: Node) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Sliding-window attention family: a GQA decoder whose sliding layers attend only to the last
 ``sliding_window`` positions while the remaining layers attend to the whole context.
 
-The cache still keeps every token's K/V in every layer (one anchor pool), so prefix hits,
-eviction and restores work exactly as for the dense model; the sliding layers just read fewer
-slots.
+Its pool set is the anchor ``kv`` (the full-attention layers) and a *window* pool ``swa`` (the
+sliding layers, ``PoolSpec(kind="window")``): a page keeps sliding-layer rows only while a
+query's window may read them, so a running request holds ``sliding_window`` positions of them
+whatever its context length. With ``window_pool=False`` (or when every layer slides, or none
+does) every layer's K/V stays in the anchor pool for every token.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig, dense_config_of
-from kvtier.engine.model import Attention, CausalLM, SeqSlots
+from kvtier.engine.model import Attention, CausalLM, ForwardBatch, SeqSlots
+from kvtier.errors import RequestError
+from kvtier.pools import PoolSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,9 @@ class SWAConfig(ConfigBase):
     full_every: int = 2
     """Every ``full_every``-th layer (layers ``full_every - 1``, ``2 * full_every - 1``, ...)
     attends to the whole context; the others slide. ``0`` makes every layer slide."""
+    window_pool: bool = True
+    """Keep the sliding layers' K/V in a window pool (only the window's pages hold rows);
+    ``False`` keeps every token's rows (the model's math is the same)."""
 
     def __post_init__(self) -> None:
         self._check_sizes("seed", "full_every")
@@ -49,6 +57,16 @@ class SWAConfig(ConfigBase):
         if self.full_every == 0:
             return tuple(range(self.num_layers))
         return tuple(i for i in range(self.num_layers) if (i + 1) % self.full_every)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers, ascending."""
+        return tuple(i for i in range(self.num_layers) if i not in self.swa_layers)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the sliding layers' K/V live in a window pool of their own."""
+        return self.window_pool and bool(self.swa_layers) and bool(self.full_layers)
 
     def dense(self) -> ModelConfig:
         """The dense Llama config with the same shapes and seed (hence the same weights)."""
@@ -88,13 +106,20 @@ def window_attention(
 class WindowAttention(Attention):
     """``Attention`` (same parameters) that reads only the slots inside the window."""
 
-    def __init__(self, cfg: ModelConfig, window: int) -> None:
+    def __init__(self, cfg: ModelConfig, window: int, pooled: bool = False) -> None:
         super().__init__(cfg)
         self.window = window
+        self.pooled = pooled
+        """``kv`` is the window pool's layer, addressed by ``SeqSlots.window_locs``."""
 
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor
     ) -> torch.Tensor:
+        if self.pooled:
+            if s.window_locs is None:
+                raise RequestError("a window-pool layer needs SeqSlots.window_locs")
+            ctx = kv.index_select(0, s.window_locs)
+            return window_attention(q, ctx[:, 0], ctx[:, 1], q_pos, s.window_start, self.window)
         # first new position from host-side lengths, so no device sync is needed
         first = s.ctx_locs.shape[0] - s.num_new
         lo = max(0, first - self.window + 1)
@@ -118,9 +143,45 @@ class SWAModel(CausalLM):
         self.config = config  # type: ignore[assignment]
         for i in config.swa_layers:
             layer = self.model.layers[i]
-            windowed = WindowAttention(dense, config.sliding_window)
+            windowed = WindowAttention(dense, config.sliding_window, config.windowed)
             windowed.load_state_dict(layer.self_attn.state_dict())
             layer.self_attn = windowed
+        full, swa = config.full_layers, config.swa_layers
+        self.pool_layer = [
+            ("swa", swa.index(i)) if i in swa and config.windowed else ("kv", full.index(i))
+            for i in range(config.num_layers)
+        ]
+        """Per layer: the component holding its K/V and its layer there."""
+        if not config.windowed:
+            self.pool_layer = [("kv", i) for i in range(config.num_layers)]
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """The anchor ``kv`` (full-attention layers) and the window pool ``swa`` (sliding
+        layers); one anchor of every layer when ``not config.windowed``."""
+        c = self.config
+        row = (2, c.num_kv_heads, c.head_dim)
+        if not c.windowed:
+            return [PoolSpec("kv", c.num_layers, row, c.torch_dtype)]
+        return [
+            PoolSpec("kv", len(c.full_layers), row, c.torch_dtype),
+            PoolSpec(
+                "swa", len(c.swa_layers), row, c.torch_dtype, kind="window", window=c.sliding_window
+            ),
+        ]
+
+    def anchor_layers(self) -> list[int]:
+        """The layers reading the anchor pool: the full-attention ones under a window pool."""
+        return [i for i, (name, _) in enumerate(self.pool_layer) if name == "kv"]
+
+    def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        name, j = self.pool_layer[i]
+        if name == "kv":
+            return layer.self_attn(
+                h, b.positions, b.seqs, b.out_locs, b.kv.layer(j), b.out_rows, b.group
+            )
+        if b.window_out is None:
+            raise RequestError("a window-pool forward needs SeqSlots.window_locs")
+        return layer.self_attn(h, b.positions, b.seqs, b.window_out, b.kv.layer(j, "swa"))
 
     stateful = False
     """Attention-only: no recurrent state, no checkpoints."""

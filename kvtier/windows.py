@@ -1,0 +1,80 @@
+"""Window pools under the cache: which configurations support them, their invariants and their
+figures.
+
+A pool set with a ``window`` component (sliding-window layers) lives in a ``UnifiedPool``: the
+anchor and the window component share one byte arena, a page's window rows exist only while a
+query's window may read them, and the arena may relocate pages (``kvtier.pools.arena``).
+
+Who knows where a page's window rows are (one owner per tier):
+
+    device    the arena (``UnifiedPool.has_window``): rows come with a fresh page and go when
+              the engine's queries leave them behind (``TieredCache.release_window``)
+    host      ``Node.ckpt`` per page: a backup copies the rows the device page has, a load
+              binds rows only for the flagged pages, a fetch flags the window objects it got
+    storage   a window object per page (``keys.state_key``), written for the flagged pages
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.errors import ConfigError, IntegrityError
+from kvtier.pools.spec import PoolSpec
+
+if TYPE_CHECKING:
+    from kvtier.cache import TieredCache
+    from kvtier.config import CacheConfig
+
+
+def window_spec(specs: Sequence[PoolSpec]) -> PoolSpec | None:
+    """The window component of a pool set, if it has one."""
+    return next((s for s in specs if s.kind == "window"), None)
+
+
+def check_window_config(config: CacheConfig, specs: Sequence[PoolSpec], translator: object) -> None:
+    """Raise ``ConfigError`` for what a window pool does not support (yet), naming the option."""
+    win = window_spec(specs)
+    if win is None:
+        return
+    why = None
+    if config.cp_size > 1:
+        why = f"cp_size={config.cp_size}: context parallelism does not shard a window pool"
+    elif config.backup_timing == "per_layer":
+        why = "backup_timing='per_layer': per-layer backups copy anchor layers of fixed pages"
+    elif translator is not None:
+        why = "a translator: the unified arena is the device side's own translator"
+    elif any(s.kind == "state" for s in specs):
+        why = "a state pool"
+    if why is not None:
+        raise ConfigError(
+            f"the window pool {win.name!r} (sliding-window layers in a unified arena) does not "
+            f"support {why}; use the defaults or a model without a window pool"
+        )
+
+
+def check_windows(cache: TieredCache) -> None:
+    """Every node keeps one flag per page."""
+    for node in cache.tree.nodes():
+        if node is cache.tree.root:
+            continue
+        pages = node.num_pages(cache.page_size)
+        if node.ckpt is None or node.ckpt.numel() != pages:
+            raise IntegrityError(f"{node!r}: window flags missing or not one per page")
+
+
+def window_stats(cache: TieredCache) -> dict:
+    """Device bytes in use, and the arena's figures under a window pool."""
+    pool = cache.device_pool
+    if window_spec(cache.specs) is None:
+        return {
+            "device_bytes_total": pool.num_pages * pool.page_bytes,
+            "device_bytes_used": pool.allocator.used * pool.page_bytes,
+        }
+    return {
+        "device_bytes_total": pool.bytes_total,
+        "device_bytes_used": pool.bytes_used,
+        "device_window_pages": int(pool.window_pages),
+        "device_compactions": pool.compactions,
+        "device_pages_relocated": pool.relocated,
+    }
