@@ -145,6 +145,7 @@ class TieredCache:
             tails=config.cache_partial_pages and not self.resume.partial and cp == 1,
             release=lambda ev: release(self.device_pool, self.host_pool, ev),
             copy_page=lambda src, dst: copy_page(self.device_pool, translator, src, dst),
+            on_windows=self.controller.on_windows,
         )
         self._closed = False
         if self.group.size > 1:

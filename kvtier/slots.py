@@ -67,11 +67,13 @@ class EnginePages:
         tails: bool = False,
         release: ReleaseFn | None = None,
         copy_page: CopyFn | None = None,
+        on_windows: InsertedFn | None = None,
     ) -> None:
         """``on_free(pages)`` is told of engine pages going back to the allocator. ``tails``:
         cache partial tails (then ``release`` and ``copy_page`` are needed). ``stateful``:
         the pool set has a partial component (a state or window pool), so every inserted
-        page carries a ``Node.ckpt`` flag."""
+        page carries a ``Node.ckpt`` flag. ``on_windows(nodes)`` (window pools) is told of
+        cached nodes whose device pages took window rows from the engine's duplicates."""
         self.pool = pool
         self.tree = tree
         self.page_size = tree.page_size
@@ -84,6 +86,7 @@ class EnginePages:
         self._copy_page = copy_page
         self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
         self.windowed = any(s.kind == "window" for s in pool.specs)
+        self._on_windows = on_windows
         """A window pool (``UnifiedPool``): a page's flag is whether it has window rows."""
         self._pending: list[tuple[int, int]] = []
         """``(at, page)``: tail copies handed out by ``load`` that no ``alloc`` continued yet
@@ -225,12 +228,44 @@ class EnginePages:
         self._owned[pages] = False
         dups = out.duplicates
         self._owned[dups[torch.isin(dups, mine)]] = True
+        if self.windowed and dups.numel():
+            self._revive_windows(tokens, pages)
         if out.dropped.device_pages or out.dropped.host_pages:
             if self._release is None:
                 raise IntegrityError("the tree dropped a partial tail with nobody to free it")
             self._release(out.dropped)
         self._on_insert(out.taken)
         return out.cached_len
+
+    def _revive_windows(self, tokens: Sequence[int], pages: torch.Tensor) -> None:
+        """Cached device pages without window rows take those of the engine's duplicates of
+        them (the same tokens at the same positions, computed again): hits can resume there
+        again. The arena moves the rows by reassigning them, not by copying."""
+        m = self.tree.match(tokens)
+        cached, nodes, pos = [], [], 0
+        for i, node in enumerate(m.path):
+            k = m.last_pages if i == len(m.path) - 1 else node.num_pages(self.page_size)
+            if node.device is None:
+                break
+            # a backup reading the node copies the rows its pages had when it began
+            cached.append(node.device[:k] if not node.device_io else torch.full((k,), -1))
+            nodes.append((node, pos, pos + k))
+            pos += k
+        if not cached:
+            return
+        theirs = torch.cat(cached)
+        n = min(theirs.numel(), pages.numel())
+        mine, theirs = pages[:n], theirs[:n]
+        give = (theirs >= 0) & (mine != theirs) & self._owned[mine]
+        if not bool(give.any()):
+            return
+        give[give.clone()] &= self.pool.has_window(mine[give]) & ~self.pool.has_window(theirs[give])
+        if not bool(give.any()):
+            return
+        self.pool.move_window(mine[give], theirs[give])
+        touched = [node for node, lo, hi in nodes if bool(give[lo:hi].any())]
+        if self._on_windows is not None:
+            self._on_windows(touched)
 
     def release_window(self, locs: torch.Tensor) -> int:
         """The engine reads no window rows of the pages of ``locs`` any more: those of its own

@@ -173,6 +173,18 @@ class Backups(Flights):
                 self.tree.begin_io(node, "host")
             self.io.write(todo, keys)
 
+    def rewrite(self, nodes: list[Node]) -> None:
+        """Write the host copies of ``nodes`` to storage again, stored or not: objects of
+        their partial component were added since (``WindowBackups``)."""
+        if self.io is None:
+            return
+        todo = [n for n in nodes if n.on_host and not n.host_io and n.parent is not None]
+        if todo:
+            keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
+            for node in todo:
+                self.tree.begin_io(node, "host")
+            self.io.write(todo, keys)
+
     def touch(self, path: list[Node]) -> None:
         """A request locked ``path``: refresh the storage recency of its stored nodes (a hit at
         any tier is a use of their objects), batched until the next poll."""

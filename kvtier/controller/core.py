@@ -26,6 +26,7 @@ from kvtier.controller.load import Loads
 from kvtier.controller.policy import make_policy
 from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.storage_io import StorageIO
+from kvtier.controller.window_backup import WindowBackups
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
@@ -34,6 +35,7 @@ from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.parallel.meta import CPNodeMeta
 from kvtier.pools.allocator import PageAllocator
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
@@ -94,6 +96,13 @@ class Controller:
         self.loads = Loads(
             tree, device_pool, self.mover, self.alloc_device_like, metrics, self.group
         )
+        self.windows: WindowBackups | None = None
+        """Window-only backups (a window pool with a host tier)."""
+        if isinstance(device_pool, UnifiedPool) and self.backups is not None and self.mover:
+            window = next(s.name for s in device_pool.specs if s.kind == "window")
+            self.windows = WindowBackups(
+                tree, device_pool, self.mover, window, self.backups.rewrite, metrics, self.group
+            )
         self.policy = make_policy(config, self.backups)
         self.io: StorageIO | None = None
         self.prefetcher: Prefetcher | None = None
@@ -271,6 +280,12 @@ class Controller:
         """``nodes`` just took device pages from the engine."""
         self.policy.on_insert(nodes)
 
+    def on_windows(self, nodes: list[Node]) -> None:
+        """``nodes``' device pages just took window rows from the engine's duplicates of them:
+        host copies made without those rows get them (``WindowBackups``)."""
+        if self.windows is not None:
+            self.windows.start(nodes)
+
     def counted(self, nodes: list[Node]) -> None:
         """An admission was counted on ``nodes`` (moved up for it): later hits on them are
         hits of the tier they are in."""
@@ -289,6 +304,8 @@ class Controller:
             self.mover.pump()
         if self.backups is not None:
             self.backups.poll()
+        if self.windows is not None:
+            self.windows.poll()
         self.loads.poll()
         if self.prefetcher is not None:
             self.prefetcher.poll()
@@ -297,6 +314,8 @@ class Controller:
         """Block until every in-flight transfer and storage write completed and is visible."""
         if self.backups is not None:
             self.backups.wait()
+        if self.windows is not None:
+            self.windows.wait()
         self.loads.wait()
         self.poll()
         if self.io is not None and self.prefetcher is not None:
@@ -309,6 +328,7 @@ class Controller:
     def in_flight(self) -> bool:
         """Whether a copy, a storage write or a fetch is still in flight."""
         busy = bool(self.loads.flights) or bool(self.backups and self.backups.flights)
+        busy = busy or bool(self.windows and self.windows.flights)
         return (
             busy
             or bool(self.backups and (self.backups.pinned() or self.backups.reserved.busy()))
@@ -318,6 +338,8 @@ class Controller:
     def _on_split(self, prefix: Node, suffix: Node, n: int) -> None:
         if self.backups is not None:
             self.backups.on_split(prefix, suffix, n)
+        if self.windows is not None:
+            self.windows.on_split(prefix, suffix, n)
         self.loads.on_split(prefix, suffix, n)
         if self.io is not None:
             self.io.on_split(prefix, suffix, n)
@@ -332,6 +354,7 @@ class Controller:
         and the prefetch map only names open fetches."""
         pins: Counter[tuple[int, str]] = Counter()
         held = self.loads.pinned() + (self.backups.pinned() if self.backups else [])
+        held += self.windows.pinned() if self.windows else []
         for node, tier in held:
             pins[(id(node), tier)] += 1
         for node in self.tree.nodes():

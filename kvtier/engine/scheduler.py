@@ -266,15 +266,28 @@ class Scheduler:
 
     def _leave_window(self, req: Request) -> None:
         """Give back the window rows of the pages the request's next query no longer reads
-        (it reads ``(num_computed - window, num_computed]``): a window pool holds only the
-        window of a running request, whatever its context length."""
+        (it reads ``(num_computed - window, num_computed]``): a window pool holds a running
+        request's window, whatever its context length, plus the window before its prompt's
+        last page boundary, where a request sharing the prompt resumes::
+
+            [0, keep_lo)          given back once behind the running window
+            [keep_lo, keep_hi)    kept: resuming at keep_hi (the prompt's last whole page
+                                  before its last token) reads them
+            [keep_hi, end)        given back once behind the running window
+        """
         window = self.cache.window
         if not window or req.locs is None:
             return
-        end = max(0, req.num_computed - window + 1) // self.page_size * self.page_size
-        if end > req.window_left:
-            self.cache.release_window(req.locs[req.window_left : end])
-            req.window_left = end
+        ps = self.page_size
+        end = max(0, req.num_computed - window + 1) // ps * ps
+        if end <= req.window_left:
+            return
+        keep_hi = (len(req.prompt) - 1) // ps * ps
+        keep_lo = max(0, keep_hi - window + 1) // ps * ps
+        for lo, hi in ((req.window_left, min(end, keep_lo)), (max(req.window_left, keep_hi), end)):
+            if hi > lo:
+                self.cache.release_window(req.locs[lo:hi])
+        req.window_left = end
 
     def abort(self, req: Request, error: BaseException) -> Request:
         """Finish ``req`` with ``error``: its own pages are freed (nothing it computed is
