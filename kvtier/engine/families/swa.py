@@ -148,12 +148,12 @@ class SWAModel(CausalLM):
             layer.self_attn = windowed
         full, swa = config.full_layers, config.swa_layers
         self.pool_layer = [
-            ("swa", swa.index(i)) if i in swa and config.windowed else ("kv", full.index(i))
+            (("swa", swa.index(i)) if i in swa else ("kv", full.index(i)))
+            if config.windowed
+            else ("kv", i)
             for i in range(config.num_layers)
         ]
         """Per layer: the component holding its K/V and its layer there."""
-        if not config.windowed:
-            self.pool_layer = [("kv", i) for i in range(config.num_layers)]
 
     def pool_specs(self) -> list[PoolSpec]:
         """The anchor ``kv`` (full-attention layers) and the window pool ``swa`` (sliding
