@@ -20,6 +20,8 @@ COUNTERS: dict[str, str] = {
     "storage_hit_tokens": "Prompt tokens prefetched from storage and used",
     "recomputed_tokens": "Prompt tokens computed by prefill",
     "host_backup_pages": "Pages copied device to host",
+    "window_backup_pages": "Pages whose window rows alone were copied device to host",
+    "window_backup_seconds": "Wall time of window-only backups, submit to completion",
     "storage_backup_pages": "Pages written host to storage (with every component they need)",
     "storage_backup_tokens": "Tokens of those pages (storage pages x storage page size)",
     "evicted_device_pages": "Device pages evicted",
