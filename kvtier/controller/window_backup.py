@@ -51,13 +51,16 @@ class WindowBackups(Flights):
 
     def start(self, nodes: list[Node]) -> int:
         """Copy the window rows ``nodes``' device pages have and their host copies lack;
-        returns the pages queued. A node busy with another copy is skipped (its pages are
-        offered again the next time a request hands rows over)."""
+        returns the pages queued. Other copies of the node may be in flight: they read rows
+        this one does not write (a storage write or a load reads only the flagged pages'
+        window rows, and this writes only unflagged ones). A node with a window-only copy in
+        flight is skipped."""
+        busy = {id(sp.node) for f in self.flights for sp in f.spans}
         spans: list[Span] = []
         for node in nodes:
             if node.device is None or node.host is None or node.ckpt is None:
                 continue
-            if node.device_io or node.host_io:
+            if id(node) in busy:
                 continue
             need = self.pool.has_window(node.device) & ~node.ckpt
             if not bool(need.any()):
