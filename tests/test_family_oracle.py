@@ -84,12 +84,19 @@ def arena_rows(cache, pages: torch.Tensor) -> dict[str, torch.Tensor]:
     for spec in cache.specs:
         have = pages
         if spec.kind == "window":
-            have = pages[cache.device_pool.has_window(pages)]
+            present = cache.device_pool.has_window(pages)
+            have = pages[present]
+            out[f"{spec.name}.present"] = present
         locs = (have.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
         slots = kv.slots(locs, spec.name).to(kv.device)
-        out[spec.name] = torch.stack(
-            [kv.layer(i, spec.name)[slots] for i in range(spec.num_layers)]
-        ).cpu()
+        rows = torch.stack([kv.layer(i, spec.name)[slots] for i in range(spec.num_layers)])
+        if spec.kind == "window":  # every page's rows, zeros where the page has none
+            full = rows.new_zeros((rows.shape[0], pages.numel() * ps, *rows.shape[2:]))
+            full[:, (present.nonzero().reshape(-1, 1) * ps + torch.arange(ps)).reshape(-1)] = (
+                rows
+            )
+            rows = full
+        out[spec.name] = rows.cpu()
     return out
 
 
@@ -121,9 +128,16 @@ def rows_equal(
     same = got.keys() == want.keys()
     compared = {}
     for k in got:
+        if k.endswith(".present"):
+            continue
         n = min(got[k].shape[1], want[k].shape[1])
-        compared[k] = n
         a, b = got[k][:, :n], want[k][:, :n]
+        if f"{k}.present" in got:  # a window pool's rows: pages holding them on both sides
+            both = got[f"{k}.present"], want[f"{k}.present"]
+            m = min(both[0].numel(), both[1].numel())
+            rows = (both[0][:m] & both[1][:m]).repeat_interleave(n // max(m, 1))
+            a, b = a[:, rows], b[:, rows]
+        compared[k] = a.shape[1]
         same = same and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return same, compared
 
