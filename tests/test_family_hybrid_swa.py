@@ -87,14 +87,22 @@ def test_swa_layers_and_pool() -> None:
     assert SWAConfig(full_every=0).swa_layers == (0, 1, 2, 3)
     assert SWAConfig(full_every=1).swa_layers == ()
     model = SWAModel(swa_preset())
-    (spec,) = model.pool_specs()
-    assert (spec.name, spec.kind, spec.num_layers, spec.row_shape) == ("kv", "kv", 4, (2, 2, 32))
+    kv, win = model.pool_specs()
+    assert (kv.name, kv.kind, kv.num_layers, kv.row_shape) == ("kv", "kv", 2, (2, 2, 32))
+    assert (win.name, win.kind, win.num_layers, win.window) == ("swa", "window", 2, 48)
+    assert model.anchor_layers() == [1, 3]
+    # every row kept: one anchor of every layer (also when every layer slides)
+    for cfg in (swa_preset(window_pool=False), swa_preset(full_every=0)):
+        (spec,) = SWAModel(cfg).pool_specs()
+        assert (spec.name, spec.kind, spec.num_layers) == ("kv", "kv", 4)
     assert model.stateful is False
     assert isinstance(preset("swa"), SWAConfig)
 
 
 def test_swa_paged_matches_windowed_reference_and_differs_from_full() -> None:
-    cfg = swa_preset(sliding_window=16)
+    # the model's math on a plain paged pool (the window pool's engine runs are compared
+    # with this layout's outputs in tests/test_window_pool.py)
+    cfg = swa_preset(sliding_window=16, window_pool=False)
     model = SWAModel(cfg)
     toks = tokens(70)
     pool = make_pool(model)
@@ -111,7 +119,7 @@ def test_swa_paged_matches_windowed_reference_and_differs_from_full() -> None:
 
 
 def test_swa_decode_reads_only_the_window() -> None:
-    cfg = swa_preset(sliding_window=8, full_every=0)
+    cfg = swa_preset(sliding_window=8, full_every=0, window_pool=False)
     model = SWAModel(cfg)
     toks = tokens(30, seed=3)
     pool = make_pool(model)

@@ -143,3 +143,25 @@ def test_unsupported_combinations_fail_naming_the_option() -> None:
         TieredCache(CacheConfig(device=DEVICE), specs, translator=PermutationTranslator())
     with pytest.raises(ConfigError, match="compaction"):
         CacheConfig(compaction="sometimes")
+
+
+def test_preempted_requests_back_up_and_resume_through_the_window_pool() -> None:
+    prompts = [tokens(90, seed=10 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, return_logits=True)
+    ref = make(window_pool=False, device_pages=64)
+    expected = []
+    for p in prompts:
+        ref.cache.flush()
+        (o,) = ref.generate([p], params)
+        expected.append(Expected(list(o.output_ids), o.logits))
+    ref.close()
+    cfg = preset("swa", sliding_window=48)
+    cache = CacheConfig(page_size=PS, device_pages=12, device=DEVICE, debug_checks=True)
+    llm = LLM(cfg, cache, max_running=4)
+    outs = llm.generate(prompts, params)
+    same(outs, expected)
+    # a decode that found no page preempted a request: its pages went to the cache (and to
+    # the host with their window rows, by their physical envelopes) and it resumed from there
+    assert sum(o.preemptions for o in outs) > 0
+    assert llm.stats()["host_backup_pages"] > 0
+    llm.close()
