@@ -16,6 +16,8 @@ import torch
 from childproc import run_json
 from conftest import kv_of, run_request
 from conftest import make_cache as _make_cache
+from test_admission import MODEL as ADMISSION_MODEL
+from test_admission import _workload, cold, replay
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -163,6 +165,27 @@ def test_restore_stages_the_host_size_and_frees_it_after_the_load(tmp_path):
     c.close()
 
 
+def test_a_locked_node_is_not_split_until_unlocked(tmp_path):
+    c = make_cache(tmp_path, write_policy="write_through_selective", write_threshold=1)
+    orig = kv_of(c, run_request(c, TOKENS)["locs"])
+    assert shape(c) == [(12, True, False, False)]  # selective: no backup before a hit
+    m = c.match(TOKENS)
+    c.lock(m.handle)  # the hit queues the backup; the lock holds the path, so no split
+    s = c.stats()
+    assert (s["host_pages_used"], s["host_backup_waiting_pages"]) == (0, 12)
+    ld = c.load(m)
+    assert (ld.device_tokens, torch.equal(kv_of(c, ld.locs), orig)) == (48, True)
+    c.unlock(m.handle)
+    c.poll()  # unlocked: the first 4 pages go now
+    assert shape(c) == [(4, True, False, False), (8, True, False, False)]
+    assert c.stats()["host_pages_used"] == 4
+    c.drain()
+    assert shape(c) == [(4, True, False, True)] * 3
+    assert (c.stats()["host_pages_used"], stored_pages(c, TOKENS)) == (0, 12)
+    c.check_integrity()
+    c.close()
+
+
 def test_failed_writes_drop_their_host_copies(tmp_path):
     c = make_cache(tmp_path)
     swap_backend(c, FailingWrites)
@@ -211,6 +234,54 @@ def test_write_reserve_and_rollback_of_a_failed_fetch(tmp_path):
     assert s["host_staging_released_pages"] == 4
     assert shape_of(c, OTHER) == [(3, True, False, True), (1, True, False, True)]
     c.close()
+
+
+@pytest.mark.parametrize(
+    ("ps", "host_pages", "write_policy", "max_running", "seed"),
+    [
+        (1, 1, "write_through", 2, 1),
+        (5, 3, "write_through", 3, 2),
+        (7, 2, "write_through_selective", 2, 3),
+        (16, 1, "write_through", 4, 4),
+    ],
+)
+def test_engine_under_pressure_finishes_with_cold_outputs(
+    tmp_path, ps, host_pages, write_policy, max_running, seed
+):
+    """Multi-turn conversations over a device pool just large enough for the longest request
+    and a buffer of a few pages, replayed in a fresh engine from storage: every request
+    finishes within the step budget with the cold outputs, and a drain empties the buffer."""
+    w = _workload(ps, 40, 3, 2, 4, seed)
+    cfg = CacheConfig(
+        page_size=ps,
+        device_pages=-(-w.longest() // ps) + 1,
+        device="cpu",
+        storage="file",
+        storage_dir=str(tmp_path),
+        write_policy=write_policy,
+        host_mode="buffer_only",
+        host_pages=host_pages,
+        debug_checks=True,
+    )
+    live = LLM(ADMISSION_MODEL, cfg, max_running=max_running)
+    record = replay(live, w, len(w.turns) - 1)
+    live.cache.drain()
+    assert live.stats()["host_pages_used"] == 0
+    live.close()
+    again = LLM(ADMISSION_MODEL, cfg, max_running=max_running)
+    record_again = replay(again, w, len(w.turns))
+    again.cache.drain()
+    again.cache.check_integrity()
+    s = again.stats()
+    assert s["host_pages_used"] == 0 and s["host_backup_waiting_pages"] == 0
+    if write_policy == "write_through":
+        assert s["storage_hit_tokens"] > 0
+    again.close()
+    assert record_again[: len(record)] == record
+    params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
+    prompts = [p for turn, _ in record_again for p in turn]
+    outputs = [o for _, turn in record_again for o in turn]
+    assert outputs == cold(prompts, params)
 
 
 # ---- engine oracle --------------------------------------------------------------------------

@@ -118,7 +118,10 @@ class Backups(Flights):
         waits for (pages that requests or fetches hold: the queue moves once they let go)."""
         super().wait()
         self.reserved.wait()
-        while self.staging is not None and (self.flights or self._writing()):
+        while self.staging is not None:
+            self._copy(self.staging.chunks())  # room freed since the last poll (an unlock)
+            if not (self.flights or self._writing()):
+                break
             super().wait()
             if self.io is not None:
                 self.io.wait_all()
@@ -227,6 +230,9 @@ class Backups(Flights):
         for node in lost:
             self.tree.set_in_storage(node, False)
         self.to_storage(lost)
+        if self.staging is not None:  # gone from storage and no host copy: back up again
+            self.staging.enqueue(lost)
+            self._copy(self.staging.chunks())
         self.io.flush_touches()
 
     def inflight_host_pages(self) -> int:

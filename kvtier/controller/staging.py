@@ -2,8 +2,8 @@
 
 Writes: device → host → storage. A node to back up waits in ``waiting`` (pinning its device
 copy, ``device_io``) until host pages are free; it is copied in chunks of what the pool has,
-split on page boundaries (``RadixTree.split``), so a request larger than the whole host pool
-still reaches storage across polls. Once a chunk's storage write is reaped its host copy is
+split on page boundaries (``RadixTree.split``; unlocked nodes only), so a request larger than
+the whole host pool still reaches storage across polls. Once a chunk's storage write is reaped its host copy is
 freed at once; a write storage refused (store full, fault) drops the host copy too (counted in
 ``dropped_pages``), so no host page outlives the write it stages. A host copy with a write in
 flight is pinned (``host_io``), so eviction never takes a page not yet stored.
@@ -63,7 +63,7 @@ class Staging:
         self.dropped_pages = 0
         """Host copies dropped because storage refused their write."""
         self.released_pages = 0
-        """Host copies freed after their write or load completed."""
+        """Host copies freed after their write (stored or dropped) or load completed."""
         self.cut_read_pages = 0
         """Pages fetches wanted beyond what the host pool could stage."""
         tree.split_hooks.append(self.on_split)
@@ -81,14 +81,17 @@ class Staging:
             self.waiting.append(Span(node))
 
     def chunks(self) -> list[Span]:
-        """Take host pages for the queue's head as far as the pool allows, in order: a node
-        longer than the free pages is split and its first pages go now. Returns the spans to
-        copy (node, host pages); the queue's pins on them are handed to the caller's copy."""
+        """Take host pages for queued nodes as far as the pool allows, in queue order: an
+        unlocked node longer than the free pages is split and its first pages go now. A locked
+        node is never split (its request holds its path, e.g. between ``lock`` and ``load``): it
+        waits for room for all of it while the nodes behind it go. Returns the spans to copy
+        (node, host pages); the queue's pins on them are handed to the caller's copy."""
         out: list[Span] = []
-        while self.waiting:
-            node = self.waiting[0].node
+        i = 0
+        while i < len(self.waiting):
+            node = self.waiting[i].node
             if node.on_host or node.in_storage or node.parent is None:
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 self.tree.end_io(node, "device")
                 continue
             dev = node.device
@@ -99,12 +102,14 @@ class Staging:
                 fit = self.host.allocator.available  # eviction already ran
                 if fit == 0:
                     break
+                if node.lock_ref:
+                    i += 1
+                    continue
                 node = self.tree.split(node, fit)  # ``on_split`` queues the head first
                 pages = self._alloc_host(node.device)  # type: ignore[arg-type]
                 if pages is None:
                     raise IntegrityError(f"{fit} host pages free but not allocatable")
-            head = self.waiting.pop(0)
-            if head.node is not node:
+            if self.waiting.pop(i).node is not node:
                 raise IntegrityError(f"backup queue out of order at {node!r}")
             out.append(Span(node, pages))
         return out
