@@ -19,6 +19,7 @@ TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
 COMPACTIONS = ("auto", "eager", "off")
 CP_PATTERNS = ("round_robin", "zigzag")
 BACKUP_TIMINGS = ("at_insert", "per_layer")
+HOST_MODES = ("cache", "buffer_only")
 
 
 def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -115,6 +116,13 @@ class CacheConfig:
     """Host pool size in pages; overrides ``host_ratio``."""
     host_bytes: int | None = None
     """Host pool size in bytes (rounded down to whole pages); overrides ``host_ratio``."""
+    host_mode: str = "cache"
+    """What the host tier is: ``cache`` (a cache level: copies stay until evicted) or
+    ``buffer_only`` (a staging buffer between device and storage, ``kvtier.controller.staging``:
+    a backup's host copy is freed once its storage write landed, a fetched copy once it was
+    loaded to device; the pool may be smaller than one request). ``buffer_only`` needs
+    ``enable_host=True``, ``storage`` and ``write_policy`` ``write_through`` or
+    ``write_through_selective``; it refuses ``backup_timing='per_layer'`` and ``cp_size > 1``."""
     host_layout: str = "page_first"
     """``page_first`` (one contiguous block per page: one L3 object is one memcpy) or
     ``layer_first`` (same layout as the device pool)."""
@@ -270,6 +278,37 @@ class CacheConfig:
             raise ConfigError("storage requires enable_host=True: L3 moves pages through L2")
         if self.write_policy == "write_back" and not self.enable_host:
             raise ConfigError("write_policy='write_back' requires enable_host=True")
+        self._check_host_mode()
+
+    def _check_host_mode(self) -> None:
+        _choice("host_mode", self.host_mode, HOST_MODES)
+        if self.host_mode != "buffer_only":
+            return
+        mode = "host_mode='buffer_only'"
+        if not self.enable_host:
+            raise ConfigError(f"{mode} requires enable_host=True: the host tier is the buffer")
+        if self.storage is None:
+            raise ConfigError(
+                f"{mode} requires storage (e.g. storage='file'): a staged page is kept nowhere "
+                "but in storage"
+            )
+        if self.write_policy == "write_back":
+            # Write-back copies a page only when its device copy is evicted, and eviction
+            # cannot wait for host room that storage writes free later.
+            raise ConfigError(
+                f"{mode} with write_policy='write_back' is not supported: use write_through "
+                "or write_through_selective"
+            )
+        if self.backup_timing == "per_layer":
+            raise ConfigError(
+                f"{mode} with backup_timing='per_layer' is not supported: per-layer backups "
+                "reserve host pages for a whole forward outside the staging accounting"
+            )
+        if self.cp_size > 1:
+            raise ConfigError(
+                f"{mode} with cp_size={self.cp_size} is not supported yet: the staging "
+                "chunks count pages of one rank's pool"
+            )
 
     def resolve_host_pages(self, page_bytes: int) -> int:
         """Host pool size in pages given one page's byte size across all pools.

@@ -26,10 +26,32 @@ def cache_stats(cache: TieredCache) -> dict:
         host_bytes_used=_host_pages_here(cache) * host.page_bytes if host else 0,
         tree_nodes=sum(1 for _ in cache.tree.nodes()),
     )
+    snap.update(_staging_stats(cache))
     if cache.storage is not None:
         snap["storage_errors"] = dict(cache.storage.errors)
         snap.update({f"storage_{k}": v for k, v in cache.storage.stats().items()})
     return snap
+
+
+def _staging_stats(cache: TieredCache) -> dict[str, int]:
+    """``host_mode='buffer_only'``: host pages staged for writes (backup copies in flight and
+    host copies with a storage write in flight) and for reads (fetched pages not yet visible
+    and host-only copies awaiting their load), plus the staging counters. Empty otherwise."""
+    ctl = cache.controller
+    staging, backups = ctl.staging, ctl.backups
+    if staging is None or backups is None:
+        return {}
+    writing = {id(sp.node) for sp in ctl.io.pinned()} if ctl.io is not None else set()
+    write = backups.inflight_host_pages()
+    read = ctl.prefetcher.pending_host_pages() if ctl.prefetcher is not None else 0
+    for node in cache.tree.nodes():
+        if node.host is None:
+            continue
+        if id(node) in writing:
+            write += node.host.numel()
+        elif node.device is None:
+            read += node.host.numel()
+    return staging.stats(write, read)
 
 
 def _host_pages_here(cache: TieredCache) -> int:

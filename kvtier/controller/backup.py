@@ -2,7 +2,9 @@
 
 A backup copy pins the device copy it reads (``device_io``) and owns the host pages it writes
 until it completed; only then, at a poll, do the pages become the node's host copy (contract
-3). A full host tier drops a backup (counted), it never blocks. A storage write pins the host
+3). A full host tier drops a backup (counted), it never blocks; with a ``staging`` buffer
+(``host_mode='buffer_only'``) the backup waits for room instead and goes in chunks
+(``kvtier.controller.staging``). A storage write pins the host
 copy it reads (``host_io``) until it is reaped; the node is marked stored only when every page
 (and, for state models, every valid checkpoint) landed.
 """
@@ -16,6 +18,7 @@ import torch
 
 from kvtier.controller.layered import Joined, Reservation, Reservations
 from kvtier.controller.records import Flights, InFlight, Span
+from kvtier.controller.staging import Staging
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
@@ -53,12 +56,18 @@ class Backups(Flights):
         self.reserved = Reservations(host)
         self._forwards: dict[int, Reservation] = {}
         """Reservations of forwards still running, by ``id`` of their copy."""
+        self.staging: Staging | None = None
+        """The staging rules of ``host_mode='buffer_only'`` (``None``: the host tier caches)."""
         super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
     def to_host(self, nodes: list[Node]) -> InFlight | None:
         """Start one batched copy giving ``nodes`` host copies (skipping those that have one
-        or are getting one); ``None`` when nothing was started."""
+        or are getting one); ``None`` when nothing was started. With ``staging`` the nodes
+        queue and the chunks the host pool has room for start now."""
+        if self.staging is not None:
+            self.staging.enqueue(nodes)
+            return self._copy(self.staging.chunks())
         spans: list[Span] = []
         made: list[InFlight] = []
         for node in nodes:
@@ -91,8 +100,13 @@ class Backups(Flights):
             self.tree.begin_io(node, "device")
             spans.append(Span(node, pages))
         self.flights += made
+        return self._copy(spans) or (made[-1] if made else None)
+
+    def _copy(self, spans: list[Span]) -> InFlight | None:
+        """Start one batched copy of the device copies of ``spans``' nodes into their parts
+        (host pages); the nodes' device copies must be pinned for it already."""
         if not spans:
-            return made[-1] if made else None
+            return None
         dev = torch.cat([sp.node.device for sp in spans])  # type: ignore[misc]
         host = torch.cat([sp.part for sp in spans])  # type: ignore[misc]
         flight = InFlight(self.mover.device_to_host(dev, host), spans, "device")
@@ -100,8 +114,22 @@ class Backups(Flights):
         return flight
 
     def wait(self) -> None:
+        """Block until every copy in flight completed; with ``staging``, until every queued
+        backup is stored (or dropped), or nothing in flight can free the host pages the queue
+        waits for (pages that requests or fetches hold: the queue moves once they let go)."""
         super().wait()
         self.reserved.wait()
+        while self.staging is not None:
+            self._copy(self.staging.chunks())  # room freed since the last poll (an unlock)
+            if not (self.flights or self._writing()):
+                break
+            super().wait()
+            if self.io is not None:
+                self.io.wait_all()
+            self.poll()
+
+    def _writing(self) -> bool:
+        return self.io is not None and bool(self.io.pinned())
 
     # ---- per-layer backups --------------------------------------------------------------
     def reserve(self, device: torch.Tensor) -> Layered | None:
@@ -148,6 +176,16 @@ class Backups(Flights):
         self.metrics.inc("backup_bytes", pages * self.host.page_bytes)
         self.metrics.inc("backup_seconds", time.perf_counter() - flight.started)
         self.to_storage(stored)
+        if self.staging is not None:  # freed once written (or at once if already stored)
+            for node in stored:
+                self.staging.mark(node)
+
+    def loaded(self, nodes: list[Node]) -> None:
+        """Loads of ``nodes``' host copies completed: with ``staging`` the copies are freed
+        and the room goes to queued backups."""
+        if self.staging is not None:
+            self.staging.loaded(nodes)
+            self._copy(self.staging.chunks())
 
     def _host_flags(self, node: Node) -> torch.Tensor | None:
         """A window pool's host copy holds the window rows its device pages had (the copy
@@ -204,10 +242,18 @@ class Backups(Flights):
             self.tree.end_io(sp.node, "host")
             if stored:
                 self.tree.set_in_storage(sp.node, True)
+            if self.staging is not None:
+                self.staging.written(sp.node, stored)
+        if self.staging is not None:  # freed host pages take the next queued chunks
+            self.staging.release_idle()
+            self._copy(self.staging.chunks())
         lost = self.io.reap_touches()
         for node in lost:
             self.tree.set_in_storage(node, False)
         self.to_storage(lost)
+        if self.staging is not None:  # gone from storage and no host copy: back up again
+            self.staging.enqueue(lost)
+            self._copy(self.staging.chunks())
         self.io.flush_touches()
 
     def inflight_host_pages(self) -> int:
@@ -216,13 +262,18 @@ class Backups(Flights):
         return n + self.reserved.host_pages()
 
     def pinned(self) -> list[tuple[Node, str]]:
-        """``(node, tier)`` once for every pin in-flight backups and writes hold."""
+        """``(node, tier)`` once for every pin in-flight backups, writes and queued backups
+        hold."""
         out = super().pinned()
+        if self.staging is not None:
+            out += self.staging.pinned()
         if self.io is not None:
             out += [(sp.node, "host") for sp in self.io.pinned()]
         return out
 
     def check_integrity(self) -> None:
+        if self.staging is not None:
+            self.staging.check_integrity()
         for f in self.flights:
             for sp in f.spans:
                 if sp.part is None or sp.node.device is None:

@@ -25,6 +25,7 @@ from kvtier.controller.backup import Backups
 from kvtier.controller.load import Loads
 from kvtier.controller.policy import make_policy
 from kvtier.controller.prefetch import Prefetcher
+from kvtier.controller.staging import Staging
 from kvtier.controller.storage_io import StorageIO
 from kvtier.controller.window_backup import WindowBackups
 from kvtier.errors import ConfigError, IntegrityError
@@ -104,6 +105,11 @@ class Controller:
                 tree, device_pool, self.mover, window, self.backups.rewrite, metrics, self.group
             )
         self.policy = make_policy(config, self.backups)
+        self.staging: Staging | None = None
+        if config.host_mode == "buffer_only" and host_pool is not None and self.backups is not None:
+            self.staging = Staging(tree, host_pool, self.alloc_host_like, self.evict_host)
+            self.backups.staging = self.staging
+            self.loads.on_loaded = self.backups.loaded
         self.io: StorageIO | None = None
         self.prefetcher: Prefetcher | None = None
         if storage is not None:
@@ -133,6 +139,7 @@ class Controller:
             self.metrics,
             self.seq_owners,
             self.group,
+            self.staging,
         )
 
     @property

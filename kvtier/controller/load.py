@@ -41,6 +41,9 @@ class Loads(Flights):
         self.mover = mover
         self._alloc_device = alloc_device
         self.metrics = metrics
+        self.on_loaded: Callable[[list[Node]], None] | None = None
+        """Told of the nodes whose load completed (``host_mode='buffer_only'`` frees their
+        host copies, ``kvtier.controller.staging``)."""
         super().__init__(group)
 
     def load(self, path: list[Node], overlap: bool = False) -> tuple[int, list | None]:
@@ -111,3 +114,5 @@ class Loads(Flights):
                 self.tree.end_io(sp.node, "host")
             self.metrics.inc("load_bytes", flight.op.nbytes)
             self.metrics.inc("load_seconds", time.perf_counter() - flight.started)
+            if self.on_loaded is not None:
+                self.on_loaded([sp.node for sp in flight.spans])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import CacheConfig
+from kvtier.controller.staging import Staging
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey
@@ -98,9 +99,12 @@ class Prefetcher:
         metrics: Metrics,
         owners: Callable[[int, int], list[int] | None] = lambda first, n: None,
         group: Group | None = None,
+        staging: Staging | None = None,
     ) -> None:
         """``alloc_host(first, n)`` allocates host pages for sequence pages ``[first, first +
-        n)`` (each on its owner's lane under CP, ``owners(first, n)``), evicting if needed."""
+        n)`` (each on its owner's lane under CP, ``owners(first, n)``), evicting if needed.
+        With ``staging`` (``host_mode='buffer_only'``) a fetch takes only what it admits."""
+        self.staging = staging
         self.config = config
         self.tree = tree
         self.host = host
@@ -136,6 +140,9 @@ class Prefetcher:
         else:  # locked before allocating: host eviction must not take the matched prefix
             anchor = self.tree.lock(match)
         first = len(prefix) // ps
+        if self.staging is not None:  # the shorter-prefix fallback: what the buffer can stage
+            n = self.staging.admit(len(keys))
+            keys, tokens = keys[:n], tokens[: n * ps]
         pages = self._alloc_host(first, len(keys)) if keys else torch.empty(0, dtype=torch.int64)
         if pages is None:
             # Eviction already ran: take the leading pages whose lanes have room.
