@@ -29,6 +29,9 @@ class SWAConfig(ConfigBase):
     """A GQA decoder mixing sliding-window and full-attention layers."""
 
     family: ClassVar[str] = "swa"
+    # Where the rows live is the cache namespace's business (its component set names the
+    # window pool); the rows themselves are the same either way.
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "window_pool"})
 
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
