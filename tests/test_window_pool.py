@@ -165,3 +165,22 @@ def test_preempted_requests_back_up_and_resume_through_the_window_pool() -> None
     assert sum(o.preemptions for o in outs) > 0
     assert llm.stats()["host_backup_pages"] > 0
     llm.close()
+
+
+def test_buffer_only_host_smaller_than_a_request(tmp_path: Path) -> None:
+    base = tokens(300, seed=1)
+    prompts = [base[:200], base[:120] + [5, 6], base, base[:250] + [9]]
+    expected = cold(prompts)
+    opts = dict(storage=str(tmp_path / "l3"), host_mode="buffer_only", host_pages=4)
+    llm = make(**opts)
+    for _ in range(2):
+        same([llm.generate([p], GREEDY)[0] for p in prompts], expected)
+    llm.cache.drain()
+    assert llm.stats()["host_pages_used"] == 0
+    llm.close()
+    fresh = make(**opts)
+    restored = [fresh.generate([p], GREEDY)[0] for p in prompts]
+    same(restored, expected)
+    # the host stages 4 pages: storage serves the first 64 tokens of the base
+    assert [o.cached_storage for o in restored] == [0, 0, 64, 0]
+    fresh.close()
