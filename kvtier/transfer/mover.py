@@ -21,14 +21,20 @@ import torch
 
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.paging import check_whole_pages, pages_to_locs
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows, PageLists, queue_all
+from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists, queue_all
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
-from kvtier.transfer.translate import MECHANISMS, IdentityTranslator, PageTranslator
+from kvtier.transfer.translate import (
+    MECHANISMS,
+    ArenaTranslator,
+    IdentityTranslator,
+    PageTranslator,
+)
 
 if TYPE_CHECKING:
     from kvtier.transfer.layers import Layered
@@ -44,11 +50,19 @@ class Mover:
     Page lists passed in are logical; ``translator`` maps them to the pools' physical pages
     (both sides, once per batch, before any mechanism sees them). ``mechanism`` is one of
     ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``.
+
+    A :class:`~kvtier.pools.arena.UnifiedPool` is translated per component (its
+    ``ArenaTranslator``, the default for it): each component copies only the pages holding an
+    envelope of it (a page without a window envelope keeps its host window rows untouched).
+    Every op on it leases its logical device pages once validated, so compaction cannot move
+    them while bytes are in flight, and releases them once: when its copy completed
+    (``op.complete()``; on CPU, where the copy is synchronous, when the call returns) or when
+    queueing it failed. Per-layer loads and backups are refused for it (``IntegrityError``).
     """
 
     def __init__(
         self,
-        device_pool: DevicePool,
+        device_pool: DevicePool | UnifiedPool,
         host_pool: HostPool,
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
@@ -58,6 +72,15 @@ class Mover:
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
+        self.arena = device_pool if isinstance(device_pool, UnifiedPool) else None
+        """The unified pool when the device pool is one (ops lease its pages)."""
+        if self.arena is not None and translator is None:
+            translator = ArenaTranslator(self.arena)
+        if self.arena is not None and not isinstance(translator, ArenaTranslator):
+            raise ConfigError(
+                f"translator={type(translator).__name__}: a unified device pool needs its "
+                "ArenaTranslator (pass translator=None)"
+            )
         self.translator = translator or IdentityTranslator()
         self.mechanism = mechanism or "auto"
         if self.mechanism not in MECHANISMS:
@@ -101,9 +124,10 @@ class Mover:
         device_pages: torch.Tensor,
         host_pages: torch.Tensor,
         copy: bool = True,
-    ) -> tuple[PageLists, TransferOp]:
-        """The page lists (physical host and device pages, on the CPU) and the op; on CPU the
-        copy is done here (unless ``copy`` is off) and the op is born done."""
+    ) -> tuple[dict[str, PageLists], TransferOp]:
+        """The page lists per component (physical host and device pages, on the CPU; one
+        object shared by every component unless the pool is a unified arena) and the op; on
+        CPU the copy is done here (unless ``copy`` is off) and the op is born done."""
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
@@ -121,14 +145,23 @@ class Mover:
             owned = owned.reshape(-1).cpu()
             device_pages = device_pages.reshape(-1).cpu()[owned]
             host_pages = host_pages.reshape(-1).cpu()[owned]
-        phys = self.translator.device_physical(device_pages).cpu().long()
-        pages = PageLists(self.translator.host_physical(host_pages).cpu().long(), phys)
-        op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
-        if not self.cuda and copy:
-            for name, r in self.rows.items():
-                r.cpu(direction, pages)
-                op.paths[name] = "cpu"
-        return pages, op
+        host = self.translator.host_physical(host_pages).cpu().long()
+        if self.arena is None:
+            phys = self.translator.device_physical(device_pages).cpu().long()
+            lists = dict.fromkeys(self.rows, PageLists(host, phys))
+            op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
+        else:
+            lists, op = envelope_lists(self.arena, direction, device_pages, host)
+        try:
+            if not self.cuda and copy:
+                for name, r in self.rows.items():
+                    if lists[name].device.numel() or self.arena is None:
+                        r.cpu(direction, lists[name])
+                    op.paths[name] = "cpu"
+        finally:
+            if not self.cuda:
+                op.release()  # the copy is synchronous: nothing stays in flight
+        return lists, op
 
     def layered_backup(
         self, device_pages: torch.Tensor, host_pages: torch.Tensor
@@ -138,10 +171,12 @@ class Mover:
         kernel needs the pinned pool's device view): back up at insertion instead."""
         from kvtier.transfer.layers import Layered
 
+        if self.arena is not None:
+            raise IntegrityError("per-layer backups are not supported for a unified device pool")
         if self.cuda and not self.pinned:
             return None
-        pages, op = self._begin("d2h", device_pages, host_pages, copy=False)
-        return Layered(self, pages, op)
+        lists, op = self._begin("d2h", device_pages, host_pages, copy=False)
+        return Layered(self, lists[self.dev.specs[0].name], op)
 
     def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
         """Copy device pages into host pages (a backup). The host copy is valid once done.
@@ -153,16 +188,21 @@ class Mover:
         """
         pages, op = self._begin("d2h", device_pages, host_pages)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
+            op.release()
             return op
-        start = torch.cuda.Event()
-        start.record(torch.cuda.current_stream(self.dev.device))
-        chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
-        chunks = self._backup(pages, op, start, chunk)
-        if self.pacer is not None:
-            self.pacer.submit(op, chunks)
-        else:
-            with self._on_backup_stream():
-                queue_all(chunks)
+        try:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self.dev.device))
+            chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
+            chunks = self._backup(pages, op, start, chunk)
+            if self.pacer is not None:
+                self.pacer.submit(op, chunks)
+            else:
+                with self._on_backup_stream():
+                    queue_all(chunks)
+        except BaseException:
+            op.release()
+            raise
         return op
 
     def pump(self) -> None:
@@ -180,7 +220,7 @@ class Mover:
         return _TimingMark(self.backup_stream)
 
     def _backup(
-        self, pages: PageLists, op: TransferOp, start: torch.cuda.Event, chunk: int
+        self, pages: dict[str, PageLists], op: TransferOp, start: torch.cuda.Event, chunk: int
     ) -> Iterator[int]:
         """A backup's chunks (see ``kvtier.transfer.pacer``), on the backup stream after
         ``start``; the last resumption records ``op.event``."""
@@ -188,7 +228,9 @@ class Mover:
         stream.wait_event(start)
         finals: list[Callable[[], None]] = []
         for name, r in self.rows.items():
-            final = yield from self._component(name, r, "d2h", pages, stream, op, chunk)
+            if not pages[name].device.numel():
+                continue  # no page of the batch holds this (window) component
+            final = yield from self._component(name, r, "d2h", pages[name], stream, op, chunk)
             if final is not None:
                 finals.append(final)
         op.event = torch.cuda.Event()
@@ -217,9 +259,20 @@ class Mover:
         copied layer by layer, after every other component, and ``op.layer_events[i]`` marks
         anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
+        if overlap and self.arena is not None:
+            raise IntegrityError("per-layer loads are not supported for a unified device pool")
         pages, op = self._begin("h2d", device_pages, host_pages)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
+            op.release()
             return op
+        try:
+            self._load(pages, op, overlap)
+        except BaseException:
+            op.release()
+            raise
+        return op
+
+    def _load(self, pages: dict[str, PageLists], op: TransferOp, overlap: bool) -> None:
         stream = self._stream(self.load_stream)
         overlap = overlap and self.pinned
         anchor = self.dev.specs[0].name
@@ -228,16 +281,17 @@ class Mover:
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
                 for name, r in self.rows.items():
-                    if not (overlap and name == anchor):
-                        queue_all(self._component(name, r, "h2d", pages, stream, op))
+                    if not (overlap and name == anchor) and pages[name].device.numel():
+                        queue_all(self._component(name, r, "h2d", pages[name], stream, op))
                 if overlap:
-                    op.layer_events = self._load_layers(self.rows[anchor], pages, stream, op)
+                    op.layer_events = self._load_layers(
+                        self.rows[anchor], pages[anchor], stream, op
+                    )
                     op.paths[anchor] += " per layer"
                 op.event = torch.cuda.Event()
                 op.event.record(stream)
             if not overlap:
                 compute.wait_event(op.event)
-        return op
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         if stream is None:
