@@ -274,3 +274,37 @@ def contents_of(pool: UnifiedPool, page: int) -> dict[str, torch.Tensor]:
         for s in pool.specs
         if int(pool.physical(t(page), s.name)) >= 0
     }
+
+
+def test_move_window_hands_envelopes_over_without_copying():
+    pool = make(4)
+    a = pool.alloc_pages(3)  # kv 0, 5, 10; swa 3, 8, 13
+    pool.release_window(t(0, 2))
+    rows = pool.component_words("swa", t(1))
+    pool.move_window(t(1), t(2))
+    assert bases(pool, a) == ([0, 5, 10], [-1, -1, 8])
+    assert torch.equal(pool.component_words("swa", t(2)), rows)
+    assert (pool.window_pages, pool.units_used, pool.bytes_total) == (1, 11, 20 * 64)
+    with pytest.raises(IntegrityError, match="move_window: source page 1 has no window"):
+        pool.move_window(t(1), t(0))
+    with pytest.raises(IntegrityError, match="a page on both sides"):
+        pool.move_window(t(2), t(2))
+    b = pool.alloc_pages(1)  # page 3: kv 13 (over the released window), swa 3
+    assert bases(pool, b) == ([13], [3])
+    with pytest.raises(IntegrityError, match="move_window: page 2 already has one"):
+        pool.move_window(b, t(2))
+    pool.free_pages(b)
+    pool.lease(t(0))
+    with pytest.raises(IntegrityError, match="move_window: page 0 is leased"):
+        pool.move_window(t(2), t(0))
+    pool.unlease(t(0))
+    pool.move_window(t(2), t(0))
+    assert bases(pool, a) == ([0, 5, 10], [8, -1, -1])
+    pool.check_integrity()
+
+
+def test_compaction_counters():
+    pool = fragmented("off")
+    assert (pool.compactions, pool.relocated) == (0, 0)
+    assert pool.compact() == 6 and pool.compact() == 0
+    assert (pool.compactions, pool.relocated) == (1, 5)  # pages 1-5; page 5 moved two

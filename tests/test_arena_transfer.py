@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kvtier.errors import ConfigError, IntegrityError
-from kvtier.pools import HostPool, PoolSpec, UnifiedPool
+from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.pools import DevicePool, HostPool, PoolSpec, UnifiedPool
 from kvtier.transfer import Mover, PermutationTranslator
 from kvtier.transfer.component import ComponentRows
 
@@ -219,3 +219,42 @@ def test_per_layer_paths_and_foreign_translators_are_refused():
     with pytest.raises(ConfigError, match="translator=PermutationTranslator: a unified"):
         Mover(dev, host, translator=PermutationTranslator())
     assert dev.leased_pages == 0
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_copy_of_some_components_leaves_the_others_alone(mechanism):
+    dev, host = pools(4, "layer_first")
+    mover = Mover(dev, host, mechanism=mechanism)
+    a = dev.alloc_pages(2)
+    dev.release_window(a[1:])
+    kv_host = [host_rows(host, "kv", h) for h in (3, 4)]
+    op = mover.device_to_host(a, t(3, 4), components=("swa",))
+    finish(op)
+    assert op.nbytes == 3 * dev.unit_bytes and set(op.paths) == {"swa"}
+    assert torch.equal(host_rows(host, "swa", 3), dev_rows(dev, "swa", 0))
+    for h, data in zip((3, 4), kv_host, strict=True):
+        assert torch.equal(host_rows(host, "kv", h), data)
+    swa_dev = dev_rows(dev, "swa", 0)
+    finish(mover.host_to_device(t(5, 6), a, components=["kv"]))
+    assert torch.equal(dev_rows(dev, "kv", 1), host_rows(host, "kv", 6))
+    assert torch.equal(dev_rows(dev, "swa", 0), swa_dev)
+    with pytest.raises(RequestError, match=r"components \['idx'\]: the pools hold kv, swa"):
+        mover.device_to_host(a, t(3, 4), components=("idx",))
+    assert dev.leased_pages == 0
+
+
+def test_ordinary_pools_copy_some_components_too():
+    specs = [
+        PoolSpec("kv", 2, (2, 1, 4), torch.float32),
+        PoolSpec("idx", 2, (4,), torch.float32, kind="sidecar"),
+    ]
+    dev = DevicePool(specs, 4, 2, torch.device(DEVICE))
+    host = HostPool(specs, 4, 2, "page_first", pin=CUDA)
+    for buf in [*dev.buffers.values(), *host.buffers.values()]:
+        randomise(buf, buf.numel())
+    before = host.page_bytes_view("kv")[:, 1].clone()
+    op = Mover(dev, host).device_to_host(t(2), t(1), components=("idx",))
+    finish(op)
+    assert op.nbytes == specs[1].page_bytes(2)
+    assert torch.equal(host.page_bytes_view("idx")[:, 1], dev.page_bytes_view("idx")[:, 2].cpu())
+    assert torch.equal(host.page_bytes_view("kv")[:, 1], before)

@@ -25,7 +25,7 @@ import torch
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.paging import pages_to_locs
 from kvtier.pools import envelopes as env
-from kvtier.pools.arena_alloc import ArenaAllocator
+from kvtier.pools.arena_alloc import ArenaAllocator, check_arena
 from kvtier.pools.spec import PoolSpec, validate_pool_set
 from kvtier.types import Tier
 
@@ -101,6 +101,10 @@ class UnifiedPool:
         self._alive = torch.zeros(self.logical_pages, dtype=torch.bool)
         self._leases = torch.zeros(self.logical_pages, dtype=torch.int64)
         self._free: deque[int] = deque(range(self.logical_pages))
+        self.compactions = 0
+        """Compactions that moved at least one envelope."""
+        self.relocated = 0
+        """Pages moved by compactions, counted once per compaction that moved any of theirs."""
         self.allocator = ArenaAllocator(self)
 
     # ---- views ---------------------------------------------------------------------------
@@ -240,6 +244,30 @@ class UnifiedPool:
                 env.drop(self._units, b, self.sizes[c])
             self._table[c, flat] = -1
 
+    def move_window(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Hand the window envelopes of pages ``src`` to pages ``dst`` (pairwise; no bytes
+        move: ``dst`` then reads the rows ``src`` had). Every ``src`` page must have them,
+        no ``dst`` page may, none may be leased; the batch is validated first
+        (``IntegrityError`` naming the page)."""
+        a = self._check(src, "move_window", unique=True)
+        b = self._check(dst, "move_window", unique=True)
+        if a.numel() != b.numel() or bool(torch.isin(a, b).any()):
+            raise IntegrityError(
+                f"move_window: {a.numel()} source pages for {b.numel()} destinations, or a page "
+                "on both sides"
+            )
+        self._unleased(torch.cat([a, b]), "move_window")
+        has_a, has_b = self.has_window(a), self.has_window(b)
+        if not bool(has_a.all()) or not any(self.windowed):
+            p = int(a[~has_a][0]) if a.numel() else -1
+            raise IntegrityError(f"move_window: source page {p} has no window envelope")
+        if bool(has_b.any()):
+            raise IntegrityError(f"move_window: page {int(b[has_b][0])} already has one")
+        for c, w in enumerate(self.windowed):
+            if w:
+                self._table[c, b] = self._table[c, a]
+                self._table[c, a] = -1
+
     # ---- leases and compaction -----------------------------------------------------------
     def lease(self, pages: torch.Tensor) -> None:
         """Hold ``pages``' envelopes still (counted per page) until :meth:`unlease`."""
@@ -286,6 +314,8 @@ class UnifiedPool:
         for m in moves:
             env.take(self._units, m.new, m.size)
             self._table[m.component, m.page] = m.new
+        self.compactions += 1
+        self.relocated += len({m.page for m in moves})
 
     def _envelopes(self) -> list[env.Envelope]:
         comp, page = torch.nonzero(self._table >= 0, as_tuple=True)
@@ -308,6 +338,19 @@ class UnifiedPool:
     @property
     def bytes_used(self) -> int:
         return self.units_used * self.unit_bytes
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of the arena (those of a ``DevicePool`` of ``num_pages`` physical pages)."""
+        return self.units * self.unit_bytes
+
+    @property
+    def window_pages(self) -> int:
+        """Allocated pages holding their window envelopes now."""
+        if not any(self.windowed):
+            return 0
+        held = [self._table[c] >= 0 for c, w in enumerate(self.windowed) if w]
+        return int(torch.stack(held).all(0).sum())
 
     @property
     def free_ids(self) -> int:
@@ -339,28 +382,4 @@ class UnifiedPool:
     def check_integrity(self) -> None:
         """Free + used ids and units add up, envelopes do not overlap, leases are >= 0 and
         only on allocated pages, every allocated page has every non-window envelope."""
-        alive = int(self._alive.sum())
-        free = list(self._free)
-        if len(set(free)) != len(free) or alive + len(free) != self.logical_pages:
-            raise IntegrityError(
-                f"unified pool: {alive} allocated + {len(free)} free ids != {self.logical_pages}"
-            )
-        if free and bool(self._alive[torch.tensor(free)].any()):
-            raise IntegrityError("unified pool: a free id is marked allocated")
-        if bool((self._leases < 0).any()) or bool((self._leases[~self._alive] != 0).any()):
-            raise IntegrityError("unified pool: negative lease or lease on a free page")
-        live = self._table[:, self._alive]
-        if live.numel() and bool((live[[not w for w in self.windowed]] < 0).any()):
-            raise IntegrityError("unified pool: an allocated page lacks a non-window envelope")
-        if bool((self._table[:, ~self._alive] >= 0).any()):
-            raise IntegrityError("unified pool: a free page still has an envelope")
-        seen = bytearray(self.units)
-        for e in self._envelopes():
-            if e.base < 0 or e.base + e.size > self.units or any(seen[e.base : e.base + e.size]):
-                raise IntegrityError(
-                    f"unified pool: envelope of page {e.page} ({self.specs[e.component].name}) "
-                    f"at unit {e.base} overlaps another or leaves the arena"
-                )
-            env.take(seen, e.base, e.size)
-        if seen != self._units:
-            raise IntegrityError("unified pool: the unit map disagrees with the envelope table")
+        check_arena(self)

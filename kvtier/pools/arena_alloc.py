@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import IntegrityError
+from kvtier.pools import envelopes as env
 
 if TYPE_CHECKING:
     from kvtier.pools.arena import UnifiedPool
@@ -77,3 +78,33 @@ class ArenaAllocator:
     def _lane(self, lane: int) -> None:
         if lane != 0:
             raise IntegrityError(f"{self.name}: owner {lane} outside 1 lane (unified pool)")
+
+
+def check_arena(pool: UnifiedPool) -> None:
+    """Free + used ids and units add up, envelopes do not overlap, leases are >= 0 and
+    only on allocated pages, every allocated page has every non-window envelope."""
+    alive = int(pool._alive.sum())
+    free = list(pool._free)
+    if len(set(free)) != len(free) or alive + len(free) != pool.logical_pages:
+        raise IntegrityError(
+            f"unified pool: {alive} allocated + {len(free)} free ids != {pool.logical_pages}"
+        )
+    if free and bool(pool._alive[torch.tensor(free)].any()):
+        raise IntegrityError("unified pool: a free id is marked allocated")
+    if bool((pool._leases < 0).any()) or bool((pool._leases[~pool._alive] != 0).any()):
+        raise IntegrityError("unified pool: negative lease or lease on a free page")
+    live = pool._table[:, pool._alive]
+    if live.numel() and bool((live[[not w for w in pool.windowed]] < 0).any()):
+        raise IntegrityError("unified pool: an allocated page lacks a non-window envelope")
+    if bool((pool._table[:, ~pool._alive] >= 0).any()):
+        raise IntegrityError("unified pool: a free page still has an envelope")
+    seen = bytearray(pool.units)
+    for e in pool._envelopes():
+        if e.base < 0 or e.base + e.size > pool.units or any(seen[e.base : e.base + e.size]):
+            raise IntegrityError(
+                f"unified pool: envelope of page {e.page} ({pool.specs[e.component].name}) "
+                f"at unit {e.base} overlaps another or leaves the arena"
+            )
+        env.take(seen, e.base, e.size)
+    if seen != pool._units:
+        raise IntegrityError("unified pool: the unit map disagrees with the envelope table")

@@ -7,7 +7,7 @@ CUDA stream (or the streams passed in) and never waits for the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -259,15 +259,22 @@ class ComponentRows:
 
 
 def envelope_lists(
-    arena: UnifiedPool, direction: str, device_pages: torch.Tensor, host: torch.Tensor
+    arena: UnifiedPool,
+    direction: str,
+    device_pages: torch.Tensor,
+    host: torch.Tensor,
+    names: Sequence[str],
 ) -> tuple[dict[str, PageLists], TransferOp]:
-    """Each component's page lists of a transfer of logical ``device_pages`` of ``arena``
-    (base units; only the pages with an envelope of the component, the matching physical
-    ``host`` pages) and its op, which leases ``device_pages`` until ``op.release()``."""
+    """The page lists of components ``names`` for a transfer of logical ``device_pages`` of
+    ``arena`` (base units; only the pages with an envelope of the component, the matching
+    physical ``host`` pages) and its op, which leases ``device_pages`` until
+    ``op.release()``."""
     logical = device_pages.reshape(-1).cpu().long()
     lists: dict[str, PageLists] = {}
     nbytes = 0
     for s in arena.specs:
+        if s.name not in names:
+            continue
         phys = arena.physical(logical, s.name)
         have = phys >= 0
         every = bool(have.all())

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
@@ -27,7 +27,7 @@ from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
 from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists, queue_all
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.pacer import Pacer
+from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
 from kvtier.transfer.translate import (
     MECHANISMS,
@@ -124,10 +124,13 @@ class Mover:
         device_pages: torch.Tensor,
         host_pages: torch.Tensor,
         copy: bool = True,
+        components: Sequence[str] | None = None,
     ) -> tuple[dict[str, PageLists], TransferOp]:
-        """The page lists per component (physical host and device pages, on the CPU; one
-        object shared by every component unless the pool is a unified arena) and the op; on
-        CPU the copy is done here (unless ``copy`` is off) and the op is born done."""
+        """The page lists of each component copied (``components``, default all; physical host
+        and device pages, on the CPU; one object shared by every component unless the pool is
+        a unified arena) and the op; on CPU the copy is done here (unless ``copy`` is off) and
+        the op is born done."""
+        names = self._names(components)
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
@@ -148,15 +151,18 @@ class Mover:
         host = self.translator.host_physical(host_pages).cpu().long()
         if self.arena is None:
             phys = self.translator.device_physical(device_pages).cpu().long()
-            lists = dict.fromkeys(self.rows, PageLists(host, phys))
-            op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
+            lists = dict.fromkeys(names, PageLists(host, phys))
+            nbytes = sum(
+                s.page_bytes(self.dev.page_size) for s in self.dev.specs if s.name in lists
+            )
+            op = TransferOp(direction, phys.numel(), phys.numel() * nbytes)
         else:
-            lists, op = envelope_lists(self.arena, direction, device_pages, host)
+            lists, op = envelope_lists(self.arena, direction, device_pages, host, names)
         try:
             if not self.cuda and copy:
-                for name, r in self.rows.items():
-                    if lists[name].device.numel() or self.arena is None:
-                        r.cpu(direction, lists[name])
+                for name, pages in lists.items():
+                    if pages.device.numel() or self.arena is None:
+                        self.rows[name].cpu(direction, pages)
                     op.paths[name] = "cpu"
         finally:
             if not self.cuda:
@@ -178,15 +184,31 @@ class Mover:
         lists, op = self._begin("d2h", device_pages, host_pages, copy=False)
         return Layered(self, lists[self.dev.specs[0].name], op)
 
-    def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
-        """Copy device pages into host pages (a backup). The host copy is valid once done.
+    def _names(self, components: Sequence[str] | None) -> list[str]:
+        """Components a copy moves, in pool order; an unknown name raises ``RequestError``."""
+        if components is None:
+            return list(self.rows)
+        unknown = [c for c in components if c not in self.rows]
+        if unknown:
+            held = ", ".join(self.rows)
+            raise RequestError(f"transfer of components {unknown}: the pools hold {held}")
+        return [n for n in self.rows if n in components]
+
+    def device_to_host(
+        self,
+        device_pages: torch.Tensor,
+        host_pages: torch.Tensor,
+        components: Sequence[str] | None = None,
+    ) -> TransferOp:
+        """Copy device pages into host pages (a backup) of ``components`` (default all; the
+        host rows of the others stay untouched). The host copy is valid once done.
 
         On CUDA the copies follow the work already queued on the caller's stream (the data's
         writer); the device pages must stay unchanged until the op is done. With a :attr:`pacer`
         the copies are queued chunk by chunk at later :meth:`pump` calls (``op.wait()`` queues
         the rest at once); else this call queues them all.
         """
-        pages, op = self._begin("d2h", device_pages, host_pages)
+        pages, op = self._begin("d2h", device_pages, host_pages, components=components)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
             op.release()
             return op
@@ -216,8 +238,8 @@ class Mover:
         ctx.enter_context(torch.cuda.stream(self.backup_stream))
         return ctx
 
-    def _mark(self) -> _TimingMark:
-        return _TimingMark(self.backup_stream)
+    def _mark(self) -> EventMark:
+        return EventMark(self.backup_stream)
 
     def _backup(
         self, pages: dict[str, PageLists], op: TransferOp, start: torch.cuda.Event, chunk: int
@@ -227,10 +249,12 @@ class Mover:
         stream = self._stream(self.backup_stream)
         stream.wait_event(start)
         finals: list[Callable[[], None]] = []
-        for name, r in self.rows.items():
-            if not pages[name].device.numel():
+        for name, part in pages.items():
+            if not part.device.numel():
                 continue  # no page of the batch holds this (window) component
-            final = yield from self._component(name, r, "d2h", pages[name], stream, op, chunk)
+            final = yield from self._component(
+                name, self.rows[name], "d2h", part, stream, op, chunk
+            )
             if final is not None:
                 finals.append(final)
         op.event = torch.cuda.Event()
@@ -249,9 +273,13 @@ class Mover:
             self.pacer.flush()
 
     def host_to_device(
-        self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
+        self,
+        host_pages: torch.Tensor,
+        device_pages: torch.Tensor,
+        overlap: bool = False,
+        components: Sequence[str] | None = None,
     ) -> TransferOp:
-        """Copy host pages into device pages (a load-back).
+        """Copy host pages into device pages (a load-back) of ``components`` (default all).
 
         On CUDA the compute stream is made to wait for the copy, so kernels issued after this
         call read the loaded pages without the host ever blocking. With ``overlap`` (CUDA with
@@ -261,7 +289,7 @@ class Mover:
         """
         if overlap and self.arena is not None:
             raise IntegrityError("per-layer loads are not supported for a unified device pool")
-        pages, op = self._begin("h2d", device_pages, host_pages)
+        pages, op = self._begin("h2d", device_pages, host_pages, components=components)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
             op.release()
             return op
@@ -280,9 +308,10 @@ class Mover:
             compute = torch.cuda.current_stream(self.dev.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                for name, r in self.rows.items():
-                    if not (overlap and name == anchor) and pages[name].device.numel():
-                        queue_all(self._component(name, r, "h2d", pages[name], stream, op))
+                overlap = overlap and anchor in pages
+                for name, part in pages.items():
+                    if not (overlap and name == anchor) and part.device.numel():
+                        queue_all(self._component(name, self.rows[name], "h2d", part, stream, op))
                 if overlap:
                     op.layer_events = self._load_layers(
                         self.rows[anchor], pages[anchor], stream, op
@@ -364,19 +393,3 @@ class Mover:
             yield from r.kernel(direction, pages, op, chunk)
         op.paths[name] = path
         return None
-
-
-class _TimingMark:
-    """A timing event recorded on ``stream`` (a :class:`kvtier.transfer.pacer.Mark`)."""
-
-    __slots__ = ("event",)
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record(stream)
-
-    def query(self) -> bool:
-        return self.event.query()
-
-    def seconds_to(self, end: _TimingMark) -> float:
-        return self.event.elapsed_time(end.event) / 1e3
