@@ -180,7 +180,7 @@ class CPTranslator:
         self.device_pages = device_pages
         self.host_pages = host_pages
 
-    def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
+    def device_physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return self._physical(pages, self.device_pages, "device")
 
     def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:

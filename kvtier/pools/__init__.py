@@ -1,5 +1,6 @@
 """Memory pools: what a model stores per token (``PoolSpec``), the page allocator, the device
-(L1) pool and the host (L2) pool.
+(L1) pool (per-component buffers, or one relocatable arena: ``UnifiedPool``) and the host (L2)
+pool.
 
 Units. Two different things are called a page, and every pool size counts the second:
 
@@ -26,8 +27,9 @@ So with ``page_size=16`` and a 64-token sidecar, ``device_pages=256`` holds 256 
 """
 
 from kvtier.pools.allocator import PageAllocator
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec
 
-__all__ = ["DevicePool", "HostPool", "PageAllocator", "PoolSpec"]
+__all__ = ["DevicePool", "HostPool", "PageAllocator", "PoolSpec", "UnifiedPool"]

@@ -7,13 +7,14 @@ CUDA stream (or the streams passed in) and never waits for the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import bytes_view
@@ -60,24 +61,37 @@ class ComponentRows:
     mapped: torch.Tensor | None
 
     @classmethod
-    def of(cls, dev: DevicePool, host: HostPool, name: str, mapped: bool) -> ComponentRows:
-        dview = dev.page_bytes_view(name)
-        layers, _, words = dview.shape
+    def of(
+        cls, dev: DevicePool | UnifiedPool, host: HostPool, name: str, mapped: bool
+    ) -> ComponentRows:
+        """Rows of component ``name``; in a unified arena every component reads the same
+        ``[units, words]`` view and a physical page is a base unit (layer stride 1)."""
+        if isinstance(dev, UnifiedPool):
+            flat = dev.unit_words()
+            layers, words = dev.specs[dev.component(name)].num_layers, flat.shape[1]
+            pages, stride = dev.units, 1
+        else:
+            dview = dev.page_bytes_view(name)
+            layers, _, words = dview.shape
+            flat, pages, stride = dview.reshape(-1, words), dev.num_pages, 0
         page_dim = 1 if host.layout == "page_first" else 0
         hbuf = host.buffers[name]
         geo = RowGeometry(
             layers=layers,
-            row_bytes=words * dview.element_size(),
-            device_pages=dev.num_pages,
+            row_bytes=words * flat.element_size(),
+            device_pages=pages,
             host_pages=host.num_pages,
             host_layout=host.layout,
+            device_layer_stride=stride,
         )
         view = None
         if mapped:
             view = bytes_view(map_pinned(hbuf, dev.device), page_dim, host.num_pages)
             view = view.reshape(-1, words)
         hview = bytes_view(hbuf, page_dim, host.num_pages).reshape(-1, words)
-        return cls(geo, dview.reshape(-1, words), hview, view)
+        if hview.dtype != flat.dtype:
+            raise IntegrityError(f"component {name!r}: device and host rows have other words")
+        return cls(geo, flat, hview, view)
 
     def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous copy between CPU tensors."""
@@ -128,9 +142,11 @@ class ComponentRows:
     ) -> Iterator[int]:
         """Copy-engine blocks, one per row (merged where contiguous on both sides). A generator
         of chunks (see :meth:`kernel`): one block list, or lists of about ``chunk`` bytes."""
-        rb = self.geo.row_bytes
-        h = _addresses(self.host, self.geo.host_rows(pages.host, layer), rb)
-        d = _addresses(self.device, self.geo.device_rows(pages.device, layer), rb)
+        rb, geo = self.geo.row_bytes, self.geo
+        # Page-major where a page's layers are contiguous on both sides: they coalesce.
+        major = geo.whole_pages and layer is None
+        h = _addresses(self.host, geo.host_rows(pages.host, layer, major), rb)
+        d = _addresses(self.device, geo.device_rows(pages.device, layer, major), rb)
         sizes = np.full(h.size, rb, dtype=np.uint64)
         dst, src = (h, d) if direction == "d2h" else (d, h)
         dst, src, sizes = dma.coalesce(dst, src, sizes)
@@ -240,6 +256,36 @@ class ComponentRows:
         self.device.index_copy_(0, di, on_dev)
         op.keepalive += [pinned, on_dev, di]
         return None
+
+
+def envelope_lists(
+    arena: UnifiedPool,
+    direction: str,
+    device_pages: torch.Tensor,
+    host: torch.Tensor,
+    names: Sequence[str],
+) -> tuple[dict[str, PageLists], TransferOp]:
+    """The page lists of components ``names`` for a transfer of logical ``device_pages`` of
+    ``arena`` (base units; only the pages with an envelope of the component, the matching
+    physical ``host`` pages) and its op, which leases ``device_pages`` until
+    ``op.release()``."""
+    logical = device_pages.reshape(-1).cpu().long()
+    lists: dict[str, PageLists] = {}
+    nbytes = 0
+    for s in arena.specs:
+        if s.name not in names:
+            continue
+        phys = arena.physical(logical, s.name)
+        have = phys >= 0
+        every = bool(have.all())
+        if s.kind != "window" and not every:
+            raise IntegrityError(f"{direction} transfer: a page has no {s.name!r} envelope")
+        lists[s.name] = PageLists(host, phys) if every else PageLists(host[have], phys[have])
+        nbytes += lists[s.name].device.numel() * s.page_bytes(arena.page_size)
+    op = TransferOp(direction, logical.numel(), nbytes)
+    arena.lease(logical)
+    op.on_release = lambda: arena.unlease(logical)
+    return lists, op
 
 
 def queue_all(chunks: Iterator[int], after: Callable[[], None] | None = None) -> None:

@@ -14,21 +14,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.paging import check_whole_pages, pages_to_locs
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows, PageLists, queue_all
+from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists, queue_all
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.pacer import Pacer
+from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
-from kvtier.transfer.translate import MECHANISMS, IdentityTranslator, PageTranslator
+from kvtier.transfer.translate import (
+    MECHANISMS,
+    ArenaTranslator,
+    IdentityTranslator,
+    PageTranslator,
+)
 
 if TYPE_CHECKING:
     from kvtier.transfer.layers import Layered
@@ -44,11 +50,19 @@ class Mover:
     Page lists passed in are logical; ``translator`` maps them to the pools' physical pages
     (both sides, once per batch, before any mechanism sees them). ``mechanism`` is one of
     ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``.
+
+    A :class:`~kvtier.pools.arena.UnifiedPool` is translated per component (its
+    ``ArenaTranslator``, the default for it): each component copies only the pages holding an
+    envelope of it (a page without a window envelope keeps its host window rows untouched).
+    Every op on it leases its logical device pages once validated, so compaction cannot move
+    them while bytes are in flight, and releases them once: when its copy completed
+    (``op.complete()``; on CPU, where the copy is synchronous, when the call returns) or when
+    queueing it failed. Per-layer loads and backups are refused for it (``IntegrityError``).
     """
 
     def __init__(
         self,
-        device_pool: DevicePool,
+        device_pool: DevicePool | UnifiedPool,
         host_pool: HostPool,
         translator: PageTranslator | None = None,
         debug_checks: bool = False,
@@ -58,6 +72,15 @@ class Mover:
     ) -> None:
         self.dev = device_pool
         self.host = host_pool
+        self.arena = device_pool if isinstance(device_pool, UnifiedPool) else None
+        """The unified pool when the device pool is one (ops lease its pages)."""
+        if self.arena is not None and translator is None:
+            translator = ArenaTranslator(self.arena)
+        if self.arena is not None and not isinstance(translator, ArenaTranslator):
+            raise ConfigError(
+                f"translator={type(translator).__name__}: a unified device pool needs its "
+                "ArenaTranslator (pass translator=None)"
+            )
         self.translator = translator or IdentityTranslator()
         self.mechanism = mechanism or "auto"
         if self.mechanism not in MECHANISMS:
@@ -101,9 +124,13 @@ class Mover:
         device_pages: torch.Tensor,
         host_pages: torch.Tensor,
         copy: bool = True,
-    ) -> tuple[PageLists, TransferOp]:
-        """The page lists (physical host and device pages, on the CPU) and the op; on CPU the
-        copy is done here (unless ``copy`` is off) and the op is born done."""
+        components: Sequence[str] | None = None,
+    ) -> tuple[dict[str, PageLists], TransferOp]:
+        """The page lists of each component copied (``components``, default all; physical host
+        and device pages, on the CPU; one object shared by every component unless the pool is
+        a unified arena) and the op; on CPU the copy is done here (unless ``copy`` is off) and
+        the op is born done."""
+        names = self._names(components)
         if self.debug_checks:
             what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
             check_whole_pages(
@@ -121,14 +148,26 @@ class Mover:
             owned = owned.reshape(-1).cpu()
             device_pages = device_pages.reshape(-1).cpu()[owned]
             host_pages = host_pages.reshape(-1).cpu()[owned]
-        phys = self.translator.device_physical(device_pages).cpu().long()
-        pages = PageLists(self.translator.host_physical(host_pages).cpu().long(), phys)
-        op = TransferOp(direction, phys.numel(), phys.numel() * self.dev.page_bytes)
-        if not self.cuda and copy:
-            for name, r in self.rows.items():
-                r.cpu(direction, pages)
-                op.paths[name] = "cpu"
-        return pages, op
+        host = self.translator.host_physical(host_pages).cpu().long()
+        if self.arena is None:
+            phys = self.translator.device_physical(device_pages).cpu().long()
+            lists = dict.fromkeys(names, PageLists(host, phys))
+            nbytes = sum(
+                s.page_bytes(self.dev.page_size) for s in self.dev.specs if s.name in lists
+            )
+            op = TransferOp(direction, phys.numel(), phys.numel() * nbytes)
+        else:
+            lists, op = envelope_lists(self.arena, direction, device_pages, host, names)
+        try:
+            if not self.cuda and copy:
+                for name, pages in lists.items():
+                    if pages.device.numel() or self.arena is None:
+                        self.rows[name].cpu(direction, pages)
+                    op.paths[name] = "cpu"
+        finally:
+            if not self.cuda:
+                op.release()  # the copy is synchronous: nothing stays in flight
+        return lists, op
 
     def layered_backup(
         self, device_pages: torch.Tensor, host_pages: torch.Tensor
@@ -138,31 +177,54 @@ class Mover:
         kernel needs the pinned pool's device view): back up at insertion instead."""
         from kvtier.transfer.layers import Layered
 
+        if self.arena is not None:
+            raise IntegrityError("per-layer backups are not supported for a unified device pool")
         if self.cuda and not self.pinned:
             return None
-        pages, op = self._begin("d2h", device_pages, host_pages, copy=False)
-        return Layered(self, pages, op)
+        lists, op = self._begin("d2h", device_pages, host_pages, copy=False)
+        return Layered(self, lists[self.dev.specs[0].name], op)
 
-    def device_to_host(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> TransferOp:
-        """Copy device pages into host pages (a backup). The host copy is valid once done.
+    def _names(self, components: Sequence[str] | None) -> list[str]:
+        """Components a copy moves, in pool order; an unknown name raises ``RequestError``."""
+        if components is None:
+            return list(self.rows)
+        unknown = [c for c in components if c not in self.rows]
+        if unknown:
+            held = ", ".join(self.rows)
+            raise RequestError(f"transfer of components {unknown}: the pools hold {held}")
+        return [n for n in self.rows if n in components]
+
+    def device_to_host(
+        self,
+        device_pages: torch.Tensor,
+        host_pages: torch.Tensor,
+        components: Sequence[str] | None = None,
+    ) -> TransferOp:
+        """Copy device pages into host pages (a backup) of ``components`` (default all; the
+        host rows of the others stay untouched). The host copy is valid once done.
 
         On CUDA the copies follow the work already queued on the caller's stream (the data's
         writer); the device pages must stay unchanged until the op is done. With a :attr:`pacer`
         the copies are queued chunk by chunk at later :meth:`pump` calls (``op.wait()`` queues
         the rest at once); else this call queues them all.
         """
-        pages, op = self._begin("d2h", device_pages, host_pages)
+        pages, op = self._begin("d2h", device_pages, host_pages, components=components)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
+            op.release()
             return op
-        start = torch.cuda.Event()
-        start.record(torch.cuda.current_stream(self.dev.device))
-        chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
-        chunks = self._backup(pages, op, start, chunk)
-        if self.pacer is not None:
-            self.pacer.submit(op, chunks)
-        else:
-            with self._on_backup_stream():
-                queue_all(chunks)
+        try:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self.dev.device))
+            chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
+            chunks = self._backup(pages, op, start, chunk)
+            if self.pacer is not None:
+                self.pacer.submit(op, chunks)
+            else:
+                with self._on_backup_stream():
+                    queue_all(chunks)
+        except BaseException:
+            op.release()
+            raise
         return op
 
     def pump(self) -> None:
@@ -176,19 +238,23 @@ class Mover:
         ctx.enter_context(torch.cuda.stream(self.backup_stream))
         return ctx
 
-    def _mark(self) -> _TimingMark:
-        return _TimingMark(self.backup_stream)
+    def _mark(self) -> EventMark:
+        return EventMark(self.backup_stream)
 
     def _backup(
-        self, pages: PageLists, op: TransferOp, start: torch.cuda.Event, chunk: int
+        self, pages: dict[str, PageLists], op: TransferOp, start: torch.cuda.Event, chunk: int
     ) -> Iterator[int]:
         """A backup's chunks (see ``kvtier.transfer.pacer``), on the backup stream after
         ``start``; the last resumption records ``op.event``."""
         stream = self._stream(self.backup_stream)
         stream.wait_event(start)
         finals: list[Callable[[], None]] = []
-        for name, r in self.rows.items():
-            final = yield from self._component(name, r, "d2h", pages, stream, op, chunk)
+        for name, part in pages.items():
+            if not part.device.numel():
+                continue  # no page of the batch holds this (window) component
+            final = yield from self._component(
+                name, self.rows[name], "d2h", part, stream, op, chunk
+            )
             if final is not None:
                 finals.append(final)
         op.event = torch.cuda.Event()
@@ -207,9 +273,13 @@ class Mover:
             self.pacer.flush()
 
     def host_to_device(
-        self, host_pages: torch.Tensor, device_pages: torch.Tensor, overlap: bool = False
+        self,
+        host_pages: torch.Tensor,
+        device_pages: torch.Tensor,
+        overlap: bool = False,
+        components: Sequence[str] | None = None,
     ) -> TransferOp:
-        """Copy host pages into device pages (a load-back).
+        """Copy host pages into device pages (a load-back) of ``components`` (default all).
 
         On CUDA the compute stream is made to wait for the copy, so kernels issued after this
         call read the loaded pages without the host ever blocking. With ``overlap`` (CUDA with
@@ -217,9 +287,20 @@ class Mover:
         copied layer by layer, after every other component, and ``op.layer_events[i]`` marks
         anchor layer ``i`` (and everything before it) as arrived; the caller waits per layer.
         """
-        pages, op = self._begin("h2d", device_pages, host_pages)
+        if overlap and self.arena is not None:
+            raise IntegrityError("per-layer loads are not supported for a unified device pool")
+        pages, op = self._begin("h2d", device_pages, host_pages, components=components)
         if not self.cuda or not op.num_pages:  # nothing of it on this rank: born done
+            op.release()
             return op
+        try:
+            self._load(pages, op, overlap)
+        except BaseException:
+            op.release()
+            raise
+        return op
+
+    def _load(self, pages: dict[str, PageLists], op: TransferOp, overlap: bool) -> None:
         stream = self._stream(self.load_stream)
         overlap = overlap and self.pinned
         anchor = self.dev.specs[0].name
@@ -227,17 +308,19 @@ class Mover:
             compute = torch.cuda.current_stream(self.dev.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                for name, r in self.rows.items():
-                    if not (overlap and name == anchor):
-                        queue_all(self._component(name, r, "h2d", pages, stream, op))
+                overlap = overlap and anchor in pages
+                for name, part in pages.items():
+                    if not (overlap and name == anchor) and part.device.numel():
+                        queue_all(self._component(name, self.rows[name], "h2d", part, stream, op))
                 if overlap:
-                    op.layer_events = self._load_layers(self.rows[anchor], pages, stream, op)
+                    op.layer_events = self._load_layers(
+                        self.rows[anchor], pages[anchor], stream, op
+                    )
                     op.paths[anchor] += " per layer"
                 op.event = torch.cuda.Event()
                 op.event.record(stream)
             if not overlap:
                 compute.wait_event(op.event)
-        return op
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         if stream is None:
@@ -310,19 +393,3 @@ class Mover:
             yield from r.kernel(direction, pages, op, chunk)
         op.paths[name] = path
         return None
-
-
-class _TimingMark:
-    """A timing event recorded on ``stream`` (a :class:`kvtier.transfer.pacer.Mark`)."""
-
-    __slots__ = ("event",)
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record(stream)
-
-    def query(self) -> bool:
-        return self.event.query()
-
-    def seconds_to(self, end: _TimingMark) -> float:
-        return self.event.elapsed_time(end.event) / 1e3

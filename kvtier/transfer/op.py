@@ -29,6 +29,9 @@ class TransferOp:
     ``kvtier.transfer.pacer``): queues them all. ``event`` is valid once it is ``None``."""
     error: BaseException | None = None
     """Why queueing the copies failed (raised by :meth:`done` and :meth:`wait`)."""
+    on_release: Callable[[], None] | None = None
+    """Gives back what the op holds while bytes are in flight (a unified pool's leases on its
+    device pages); run once, by :meth:`release`."""
 
     def done(self) -> bool:
         """True once the copy completed (never blocks)."""
@@ -50,9 +53,24 @@ class TransferOp:
             raise TransferError(f"{self.direction} transfer failed") from self.error
 
     def complete(self) -> None:
-        """Run the host-side finalisation exactly once (call only when ``done()``)."""
+        """Run the host-side finalisation exactly once (call only when ``done()``), then
+        :meth:`release`."""
         if not self.finished:
             self.finished = True
-            if self.finalize is not None:
-                self.finalize()
+            try:
+                if self.finalize is not None:
+                    self.finalize()
+            finally:
+                self.release()
             self.keepalive.clear()
+
+    def release(self) -> None:
+        """Run :attr:`on_release` if it has not run yet (the copy is done or never queued)."""
+        fn, self.on_release = self.on_release, None
+        if fn is not None:
+            fn()
+
+    @property
+    def holds_lease(self) -> bool:
+        """Whether :attr:`on_release` is still to run."""
+        return self.on_release is not None

@@ -33,6 +33,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.transfer.op import TransferOp
 
@@ -188,3 +190,19 @@ class Pacer:
                 raise IntegrityError("pacer job without a pending op or with negative bytes")
         if any(c.nbytes < 0 for c in self._chunks):
             raise IntegrityError("pacer chunk with negative bytes")
+
+
+class EventMark:
+    """A timing event recorded on ``stream`` (a :class:`Mark`)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def seconds_to(self, end: EventMark) -> float:
+        return self.event.elapsed_time(end.event) / 1e3

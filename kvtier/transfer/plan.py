@@ -5,6 +5,7 @@ Row numbers in each pool's flat ``[rows, words]`` view:
 
     pool                      row of (layer l, page p)    neighbours in memory
     device (layer-first)      l * device_pages + p        pages of one layer
+    device (unified arena)    p + l  (p = base unit)      layers of one page (its envelope)
     host page_first           p * layers + l              layers of one page
     host layer_first          l * host_pages + p          pages of one layer
 
@@ -57,6 +58,20 @@ class RowGeometry:
     """Pages of the host pool."""
     host_layout: str
     """``page_first`` or ``layer_first``."""
+    device_layer_stride: int = 0
+    """Device rows from one layer of a page to the next: ``device_pages`` when 0 (the
+    layer-first ``DevicePool``); 1 in a unified arena, whose physical page is a base unit."""
+
+    @property
+    def envelope(self) -> bool:
+        """A page's layers are consecutive device rows (a unified arena's envelope)."""
+        return self.device_layer_stride == 1
+
+    @property
+    def whole_pages(self) -> bool:
+        """All layers of a page are one block on both sides (an envelope, a page-first host):
+        copy-engine blocks are whole pages, listed page-major, and staging would add nothing."""
+        return self.envelope and self.host_layout == "page_first"
 
     def device_rows(
         self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False
@@ -64,7 +79,8 @@ class RowGeometry:
         """Device row numbers of ``pages`` (int64, on the pages' device), layer-major: all pages
         of the first layer, then the next layer's; one layer only when ``layer`` is given;
         ``page_major`` orders them all layers of the first page, then the next page's."""
-        rows = self._layers(layer, pages.device)[:, None] * self.device_pages + pages[None, :]
+        stride = self.device_layer_stride or self.device_pages
+        rows = self._layers(layer, pages.device)[:, None] * stride + pages[None, :]
         return _flat(rows, page_major)
 
     def host_rows(
@@ -82,13 +98,17 @@ class RowGeometry:
         return torch.tensor([layer], dtype=torch.int64, device=device)
 
     def mean_run(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> float:
-        """Mean rows per block when rows contiguous on both sides are merged (one layer)."""
+        """Mean rows per block when rows contiguous on both sides are merged (one layer; for
+        :attr:`whole_pages`, page-major: a page's layers then are one block)."""
         n = host_pages.numel()
-        if n == 0 or (self.host_layout == "page_first" and self.layers > 1):
+        if n == 0 or (self.host_layout == "page_first" and self.layers > 1 and not self.envelope):
             return 1.0
         # numpy: a handful of torch CPU ops cost ~0.2 ms here, a tenth of that in numpy, and this
         # runs before the first copy of every batch is queued.
         h, d = host_pages.numpy(), device_pages.numpy()
+        if self.whole_pages:
+            breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != self.layers))
+            return n * self.layers / (breaks + 1)
         breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != 1))
         return n / (breaks + 1)
 
@@ -113,10 +133,12 @@ def choose(
     layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
     (no pinned host pool, no driver support). ``mechanism`` (``CacheConfig.transfer_mechanism``)
     forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer page-first
-    hosts, else direct blocks; direct blocks per layer) whatever the block size.
+    hosts, else direct blocks; direct blocks per layer) whatever the block size. Envelope rows
+    (a unified arena) are never staged: with a page-first host their pages already are blocks.
     """
+    stageable = not per_layer and geo.host_layout == "page_first" and not geo.envelope
     if mechanism == "copy_engine" and dma:
-        if not per_layer and geo.host_layout == "page_first" and geo.layers > 1:
+        if stageable and geo.layers > 1:
             return STAGED
         return DIRECT
     if not dma or per_layer or mechanism == "kernel":
@@ -128,7 +150,7 @@ def choose(
     least = H2D_DMA_MIN_BYTES if direction == "h2d" else D2H_DMA_MIN_BYTES
     if geo.row_bytes * geo.mean_run(host_pages, device_pages) >= least:
         return DIRECT
-    if not per_layer and geo.host_layout == "page_first" and geo.layers * geo.row_bytes >= least:
+    if stageable and geo.layers * geo.row_bytes >= least:
         return STAGED
     return KERNEL
 

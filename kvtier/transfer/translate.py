@@ -18,17 +18,21 @@ from typing import Protocol
 import torch
 
 from kvtier.config import TRANSFER_MECHANISMS
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, IntegrityError
+from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.spec import PoolSpec
 
 MECHANISMS = TRANSFER_MECHANISMS
 """``CacheConfig.transfer_mechanism`` choices (see ``kvtier.transfer.plan.choose``)."""
 
 
 class PageTranslator(Protocol):
-    def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
-        """Physical device page ids (int64, on the CPU) for logical ``pages``, in order."""
+    def device_physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """Physical device page ids (int64, on the CPU) for logical ``pages``, in order, of
+        component ``name`` (the anchor when ``None``; translators whose components share page
+        ids ignore it). ``-1`` marks a page without that component (:class:`ArenaTranslator`)."""
         ...
 
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
@@ -48,7 +52,7 @@ class PageTranslator(Protocol):
 class IdentityTranslator:
     """The plain allocator: logical page ids are physical page ids."""
 
-    def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
+    def device_physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return pages
 
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,7 @@ class PermutationTranslator:
         self.device = None if device is None else torch.as_tensor(device, dtype=torch.int64)
         self.host = None if host is None else torch.as_tensor(host, dtype=torch.int64)
 
-    def device_physical(self, pages: torch.Tensor) -> torch.Tensor:
+    def device_physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return _lookup(self.device, pages)
 
     def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
@@ -94,6 +98,33 @@ class PermutationTranslator:
         return None
 
 
+class ArenaTranslator:
+    """A :class:`~kvtier.pools.arena.UnifiedPool`: device pages are the base units of each
+    component's envelope (``-1`` where a page has none; they move when the pool compacts,
+    so translate again for every transfer), host pages are the identity."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: UnifiedPool) -> None:
+        self.pool = pool
+
+    def device_physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        return self.pool.physical(pages, name)
+
+    def host_physical(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages
+
+    def check(self, device_pages: int, host_pages: int) -> None:
+        if device_pages != self.pool.logical_pages:
+            raise ConfigError(
+                f"ArenaTranslator: pool has {self.pool.logical_pages} logical pages, "
+                f"not {device_pages}"
+            )
+
+    def device_owned(self, pages: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
 def _lookup(table: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
     if table is None:
         return pages
@@ -102,12 +133,20 @@ def _lookup(table: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
 
 def device_view(
     translator: PageTranslator | None,
-    device: DevicePool,
+    device: DevicePool | UnifiedPool,
     host: HostPool | None,
     group: object | None = None,
 ) -> tuple[PageTranslator, DeviceKV]:
-    """``translator`` (identity when ``None``) checked against the pools' sizes, and the view
-    an engine addresses the device pool through. Raises ``ConfigError`` when it does not fit."""
+    """``translator`` (identity when ``None``; an :class:`ArenaTranslator` for a unified pool,
+    which refuses any other) checked against the pools' sizes, and the view an engine
+    addresses the device pool through. Raises ``ConfigError`` when it does not fit."""
+    if isinstance(device, UnifiedPool):
+        if translator is not None:
+            raise ConfigError(
+                f"translator={type(translator).__name__}: a unified device pool translates "
+                "its own relocatable pages; pass translator=None"
+            )
+        translator = ArenaTranslator(device)
     translator = translator or IdentityTranslator()
     translator.check(device.num_pages, host.num_pages if host is not None else 0)
     return translator, DeviceKV(device, translator, group)
@@ -127,7 +166,10 @@ class DeviceKV:
     __slots__ = ("_pool", "_translator", "_identity", "group")
 
     def __init__(
-        self, pool: DevicePool, translator: PageTranslator, group: object | None = None
+        self,
+        pool: DevicePool | UnifiedPool,
+        translator: PageTranslator,
+        group: object | None = None,
     ) -> None:
         self._pool = pool
         self._translator = translator
@@ -167,11 +209,26 @@ class DeviceKV:
         mask = self._translator.device_owned(flat // self._pool.page_size)
         return None if mask is None else mask.reshape(locs.shape).to(locs.device)
 
-    def slots(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical slots of logical slots ``locs`` (same shape, dtype int64, same device)."""
+    @property
+    def window(self) -> PoolSpec | None:
+        """The sliding-window component, if the pool set has one."""
+        return next((s for s in self._pool.specs if s.kind == "window"), None)
+
+    def slots(self, locs: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """Kernel-facing slots of component ``name`` (the anchor by default) for logical slots
+        ``locs`` (same shape, dtype int64, same device). A page without an envelope of that
+        component (a unified pool's released window) raises ``IntegrityError`` naming it."""
         if self._identity:
             return locs
         ps = self._pool.page_size
         flat = locs.reshape(-1).cpu().long()
-        out = self._translator.device_physical(flat // ps) * ps + flat % ps
+        pages = flat // ps
+        if name is None:
+            phys = self._translator.device_physical(pages)
+        else:
+            phys = self._translator.device_physical(pages, name)
+        if bool((phys < 0).any()):
+            p = int(pages[phys < 0][0])
+            raise IntegrityError(f"slots: logical page {p} has no {name!r} envelope")
+        out = phys * ps + flat % ps
         return out.reshape(locs.shape).to(locs.device)

@@ -1,0 +1,385 @@
+"""The unified device pool: every component's pages in one relocatable byte arena.
+
+Three id spaces, never mixed (each has a ``NewType``)::
+
+    id space         type       range                              who holds it
+    logical page     PageId     0 .. logical_pages - 1             the tree, the engine
+    base unit        Unit       0 .. units - 1                     transfers (physical page)
+    kernel slot      Slot       base * page_size + offset          attention (``layer`` views)
+
+A *unit* is one layer of one page of one component (``page_size`` tokens of rows). A page's
+*envelope* of a component is ``num_layers`` consecutive units from its base unit, so layer
+``l`` of the page is unit ``base + l``. Window envelopes are optional per page
+(``release_window`` drops them); every other component's envelope exists while the page is
+allocated. Envelopes move only in :meth:`UnifiedPool.compact`, never while leased.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import ClassVar, NewType
+
+import torch
+
+from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.paging import pages_to_locs
+from kvtier.pools import envelopes as env
+from kvtier.pools.arena_alloc import ArenaAllocator, check_arena
+from kvtier.pools.spec import PoolSpec, validate_pool_set
+from kvtier.types import Tier
+
+PageId = NewType("PageId", int)
+Unit = NewType("Unit", int)
+Slot = NewType("Slot", int)
+
+COMPACTION = ("auto", "eager", "off")
+
+
+class UnifiedPool:
+    """A device pool (the ``DevicePool`` interface) whose components share one arena tensor
+    ``[units * page_size, *row_shape]`` of ``units = num_pages * sum(num_layers)`` units: the
+    bytes of ``DevicePool(specs, num_pages, ...)``.
+
+    ``compaction``: ``auto`` compacts inside an allocation that free units could serve but no
+    hole fits; ``eager`` before every allocation; ``off`` never (``available`` then reflects
+    fragmentation).
+    """
+
+    tier: ClassVar[Tier] = "device"
+
+    def __init__(
+        self,
+        specs: Sequence[PoolSpec],
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        compaction: str = "auto",
+        lanes: int = 1,
+    ) -> None:
+        validate_pool_set(specs)
+        if compaction not in COMPACTION:
+            raise ConfigError(f"compaction={compaction!r} is not one of {', '.join(COMPACTION)}")
+        if lanes != 1:
+            raise ConfigError(f"a unified device pool has one lane, got lanes={lanes}")
+        if num_pages <= 0 or page_size <= 0:
+            raise ConfigError(
+                f"unified pool: num_pages={num_pages} and page_size={page_size} must be positive"
+            )
+        unit_bytes = {s.name: s.page_bytes(page_size) // s.num_layers for s in specs}
+        if len(set(unit_bytes.values())) != 1:
+            raise ConfigError(
+                "a unified pool needs every component's one-layer page to have the same bytes; "
+                f"got {unit_bytes} (page_size={page_size})"
+            )
+        self.specs = tuple(specs)
+        self.page_size = page_size
+        self.device = device
+        self.compaction = compaction
+        self.unit_bytes = next(iter(unit_bytes.values()))
+        self.units = num_pages * sum(s.num_layers for s in specs)
+        self.sizes = [s.num_layers for s in specs]
+        self.windowed = [s.kind == "window" for s in specs]
+        self.fixed_units = sum(k for k, w in zip(self.sizes, self.windowed, strict=True) if not w)
+        """Units of one page without its window envelopes."""
+        self.logical_pages = self.units // self.fixed_units
+        self.num_pages = self.logical_pages
+        """Logical pages (what the allocator hands out)."""
+        anchor = specs[0]
+        self.arena = torch.zeros(
+            (self.units * page_size, *anchor.row_shape), dtype=anchor.dtype, device=device
+        )
+        raw = self.arena.view(-1).view(torch.uint8)
+        self.buffers: dict[str, torch.Tensor] = {
+            s.name: raw.view(s.dtype).view(self.units * s.rows_per_page(page_size), *s.row_shape)
+            for s in specs
+        }
+        """Each component's reading of the whole arena, indexed by kernel slot (rows)."""
+        self._index = {s.name: i for i, s in enumerate(specs)}
+        self._units = bytearray(self.units)
+        self._table = torch.full((len(specs), self.logical_pages), -1, dtype=torch.int64)
+        self._alive = torch.zeros(self.logical_pages, dtype=torch.bool)
+        self._leases = torch.zeros(self.logical_pages, dtype=torch.int64)
+        self._free: deque[int] = deque(range(self.logical_pages))
+        self.compactions = 0
+        """Compactions that moved at least one envelope."""
+        self.relocated = 0
+        """Pages moved by compactions, counted once per compaction that moved any of theirs."""
+        self.allocator = ArenaAllocator(self)
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page with every envelope (window included)."""
+        return sum(s.page_bytes(self.page_size) for s in self.specs)
+
+    def layer(self, layer: int, name: str | None = None) -> torch.Tensor:
+        """``[rows, *row_shape]`` view of layer ``layer`` of component ``name`` (the anchor by
+        default) indexed by kernel slots: slot ``base * page_size + off`` reads unit
+        ``base + layer`` (a sidecar row is ``slot // tokens_per_row``)."""
+        spec = self.specs[self.component(name)]
+        if not 0 <= layer < spec.num_layers:
+            raise RequestError(f"pool {spec.name!r} has {spec.num_layers} layers, not {layer}")
+        rows = spec.rows_per_page(self.page_size)
+        return self.buffers[spec.name][layer * rows :]
+
+    def unit_words(self) -> torch.Tensor:
+        """``[units, words]`` raw view of the arena (int64 words when they divide a unit)."""
+        flat = self.arena.view(-1).view(torch.uint8).view(self.units, self.unit_bytes)
+        return flat.view(torch.int64) if self.unit_bytes % 8 == 0 else flat
+
+    def component_words(self, name: str, pages: torch.Tensor) -> torch.Tensor:
+        """Copy of ``[layers, n, words]``: the envelope bytes of ``pages`` (each must have one)."""
+        base = self.physical(pages, name).reshape(-1)
+        if bool((base < 0).any()):
+            p = int(pages.reshape(-1)[base < 0][0])
+            raise IntegrityError(f"unified pool: page {p} has no {name!r} envelope")
+        k = self.specs[self.component(name)].num_layers
+        rows = torch.arange(k)[:, None] + base[None, :]
+        return self.unit_words()[rows.to(self.device)].cpu()
+
+    def locs(self, pages: torch.Tensor) -> torch.Tensor:
+        """Logical token slots of ``pages`` (what the tree and the engine hold)."""
+        return pages_to_locs(pages, self.page_size)
+
+    def component(self, name: str | None) -> int:
+        """Index of component ``name`` (the anchor when ``None``)."""
+        if name is None:
+            return 0
+        try:
+            return self._index[name]
+        except KeyError:
+            held = ", ".join(self._index)
+            raise RequestError(f"device pool has no component {name!r} (it holds {held})") from None
+
+    # ---- translation ---------------------------------------------------------------------
+    def physical(self, pages: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """Base units (int64, CPU, ``pages``' shape) of the ``name`` envelopes of logical
+        ``pages``; ``-1`` where a page has none. A free page raises ``IntegrityError``."""
+        flat = self._check(pages, "physical")
+        return self._table[self.component(name)][flat].reshape(pages.shape)
+
+    def has_window(self, pages: torch.Tensor) -> torch.Tensor:
+        """Bool per page: it holds every window envelope (all false without window specs)."""
+        flat = self._check(pages, "has_window")
+        rows = [self._table[c][flat] >= 0 for c, w in enumerate(self.windowed) if w]
+        if not rows:
+            return torch.zeros(pages.shape, dtype=torch.bool)
+        return torch.stack(rows).all(0).reshape(pages.shape)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n)
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self.allocator.free(pages)
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """``n`` logical ids with every envelope, atomically; ``None`` (nothing taken) when
+        impossible. Compacts as :attr:`compaction` says."""
+        if n < 0:
+            raise RequestError(f"device: cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        if self.compaction == "eager":
+            self.compact()
+        scratch = bytearray(self._units)
+        bases = env.place(scratch, self.sizes, n)
+        if bases is None and self.compaction == "auto" and self.free_units >= n * sum(self.sizes):
+            moves, packed = env.plan_compaction(self._units, self._envelopes())
+            scratch = bytearray(packed)
+            bases = env.place(scratch, self.sizes, n)
+            if bases is not None:
+                self._apply(moves)
+        if bases is None:
+            return None
+        ids = torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
+        self._units = scratch
+        if n:
+            self._table[:, ids] = torch.tensor(bases, dtype=torch.int64).t()
+            self._alive[ids] = True
+        return ids
+
+    def fits(self) -> int:
+        """The largest ``n`` :meth:`take` serves now (compaction included, leases fixed)."""
+        cap = len(self._free)
+        n0 = 0
+        if self.compaction != "eager":
+            n0 = env.count(self._units, self.sizes, cap)
+            if self.compaction == "off" or n0 == cap:
+                return n0
+            if self.free_units // sum(self.sizes) <= n0:
+                return n0
+        _, packed = env.plan_compaction(self._units, self._envelopes())
+        return max(n0, env.count(packed, self.sizes, cap))
+
+    def give_back(self, pages: torch.Tensor) -> None:
+        """Free logical ``pages`` and every envelope they still have. The batch is validated
+        first (free, duplicate, leased: ``IntegrityError``), so a rejected call changes
+        nothing."""
+        flat = self._check(pages, "free", unique=True)
+        self._unleased(flat, "free")
+        for p in flat.tolist():
+            for c, k in enumerate(self.sizes):
+                b = int(self._table[c, p])
+                if b >= 0:
+                    env.drop(self._units, b, k)
+        self._table[:, flat] = -1
+        self._alive[flat] = False
+        self._free.extend(flat.tolist())
+
+    def release_window(self, pages: torch.Tensor) -> None:
+        """Drop the window envelopes of ``pages``; a free or leased page, or one without them,
+        raises ``IntegrityError`` (the batch is validated first)."""
+        flat = self._check(pages, "release_window", unique=True)
+        self._unleased(flat, "release_window")
+        missing = flat[~self.has_window(flat)]
+        if missing.numel() or not any(self.windowed):
+            what = int(missing[0]) if missing.numel() else int(flat[0]) if flat.numel() else -1
+            raise IntegrityError(f"release_window: page {what} has no window envelope")
+        for c, w in enumerate(self.windowed):
+            if not w:
+                continue
+            for b in self._table[c, flat].tolist():
+                env.drop(self._units, b, self.sizes[c])
+            self._table[c, flat] = -1
+
+    def move_window(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Hand the window envelopes of pages ``src`` to pages ``dst`` (pairwise; no bytes
+        move: ``dst`` then reads the rows ``src`` had). Every ``src`` page must have them,
+        no ``dst`` page may, none may be leased; the batch is validated first
+        (``IntegrityError`` naming the page)."""
+        a = self._check(src, "move_window", unique=True)
+        b = self._check(dst, "move_window", unique=True)
+        if a.numel() != b.numel() or bool(torch.isin(a, b).any()):
+            raise IntegrityError(
+                f"move_window: {a.numel()} source pages for {b.numel()} destinations, or a page "
+                "on both sides"
+            )
+        self._unleased(torch.cat([a, b]), "move_window")
+        has_a, has_b = self.has_window(a), self.has_window(b)
+        if not bool(has_a.all()) or not any(self.windowed):
+            p = int(a[~has_a][0]) if a.numel() else -1
+            raise IntegrityError(f"move_window: source page {p} has no window envelope")
+        if bool(has_b.any()):
+            raise IntegrityError(f"move_window: page {int(b[has_b][0])} already has one")
+        for c, w in enumerate(self.windowed):
+            if w:
+                self._table[c, b] = self._table[c, a]
+                self._table[c, a] = -1
+
+    # ---- leases and compaction -----------------------------------------------------------
+    def lease(self, pages: torch.Tensor) -> None:
+        """Hold ``pages``' envelopes still (counted per page) until :meth:`unlease`."""
+        flat = self._check(pages, "lease")
+        self._leases += torch.bincount(flat, minlength=self.logical_pages)
+
+    def unlease(self, pages: torch.Tensor) -> None:
+        """Drop one lease per entry of ``pages``; below zero is an ``IntegrityError``."""
+        flat = self._check(pages, "unlease")
+        left = self._leases - torch.bincount(flat, minlength=self.logical_pages)
+        if bool((left < 0).any()):
+            p = int(torch.nonzero(left < 0)[0])
+            raise IntegrityError(f"unlease of page {p}, which holds no lease")
+        self._leases = left
+
+    def lease_count(self, pages: torch.Tensor) -> torch.Tensor:
+        """Leases held on each of ``pages`` (int64, CPU)."""
+        return self._leases[pages.reshape(-1).cpu().long()].reshape(pages.shape)
+
+    @property
+    def leased_pages(self) -> int:
+        """Pages holding at least one lease."""
+        return int((self._leases > 0).sum())
+
+    def compact(self) -> int:
+        """Slide unleased envelopes down over the holes (``envelopes.plan_compaction``),
+        copying their bytes on the current stream; returns the envelopes moved."""
+        moves, _ = env.plan_compaction(self._units, self._envelopes())
+        self._apply(moves)
+        return len(moves)
+
+    def _apply(self, moves: list[env.Move]) -> None:
+        if not moves:
+            return
+        src = torch.cat([torch.arange(m.old, m.old + m.size) for m in moves])
+        dst = torch.cat([torch.arange(m.new, m.new + m.size) for m in moves])
+        words = self.unit_words()
+        # Every source is read before any destination is written: a destination only covers
+        # free units or sources of moves planned before it, never an envelope that stays.
+        moved = words.index_select(0, src.to(self.device))
+        words.index_copy_(0, dst.to(self.device), moved)
+        for m in moves:
+            env.drop(self._units, m.old, m.size)
+        for m in moves:
+            env.take(self._units, m.new, m.size)
+            self._table[m.component, m.page] = m.new
+        self.compactions += 1
+        self.relocated += len({m.page for m in moves})
+
+    def _envelopes(self) -> list[env.Envelope]:
+        comp, page = torch.nonzero(self._table >= 0, as_tuple=True)
+        bases = self._table[comp, page].tolist()
+        pinned = (self._leases[page] > 0).tolist()
+        return [
+            env.Envelope(b, self.sizes[c], c, p, pin)
+            for b, c, p, pin in zip(bases, comp.tolist(), page.tolist(), pinned, strict=True)
+        ]
+
+    # ---- accounting ----------------------------------------------------------------------
+    @property
+    def free_units(self) -> int:
+        return self._units.count(0)
+
+    @property
+    def units_used(self) -> int:
+        return self.units - self.free_units
+
+    @property
+    def bytes_used(self) -> int:
+        return self.units_used * self.unit_bytes
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of the arena (those of a ``DevicePool`` of ``num_pages`` physical pages)."""
+        return self.units * self.unit_bytes
+
+    @property
+    def window_pages(self) -> int:
+        """Allocated pages holding their window envelopes now."""
+        if not any(self.windowed):
+            return 0
+        held = [self._table[c] >= 0 for c, w in enumerate(self.windowed) if w]
+        return int(torch.stack(held).all(0).sum())
+
+    @property
+    def free_ids(self) -> int:
+        return len(self._free)
+
+    def _check(self, pages: torch.Tensor, what: str, unique: bool = False) -> torch.Tensor:
+        flat = pages.reshape(-1).cpu().long()
+        if flat.numel() == 0:
+            return flat
+        bad = (flat < 0) | (flat >= self.logical_pages)
+        if bool(bad.any()):
+            raise IntegrityError(
+                f"{what}: page {int(flat[bad][0])} outside 0..{self.logical_pages - 1}"
+            )
+        dead = ~self._alive[flat]
+        if bool(dead.any()):
+            raise IntegrityError(f"{what}: page {int(flat[dead][0])} is free")
+        if unique and torch.unique(flat).numel() != flat.numel():
+            vals, counts = torch.unique(flat, return_counts=True)
+            raise IntegrityError(f"{what}: page {int(vals[counts > 1][0])} given twice")
+        return flat
+
+    def _unleased(self, flat: torch.Tensor, what: str) -> None:
+        held = self._leases[flat] > 0
+        if bool(held.any()):
+            p = int(flat[held][0])
+            raise IntegrityError(f"{what}: page {p} is leased by a transfer in flight")
+
+    def check_integrity(self) -> None:
+        """Free + used ids and units add up, envelopes do not overlap, leases are >= 0 and
+        only on allocated pages, every allocated page has every non-window envelope."""
+        check_arena(self)
