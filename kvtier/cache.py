@@ -370,7 +370,7 @@ class TieredCache:
 
     def compact(self) -> int:
         """Relocate the device arena's pages to close its holes (window pools; pages a transfer
-        holds stay put). Returns the pages moved; ``0`` without a window pool."""
+        holds stay put). Returns the envelopes moved; ``0`` without a window pool."""
         self._check_open("compact")
         if not isinstance(self.device_pool, UnifiedPool):
             return 0

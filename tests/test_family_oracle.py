@@ -92,9 +92,7 @@ def arena_rows(cache, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         rows = torch.stack([kv.layer(i, spec.name)[slots] for i in range(spec.num_layers)])
         if spec.kind == "window":  # every page's rows, zeros where the page has none
             full = rows.new_zeros((rows.shape[0], pages.numel() * ps, *rows.shape[2:]))
-            full[:, (present.nonzero().reshape(-1, 1) * ps + torch.arange(ps)).reshape(-1)] = (
-                rows
-            )
+            full[:, (present.nonzero().reshape(-1, 1) * ps + torch.arange(ps)).reshape(-1)] = rows
             rows = full
         out[spec.name] = rows.cpu()
     return out
