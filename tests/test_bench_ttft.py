@@ -26,4 +26,7 @@ def test_bench_ttft_tiny_cpu():
     assert s["host_restore"]["cached_host"] == s["host_restore_overlap"]["cached_host"] == 192
     assert s["storage_restore"]["cached_storage"] == 192
     assert r["same_first_token"] and r["overlap_ratio"] > 0
+    # the storage directory holds at least the 12 restored pages' objects
+    assert r["storage_read_raw"]["bytes"] >= 12 * 16 * 2 * 2 * 2 * 16 * 4
+    assert r["storage_ratio"] > 0
     assert r["reference_token"] == s["device_hit"]["token"] and r["reference_matches"]

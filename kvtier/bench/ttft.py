@@ -4,13 +4,12 @@ Scenarios, in one process: cold prefill; device hit; host restore without and wi
 overlap; storage restore (prefetch included). The peer is the link: the prefix's KV bytes over a
 contiguous pinned host → device copy measured in the same run, so ``overlap_ratio`` is the
 overlapped host-restore TTFT over max(transfer time at link speed, device-hit TTFT) — the best
-a restore can do is to hide one behind the other. The cold scenario times a fresh prompt (no tier
-holds it). ``same_first_token`` says whether every restore gave the device hit's first token: a
+a restore can do is to hide one behind the other. The cold scenario's prompt no tier holds. ``storage_ratio`` is the storage restore over max(a plain sequential read of the
+objects it read, timed in the same run, and the host restore). ``same_first_token`` says whether every restore gave the device hit's first token: a
 restore that is not byte-exact shows up as a different token. The prompt is also computed whole
 in one forward, untimed (``reference_token``; ``reference_matches``): in bf16 that forward and
-the cached-prefix one (a short suffix attending to stored KV) round differently, so with random
-weights their argmax may differ with every tier correct; the tests' content oracle
-(``tests/test_oracle.py``, float32) is the exactness check against a cold run.
+the cached-prefix one round differently, so with random weights their argmax may differ with
+every tier correct; ``tests/test_oracle.py`` (float32) is the exactness check.
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
 while device → host backups of prompt-sized prefixes (inserted through the cache's public API,
@@ -19,8 +18,7 @@ paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (co
 these page sizes) and with row kernels forced (``transfer_mechanism="kernel"``), and queued whole
 (``unpaced``: ``backup_share=0``). The stall is the step-time ratio;
 ``backup_gbps_while_decoding`` is the bytes of backups completed during the timed steps over
-their time. Every configuration is a cache option on an engine of its own, never a setting
-changed on a running one.
+their time. Every configuration is a cache option on an engine of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ import time
 
 import torch
 
+from kvtier.bench.raw_read import read_dir
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine.model import CausalLM
@@ -190,6 +189,7 @@ def bench_ttft(
 
         # One engine at a time: each one's pools are gone before the next one's are allocated.
         res, reference = without_overlap()
+        raw_bytes, raw_s = read_dir(tmp)  # the objects the storage restore read, plainly
         res["host_restore_overlap"] = overlapped("auto", "host restore, per-layer overlap")
         if copy_engines:  # the same with row kernels instead of copy engines, for comparison
             res["host_restore_overlap_kernels"] = overlapped(
@@ -217,6 +217,9 @@ def bench_ttft(
         "link_h2d_gbps": link,
         "transfer_at_link_s": transfer_s,
         "overlap_ratio": res["host_restore_overlap"]["ttft_s"] / bound if bound else 0.0,
+        "storage_read_raw": {"bytes": raw_bytes, "seconds": raw_s},
+        "storage_ratio": res["storage_restore"]["ttft_s"]
+        / max(raw_s, res["host_restore"]["ttft_s"]),
         "overlap_ratio_kernels": (
             res["host_restore_overlap_kernels"]["ttft_s"] / bound
             if bound and "host_restore_overlap_kernels" in res
