@@ -184,3 +184,27 @@ def test_buffer_only_host_smaller_than_a_request(tmp_path: Path) -> None:
     # the host stages 4 pages: storage serves the first 64 tokens of the base
     assert [o.cached_storage for o in restored] == [0, 0, 64, 0]
     fresh.close()
+
+
+def test_allocation_evicts_more_when_the_arena_promised_too_much(monkeypatch) -> None:
+    llm = make(enable_host=False, device_pages=16)
+    cache, pool = llm.cache, llm.cache.device_pool
+    for seed in range(4):  # four cached requests: 8 cached pages, 24 ids free
+        llm.generate([tokens(40, seed=20 + seed)], SamplingParams(max_tokens=1))
+    alloc = pool.allocator
+    assert (alloc.available, alloc.used) == (8, 8)
+    # While pages are leased the count is an upper bound (``optimistic``): here it promises
+    # two pages compaction could not make, so the first allocation fails and the controller
+    # evicts more, then succeeds.
+    cls = type(alloc)
+    monkeypatch.setattr(cls, "optimistic", property(lambda self: True))
+    monkeypatch.setattr(cls, "available", property(lambda self: self.pool.fits() + 2))
+    tried = []
+    take = pool.alloc_pages
+    monkeypatch.setattr(pool, "alloc_pages", lambda n: tried.append(n) or take(n))
+    locs = cache.alloc(PS * 10)
+    assert locs.numel() == PS * 10 and tried == [10, 10]
+    assert cache.stats()["evicted_device_pages"] == 2  # what the promise lacked
+    cache.free(locs)
+    cache.check_integrity()
+    llm.close()

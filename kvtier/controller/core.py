@@ -159,9 +159,16 @@ class Controller:
         if owners is None:
             # A window pool's page frees less than a fresh page takes when it had no window
             # rows: evict until the room is there or nothing more goes.
-            while (short := n - alloc.available) > 0 and self.evict_device(short) > 0:
-                pass
-            return self.dev.alloc_pages(n)
+            while True:
+                while (short := n - alloc.available) > 0 and self.evict_device(short) > 0:
+                    pass
+                pages = self.dev.alloc_pages(n)
+                # An arena with leased pages may promise room compaction cannot make around
+                # them (``ArenaAllocator.optimistic``): make more and try again.
+                if pages is not None or not getattr(alloc, "optimistic", False):
+                    return pages
+                if self.evict_device(max(1, n - alloc.fit([0] * n))) == 0:
+                    return None
         self._make_room(alloc, owners, self.evict_device)
         return alloc.alloc_owned(owners)
 

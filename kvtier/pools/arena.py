@@ -100,6 +100,8 @@ class UnifiedPool:
         self._table = torch.full((len(specs), self.logical_pages), -1, dtype=torch.int64)
         self._alive = torch.zeros(self.logical_pages, dtype=torch.bool)
         self._leases = torch.zeros(self.logical_pages, dtype=torch.int64)
+        self._lease_total = 0
+        """Leases held, all pages together (whether any is, without scanning ``_leases``)."""
         self._free: deque[int] = deque(range(self.logical_pages))
         self.compactions = 0
         """Compactions that moved at least one envelope."""
@@ -203,6 +205,9 @@ class UnifiedPool:
     def fits(self) -> int:
         """The largest ``n`` :meth:`take` serves now (compaction included, leases fixed)."""
         cap = len(self._free)
+        if self.compaction != "off" and not self._lease_total:
+            # compaction packs every envelope below one free block
+            return min(cap, self.free_units // sum(self.sizes))
         n0 = 0
         if self.compaction != "eager":
             n0 = env.count(self._units, self.sizes, cap)
@@ -273,6 +278,7 @@ class UnifiedPool:
         """Hold ``pages``' envelopes still (counted per page) until :meth:`unlease`."""
         flat = self._check(pages, "lease")
         self._leases += torch.bincount(flat, minlength=self.logical_pages)
+        self._lease_total += flat.numel()
 
     def unlease(self, pages: torch.Tensor) -> None:
         """Drop one lease per entry of ``pages``; below zero is an ``IntegrityError``."""
@@ -282,10 +288,16 @@ class UnifiedPool:
             p = int(torch.nonzero(left < 0)[0])
             raise IntegrityError(f"unlease of page {p}, which holds no lease")
         self._leases = left
+        self._lease_total -= flat.numel()
 
     def lease_count(self, pages: torch.Tensor) -> torch.Tensor:
         """Leases held on each of ``pages`` (int64, CPU)."""
         return self._leases[pages.reshape(-1).cpu().long()].reshape(pages.shape)
+
+    @property
+    def leased(self) -> bool:
+        """Whether any page holds a lease."""
+        return self._lease_total > 0
 
     @property
     def leased_pages(self) -> int:
