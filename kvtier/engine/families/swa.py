@@ -11,6 +11,7 @@ does) every layer's K/V stays in the anchor pool for every token.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -114,6 +115,12 @@ class WindowAttention(Attention):
         self.window = window
         self.pooled = pooled
         """``kv`` is the window pool's layer, addressed by ``SeqSlots.window_locs``."""
+
+    def attend_all(
+        self, q: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Each sequence over its window (:meth:`attend`)."""
+        return self.attend_each(q, positions, seqs, kv)
 
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor
