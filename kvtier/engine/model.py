@@ -21,7 +21,7 @@ from kvtier.engine import cp
 from kvtier.engine.attention import batched_attention, paged_attention
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
-from kvtier.engine.ops import RMSNorm, default_init, linear, rope
+from kvtier.engine.ops import RMSNorm, apply_rope, default_init, linear, shared_rope_tables
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
@@ -107,6 +107,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
         self._inv_freq = cfg.rope_inv_freq()
+        self._rope_key = tuple(self._inv_freq.tolist())
+        """The frequencies' values: layers with equal ones share a forward's RoPE tables."""
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
@@ -136,8 +138,8 @@ class Attention(nn.Module):
         if self._inv_freq.device != x.device:
             # kept off the module's buffers so checkpoints and dtype casts never see it
             self._inv_freq = self._inv_freq.to(x.device)
-        q = rope(q, positions, self.theta, self._inv_freq)
-        k = rope(k, positions, self.theta, self._inv_freq)
+        cos, sin = shared_rope_tables(positions, self._inv_freq, self._rope_key, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = torch.stack((k, v), dim=1)
         if out_rows is not None:
             rows = rows.index_select(0, out_rows)
