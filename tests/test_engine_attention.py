@@ -4,8 +4,11 @@ and without a cached prefix, all mixed in one batch over scattered pool slots.""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
+import pytest
 import torch
 
 from kvtier.engine.attention import batched_attention, cached_decode_plan, paged_attention
@@ -25,17 +28,23 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), vv)
 
 
-def batch(ctx_lens: list[int], num_new: list[int], gen: torch.Generator):
+def batch(
+    ctx_lens: list[int],
+    num_new: list[int],
+    gen: torch.Generator,
+    dtype: torch.dtype = torch.float64,
+    device: str = "cpu",
+):
     rows = sum(ctx_lens) + 16
     # every row finite: the padding of unequal contexts reads real rows, masked out
-    kv = torch.randn(rows, 2, KV_HEADS, D, generator=gen, dtype=torch.float64)
+    kv = torch.randn(rows, 2, KV_HEADS, D, generator=gen).to(device, dtype)
     perm = torch.randperm(rows, generator=gen)
     seqs, start = [], 0
     for c, n in zip(ctx_lens, num_new, strict=True):
-        locs = perm[start : start + c]
+        locs = perm[start : start + c].to(device)
         seqs.append(SeqSlots(n, locs[c - n :], locs))
         start += c
-    q = torch.randn(sum(num_new), HEADS, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(sum(num_new), HEADS, D, generator=gen).to(device, dtype)
     return q, seqs, kv
 
 
@@ -87,3 +96,34 @@ def test_plan_is_built_once_per_batch() -> None:
     # the same slots with another split between cached and new tokens: a new plan
     other = [SeqSlots(2, s.ctx_locs[-2:], s.ctx_locs) for s in seqs]
     assert cached_decode_plan(other, torch.device("cpu")) is None
+
+
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+CASES = {
+    "decode_equal": ([40, 40, 40], [1, 1, 1]),
+    "decode_unequal": ([3, 70, 17, 40], [1, 1, 1, 1]),
+    "cold_prefill": ([64], [64]),
+    "prefix_prefill": ([96], [24]),
+    "mixed": ([5, 33, 6, 80, 11], [1, 33, 1, 20, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_on_the_test_device_uses_fused_kernels(case: str) -> None:
+    """In bf16 on ``KVTIER_TEST_DEVICE``; on CUDA only the flash and memory-efficient kernels
+    are allowed, so a call they do not take fails instead of falling back to the math one."""
+    ctx_lens, num_new = CASES[case]
+    q, seqs, kv = batch(ctx_lens, num_new, torch.Generator().manual_seed(7), torch.bfloat16, DEVICE)
+    fused = contextlib.nullcontext()
+    if DEVICE.startswith("cuda"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    with fused:
+        got = batched_attention(q, seqs, kv).float().cpu()
+    start = 0
+    for s in seqs:
+        ctx = kv[s.ctx_locs].double().cpu()
+        want = reference(q[start : start + s.num_new].double().cpu(), ctx[:, 0], ctx[:, 1])
+        torch.testing.assert_close(got[start : start + s.num_new], want.float(), rtol=0, atol=3e-2)
+        start += s.num_new
