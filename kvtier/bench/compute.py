@@ -204,7 +204,7 @@ def _prefill(llm: LLM, cfg: ModelConfig, fresh, tokens: int, repeats: int, peak:
     for _ in range(repeats):
         out = llm.generate([fresh(tokens)], params)[0]
         if out.cached_device:
-            raise AssertionError("a cold prefill hit the cache")
+            raise RuntimeError("a cold prefill hit the cache")
         best = min(best, out.ttft_s)
     flops = prefill_flops(cfg, tokens)
     achieved = flops / best / 1e12
