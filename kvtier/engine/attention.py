@@ -160,17 +160,19 @@ def batched_attention(q: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tenso
         dec = decode_attention(qd, ctx[:, :, 0], ctx[:, :, 1], plan.visible)
         if b == q.shape[0]:
             return dec
-    out = torch.empty_like(q) if dec is not None or len(seqs) > 1 else None
+    out = torch.empty_like(q) if dec is not None or len(seqs) != 1 else None
     start = 0
     for s in seqs:
         end = start + s.num_new
-        if s.num_new > 1 or (s.num_new == 1 and plan is None):
+        if s.num_new > 1:
             ctx = kv.index_select(0, s.ctx_locs)
             o = paged_attention(q[start:end], ctx[:, 0], ctx[:, 1])
-            if out is None:
+            if out is None:  # the batch's one sequence: no copy into a batch-sized result
                 return o
             out[start:end] = o
         start = end
+    if out is None:  # one sequence without new tokens
+        return q.new_empty(q.shape)
     if dec is not None:
         if plan.rows is None:
             out[: dec.shape[0]] = dec
