@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step,backup,window} | plot``."""
+"""Command line: ``kvtier demo | bench {tree,transfer,storage,ttft,step,backup,window,compute} | plot``."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = bench_backup(
             model=args.model,
-            batch=args.batch,
+            batch=args.batch or 8,
             prompt_tokens=args.prompt_tokens if args.prompt_tokens != 32768 else 2048,
             page_size=args.page_size,
         )
@@ -100,6 +100,16 @@ def _bench(args: argparse.Namespace) -> int:
         result = bench_window(
             context=args.prompt_tokens if args.prompt_tokens != 32768 else 8192,
             window=args.window,
+            page_size=args.page_size,
+            device=args.device,
+        )
+    elif args.which == "compute":
+        from kvtier.bench.compute import bench_compute
+
+        result = bench_compute(
+            prompt_tokens=args.prompt_tokens,
+            batch=args.batch or 32,
+            decode_context=args.context,
             page_size=args.page_size,
             device=args.device,
         )
@@ -146,16 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
     b.add_argument(
-        "which", choices=("tree", "transfer", "storage", "ttft", "step", "backup", "window")
+        "which",
+        choices=("tree", "transfer", "storage", "ttft", "step", "backup", "window", "compute"),
     )
     b.add_argument(
         "--window", type=_positive, default=512, help="window: sliding window (positions)"
     )
     b.add_argument("--model", default="small", help="backup: model preset")
-    b.add_argument("--batch", type=_positive, default=8, help="backup: requests decoded together")
+    b.add_argument(
+        "--batch",
+        type=_positive,
+        default=None,
+        help="backup, compute: requests decoded together (default 8, compute 32)",
+    )
+    b.add_argument(
+        "--context",
+        type=_positive,
+        default=2048,
+        help="compute: context of the decoding requests (tokens)",
+    )
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
-    b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
-    b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")
+    b.add_argument(
+        "--device", default=None, help="transfer, compute: torch device (default: cuda if any)"
+    )
+    b.add_argument(
+        "--page-size", type=_positive, default=16, help="transfer, compute: tokens per page"
+    )
     b.add_argument(
         "--host-layout",
         choices=("page_first", "layer_first"),
@@ -185,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(
-        "--prompt-tokens", type=_positive, default=32768, help="ttft: prompt length (tokens)"
+        "--prompt-tokens",
+        type=_positive,
+        default=32768,
+        help="ttft, compute: prompt length (tokens)",
     )
     b.add_argument(
         "--backend", choices=("file", "mooncake"), default="file", help="storage: which L3 backend"

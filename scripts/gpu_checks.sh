@@ -6,6 +6,8 @@
 #              sizes 1, 16 and 64, about 1 GiB per copy (default: families at page size 16)
 #   STAGING=1  staging-memory sweep (16, 64, 256 MiB) for the staged families
 #   TTFT=1     time to first token of a 32K-token prompt on a Llama-8B-sized model
+#   COMPUTE=1  that model's cold 32K prefill and 32-request decode step against the device's
+#              matmul rate and copy rate
 #   DEMOS=0    skip every family's demo on CUDA
 #   TESTS=0    skip the CUDA tests
 set -uo pipefail
@@ -18,7 +20,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -W ignore \
       tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py \
       tests/test_pool_sets.py tests/test_family_oracle.py tests/test_transfer.py tests/test_overlap.py tests/test_pacer.py \
-      tests/test_translator.py \
+      tests/test_translator.py tests/test_engine_attention.py \
       2>&1 | tail -3
 fi
 
@@ -66,6 +68,9 @@ if [ "${DEMOS:-1}" = 1 ]; then
 fi
 if [ "${TTFT:-0}" = 1 ]; then
   python3 -m kvtier.cli bench ttft --json "$J/ttft.json" 2>&1 | grep "bench ttft"
+fi
+if [ "${COMPUTE:-0}" = 1 ]; then
+  python3 -m kvtier.cli bench compute --json "$J/compute.json" 2>&1 | grep "bench compute"
 fi
 tar -C "$OUT" -czf "$OUT/gpu_results.tgz" json && rm -rf "$J"
 exit 0

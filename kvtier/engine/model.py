@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine import cp
+from kvtier.engine.attention import batched_attention, paged_attention
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig
-from kvtier.engine.ops import RMSNorm, default_init, linear, rope
+from kvtier.engine.ops import RMSNorm, apply_rope, default_init, linear, shared_rope_tables
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
@@ -96,38 +97,7 @@ class ForwardBatch:
 
 
 QUERY_CHUNK = 1024
-"""Queries per attention block in long prefills."""
-
-
-def paged_attention(
-    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor
-) -> torch.Tensor:
-    """Causal GQA attention of one sequence.
-
-    ``q`` is ``[n, heads, d]`` at positions ``q_pos``; ``k_ctx``/``v_ctx`` are ``[C, kv_heads, d]``
-    holding positions ``0 .. C-1``. Query at position ``p`` sees context positions ``<= p``.
-    The queries are the context's last ``n`` positions (new tokens after their prefix).
-    """
-    n, heads, d = q.shape
-    if n > QUERY_CHUNK:
-        # Long prefills in query blocks, each against the context it can see: bounded memory
-        # (the score block is QUERY_CHUNK x context) instead of a full n x context matrix.
-        # Block ends come from shapes, not from q_pos, so the GPU is never synchronised.
-        outs, first = [], k_ctx.shape[0] - n
-        for lo in range(0, n, QUERY_CHUNK):
-            hi = min(lo + QUERY_CHUNK, n)
-            end = first + hi
-            outs.append(paged_attention(q[lo:hi], k_ctx[:end], v_ctx[:end], q_pos[lo:hi]))
-        return torch.cat(outs)
-    kv_heads = k_ctx.shape[1]
-    # query head h uses kv head h // groups: group the queries instead of copying K/V
-    qg = q.view(n, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("nkgd,ckd->kgnc", qg, k_ctx) * (1.0 / math.sqrt(d))
-    if n > 1:  # a single query is the context's last position and sees all of it
-        visible = torch.arange(k_ctx.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-    return torch.einsum("kgnc,ckd->nkgd", probs.to(v_ctx.dtype), v_ctx).reshape(n, heads, d)
+"""Queries per attention block in long prefills under context parallelism."""
 
 
 class Attention(nn.Module):
@@ -137,6 +107,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
         self._inv_freq = cfg.rope_inv_freq()
+        self._rope_key = tuple(self._inv_freq.tolist())
+        """The frequencies' values: layers with equal ones share a forward's RoPE tables."""
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
@@ -166,20 +138,34 @@ class Attention(nn.Module):
         if self._inv_freq.device != x.device:
             # kept off the module's buffers so checkpoints and dtype casts never see it
             self._inv_freq = self._inv_freq.to(x.device)
-        q = rope(q, positions, self.theta, self._inv_freq)
-        k = rope(k, positions, self.theta, self._inv_freq)
+        cos, sin = shared_rope_tables(positions, self._inv_freq, self._rope_key, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = torch.stack((k, v), dim=1)
         if out_rows is not None:
             rows = rows.index_select(0, out_rows)
         kv.index_copy_(0, out_locs, rows.to(kv.dtype))
         if group is not None:
             return self.o_proj(cp.dense_attention(q, positions, seqs, kv, group).reshape(t, -1))
+        return self.o_proj(self.attend_all(q, positions, seqs, kv).reshape(t, -1))
+
+    def attend_all(
+        self, q: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of every sequence's new queries (``q`` ``[T, heads, d]`` at ``positions``,
+        sequences concatenated in ``seqs`` order) over its context in ``kv``: ``[T, heads, d]``.
+        Decoding sequences share one fused call."""
+        return batched_attention(q, seqs, kv)
+
+    def attend_each(
+        self, q: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tensor
+    ) -> torch.Tensor:
+        """``attend_all`` one sequence at a time through :meth:`attend`."""
         outs, start = [], 0
         for s in seqs:
             end = start + s.num_new
             outs.append(self.attend(q[start:end], positions[start:end], s, kv))
             start = end
-        return self.o_proj(torch.cat(outs).reshape(t, -1))
+        return torch.cat(outs)
 
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor

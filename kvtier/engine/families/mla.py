@@ -28,8 +28,8 @@ from kvtier.engine.model import (
     RMSNorm,
     SeqSlots,
     linear,
-    rope,
 )
+from kvtier.engine.ops import rope
 from kvtier.pools import PoolSpec
 
 VARIANTS = ("mla", "dsa", "dsa-compressed")

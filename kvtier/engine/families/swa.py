@@ -10,13 +10,15 @@ does) every layer's K/V stays in the anchor pool for every token.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine.attention import decode_attention, expand_heads
 from kvtier.engine.common import ConfigBase
 from kvtier.engine.config import ModelConfig, dense_config_of
 from kvtier.engine.model import Attention, CausalLM, ForwardBatch, SeqSlots
@@ -95,15 +97,16 @@ def window_attention(
     ``[C, kv_heads, d]`` holding positions ``ctx_start .. ctx_start + C - 1``. The query at
     ``p`` sees context positions in ``(p - window, p]``.
     """
-    n, heads, d = q.shape
-    kv_heads = k_ctx.shape[1]
-    qg = q.view(n, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("nkgd,ckd->kgnc", qg, k_ctx) * (1.0 / math.sqrt(d))
+    n, heads, _ = q.shape
     k_pos = torch.arange(ctx_start, ctx_start + k_ctx.shape[0], device=q.device)[None, :]
     visible = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - window)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-    return torch.einsum("kgnc,ckd->nkgd", probs.to(v_ctx.dtype), v_ctx).reshape(n, heads, d)
+    if n == 1:
+        return decode_attention(q, k_ctx[None], v_ctx[None], visible)
+    k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
+    qh = q.transpose(0, 1)[None]
+    kh, vh = expand_heads(k_ctx, heads)[None], expand_heads(v_ctx, heads)[None]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible)
+    return out[0].transpose(0, 1)
 
 
 class WindowAttention(Attention):
@@ -114,6 +117,12 @@ class WindowAttention(Attention):
         self.window = window
         self.pooled = pooled
         """``kv`` is the window pool's layer, addressed by ``SeqSlots.window_locs``."""
+
+    def attend_all(
+        self, q: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Each sequence over its window (:meth:`attend`)."""
+        return self.attend_each(q, positions, seqs, kv)
 
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, s: SeqSlots, kv: torch.Tensor
