@@ -20,6 +20,19 @@ try:
 except ImportError:  # torch without attention biases: an explicit mask instead
     causal_lower_right = None
 
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    DECODE_BACKENDS = [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    """Backends a decode call may use: not cuDNN, whose per-call graph set-up measured 2.2 ms
+    of CPU per call on an H200 (32 layers: 70 ms a step, against 13.5 ms of GPU work)."""
+except ImportError:  # older torch: its default choice
+    sdpa_kernel = None
+
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``[C, kv_heads, d]`` → ``[heads, C, d]``: query head ``h`` reads kv head
@@ -83,7 +96,11 @@ def decode_attention(
     qg = q.reshape(b, kv_heads, heads // kv_heads, d)
     kh, vh = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)
     mask = None if visible is None else visible[:, None, None, :]
-    out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)
+    if sdpa_kernel is None or not q.is_cuda:
+        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)
+    else:
+        with sdpa_kernel(DECODE_BACKENDS):
+            out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)
     return out.reshape(b, heads, d)
 
 
