@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import threading
 import uuid
-import zlib
-from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,8 +41,8 @@ from kvtier.storage.file_io import (
     fsync_dir,
     os_kind,
     read_object,
-    result_of,
     unlink_quiet,
+    writev_all,
 )
 
 if TYPE_CHECKING:
@@ -50,14 +51,36 @@ if TYPE_CHECKING:
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
 _TMP_SUFFIX = ".tmp"
-_POOL_CRC_BYTES = 256 << 10
+_POOL_MIN_BYTES = 256 << 10
+"""Smaller batches run on the calling thread: handing them to a thread costs more than it saves."""
 
 
-def _write_all(f: object, data: memoryview) -> None:
-    """Write all of ``data`` to the unbuffered file ``f``."""
-    while data:
-        n = f.write(data)  # type: ignore[attr-defined]
-        data = data[n:]
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` to ``fd`` in order (a seam tests replace to inject write faults)."""
+    writev_all(fd, views)
+
+
+@dataclass
+class _SetState:
+    stored: int = 0
+    failed: bool = False
+
+
+def _settled(fut: Future[None] | None) -> bool:
+    return fut is None or fut.done()
+
+
+def _start(pool: ThreadPoolExecutor | None, job: Callable[[], None]) -> Future[None]:
+    """``job`` on ``pool``, or run now on the calling thread when there is none."""
+    if pool is not None:
+        return pool.submit(job)
+    fut: Future[None] = Future()
+    try:
+        job()
+        fut.set_result(None)
+    except BaseException as e:  # noqa: BLE001 - delivered through the future
+        fut.set_exception(e)
+    return fut
 
 
 class FileBackend(StorageBackend):
@@ -78,8 +101,10 @@ class FileBackend(StorageBackend):
         namespace: Namespace,
         budget_bytes: int,
         fsync: bool = False,
+        io_threads: int = 4,
     ) -> None:
-        """Create ``root/<namespace>`` and index what it holds.
+        """Create ``root/<namespace>`` and index what it holds; large batches run on
+        ``io_threads`` threads (1: all on the calling thread).
 
         Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``) when the directory
         cannot be created or written, or the budget is not positive.
@@ -92,6 +117,9 @@ class FileBackend(StorageBackend):
         self.dir = os.path.join(self.root, namespace)
         self.budget_bytes = budget_bytes
         self.fsync = fsync
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"io_threads must be a positive integer, got {io_threads!r}")
+        self.io_threads = io_threads
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
@@ -173,111 +201,183 @@ class FileBackend(StorageBackend):
         return n
 
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
-        """Read and verify objects into ``buffers`` in order; stops at the first miss or fault.
+        """Read and verify objects into ``buffers``; returns the leading count read and
+        verified, stopping at the first miss or fault.
 
-        Faults: ``missing`` (indexed, but the file was removed behind the index),
-        ``short_read`` (truncated file), ``checksum`` (bad magic/version/size/crc, or a buffer
-        whose size differs from the stored payload), ``permission``/``io`` (OS errors). An
-        object that fails to read leaves the index (its bytes leave ``bytes_used``), so the next
-        backup of its key writes it again; corrupt or truncated files are also deleted.
+        Batches of at least ``_POOL_MIN_BYTES`` are read on the I/O threads in parallel (one
+        ``preadv`` per object straight into its buffer, then the payload digest); all reads
+        have ended when this returns. Faults: ``missing`` (indexed, but the file was removed
+        behind the index), ``short_read`` (truncated file), ``format`` (another envelope
+        version), ``checksum`` (bad digest or size, or a buffer whose size differs from the
+        stored payload), ``permission``/``io`` (OS errors). Only the first failing object in
+        key order counts: the caller sees the batch stop there, and objects past it are not
+        looked at again. A failed object leaves the index (its bytes leave ``bytes_used``), so
+        the next backup of its key writes it again; corrupt or truncated files are deleted.
         """
         check_lengths(keys, buffers)
-        # Checksums of large pages run on worker threads, overlapping the next page's read.
-        checks: list[tuple[str, str, Future[int] | int, int]] = []
-        for key, dest in zip(keys, [flat_cpu_bytes(b) for b in buffers], strict=True):
-            with self._lock:
+        dests = [flat_cpu_bytes(b) for b in buffers]
+        with self._lock:
+            run = 0
+            for key in keys:
                 if key not in self._index:
                     break
                 self._index.move_to_end(key)
-            path = self._path(key)
-            try:
-                want = read_object(path, self.namespace, key, dest)
-            except FileNotFoundError:
-                self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
-                break
-            except StorageError as f:
-                self.fault(f.kind, f"{path}: {f.detail}")
-                if isinstance(f, CorruptObject):
-                    self._forget(key, delete=True)
-                break
-            except OSError as e:
-                # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
-                self.fault(os_kind(e), f"read {path}: {e}")
-                self._forget(key, delete=False)
-                break
-            checks.append((key, path, self._crc(dest), want))
-        n = 0
-        for key, path, got, want in checks:
-            if result_of(got) != want:
-                self.fault("checksum", f"{path}: payload crc32 mismatch")
+                run += 1
+        paths = [self._path(k) for k in keys[:run]]
+        jobs = [
+            functools.partial(self._read_one, p, k, d)
+            for p, k, d in zip(paths, keys, dests, strict=False)
+        ]
+        n, failure = self._run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
+        if failure is None:
+            return n
+        key, path = keys[n], paths[n]
+        if isinstance(failure, FileNotFoundError):
+            self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
+        elif isinstance(failure, StorageError):
+            self.fault(failure.kind, f"{path}: {failure.detail}")
+            if isinstance(failure, CorruptObject):
                 self._forget(key, delete=True)
-                break
-            with contextlib.suppress(OSError):
-                # Persist recency so a restart rebuilds the LRU order from mtimes.
-                os.utime(path)
-            n += 1
+        elif isinstance(failure, OSError):
+            # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
+            self.fault(os_kind(failure), f"read {path}: {failure}")
+            self._forget(key, delete=False)
+        else:
+            raise failure
         return n
 
-    def _crc(self, data: np.ndarray) -> Future[int] | int:
-        """crc32 of ``data``; large buffers go to worker threads (zlib releases the GIL)."""
-        if data.nbytes < _POOL_CRC_BYTES:
-            return zlib.crc32(memoryview(data))
+    def _read_one(self, path: str, key: str, dest: np.ndarray) -> None:
+        read_object(path, self.namespace, key, dest)
+        with contextlib.suppress(OSError):
+            # Persist recency so a restart rebuilds the LRU order from mtimes.
+            os.utime(path)
+
+    def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                workers = min(4, os.cpu_count() or 1)
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-file-crc")
-            pool = self._pool
-        return pool.submit(zlib.crc32, memoryview(data))
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-file")
+            return self._pool
+
+    def _run_ordered(
+        self, jobs: Sequence[Callable[[], None]], nbytes: int
+    ) -> tuple[int, BaseException | None]:
+        """Run ``jobs``; returns how many leading ones succeeded and the first failure.
+
+        Large batches run on the I/O threads; after a failure, jobs not yet started are
+        cancelled and this waits for the running ones, so none touches a buffer afterwards."""
+        if len(jobs) < 2 or self.io_threads < 2 or nbytes < _POOL_MIN_BYTES:
+            for i, job in enumerate(jobs):
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001 - handed to the caller in key order
+                    return i, e
+            return len(jobs), None
+        pool = self._executor()
+        futures = [pool.submit(job) for job in jobs]
+        for i, fut in enumerate(futures):
+            failure = fut.exception()
+            if failure is not None:
+                for later in futures[i + 1 :]:
+                    later.cancel()
+                wait(futures[i + 1 :])
+                return i, failure
+        return len(futures), None
 
     def close(self) -> None:
-        """Stop the checksum threads; the backend is not used afterwards."""
+        """Stop the I/O threads; the backend is not used afterwards."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
 
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
-        """Store ``buffers`` under ``keys`` in order, evicting LRU objects to fit the budget;
-        stops at the first fault (``no_space``, ``permission``, ``io``).
+        """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
+        the leading count stored, stopping at the first fault (``no_space``, ``permission``,
+        ``io``).
 
-        Keys already stored are not rewritten and count as stored (and become most recent),
+        Batches of at least ``_POOL_MIN_BYTES`` are written on the I/O threads, at most
+        ``2 * io_threads`` objects ahead of the oldest unfinished one; each object's bytes
+        are reserved in key order before its write starts. Only the first fault in key order
+        counts; objects past it that were already written stay stored (not counted). Keys
+        already stored are not rewritten and count as stored (and become most recent),
         unless their file is gone (``missing``): those are written again. A full disk
         (``ENOSPC``/``EDQUOT``) lowers the budget to what the disk held and evicts LRU objects
         to make room, retrying until the write fits or nothing is left to evict.
         """
         check_lengths(keys, buffers)
         payloads = [flat_cpu_bytes(b) for b in buffers]
-        with self._lock:
-            stored = [k in self._index for k in keys]
-        # Checksums of later pages are computed while earlier pages are being written.
-        crcs = [None if have else self._crc(p) for have, p in zip(stored, payloads, strict=True)]
-        n = 0
-        for key, payload, crc in zip(keys, payloads, crcs, strict=True):
+        total = sum(p.nbytes for p in payloads)
+        parallel = len(keys) > 1 and self.io_threads > 1 and total >= _POOL_MIN_BYTES
+        pool = self._executor() if parallel else None
+        window = 2 * self.io_threads
+        pending: deque[tuple[str, str, int, Future[None] | None]] = deque()
+        state = _SetState()
+        for key, payload in zip(keys, payloads, strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
             self._drop_vanished(key, path)
-            with self._lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                    n += 1
-                    continue
-                fits = size <= self.budget_bytes
-                if fits:
-                    self._evict_locked(size)
-                    # Reserve the bytes now so concurrent writers cannot overshoot the budget.
-                    self._used += size
-            if not fits:
-                self.fault("no_space", f"{size}-byte object exceeds budget {self.budget_bytes}")
+            while True:
+                with self._lock:
+                    stored, blocked = key in self._index, False
+                    fits = stored or size <= self.budget_bytes
+                    if stored:
+                        self._index.move_to_end(key)
+                    elif fits:
+                        self._evict_locked(size)
+                        # Earlier writes of this batch hold reservations; once reaped they
+                        # are indexed and can be evicted in turn.
+                        blocked = self._used + size > self.budget_bytes and bool(pending)
+                        if not blocked:
+                            # Reserve the bytes now so concurrent writers cannot overshoot.
+                            self._used += size
+                if stored or not fits or not blocked:
+                    break
+                self._reap(pending.popleft(), state)
+            if stored:
+                pending.append((key, path, size, None))
+            elif not fits:
+                fut: Future[None] = Future()
+                fut.set_exception(
+                    StorageError(
+                        "no_space", f"{size}-byte object exceeds budget {self.budget_bytes}"
+                    )
+                )
+                pending.append((key, path, size, fut))
                 break
-            if not self._write_reserved(path, key, payload, crc, size):
+            else:
+                job = functools.partial(self._write_reserved, path, key, payload, size)
+                pending.append((key, path, size, _start(pool, job)))
+            while len(pending) > window or (pending and _settled(pending[0][3])):
+                self._reap(pending.popleft(), state)
+            if state.failed:
                 break
-            with self._lock:
-                if key in self._index:
-                    self._used -= size
-                else:
-                    self._index[key] = size
-            n += 1
-        return n
+        while pending:
+            self._reap(pending.popleft(), state)
+        return state.stored
+
+    def _reap(self, entry: tuple[str, str, int, Future[None] | None], state: _SetState) -> None:
+        """Account for one write of ``batch_set`` in key order: index it, or count its fault
+        when it is the batch's first."""
+        key, path, size, fut = entry
+        failure = None if fut is None else fut.exception()
+        if failure is None:
+            if fut is not None:
+                with self._lock:
+                    if key in self._index:
+                        self._used -= size
+                    else:
+                        self._index[key] = size
+            if not state.failed:
+                state.stored += 1
+            return
+        if not state.failed:
+            if isinstance(failure, StorageError):
+                self.fault(failure.kind, f"{path}: {failure.detail}")
+            elif isinstance(failure, OSError):
+                self.fault(os_kind(failure), f"write {path}: {failure}")
+            else:
+                raise failure
+        state.failed = True
 
     def _drop_vanished(self, key: str, path: str) -> bool:
         """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
@@ -290,17 +390,15 @@ class FileBackend(StorageBackend):
         self.fault("missing", f"{path}: indexed object file is gone")
         return True
 
-    def _write_reserved(
-        self, path: str, key: str, payload: np.ndarray, crc: Future[int] | int | None, size: int
-    ) -> bool:
+    def _write_reserved(self, path: str, key: str, payload: np.ndarray, size: int) -> None:
         """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
-        reservation is returned and the fault counted. A full disk shrinks the budget and
+        reservation is returned and the ``OSError`` raised. A full disk shrinks the budget and
         evicts before each retry."""
-        value = result_of(self._crc(payload) if crc is None else crc)
+        value = envelope.digest(memoryview(payload))
         while True:
             try:
                 self._write(path, key, payload, value)
-                return True
+                return
             except OSError as e:
                 with self._lock:
                     self._used -= size
@@ -308,8 +406,7 @@ class FileBackend(StorageBackend):
                     if retry:
                         self._used += size
                 if not retry:
-                    self.fault(os_kind(e), f"write {path}: {e}")
-                    return False
+                    raise
 
     def _shrink_locked(self, incoming: int) -> bool:
         """The disk is full: make what it holds now the budget and evict LRU objects so
@@ -352,17 +449,23 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write(self, path: str, key: str, payload: np.ndarray, crc: int) -> None:
-        header = envelope.pack(self.namespace, key, payload.nbytes, crc)
+    def _write(self, path: str, key: str, payload: np.ndarray, digest: int) -> None:
+        header = envelope.pack(self.namespace, key, payload.nbytes, digest)
         d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            with open(tmp, "xb", buffering=0) as f:
-                _write_all(f, memoryview(header))
-                _write_all(f, memoryview(payload))
+            try:
+                fd = os.open(tmp, flags, 0o666)
+            except FileNotFoundError:
+                os.makedirs(d, exist_ok=True)
+                fd = os.open(tmp, flags, 0o666)
+            try:
+                _write_all(fd, [memoryview(header), memoryview(payload)])
                 if self.fsync:
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
             if self.fsync:
                 fsync_dir(d)

@@ -1,12 +1,12 @@
 """Small pieces under the local-file L3 backend (``kvtier.storage.file``): the corrupt-object
-fault, unbuffered whole-buffer reads and writes, and OS-error kinds."""
+fault, payload reads in one ``preadv`` straight into the caller's buffer, vectored
+writes, and OS-error kinds."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -18,18 +18,40 @@ from kvtier.storage.envelope import HEADER_BYTES
 
 class CorruptObject(StorageError):
     """A ``StorageError`` on an object file that can never be read back (bad envelope,
-    truncated, wrong size): the backend deletes it."""
+    truncated, wrong size, payload digest mismatch): the backend deletes it."""
 
 
-def readinto_all(f: object, dest: memoryview) -> int:
-    """Fill ``dest`` from the unbuffered file ``f``; returns the bytes read (short at EOF)."""
+def _tail(views: list[memoryview], skip: int) -> list[memoryview]:
+    """``views`` without their first ``skip`` bytes."""
+    out: list[memoryview] = []
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        out.append(v[skip:])
+        skip = 0
+    return out
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` in order from ``offset`` of ``fd``; returns the bytes read (short at
+    EOF). One syscall unless the kernel returns short."""
+    total = sum(len(v) for v in views)
     done = 0
-    while done < len(dest):
-        n = f.readinto(dest[done:])  # type: ignore[attr-defined]
+    while done < total:
+        n = os.preadv(fd, _tail(views, done) if done else views, offset + done)
         if not n:
             break
         done += n
     return done
+
+
+def writev_all(fd: int, views: list[memoryview]) -> None:
+    """Write all of ``views`` to ``fd`` in order; one syscall unless the kernel takes less."""
+    total = sum(len(v) for v in views)
+    done = 0
+    while done < total:
+        done += os.writev(fd, _tail(views, done) if done else views)
 
 
 def unlink_quiet(path: str) -> None:
@@ -45,10 +67,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def result_of(value: Future[int] | int) -> int:
-    return value if isinstance(value, int) else value.result()
-
-
 def os_kind(exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no_space"
@@ -57,31 +75,39 @@ def os_kind(exc: OSError) -> str:
     return "io"
 
 
-def read_object(path: str, namespace: Namespace, key: str, dest: np.ndarray) -> int:
-    """Fill ``dest`` with the payload at ``path`` after verifying the envelope header and
-    sizes; returns the stored payload crc32 for the caller to verify.
+def read_object(path: str, namespace: Namespace, key: str, dest: np.ndarray) -> None:
+    """Fill ``dest`` with the payload at ``path`` and verify header, sizes and payload digest.
 
-    Raises ``CorruptObject`` for a file that is not a whole object of ``key``, ``StorageError``
-    (``checksum``) when the object is whole but ``dest`` has another size, and ``OSError``
-    when the file cannot be opened or read."""
-    with open(path, "rb", buffering=0) as f:
-        file_size = os.fstat(f.fileno()).st_size
-        head = f.read(HEADER_BYTES)
+    The header is verified before any byte lands in ``dest`` (another deployment's payload is
+    never copied into the caller's buffer); the payload then arrives in one ``preadv``
+    straight into ``dest``, with one byte past it to detect a longer file. Raises
+    ``CorruptObject`` for a file that is not a whole, intact object of ``key``,
+    ``StorageError`` (``checksum``) when the object is whole but ``dest`` has another size,
+    and ``OSError`` when the file cannot be opened or read. ``dest`` may hold partial bytes
+    after a failure."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, HEADER_BYTES, 0)
         try:
-            length, crc = envelope.unpack(head, namespace, key)
+            length, want = envelope.unpack(head, namespace, key)
         except StorageError as e:
             raise CorruptObject(e.kind, e.detail) from None
-        if file_size < HEADER_BYTES + length:
-            raise CorruptObject(
-                "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
+        if length == dest.nbytes:
+            spare = bytearray(1)
+            file_size = HEADER_BYTES + preadv_all(
+                fd, [memoryview(dest), memoryview(spare)], HEADER_BYTES
             )
-        if file_size > HEADER_BYTES + length:
-            raise CorruptObject("checksum", f"file size {file_size} exceeds header + {length}")
-        if length != dest.nbytes:
-            raise StorageError(
-                "checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}"
-            )
-        got = readinto_all(f, memoryview(dest))
-    if got != length:
-        raise CorruptObject("short_read", f"read {got} of {length} payload bytes")
-    return crc
+        else:
+            file_size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if file_size < HEADER_BYTES + length:
+        raise CorruptObject(
+            "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
+        )
+    if file_size > HEADER_BYTES + length:
+        raise CorruptObject("checksum", f"file size exceeds header + {length}")
+    if length != dest.nbytes:
+        raise StorageError("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")
+    if envelope.digest(memoryview(dest)) != want:
+        raise CorruptObject("checksum", "payload checksum mismatch")
