@@ -11,8 +11,7 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import create_backend
-from kvtier.storage import file as file_mod
+from kvtier.storage import create_backend, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
 
 NS = Namespace("ns0")
@@ -200,7 +199,7 @@ def test_write_errors_are_faults_without_leftovers(
         os.write(fd, views[0])  # header written, payload fails: a partial temp file exists
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(file_mod, "_write_all", failing_write)
+    monkeypatch.setattr(file_io, "writev_all", failing_write)
     assert be.batch_set(keys("k0", "k1"), [page(0), page(1)]) == 0
     assert (calls, be.errors) == (1, {kind: 1})
     assert temp_files(tmp_path) == []
@@ -212,7 +211,7 @@ def test_write_errors_are_faults_without_leftovers(
 def test_write_fault_stops_after_stored_prefix(
     be: FileBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = file_mod._write_all
+    real = file_io.writev_all
     calls = 0
 
     def failing_write(fd: int, views: list[memoryview]) -> None:
@@ -222,7 +221,7 @@ def test_write_fault_stops_after_stored_prefix(
             raise OSError(errno.EIO, "Input/output error")
         real(fd, views)
 
-    monkeypatch.setattr(file_mod, "_write_all", failing_write)
+    monkeypatch.setattr(file_io, "writev_all", failing_write)
     assert be.batch_set(keys("k0", "k1", "k2"), [page(0), page(1), page(2)]) == 1
     assert (calls, be.errors) == (2, {"io": 1})
     assert temp_files(tmp_path) == []

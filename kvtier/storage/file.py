@@ -18,9 +18,8 @@ import os
 import threading
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,50 +36,20 @@ from kvtier.storage.base import (
     log,
 )
 from kvtier.storage.file_io import (
+    TMP_SUFFIX,
     CorruptObject,
-    fsync_dir,
     os_kind,
     read_object,
     unlink_quiet,
-    writev_all,
+    write_object,
 )
+from kvtier.storage.file_pool import BatchProgress, OrderedIO, failed, settled
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
 
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
-_TMP_SUFFIX = ".tmp"
-_POOL_MIN_BYTES = 256 << 10
-"""Smaller batches run on the calling thread: handing them to a thread costs more than it saves."""
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """Write ``views`` to ``fd`` in order (a seam tests replace to inject write faults)."""
-    writev_all(fd, views)
-
-
-@dataclass
-class _SetState:
-    stored: int = 0
-    failed: bool = False
-
-
-def _settled(fut: Future[None] | None) -> bool:
-    return fut is None or fut.done()
-
-
-def _start(pool: ThreadPoolExecutor | None, job: Callable[[], None]) -> Future[None]:
-    """``job`` on ``pool``, or run now on the calling thread when there is none."""
-    if pool is not None:
-        return pool.submit(job)
-    fut: Future[None] = Future()
-    try:
-        job()
-        fut.set_result(None)
-    except BaseException as e:  # noqa: BLE001 - delivered through the future
-        fut.set_exception(e)
-    return fut
 
 
 class FileBackend(StorageBackend):
@@ -106,8 +75,9 @@ class FileBackend(StorageBackend):
         """Create ``root/<namespace>`` and index what it holds; large batches run on
         ``io_threads`` threads (1: all on the calling thread).
 
-        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``) when the directory
-        cannot be created or written, or the budget is not positive.
+        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``/``io_threads``) when
+        the directory cannot be created or written, or the budget or thread count is not
+        positive.
         """
         super().__init__()
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -117,16 +87,13 @@ class FileBackend(StorageBackend):
         self.dir = os.path.join(self.root, namespace)
         self.budget_bytes = budget_bytes
         self.fsync = fsync
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"io_threads must be a positive integer, got {io_threads!r}")
-        self.io_threads = io_threads
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._evictions = 0
         self._shrunk = False
-        self._pool: ThreadPoolExecutor | None = None
-        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        self._io = OrderedIO(io_threads, "kvtier-file")
+        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             os.makedirs(self.dir, exist_ok=True)
             with open(probe, "xb"):
@@ -156,7 +123,7 @@ class FileBackend(StorageBackend):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(sub.path):
-                if entry.name.endswith(_TMP_SUFFIX):
+                if entry.name.endswith(TMP_SUFFIX):
                     # Left by a write that died before os.replace: never a whole object.
                     unlink_quiet(entry.path)
                 elif entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
@@ -204,7 +171,7 @@ class FileBackend(StorageBackend):
         """Read and verify objects into ``buffers``; returns the leading count read and
         verified, stopping at the first miss or fault.
 
-        Batches of at least ``_POOL_MIN_BYTES`` are read on the I/O threads in parallel (one
+        Batches of at least ``file_pool.POOL_MIN_BYTES`` are read on the I/O threads in parallel (one
         ``preadv`` per object straight into its buffer, then the payload digest); all reads
         have ended when this returns. Faults: ``missing`` (indexed, but the file was removed
         behind the index), ``short_read`` (truncated file), ``format`` (another envelope
@@ -228,7 +195,7 @@ class FileBackend(StorageBackend):
             functools.partial(self._read_one, p, k, d)
             for p, k, d in zip(paths, keys, dests, strict=False)
         ]
-        n, failure = self._run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
+        n, failure = self._io.run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
         if failure is None:
             return n
         key, path = keys[n], paths[n]
@@ -252,50 +219,16 @@ class FileBackend(StorageBackend):
             # Persist recency so a restart rebuilds the LRU order from mtimes.
             os.utime(path)
 
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-file")
-            return self._pool
-
-    def _run_ordered(
-        self, jobs: Sequence[Callable[[], None]], nbytes: int
-    ) -> tuple[int, BaseException | None]:
-        """Run ``jobs``; returns how many leading ones succeeded and the first failure.
-
-        Large batches run on the I/O threads; after a failure, jobs not yet started are
-        cancelled and this waits for the running ones, so none touches a buffer afterwards."""
-        if len(jobs) < 2 or self.io_threads < 2 or nbytes < _POOL_MIN_BYTES:
-            for i, job in enumerate(jobs):
-                try:
-                    job()
-                except BaseException as e:  # noqa: BLE001 - handed to the caller in key order
-                    return i, e
-            return len(jobs), None
-        pool = self._executor()
-        futures = [pool.submit(job) for job in jobs]
-        for i, fut in enumerate(futures):
-            failure = fut.exception()
-            if failure is not None:
-                for later in futures[i + 1 :]:
-                    later.cancel()
-                wait(futures[i + 1 :])
-                return i, failure
-        return len(futures), None
-
     def close(self) -> None:
         """Stop the I/O threads; the backend is not used afterwards."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._io.close()
 
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
         the leading count stored, stopping at the first fault (``no_space``, ``permission``,
         ``io``).
 
-        Batches of at least ``_POOL_MIN_BYTES`` are written on the I/O threads, at most
+        Batches of at least ``file_pool.POOL_MIN_BYTES`` are written on the I/O threads, at most
         ``2 * io_threads`` objects ahead of the oldest unfinished one; each object's bytes
         are reserved in key order before its write starts. Only the first fault in key order
         counts; objects past it that were already written stay stored (not counted). Keys
@@ -306,12 +239,10 @@ class FileBackend(StorageBackend):
         """
         check_lengths(keys, buffers)
         payloads = [flat_cpu_bytes(b) for b in buffers]
-        total = sum(p.nbytes for p in payloads)
-        parallel = len(keys) > 1 and self.io_threads > 1 and total >= _POOL_MIN_BYTES
-        pool = self._executor() if parallel else None
-        window = 2 * self.io_threads
+        parallel = self._io.parallel(len(keys), sum(p.nbytes for p in payloads))
+        window = 2 * self._io.threads
         pending: deque[tuple[str, str, int, Future[None] | None]] = deque()
-        state = _SetState()
+        state = BatchProgress()
         for key, payload in zip(keys, payloads, strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
@@ -336,26 +267,21 @@ class FileBackend(StorageBackend):
             if stored:
                 pending.append((key, path, size, None))
             elif not fits:
-                fut: Future[None] = Future()
-                fut.set_exception(
-                    StorageError(
-                        "no_space", f"{size}-byte object exceeds budget {self.budget_bytes}"
-                    )
-                )
-                pending.append((key, path, size, fut))
+                too_big = f"{size}-byte object exceeds budget {self.budget_bytes}"
+                pending.append((key, path, size, failed(StorageError("no_space", too_big))))
                 break
             else:
                 job = functools.partial(self._write_reserved, path, key, payload, size)
-                pending.append((key, path, size, _start(pool, job)))
-            while len(pending) > window or (pending and _settled(pending[0][3])):
+                pending.append((key, path, size, self._io.start(job, parallel)))
+            while len(pending) > window or (pending and settled(pending[0][3])):
                 self._reap(pending.popleft(), state)
             if state.failed:
                 break
         while pending:
             self._reap(pending.popleft(), state)
-        return state.stored
+        return state.done
 
-    def _reap(self, entry: tuple[str, str, int, Future[None] | None], state: _SetState) -> None:
+    def _reap(self, entry: tuple[str, str, int, Future[None] | None], state: BatchProgress) -> None:
         """Account for one write of ``batch_set`` in key order: index it, or count its fault
         when it is the batch's first."""
         key, path, size, fut = entry
@@ -368,7 +294,7 @@ class FileBackend(StorageBackend):
                     else:
                         self._index[key] = size
             if not state.failed:
-                state.stored += 1
+                state.done += 1
             return
         if not state.failed:
             if isinstance(failure, StorageError):
@@ -451,29 +377,7 @@ class FileBackend(StorageBackend):
 
     def _write(self, path: str, key: str, payload: np.ndarray, digest: int) -> None:
         header = envelope.pack(self.namespace, key, payload.nbytes, digest)
-        d = os.path.dirname(path)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            try:
-                fd = os.open(tmp, flags, 0o666)
-            except FileNotFoundError:
-                os.makedirs(d, exist_ok=True)
-                fd = os.open(tmp, flags, 0o666)
-            try:
-                _write_all(fd, [memoryview(header), memoryview(payload)])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            if self.fsync:
-                fsync_dir(d)
-        except BaseException:
-            # The key is not indexed yet, so whatever reached the disk is ours to remove.
-            unlink_quiet(tmp)
-            unlink_quiet(path)
-            raise
+        write_object(path, [memoryview(header), memoryview(payload)], self.fsync)
 
     def stats(self) -> dict[str, float]:
         """``bytes_used``, ``objects``, ``budget_bytes`` and ``evictions`` so far."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import uuid
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.storage import envelope
 from kvtier.storage.envelope import HEADER_BYTES
+
+TMP_SUFFIX = ".tmp"
+"""Names of files a write has not published yet (a restart removes them)."""
 
 
 class CorruptObject(StorageError):
@@ -111,3 +115,32 @@ def read_object(path: str, namespace: Namespace, key: str, dest: np.ndarray) -> 
         raise StorageError("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")
     if envelope.digest(memoryview(dest)) != want:
         raise CorruptObject("checksum", "payload checksum mismatch")
+
+
+def write_object(path: str, views: list[memoryview], fsync: bool) -> None:
+    """Publish ``views`` (header, payload) as the file ``path``: written in one ``writev`` to
+    a temp file in the same directory (created if missing), then ``os.replace``d, so readers
+    only see whole objects; with ``fsync`` the file and the directory are synced. On any
+    failure nothing of it is left behind (the caller has not indexed the key yet)."""
+    d = os.path.dirname(path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileNotFoundError:
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(tmp, flags, 0o666)
+        try:
+            writev_all(fd, views)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if fsync:
+            fsync_dir(d)
+    except BaseException:
+        unlink_quiet(tmp)
+        unlink_quiet(path)
+        raise
