@@ -45,6 +45,11 @@ def digest(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def hasher() -> xxhash.xxh3_64:
+    """A streaming ``digest``: ``update`` it with consecutive pieces, then ``intdigest``."""
+    return xxhash.xxh3_64()
+
+
 def pack(namespace: str, key: str, payload_len: int, payload_digest: int) -> bytes:
     """Header bytes for an object whose payload has ``payload_len`` bytes and XXH3-64
     ``payload_digest``. Raises ``RequestError`` naming a namespace over 32 or a key over 48

@@ -17,9 +17,8 @@ import functools
 import os
 import threading
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,7 +42,7 @@ from kvtier.storage.file_io import (
     unlink_quiet,
     write_object,
 )
-from kvtier.storage.file_pool import BatchProgress, OrderedIO, failed, settled
+from kvtier.storage.file_pool import NOT_RUN, BatchProgress, OrderedIO, leading
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
@@ -52,12 +51,18 @@ HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
 
 
+_Planned = tuple[str, str, int, "np.ndarray | None"]
+"""An object of a ``batch_set`` round: key, path, size, payload (``None``: already stored)."""
+
+
+def _noop() -> None:
+    """The job of an object that is already stored."""  # noqa: D401
+
+
 class FileBackend(StorageBackend):
     """Objects as files in a local directory, bounded by ``budget_bytes`` (file sizes including
-    headers) with least-recently-used eviction. Persistent across restarts on the same dir.
-
-    Thread-safe: one lock guards the index; reads and writes of object files happen outside it.
-    """
+    headers) with LRU eviction; persistent across restarts on the same dir. Thread-safe: one
+    lock guards the index; reads and writes of object files happen outside it."""
 
     name = "file"
     capabilities = StorageCapabilities(
@@ -70,10 +75,11 @@ class FileBackend(StorageBackend):
         namespace: Namespace,
         budget_bytes: int,
         fsync: bool = False,
-        io_threads: int = 4,
+        io_threads: int | None = None,
     ) -> None:
         """Create ``root/<namespace>`` and index what it holds; large batches run on
-        ``io_threads`` threads (1: all on the calling thread).
+        ``io_threads`` threads including the caller's (default: one per core, at most 4; 1:
+        all on the calling thread).
 
         Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``/``io_threads``) when
         the directory cannot be created or written, or the budget or thread count is not
@@ -92,7 +98,8 @@ class FileBackend(StorageBackend):
         self._used = 0
         self._evictions = 0
         self._shrunk = False
-        self._io = OrderedIO(io_threads, "kvtier-file")
+        threads = min(4, os.cpu_count() or 1) if io_threads is None else io_threads
+        self._io = OrderedIO(threads, "kvtier-file")
         probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             os.makedirs(self.dir, exist_ok=True)
@@ -169,17 +176,15 @@ class FileBackend(StorageBackend):
 
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Read and verify objects into ``buffers``; returns the leading count read and
-        verified, stopping at the first miss or fault.
+        verified, stopping at the first miss or fault. Large batches run on the I/O threads
+        (``OrderedIO``); all reads have ended when this returns.
 
-        Batches of at least ``file_pool.POOL_MIN_BYTES`` are read on the I/O threads in parallel (one
-        ``preadv`` per object straight into its buffer, then the payload digest); all reads
-        have ended when this returns. Faults: ``missing`` (indexed, but the file was removed
-        behind the index), ``short_read`` (truncated file), ``format`` (another envelope
-        version), ``checksum`` (bad digest or size, or a buffer whose size differs from the
-        stored payload), ``permission``/``io`` (OS errors). Only the first failing object in
-        key order counts: the caller sees the batch stop there, and objects past it are not
-        looked at again. A failed object leaves the index (its bytes leave ``bytes_used``), so
-        the next backup of its key writes it again; corrupt or truncated files are deleted.
+        Faults: ``missing`` (indexed, file removed behind the index), ``short_read``
+        (truncated), ``format`` (another envelope version), ``checksum`` (bad digest or size,
+        or a buffer of another size than the payload), ``permission``/``io`` (OS errors). Only
+        the first failure in key order counts; objects past it are not looked at again. A
+        failed object leaves the index (and ``bytes_used``), so the next backup of its key
+        writes it again; corrupt or truncated files are deleted.
         """
         check_lengths(keys, buffers)
         dests = [flat_cpu_bytes(b) for b in buffers]
@@ -195,10 +200,11 @@ class FileBackend(StorageBackend):
             functools.partial(self._read_one, p, k, d)
             for p, k, d in zip(paths, keys, dests, strict=False)
         ]
-        n, failure = self._io.run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
-        if failure is None:
+        outcomes = self._io.run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
+        n = leading(outcomes)
+        if n == run:
             return n
-        key, path = keys[n], paths[n]
+        key, path, failure = keys[n], paths[n], outcomes[n]
         if isinstance(failure, FileNotFoundError):
             self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
         elif isinstance(failure, StorageError):
@@ -209,7 +215,7 @@ class FileBackend(StorageBackend):
             # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
             self.fault(os_kind(failure), f"read {path}: {failure}")
             self._forget(key, delete=False)
-        else:
+        elif failure is not None:
             raise failure
         return n
 
@@ -226,84 +232,84 @@ class FileBackend(StorageBackend):
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
         the leading count stored, stopping at the first fault (``no_space``, ``permission``,
-        ``io``).
+        ``io``). Rounds: objects are reserved in key order while they fit beside the round's
+        own writes, written (large rounds on the I/O threads), indexed.
 
-        Batches of at least ``file_pool.POOL_MIN_BYTES`` are written on the I/O threads, at most
-        ``2 * io_threads`` objects ahead of the oldest unfinished one; each object's bytes
-        are reserved in key order before its write starts. Only the first fault in key order
-        counts; objects past it that were already written stay stored (not counted). Keys
-        already stored are not rewritten and count as stored (and become most recent),
-        unless their file is gone (``missing``): those are written again. A full disk
-        (``ENOSPC``/``EDQUOT``) lowers the budget to what the disk held and evicts LRU objects
-        to make room, retrying until the write fits or nothing is left to evict.
+        Only the first fault in key order counts; objects past it already written stay stored
+        (not counted). Stored keys are not rewritten and count as stored (and become most
+        recent) unless their file is gone (``missing``). A full disk (``ENOSPC``/``EDQUOT``)
+        lowers the budget to what the disk held and evicts LRU objects, retrying until the
+        write fits or nothing is left to evict.
         """
         check_lengths(keys, buffers)
         payloads = [flat_cpu_bytes(b) for b in buffers]
-        parallel = self._io.parallel(len(keys), sum(p.nbytes for p in payloads))
-        window = 2 * self._io.threads
-        pending: deque[tuple[str, str, int, Future[None] | None]] = deque()
         state = BatchProgress()
-        for key, payload in zip(keys, payloads, strict=True):
+        i = 0
+        while i < len(keys) and not state.failed:
+            plan, refused = self._plan(keys, payloads, i)
+            i += len(plan)
+            self._write_round(plan, state)
+            if refused is not None and not state.failed:
+                self.fault(refused.kind, refused.detail)
+                state.failed = True
+        return state.done
+
+    def _plan(
+        self, keys: Sequence[PageKey], payloads: list[np.ndarray], start: int
+    ) -> tuple[list[_Planned], StorageError | None]:
+        """Reserve the bytes of objects from ``start`` on in key order, until one does not fit
+        beside this round's reservations; returns ``(key, path, size, payload)`` for each
+        (``payload`` ``None`` when already stored) and the fault of an object no budget fits."""
+        plan: list[_Planned] = []
+        writes = 0
+        for key, payload in zip(keys[start:], payloads[start:], strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
             self._drop_vanished(key, path)
-            while True:
-                with self._lock:
-                    stored, blocked = key in self._index, False
-                    fits = stored or size <= self.budget_bytes
-                    if stored:
-                        self._index.move_to_end(key)
-                    elif fits:
-                        self._evict_locked(size)
-                        # Earlier writes of this batch hold reservations; once reaped they
-                        # are indexed and can be evicted in turn.
-                        blocked = self._used + size > self.budget_bytes and bool(pending)
-                        if not blocked:
-                            # Reserve the bytes now so concurrent writers cannot overshoot.
-                            self._used += size
-                if stored or not fits or not blocked:
-                    break
-                self._reap(pending.popleft(), state)
-            if stored:
-                pending.append((key, path, size, None))
-            elif not fits:
-                too_big = f"{size}-byte object exceeds budget {self.budget_bytes}"
-                pending.append((key, path, size, failed(StorageError("no_space", too_big))))
-                break
-            else:
-                job = functools.partial(self._write_reserved, path, key, payload, size)
-                pending.append((key, path, size, self._io.start(job, parallel)))
-            while len(pending) > window or (pending and settled(pending[0][3])):
-                self._reap(pending.popleft(), state)
-            if state.failed:
-                break
-        while pending:
-            self._reap(pending.popleft(), state)
-        return state.done
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    plan.append((key, path, size, None))
+                    continue
+                if size > self.budget_bytes:
+                    return plan, StorageError(
+                        "no_space", f"{size}-byte object exceeds budget {self.budget_bytes}"
+                    )
+                self._evict_locked(size)
+                if writes and self._used + size > self.budget_bytes:
+                    # This round's own writes hold the space: once indexed they can be evicted.
+                    return plan, None
+                # Reserved now so concurrent writers cannot overshoot the budget.
+                self._used += size
+            plan.append((key, path, size, payload))
+            writes += 1
+        return plan, None
 
-    def _reap(self, entry: tuple[str, str, int, Future[None] | None], state: BatchProgress) -> None:
-        """Account for one write of ``batch_set`` in key order: index it, or count its fault
-        when it is the batch's first."""
-        key, path, size, fut = entry
-        failure = None if fut is None else fut.exception()
-        if failure is None:
-            if fut is not None:
+    def _write_round(self, plan: list[_Planned], state: BatchProgress) -> None:
+        """Write the reserved objects of ``plan``, index those written, return the
+        reservations of the rest, and count the first fault."""
+        jobs = [
+            _noop if p is None else functools.partial(self._write_reserved, path, key, p, size)
+            for key, path, size, p in plan
+        ]
+        outcomes = self._io.run_ordered(jobs, sum(0 if p is None else p.nbytes for *_, p in plan))
+        for (key, path, size, payload), outcome in zip(plan, outcomes, strict=True):
+            if outcome is None and payload is not None:
                 with self._lock:
                     if key in self._index:
                         self._used -= size
                     else:
                         self._index[key] = size
-            if not state.failed:
-                state.done += 1
-            return
-        if not state.failed:
-            if isinstance(failure, StorageError):
-                self.fault(failure.kind, f"{path}: {failure.detail}")
-            elif isinstance(failure, OSError):
-                self.fault(os_kind(failure), f"write {path}: {failure}")
-            else:
-                raise failure
-        state.failed = True
+            elif outcome is NOT_RUN:
+                with self._lock:
+                    self._used -= size
+            if outcome is None:
+                state.done += 0 if state.failed else 1
+            elif not state.failed:
+                state.failed = True
+                if not isinstance(outcome, OSError):
+                    raise outcome
+                self.fault(os_kind(outcome), f"write {path}: {outcome}")
 
     def _drop_vanished(self, key: str, path: str) -> bool:
         """If ``key`` is indexed but its file is gone (removed behind the index), drop it from

@@ -5,13 +5,28 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StorageError
 
 POOL_MIN_BYTES = 256 << 10
 """Smaller batches run on the calling thread: handing them to a thread costs more than it saves."""
+
+
+class NotRun(StorageError):
+    """The outcome of a job that never ran because an earlier job of its batch failed."""
+
+
+NOT_RUN = NotRun("not_run", "an earlier object of the batch failed")
+
+
+def leading(outcomes: Sequence[BaseException | None]) -> int:
+    """How many leading jobs succeeded."""
+    for i, outcome in enumerate(outcomes):
+        if outcome is not None:
+            return i
+    return len(outcomes)
 
 
 @dataclass
@@ -24,21 +39,12 @@ class BatchProgress:
     """An object failed: later ones no longer count."""
 
 
-def settled(fut: Future[None] | None) -> bool:
-    """``None`` (nothing to wait for) or a finished future."""
-    return fut is None or fut.done()
-
-
-def failed(exc: BaseException) -> Future[None]:
-    """A future that already failed with ``exc``."""
-    fut: Future[None] = Future()
-    fut.set_exception(exc)
-    return fut
-
-
 class OrderedIO:
-    """Runs the per-object jobs of a batch on ``threads`` threads (created on first use), or on
-    the calling thread when ``threads`` is 1 or the batch is small. Thread-safe."""
+    """Runs the per-object jobs of a batch as contiguous ranges, one per thread, the calling
+    thread taking the first (``threads - 1`` pool threads, created on first use); all on the
+    calling thread when ``threads`` is 1 or the batch is small. Ranges rather than one task
+    per object: per-object hand-offs cost more GIL round trips than small objects take to
+    read. Thread-safe."""
 
     def __init__(self, threads: int, name: str) -> None:
         """Raises ``ConfigError`` naming ``io_threads`` unless ``threads`` is positive."""
@@ -49,52 +55,49 @@ class OrderedIO:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
-    def parallel(self, jobs: int, nbytes: int) -> bool:
-        """Whether a batch of ``jobs`` objects holding ``nbytes`` goes to the threads."""
-        return jobs > 1 and self.threads > 1 and nbytes >= POOL_MIN_BYTES
-
-    def start(self, job: Callable[[], None], parallel: bool) -> Future[None]:
-        """``job`` on a thread when ``parallel``, else run now; its outcome is the future's."""
-        if parallel:
-            return self._executor().submit(job)
-        fut: Future[None] = Future()
-        try:
-            job()
-            fut.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(e)
-        return fut
-
     def run_ordered(
         self, jobs: Sequence[Callable[[], None]], nbytes: int
-    ) -> tuple[int, BaseException | None]:
-        """Run ``jobs``; returns how many leading ones succeeded and the first failure.
+    ) -> list[BaseException | None]:
+        """Run ``jobs`` (``nbytes`` of objects in all); returns each one's outcome: ``None``
+        (done), the exception it raised, or ``NOT_RUN``.
 
-        On the calling thread jobs after a failure never start. On the threads, those not yet
-        started are cancelled and this waits for the running ones, so no job of the batch
-        touches its buffers after this returns."""
-        if not self.parallel(len(jobs), nbytes):
-            for i, job in enumerate(jobs):
+        Every job before the first failure runs; a job after it may or may not have run.
+        All have ended when this returns, so none touches its buffers afterwards."""
+        n = len(jobs)
+        out: list[BaseException | None] = [NOT_RUN] * n
+        first_failure = [n]
+        lock = threading.Lock()
+
+        def run(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                if i > first_failure[0]:
+                    return
                 try:
-                    job()
+                    jobs[i]()
+                    out[i] = None
                 except BaseException as e:  # noqa: BLE001 - handed to the caller in key order
-                    return i, e
-            return len(jobs), None
+                    out[i] = e
+                    with lock:
+                        first_failure[0] = min(first_failure[0], i)
+                    return
+
+        t = min(self.threads, n)
+        if t < 2 or nbytes < POOL_MIN_BYTES:
+            run(0, n)
+            return out
+        bounds = [n * j // t for j in range(t + 1)]
         pool = self._executor()
-        futures = [pool.submit(job) for job in jobs]
-        for i, fut in enumerate(futures):
-            failure = fut.exception()
-            if failure is not None:
-                for later in futures[i + 1 :]:
-                    later.cancel()
-                wait(futures[i + 1 :])
-                return i, failure
-        return len(futures), None
+        futures = [pool.submit(run, bounds[j], bounds[j + 1]) for j in range(1, t)]
+        try:
+            run(bounds[0], bounds[1])
+        finally:
+            wait(futures)
+        return out
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=self._name)
             return self._pool
 
     def close(self) -> None:
