@@ -55,10 +55,6 @@ _Planned = tuple[str, str, int, "np.ndarray | None"]
 """An object of a ``batch_set`` round: key, path, size, payload (``None``: already stored)."""
 
 
-def _noop() -> None:
-    """The job of an object that is already stored."""  # noqa: D401
-
-
 class FileBackend(StorageBackend):
     """Objects as files in a local directory, bounded by ``budget_bytes`` (file sizes including
     headers) with LRU eviction; persistent across restarts on the same dir. Thread-safe: one
@@ -289,7 +285,9 @@ class FileBackend(StorageBackend):
         """Write the reserved objects of ``plan``, index those written, return the
         reservations of the rest, and count the first fault."""
         jobs = [
-            _noop if p is None else functools.partial(self._write_reserved, path, key, p, size)
+            (lambda: None)
+            if p is None
+            else functools.partial(self._write_reserved, path, key, p, size)
             for key, path, size, p in plan
         ]
         outcomes = self._io.run_ordered(jobs, sum(0 if p is None else p.nbytes for *_, p in plan))
