@@ -44,8 +44,11 @@ SIZES = ((1 << 20, 64), (2 << 20, 256), (64 << 10, 1024))
 """(page bytes, pages) runs of the file bench by default."""
 PAGE_CACHE = (
     "reads hit the page cache: each side reads back files it wrote in the same run (dropping "
-    "caches needs root), and no side fsyncs; the figures are syscall, copy and checksum cost"
+    "caches needs root), and no side fsyncs; the figures are syscall, copy and checksum cost. "
+    "Before every read phase 256 MiB are written elsewhere so no side finds its pages in the "
+    "CPU's last-level cache"
 )
+_SWEEP_BYTES = 256 << 20
 
 
 def bench_storage(
@@ -175,6 +178,8 @@ def bench_file(
             for name, fn in phases:
                 if name.endswith("write"):
                     os.sync()  # start each write phase without the other side's dirty pages
+                else:
+                    torch.ones(_SWEEP_BYTES, dtype=torch.uint8)
                 dt = fn(r)
                 times.setdefault(name, []).append(dt)
                 _log(
