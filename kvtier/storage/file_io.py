@@ -37,19 +37,6 @@ def _tail(views: list[memoryview], skip: int) -> list[memoryview]:
     return out
 
 
-def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in order from ``offset`` of ``fd``; returns the bytes read (short at
-    EOF). One syscall unless the kernel returns short."""
-    total = sum(len(v) for v in views)
-    done = 0
-    while done < total:
-        n = os.preadv(fd, _tail(views, done) if done else views, offset + done)
-        if not n:
-            break
-        done += n
-    return done
-
-
 def writev_all(fd: int, views: list[memoryview]) -> None:
     """Write all of ``views`` to ``fd`` in order; one syscall unless the kernel takes less."""
     total = sum(len(v) for v in views)
@@ -87,19 +74,22 @@ cache (measured here against one read of the whole payload, then the digest: 0.8
 
 def _read_payload(fd: int, dest: memoryview) -> tuple[int, int]:
     """Read the payload after the header into ``dest`` in ``READ_CHUNK`` pieces, digesting
-    each as it lands; returns the file size seen (one byte past the payload shows a longer
-    file) and the digest (meaningful only when the size is right)."""
+    each as it lands; returns the file size seen and the digest (meaningful only when the
+    size is right). The last read asks for one byte more, so a longer file shows without an
+    extra syscall (a regular file's read only comes back short at its end)."""
     h = envelope.hasher()
     spare = memoryview(bytearray(1))
     off, n = 0, len(dest)
-    while True:
+    while off < n:
         end = min(off + READ_CHUNK, n)
-        views = [dest[off:end], spare] if end == n else [dest[off:end]]
-        got = preadv_all(fd, views, HEADER_BYTES + off)
+        got = os.preadv(
+            fd, [dest[off:end], spare] if end == n else [dest[off:end]], HEADER_BYTES + off
+        )
+        if not got:
+            break
         h.update(dest[off : min(off + got, n)])
         off += got
-        if end == n or off < end:
-            return HEADER_BYTES + off, h.intdigest()
+    return HEADER_BYTES + off, h.intdigest()
 
 
 def read_object(path: str, namespace: Namespace, key: str, dest: np.ndarray) -> None:
