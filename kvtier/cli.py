@@ -124,7 +124,9 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         from kvtier.bench.storage import bench_storage
 
-        result = bench_storage(directory=args.dir, backend=args.backend, url=args.url)
+        result = bench_storage(
+            directory=args.dir, backend=args.backend, url=args.url, peer_python=args.peer_python
+        )
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -223,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--url",
         default=None,
         help="storage, mooncake: storage_url of a cluster (default: start a local one)",
+    )
+    b.add_argument(
+        "--peer-python",
+        default=None,
+        help="storage, file: an interpreter where sglang imports; adds SGLang's HiCacheFile",
     )
     b.set_defaults(func=_bench)
 

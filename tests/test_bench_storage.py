@@ -8,8 +8,10 @@ from kvtier.bench.storage import bench_storage
 
 
 def test_bench_storage_tiny(tmp_path: Path) -> None:
-    out = bench_storage(str(tmp_path), page_bytes=64 << 10, num_pages=8, repeats=1)
-    assert out["bench"] == "storage"
+    top = bench_storage(str(tmp_path), page_bytes=64 << 10, num_pages=8, repeats=1)
+    assert (top["bench"], top["backend"], len(top["runs"])) == ("storage", "file", 1)
+    assert "page cache" in top["page_cache"]
+    out = top["runs"][0]
     assert out["page_bytes"] == 64 << 10
     assert out["num_pages"] == 8
     assert out["total_bytes"] == 8 * (64 << 10)
@@ -19,6 +21,15 @@ def test_bench_storage_tiny(tmp_path: Path) -> None:
     assert set(out["ratio"]) == {"write", "read"}
     assert out["ratio"]["write"] > 0 and out["ratio"]["read"] > 0
     assert list(tmp_path.iterdir()) == []  # the bench removed what it wrote
+
+
+def test_bench_storage_missing_peer_is_reported(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-python")
+    top = bench_storage(str(tmp_path), page_bytes=4096, num_pages=2, repeats=2, peer_python=missing)
+    out = top["runs"][0]
+    assert missing in out["sglang_hicache_file"]["error"]
+    assert "ratio_vs_sglang" not in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_storage_mooncake_tiny() -> None:

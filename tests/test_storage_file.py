@@ -11,8 +11,7 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import create_backend
-from kvtier.storage import file as file_mod
+from kvtier.storage import create_backend, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
 
 NS = Namespace("ns0")
@@ -194,16 +193,15 @@ def test_write_errors_are_faults_without_leftovers(
 ) -> None:
     calls = 0
 
-    def failing_write(f: object, data: memoryview) -> None:
+    def failing_write(fd: int, views: list[memoryview]) -> None:
         nonlocal calls
         calls += 1
-        if calls == 2:  # header written, payload fails: a partial temp file exists
-            raise OSError(err, os.strerror(err))
-        f.write(data)  # type: ignore[attr-defined]
+        os.write(fd, views[0])  # header written, payload fails: a partial temp file exists
+        raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(file_mod, "_write_all", failing_write)
+    monkeypatch.setattr(file_io, "writev_all", failing_write)
     assert be.batch_set(keys("k0", "k1"), [page(0), page(1)]) == 0
-    assert be.errors == {kind: 1}
+    assert (calls, be.errors) == (1, {kind: 1})
     assert temp_files(tmp_path) == []
     assert not obj_path(be, "k0").exists()
     assert be.batch_exists(keys("k0")) == 0
@@ -213,19 +211,19 @@ def test_write_errors_are_faults_without_leftovers(
 def test_write_fault_stops_after_stored_prefix(
     be: FileBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = file_mod._write_all
+    real = file_io.writev_all
     calls = 0
 
-    def failing_write(f: object, data: memoryview) -> None:
+    def failing_write(fd: int, views: list[memoryview]) -> None:
         nonlocal calls
         calls += 1
-        if calls == 3:  # header of the second object
+        if calls == 2:  # the second object
             raise OSError(errno.EIO, "Input/output error")
-        real(f, data)
+        real(fd, views)
 
-    monkeypatch.setattr(file_mod, "_write_all", failing_write)
+    monkeypatch.setattr(file_io, "writev_all", failing_write)
     assert be.batch_set(keys("k0", "k1", "k2"), [page(0), page(1), page(2)]) == 1
-    assert be.errors == {"io": 1}
+    assert (calls, be.errors) == (2, {"io": 1})
     assert temp_files(tmp_path) == []
     assert be.batch_exists(keys("k0", "k1", "k2")) == 1
 

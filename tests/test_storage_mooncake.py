@@ -141,7 +141,7 @@ def test_exists_prefix_and_miss(mooncake_cluster: MooncakeCluster) -> None:
 
 
 def _raw_object(ns: str, key: str, payload: bytes, crc: int | None = None) -> bytes:
-    c = envelope.crc(payload) if crc is None else crc
+    c = envelope.digest(payload) if crc is None else crc
     return envelope.pack(ns, key, len(payload), c) + payload
 
 
@@ -162,7 +162,7 @@ def test_envelope_foreign_checksum_short(mooncake_cluster: MooncakeCluster) -> N
 
     payload = data.numpy().tobytes()
     forged = {
-        "checksum": _raw_object(NS_B, k, payload, crc=envelope.crc(payload) ^ 1),
+        "checksum": _raw_object(NS_B, k, payload, crc=envelope.digest(payload) ^ 1),
         "short_read": _raw_object(NS_B, k, payload)[:-100],
         "format": b"\0" * len(_raw_object(NS_B, k, payload)),
     }

@@ -1,6 +1,7 @@
 """L3 backend throughput against the same storage used plainly, measured in one run.
 
-``file``: ``FileBackend`` against plain sequential file I/O on the same directory.
+``file``: ``FileBackend`` against plain sequential file I/O of the same bytes on the same
+directory, and optionally against SGLang's ``HiCacheFile`` in its own process.
 ``mooncake``: ``MooncakeBackend`` against the raw Mooncake client (``batch_put_from`` /
 ``batch_get_into`` on the same registered bytes, no envelope or checksums) on the same cluster.
 """
@@ -8,8 +9,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,39 +40,81 @@ def _log(msg: str) -> None:
     print(f"[bench storage] {msg}", file=sys.stderr, flush=True)
 
 
+SIZES = ((1 << 20, 64), (2 << 20, 256), (64 << 10, 1024))
+"""(page bytes, pages) runs of the file bench by default."""
+PAGE_CACHE = (
+    "reads hit the page cache: each side reads back files it wrote in the same run (dropping "
+    "caches needs root), and no side fsyncs; the figures are syscall, copy and checksum cost. "
+    "Before every read phase 256 MiB are written elsewhere so no side finds its pages in the "
+    "CPU's last-level cache"
+)
+_SWEEP_BYTES = 256 << 20
+
+
 def bench_storage(
     directory: str | None = None,
-    page_bytes: int = 2 << 20,
-    num_pages: int = 256,
-    repeats: int = 3,
+    page_bytes: int | None = None,
+    num_pages: int | None = None,
+    repeats: int = 5,
     backend: str = "file",
     url: str | None = None,
+    peer_python: str | None = None,
 ) -> dict:
     """Benchmark L3 ``backend`` (``file`` or ``mooncake``) against its plain peer.
 
-    ``file`` uses ``directory``; ``mooncake`` uses the cluster at ``url`` (a ``storage_url``),
-    or starts a local one for the run when ``url`` is ``None``. See ``bench_file`` and
-    ``bench_mooncake``; raises ``ValueError`` for another backend name.
+    ``file`` uses ``directory`` and runs every size of ``SIZES`` unless ``page_bytes`` and
+    ``num_pages`` name one, with SGLang's ``HiCacheFile`` as a second peer when
+    ``peer_python`` is given (see ``bench_file``); ``mooncake`` uses the cluster at ``url``
+    (a ``storage_url``), or starts a local one for the run when ``url`` is ``None``. Raises
+    ``ValueError`` for another backend name.
     """
     if backend == "file":
-        return bench_file(directory, page_bytes, num_pages, repeats)
+        sizes = SIZES if page_bytes is None else ((page_bytes, num_pages or 256),)
+        runs = [bench_file(directory, pb, n, repeats, peer_python) for pb, n in sizes]
+        return {"bench": "storage", "backend": "file", "page_cache": PAGE_CACHE, "runs": runs}
     if backend == "mooncake":
-        return bench_mooncake(url, page_bytes, num_pages, repeats)
+        return bench_mooncake(url, page_bytes or 2 << 20, num_pages or 256, repeats)
     raise ValueError(f"backend={backend!r} is not file or mooncake")
+
+
+def _peer_run(python: str, directory: str, page_bytes: int, num_pages: int) -> dict:
+    """One write + read through SGLang's ``HiCacheFile`` in its own process; ``{"error"}``
+    with the reason when it cannot run."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage_peer.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG_"))}
+    try:
+        done = subprocess.run(
+            [python, script, directory, str(page_bytes), str(num_pages)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{python}: {e}"}
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"{python} exited {done.returncode}: {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def bench_file(
     directory: str | None = None,
     page_bytes: int = 2 << 20,
     num_pages: int = 256,
-    repeats: int = 3,
+    repeats: int = 5,
+    peer_python: str | None = None,
 ) -> dict:
-    """Write ``num_pages`` random pages of ``page_bytes`` through ``FileBackend`` and read them
-    back into preallocated buffers; do the same with one plain file per page as the peer.
+    """Write ``num_pages`` random pages of ``page_bytes`` through ``FileBackend`` (one
+    ``batch_set``) and read them back into preallocated buffers (one ``batch_get``, every
+    object verified); do the same with one plain file per page, written and read
+    sequentially, as the peer. With ``peer_python``, SGLang's ``HiCacheFile`` does the same in
+    its own process (``kvtier.bench.storage_peer``).
 
-    Times are the best of ``repeats`` (fresh namespace/directory each). Raises ``RuntimeError``
-    if any read-back differs. Files go to a temp dir under ``directory`` (default: cwd) that is
-    removed afterwards. Returns GB/s for both and the ratio backend / plain.
+    Each repeat runs every side once, interleaved, in a fresh namespace/directory; figures are
+    medians over ``repeats``. Raises ``RuntimeError`` if any read-back differs. Files go to a
+    temp dir under ``directory`` (default: cwd) that is removed afterwards. Returns GB/s for
+    each side and the ratios kvtier / plain and kvtier / SGLang.
     """
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -76,6 +122,9 @@ def bench_file(
     keys = [PageKey(f"{i:032x}") for i in range(num_pages)]
     work = tempfile.mkdtemp(prefix="kvtier-bench-storage-", dir=directory or os.getcwd())
     budget = 2 * num_pages * (page_bytes + HEADER_BYTES)
+    times: dict[str, list[float]] = {}
+    peer_error: str | None = None
+    peer_version = None
 
     try:
         backends = [FileBackend(work, Namespace(f"ns{r}"), budget) for r in range(repeats)]
@@ -124,38 +173,67 @@ def bench_file(
             ("file_read", be_read),
             ("plain_read", plain_read),
         ]
-        best: dict[str, float] = {}
         for r in range(repeats):
-            # Interleaved so both sides see the same page-cache and writeback state.
+            # Interleaved so every side sees the same page-cache and writeback state.
             for name, fn in phases:
                 if name.endswith("write"):
                     os.sync()  # start each write phase without the other side's dirty pages
+                else:
+                    torch.ones(_SWEEP_BYTES, dtype=torch.uint8)
                 dt = fn(r)
-                best[name] = min(best.get(name, dt), dt)
+                times.setdefault(name, []).append(dt)
                 _log(
                     f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
                 )
             backends[r].close()
             shutil.rmtree(backends[r].dir)
             shutil.rmtree(plain_dirs[r])
-        results = {name: _gbps(total, dt) for name, dt in best.items()}
+            if peer_python is not None and peer_error is None:
+                peer_dir = os.path.join(work, f"sglang{r}")
+                got = _peer_run(peer_python, peer_dir, page_bytes, num_pages)
+                shutil.rmtree(peer_dir, ignore_errors=True)
+                if "error" in got:
+                    peer_error = got["error"]
+                    _log(f"SGLang peer not run: {peer_error}")
+                    continue
+                peer_version = got["sglang"]
+                for side in ("write", "read"):
+                    times.setdefault(f"sglang_{side}", []).append(got[f"{side}_s"])
+                    _log(f"repeat {r} sglang_{side}: {_gbps(total, got[f'{side}_s']):.2f} GB/s")
+        gbps = {name: _gbps(total, statistics.median(dts)) for name, dts in times.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    out = {
-        "bench": "storage",
-        "backend": "file",
+    out: dict = {
         "page_bytes": page_bytes,
         "num_pages": num_pages,
         "total_bytes": total,
-        "file_backend": {"write_gbps": results["file_write"], "read_gbps": results["file_read"]},
-        "plain_io": {"write_gbps": results["plain_write"], "read_gbps": results["plain_read"]},
+        "repeats": repeats,
+        "statistic": "median",
+        "file_backend": {"write_gbps": gbps["file_write"], "read_gbps": gbps["file_read"]},
+        "plain_io": {"write_gbps": gbps["plain_write"], "read_gbps": gbps["plain_read"]},
         "ratio": {
-            "write": results["file_write"] / results["plain_write"],
-            "read": results["file_read"] / results["plain_read"],
+            "write": gbps["file_write"] / gbps["plain_write"],
+            "read": gbps["file_read"] / gbps["plain_read"],
         },
     }
-    _log(f"ratio backend/plain: write {out['ratio']['write']:.2f}, read {out['ratio']['read']:.2f}")
+    if peer_python is not None:
+        if "sglang_write" in gbps:
+            out["sglang_hicache_file"] = {
+                "version": peer_version,
+                "write_gbps": gbps["sglang_write"],
+                "read_gbps": gbps["sglang_read"],
+            }
+            out["ratio_vs_sglang"] = {
+                "write": gbps["file_write"] / gbps["sglang_write"],
+                "read": gbps["file_read"] / gbps["sglang_read"],
+            }
+        else:
+            out["sglang_hicache_file"] = {"error": peer_error}
+    _log(
+        f"{num_pages} x {page_bytes} B: ratio backend/plain write {out['ratio']['write']:.2f}, "
+        f"read {out['ratio']['read']:.2f}"
+    )
     return out
 
 

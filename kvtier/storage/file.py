@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import threading
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,36 +35,30 @@ from kvtier.storage.base import (
     log,
 )
 from kvtier.storage.file_io import (
+    TMP_SUFFIX,
     CorruptObject,
-    fsync_dir,
     os_kind,
     read_object,
-    result_of,
     unlink_quiet,
+    write_object,
 )
+from kvtier.storage.file_pool import NOT_RUN, BatchProgress, OrderedIO, leading
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
 
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
-_TMP_SUFFIX = ".tmp"
-_POOL_CRC_BYTES = 256 << 10
 
 
-def _write_all(f: object, data: memoryview) -> None:
-    """Write all of ``data`` to the unbuffered file ``f``."""
-    while data:
-        n = f.write(data)  # type: ignore[attr-defined]
-        data = data[n:]
+_Planned = tuple[str, str, int, "np.ndarray | None"]
+"""An object of a ``batch_set`` round: key, path, size, payload (``None``: already stored)."""
 
 
 class FileBackend(StorageBackend):
     """Objects as files in a local directory, bounded by ``budget_bytes`` (file sizes including
-    headers) with least-recently-used eviction. Persistent across restarts on the same dir.
-
-    Thread-safe: one lock guards the index; reads and writes of object files happen outside it.
-    """
+    headers) with LRU eviction; persistent across restarts on the same dir. Thread-safe: one
+    lock guards the index; reads and writes of object files happen outside it."""
 
     name = "file"
     capabilities = StorageCapabilities(
@@ -78,11 +71,15 @@ class FileBackend(StorageBackend):
         namespace: Namespace,
         budget_bytes: int,
         fsync: bool = False,
+        io_threads: int | None = None,
     ) -> None:
-        """Create ``root/<namespace>`` and index what it holds.
+        """Create ``root/<namespace>`` and index what it holds; large batches run on
+        ``io_threads`` threads including the caller's (default: one per core, at most 4; 1:
+        all on the calling thread).
 
-        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``) when the directory
-        cannot be created or written, or the budget is not positive.
+        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``/``io_threads``) when
+        the directory cannot be created or written, or the budget or thread count is not
+        positive.
         """
         super().__init__()
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -97,8 +94,9 @@ class FileBackend(StorageBackend):
         self._used = 0
         self._evictions = 0
         self._shrunk = False
-        self._pool: ThreadPoolExecutor | None = None
-        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        threads = min(4, os.cpu_count() or 1) if io_threads is None else io_threads
+        self._io = OrderedIO(threads, "kvtier-file")
+        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             os.makedirs(self.dir, exist_ok=True)
             with open(probe, "xb"):
@@ -128,7 +126,7 @@ class FileBackend(StorageBackend):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(sub.path):
-                if entry.name.endswith(_TMP_SUFFIX):
+                if entry.name.endswith(TMP_SUFFIX):
                     # Left by a write that died before os.replace: never a whole object.
                     unlink_quiet(entry.path)
                 elif entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
@@ -173,111 +171,143 @@ class FileBackend(StorageBackend):
         return n
 
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
-        """Read and verify objects into ``buffers`` in order; stops at the first miss or fault.
+        """Read and verify objects into ``buffers``; returns the leading count read and
+        verified, stopping at the first miss or fault. Large batches run on the I/O threads
+        (``OrderedIO``); all reads have ended when this returns.
 
-        Faults: ``missing`` (indexed, but the file was removed behind the index),
-        ``short_read`` (truncated file), ``checksum`` (bad magic/version/size/crc, or a buffer
-        whose size differs from the stored payload), ``permission``/``io`` (OS errors). An
-        object that fails to read leaves the index (its bytes leave ``bytes_used``), so the next
-        backup of its key writes it again; corrupt or truncated files are also deleted.
+        Faults: ``missing`` (indexed, file removed behind the index), ``short_read``
+        (truncated), ``format`` (another envelope version), ``checksum`` (bad digest or size,
+        or a buffer of another size than the payload), ``permission``/``io`` (OS errors). Only
+        the first failure in key order counts; objects past it are not looked at again. A
+        failed object leaves the index (and ``bytes_used``), so the next backup of its key
+        writes it again; corrupt or truncated files are deleted.
         """
         check_lengths(keys, buffers)
-        # Checksums of large pages run on worker threads, overlapping the next page's read.
-        checks: list[tuple[str, str, Future[int] | int, int]] = []
-        for key, dest in zip(keys, [flat_cpu_bytes(b) for b in buffers], strict=True):
-            with self._lock:
+        dests = [flat_cpu_bytes(b) for b in buffers]
+        with self._lock:
+            run = 0
+            for key in keys:
                 if key not in self._index:
                     break
                 self._index.move_to_end(key)
-            path = self._path(key)
-            try:
-                want = read_object(path, self.namespace, key, dest)
-            except FileNotFoundError:
-                self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
-                break
-            except StorageError as f:
-                self.fault(f.kind, f"{path}: {f.detail}")
-                if isinstance(f, CorruptObject):
-                    self._forget(key, delete=True)
-                break
-            except OSError as e:
-                # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
-                self.fault(os_kind(e), f"read {path}: {e}")
-                self._forget(key, delete=False)
-                break
-            checks.append((key, path, self._crc(dest), want))
-        n = 0
-        for key, path, got, want in checks:
-            if result_of(got) != want:
-                self.fault("checksum", f"{path}: payload crc32 mismatch")
+                run += 1
+        paths = [self._path(k) for k in keys[:run]]
+        jobs = [
+            functools.partial(self._read_one, p, k, d)
+            for p, k, d in zip(paths, keys, dests, strict=False)
+        ]
+        outcomes = self._io.run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
+        n = leading(outcomes)
+        if n == run:
+            return n
+        key, path, failure = keys[n], paths[n], outcomes[n]
+        if isinstance(failure, FileNotFoundError):
+            self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
+        elif isinstance(failure, StorageError):
+            self.fault(failure.kind, f"{path}: {failure.detail}")
+            if isinstance(failure, CorruptObject):
                 self._forget(key, delete=True)
-                break
-            with contextlib.suppress(OSError):
-                # Persist recency so a restart rebuilds the LRU order from mtimes.
-                os.utime(path)
-            n += 1
+        elif isinstance(failure, OSError):
+            # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
+            self.fault(os_kind(failure), f"read {path}: {failure}")
+            self._forget(key, delete=False)
+        elif failure is not None:
+            raise failure
         return n
 
-    def _crc(self, data: np.ndarray) -> Future[int] | int:
-        """crc32 of ``data``; large buffers go to worker threads (zlib releases the GIL)."""
-        if data.nbytes < _POOL_CRC_BYTES:
-            return zlib.crc32(memoryview(data))
-        with self._lock:
-            if self._pool is None:
-                workers = min(4, os.cpu_count() or 1)
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-file-crc")
-            pool = self._pool
-        return pool.submit(zlib.crc32, memoryview(data))
+    def _read_one(self, path: str, key: str, dest: np.ndarray) -> None:
+        read_object(path, self.namespace, key, dest)
+        with contextlib.suppress(OSError):
+            # Persist recency so a restart rebuilds the LRU order from mtimes.
+            os.utime(path)
 
     def close(self) -> None:
-        """Stop the checksum threads; the backend is not used afterwards."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Stop the I/O threads; the backend is not used afterwards."""
+        self._io.close()
 
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
-        """Store ``buffers`` under ``keys`` in order, evicting LRU objects to fit the budget;
-        stops at the first fault (``no_space``, ``permission``, ``io``).
+        """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
+        the leading count stored, stopping at the first fault (``no_space``, ``permission``,
+        ``io``). Rounds: objects are reserved in key order while they fit beside the round's
+        own writes, written (large rounds on the I/O threads), indexed.
 
-        Keys already stored are not rewritten and count as stored (and become most recent),
-        unless their file is gone (``missing``): those are written again. A full disk
-        (``ENOSPC``/``EDQUOT``) lowers the budget to what the disk held and evicts LRU objects
-        to make room, retrying until the write fits or nothing is left to evict.
+        Only the first fault in key order counts; objects past it already written stay stored
+        (not counted). Stored keys are not rewritten and count as stored (and become most
+        recent) unless their file is gone (``missing``). A full disk (``ENOSPC``/``EDQUOT``)
+        lowers the budget to what the disk held and evicts LRU objects, retrying until the
+        write fits or nothing is left to evict.
         """
         check_lengths(keys, buffers)
         payloads = [flat_cpu_bytes(b) for b in buffers]
-        with self._lock:
-            stored = [k in self._index for k in keys]
-        # Checksums of later pages are computed while earlier pages are being written.
-        crcs = [None if have else self._crc(p) for have, p in zip(stored, payloads, strict=True)]
-        n = 0
-        for key, payload, crc in zip(keys, payloads, crcs, strict=True):
+        state = BatchProgress()
+        i = 0
+        while i < len(keys) and not state.failed:
+            plan, refused = self._plan(keys, payloads, i)
+            i += len(plan)
+            self._write_round(plan, state)
+            if refused is not None and not state.failed:
+                self.fault(refused.kind, refused.detail)
+                state.failed = True
+        return state.done
+
+    def _plan(
+        self, keys: Sequence[PageKey], payloads: list[np.ndarray], start: int
+    ) -> tuple[list[_Planned], StorageError | None]:
+        """Reserve the bytes of objects from ``start`` on in key order, until one does not fit
+        beside this round's reservations; returns ``(key, path, size, payload)`` for each
+        (``payload`` ``None`` when already stored) and the fault of an object no budget fits."""
+        plan: list[_Planned] = []
+        writes = 0
+        for key, payload in zip(keys[start:], payloads[start:], strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
             self._drop_vanished(key, path)
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
-                    n += 1
+                    plan.append((key, path, size, None))
                     continue
-                fits = size <= self.budget_bytes
-                if fits:
-                    self._evict_locked(size)
-                    # Reserve the bytes now so concurrent writers cannot overshoot the budget.
-                    self._used += size
-            if not fits:
-                self.fault("no_space", f"{size}-byte object exceeds budget {self.budget_bytes}")
-                break
-            if not self._write_reserved(path, key, payload, crc, size):
-                break
-            with self._lock:
-                if key in self._index:
+                if size > self.budget_bytes:
+                    return plan, StorageError(
+                        "no_space", f"{size}-byte object exceeds budget {self.budget_bytes}"
+                    )
+                self._evict_locked(size)
+                if writes and self._used + size > self.budget_bytes:
+                    # This round's own writes hold the space: once indexed they can be evicted.
+                    return plan, None
+                # Reserved now so concurrent writers cannot overshoot the budget.
+                self._used += size
+            plan.append((key, path, size, payload))
+            writes += 1
+        return plan, None
+
+    def _write_round(self, plan: list[_Planned], state: BatchProgress) -> None:
+        """Write the reserved objects of ``plan``, index those written, return the
+        reservations of the rest, and count the first fault."""
+        jobs = [
+            (lambda: None)
+            if p is None
+            else functools.partial(self._write_reserved, path, key, p, size)
+            for key, path, size, p in plan
+        ]
+        outcomes = self._io.run_ordered(jobs, sum(0 if p is None else p.nbytes for *_, p in plan))
+        for (key, path, size, payload), outcome in zip(plan, outcomes, strict=True):
+            if outcome is None and payload is not None:
+                with self._lock:
+                    if key in self._index:
+                        self._used -= size
+                    else:
+                        self._index[key] = size
+            elif outcome is NOT_RUN:
+                with self._lock:
                     self._used -= size
-                else:
-                    self._index[key] = size
-            n += 1
-        return n
+            if outcome is None:
+                state.done += 0 if state.failed else 1
+            elif not state.failed:
+                state.failed = True
+                if not isinstance(outcome, OSError):
+                    raise outcome
+                self.fault(os_kind(outcome), f"write {path}: {outcome}")
 
     def _drop_vanished(self, key: str, path: str) -> bool:
         """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
@@ -290,17 +320,15 @@ class FileBackend(StorageBackend):
         self.fault("missing", f"{path}: indexed object file is gone")
         return True
 
-    def _write_reserved(
-        self, path: str, key: str, payload: np.ndarray, crc: Future[int] | int | None, size: int
-    ) -> bool:
+    def _write_reserved(self, path: str, key: str, payload: np.ndarray, size: int) -> None:
         """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
-        reservation is returned and the fault counted. A full disk shrinks the budget and
+        reservation is returned and the ``OSError`` raised. A full disk shrinks the budget and
         evicts before each retry."""
-        value = result_of(self._crc(payload) if crc is None else crc)
+        value = envelope.digest(memoryview(payload))
         while True:
             try:
                 self._write(path, key, payload, value)
-                return True
+                return
             except OSError as e:
                 with self._lock:
                     self._used -= size
@@ -308,8 +336,7 @@ class FileBackend(StorageBackend):
                     if retry:
                         self._used += size
                 if not retry:
-                    self.fault(os_kind(e), f"write {path}: {e}")
-                    return False
+                    raise
 
     def _shrink_locked(self, incoming: int) -> bool:
         """The disk is full: make what it holds now the budget and evict LRU objects so
@@ -352,25 +379,9 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write(self, path: str, key: str, payload: np.ndarray, crc: int) -> None:
-        header = envelope.pack(self.namespace, key, payload.nbytes, crc)
-        d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
-        try:
-            with open(tmp, "xb", buffering=0) as f:
-                _write_all(f, memoryview(header))
-                _write_all(f, memoryview(payload))
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            if self.fsync:
-                fsync_dir(d)
-        except BaseException:
-            # The key is not indexed yet, so whatever reached the disk is ours to remove.
-            unlink_quiet(tmp)
-            unlink_quiet(path)
-            raise
+    def _write(self, path: str, key: str, payload: np.ndarray, digest: int) -> None:
+        header = envelope.pack(self.namespace, key, payload.nbytes, digest)
+        write_object(path, [memoryview(header), memoryview(payload)], self.fsync)
 
     def stats(self) -> dict[str, float]:
         """``bytes_used``, ``objects``, ``budget_bytes`` and ``evictions`` so far."""

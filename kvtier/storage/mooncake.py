@@ -7,7 +7,7 @@ Configured by one string, ``CacheConfig.storage_url`` (format in ``kvtier.storag
 Objects are stored under ``kvtier/<namespace>/<key>`` as envelope header + payload, written and
 read with the header in a registered arena and the payload straight from/to the caller's buffer
 when that lies in memory given to ``register_buffers``. Reads verify the envelope and payload
-crc; a failure is a miss counted by its kind and the object is removed (best effort).
+digest; a failure is a miss counted by its kind and the object is removed (best effort).
 
 Health: a store call that exceeds ``timeout_s`` or answers an RPC/transfer failure marks the
 backend unhealthy (``outages``); calls then answer misses without touching the store, and one
@@ -25,7 +25,7 @@ in registered memory (the host pool, read zero-copy). For (b), ``read_fence`` gi
 future that completes once no abandoned read is running; ``kvtier.controller.prefetch`` keeps the pages of a
 short read allocated until then, so a late answer never lands in a host page that was reused. A
 late put may have read host pages after the caller let them go: once it ends, the objects it
-wrote are removed (best effort; a survivor fails its payload crc on read, a counted miss).
+wrote are removed (best effort; a survivor fails its payload digest on read, a counted miss).
 """
 
 from __future__ import annotations
@@ -203,7 +203,9 @@ class MooncakeBackend(StorageBackend):
             for g, (rng, offs) in enumerate(arena.plan(views)):
                 names = [self._prefix + keys[i] for i in rng]
                 heads = [
-                    envelope.pack(self.namespace, keys[i], views[i].nbytes, envelope.crc(views[i]))
+                    envelope.pack(
+                        self.namespace, keys[i], views[i].nbytes, envelope.digest(views[i])
+                    )
                     for i in rng
                 ]
                 ptrs, sizes, bounced = arena.stage(g, rng, offs, views, heads)
@@ -318,8 +320,8 @@ class MooncakeBackend(StorageBackend):
                     raise StorageError("short_read", f"{code - HEADER_BYTES} of {length} B")
                 if length != v.nbytes or code - HEADER_BYTES != length:
                     raise StorageError("checksum", f"{length}-byte payload, buffer {v.nbytes}")
-                if envelope.crc(place) != want:
-                    raise StorageError("checksum", "payload crc32 mismatch")
+                if envelope.digest(place) != want:
+                    raise StorageError("checksum", "payload checksum mismatch")
             except StorageError as e:
                 self.fault(e.kind, f"{name}: {e.detail}")
                 bad.append(name)
