@@ -109,8 +109,7 @@ def bench_ttft(
     _log(f"model on {dev} in {time.perf_counter() - t0:.1f} s")
     pages = prompt_tokens // page_size + 8
     page_bytes = sum(s.page_bytes(page_size) for s in model.pool_specs())
-    # Copy engines exist for pinned host pools on CUDA with a driver that has batched copies.
-    copy_engines = dev.type == "cuda" and dma.available()
+    copy_engines = dev.type == "cuda" and dma.available()  # pinned pools, batched-copy driver
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as tmp:
         base = CacheConfig(
             page_size=page_size,
