@@ -1,0 +1,82 @@
+"""Token runs as packed int64 bytes: the tree's storage and comparison format.
+
+A node's tokens are one ``bytes`` object holding native-endian int64 values (8 bytes a token):
+no Python int per token, nothing for the cyclic collector to scan, equality and prefix tests
+at ``memcmp`` speed, and a page's bytes are its key in the parent's ``children``.
+
+``as_array`` is the one conversion at the tree's API boundary. Containers that already hold
+int64 contiguously (``array('q')``, int64 numpy arrays, int64 CPU tensors) are viewed without
+a copy; other integer arrays and tensors are cast once by numpy; lists and tuples are packed
+once by numpy.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+import torch
+
+from kvtier.errors import RequestError
+
+TOKEN_BYTES = 8
+"""Bytes per stored token (int64)."""
+
+Tokens = Union[Sequence[int], np.ndarray, torch.Tensor, "array.array[int]"]
+"""Token containers the tree accepts: lists, tuples, ``array('q')`` (or any integer typecode),
+integer numpy arrays and integer CPU tensors, all one-dimensional."""
+
+
+def as_array(tokens: Tokens) -> np.ndarray:
+    """``tokens`` as a one-dimensional, C-contiguous int64 numpy array; a view when the
+    container already is one (callers must not write to it). Raises ``RequestError`` for a
+    non-integer, multi-dimensional or non-CPU container."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            raise RequestError(f"tokens on {tokens.device}: the tree reads CPU tokens only")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise RequestError(f"tokens of dtype {tokens.dtype}: need an integer tensor")
+        arr = tokens.detach().numpy()
+    elif isinstance(tokens, array.array):
+        if tokens.typecode in ("q", "l") and tokens.itemsize == TOKEN_BYTES:
+            return np.frombuffer(tokens, dtype=np.int64)
+        arr = np.asarray(tokens)
+    else:
+        if not tokens:
+            return np.empty(0, dtype=np.int64)
+        arr = np.array(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise RequestError(f"tokens of shape {tuple(arr.shape)}: need one dimension")
+    if arr.dtype != np.int64:
+        if arr.dtype.kind not in "iu":
+            raise RequestError(f"tokens of dtype {arr.dtype}: need integers")
+        arr = arr.astype(np.int64)
+    return np.ascontiguousarray(arr)
+
+
+def unpack(buf: bytes) -> np.ndarray:
+    """The tokens packed in ``buf`` as a read-only int64 array (a view, no copy)."""
+    return np.frombuffer(buf, dtype=np.int64)
+
+
+def to_tuple(buf: bytes) -> tuple[int, ...]:
+    """The tokens packed in ``buf`` as Python ints (for inspection, not for hot paths)."""
+    return tuple(unpack(buf).tolist())
+
+
+def common_len(buf: bytes, q: np.ndarray, qm: memoryview, pos: int, page_size: int) -> int:
+    """Tokens the packed run ``buf`` shares with ``q[pos:]`` (``qm``: ``q``'s bytes): all of
+    them (a partial last page included) when they all match, else its whole pages before the
+    first differing token (or before the end of ``q``)."""
+    at, size = pos * TOKEN_BYTES, len(buf)
+    if len(qm) - at >= size and buf.startswith(qm[at : at + size]):
+        return size // TOKEN_BYTES
+    n = min(size // TOKEN_BYTES, len(q) - pos)
+    differ = unpack(buf)[:n] != q[pos : pos + n]
+    first = int(differ.argmax()) if differ.any() else n
+    whole = size // TOKEN_BYTES
+    return min(first - first % page_size, whole - whole % page_size)
