@@ -60,8 +60,10 @@ def _plot(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "tree":
         from kvtier.bench.tree import bench_tree
+        from kvtier.bench.tree_peer import bench_tree_sides
 
-        result = bench_tree()
+        sides = bench_tree_sides(peer_python=args.peer_python, rounds=args.rounds)
+        result = {"bench": "tree", "scenarios": sides, "flat_table": bench_tree()}
     elif args.which == "transfer":
         from kvtier.bench.pool_sets import FAMILIES
         from kvtier.bench.transfer import bench_transfer
@@ -154,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="small", help="backup: model preset")
     b.add_argument("--batch", type=_positive, default=8, help="backup: requests decoded together")
     b.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
+    b.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        default=None,
+        help="tree: an interpreter that imports sglang; runs its RadixCache as the peer",
+    )
+    b.add_argument("--rounds", type=_positive, default=3, help="tree: A/B rounds per scenario")
     b.add_argument("--device", default=None, help="transfer: torch device (default: cuda if any)")
     b.add_argument("--page-size", type=_positive, default=16, help="transfer: tokens per page")
     b.add_argument(
