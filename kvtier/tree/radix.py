@@ -66,30 +66,32 @@ class RadixTree:
         Never mutates."""
         q = as_array(tokens)
         qm = memoryview(q).cast("B")
-        ps, n_tok = self.page_size, len(q)
+        ps, end = self.page_size, len(qm)
         page = ps * TOKEN_BYTES
-        node, pos, path, last, tail = self.root, 0, [], 0, 0
+        node, at, path, k = self.root, 0, [], 0
         device_len = host_len = 0
-        while pos < n_tok:
-            child = None
-            if pos + ps <= n_tok:
-                at = pos * TOKEN_BYTES
-                child = node.children.get(qm[at : at + page].tobytes())
+        while at < end:
+            child = node.children.get(qm[at : at + page].tobytes()) if at + page <= end else None
             if child is None:
-                child = tail_child(node, q, pos, ps)
+                child = tail_child(node, q, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
-            k = common_len(child.buf, q, qm, pos, ps)
+            buf = child.buf
+            size = len(buf)
+            if end - at >= size and buf.startswith(qm[at : at + size]):
+                k = size // TOKEN_BYTES
+            else:
+                k = common_len(buf, q, qm, at // TOKEN_BYTES, ps)
             path.append(child)
-            last, tail = -(-k // ps), k % ps
-            if child.on_device:
+            if child.device is not None:
                 device_len += k
             else:
                 host_len += k
-            pos += k
-            if k < child.num_tokens:
+            at += k * TOKEN_BYTES
+            if k * TOKEN_BYTES < size:
                 break
             node = child
+        last, tail = -(-k // ps), k % ps
         return TreeMatch(path, last, device_len, host_len, tail)
 
     # ---- locking ------------------------------------------------------------------------

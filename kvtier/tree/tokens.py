@@ -33,7 +33,11 @@ def as_array(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a one-dimensional, C-contiguous int64 numpy array; a view when the
     container already is one (callers must not write to it). Raises ``RequestError`` for a
     non-integer, multi-dimensional or non-CPU container."""
+    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
+        return np.frombuffer(tokens, dtype=np.int64)
     if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.int64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
+            return tokens
         arr = tokens
     elif isinstance(tokens, torch.Tensor):
         if tokens.device.type != "cpu":
