@@ -47,8 +47,9 @@ class EvictionIndex:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         node.device = pages
         self.refresh_leaf(node)
+        # The parent now has a device child, so it is no leaf: no scan of its children.
         if node.parent is not None:
-            self.refresh_leaf(node.parent)
+            self.device_leaves.discard(node.parent)
         if node.host is not None:
             self.queue_host(node)
 
