@@ -81,7 +81,7 @@ class RadixTree:
             if end - at >= size and buf.startswith(qm[at : at + size]):
                 k = size // TOKEN_BYTES
             else:
-                k = common_len(buf, q, qm, at // TOKEN_BYTES, ps)
+                k = common_len(buf, qm, at // TOKEN_BYTES, ps)
             path.append(child)
             if child.device is not None:
                 device_len += k
@@ -194,7 +194,7 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            k = common_len(child.buf, t, tm, pos, ps)
+            k = common_len(child.buf, tm, pos, ps)
             if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
                 # ``t`` runs on past this node's partial tail: handle its whole pages here and
                 # the tail as a stale sibling of the continuation (next round).

@@ -72,15 +72,21 @@ def to_tuple(buf: bytes) -> tuple[int, ...]:
     return tuple(unpack(buf).tolist())
 
 
-def common_len(buf: bytes, q: np.ndarray, qm: memoryview, pos: int, page_size: int) -> int:
-    """Tokens the packed run ``buf`` shares with ``q[pos:]`` (``qm``: ``q``'s bytes): all of
-    them (a partial last page included) when they all match, else its whole pages before the
-    first differing token (or before the end of ``q``)."""
+def common_len(buf: bytes, qm: memoryview, pos: int, page_size: int) -> int:
+    """Tokens the packed run ``buf`` shares with the query from token ``pos`` on (``qm``: the
+    query's packed bytes): all of them (a partial last page included) when they all match,
+    else its whole pages before the first differing token (or before the query's end)."""
     at, size = pos * TOKEN_BYTES, len(buf)
-    if len(qm) - at >= size and buf.startswith(qm[at : at + size]):
+    avail = min(size, len(qm) - at)
+    if avail == size and buf.startswith(qm[at : at + size]):
         return size // TOKEN_BYTES
-    n = min(size // TOKEN_BYTES, len(q) - pos)
-    differ = unpack(buf)[:n] != q[pos : pos + n]
-    first = int(differ.argmax()) if differ.any() else n
-    whole = size // TOKEN_BYTES
-    return min(first - first % page_size, whole - whole % page_size)
+    page = page_size * TOKEN_BYTES
+    # Binary search on pages with memcmp over page ranges: pages [0, lo) are equal.
+    lo, hi = 0, avail // page
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if buf.startswith(qm[at + lo * page : at + mid * page], lo * page):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * page_size
