@@ -30,7 +30,6 @@ from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, unpack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
-
 CopyTier = Literal["device", "host"]
 """The tiers that hold page copies a node records (storage holds objects, by key)."""
 
@@ -76,8 +75,7 @@ class RadixTree:
                 child = tail_child(node, q, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
-            buf = child.buf
-            size = len(buf)
+            buf, size = child.buf, len(child.buf)
             if end - at >= size and buf.startswith(qm[at : at + size]):
                 k = size // TOKEN_BYTES
             else:
@@ -167,9 +165,9 @@ class RadixTree:
                 f"insert of {n_tok} tokens with {pages.numel()} pages (page_size={ps})"
             )
         node, pos, cached, prefix = start or self.root, 0, 0, True
-        if pos < n_tok and node.tail(ps):
+        if n_tok and node.tail(ps):
             raise IntegrityError(f"insert below the partial tail of {node!r}")
-        dups: list[torch.Tensor] = []
+        dups: list[torch.Tensor] = []  # one run (the usual case) is returned as it is
         taken: list[Node] = []
         dropped = Evicted()
         now = next(self._clock)
@@ -218,7 +216,7 @@ class RadixTree:
             child.last_access = now
             pos += k
             node = child
-        dup = torch.cat(dups) if dups else _EMPTY
+        dup = (dups[0] if len(dups) == 1 else torch.cat(dups)) if dups else _EMPTY
         return InsertOutcome(cached, dup, taken, node, dropped)
 
     def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
