@@ -26,7 +26,7 @@ from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
 from kvtier.tree.tails import shorter_tail, tail_child
-from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, unpack
+from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, list_head, unpack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -63,6 +63,9 @@ class RadixTree:
         whole pages, plus a partial tail only when all its valid tokens equal the next tokens
         (a request that diverges or ends inside a partial tail gets the whole pages before it).
         Never mutates."""
+        head = list_head(tokens, self.page_size)
+        if head is not None and not self.root.tails and head not in self.root.children:
+            return TreeMatch([], 0, 0, 0, 0)
         q = as_array(tokens)
         qm = memoryview(q).cast("B")
         ps, end = self.page_size, len(qm)
@@ -284,13 +287,11 @@ class RadixTree:
         return new
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
-        """Record whether storage holds every page object of ``node`` (``False``: one was
-        found gone, so a backup writes the node again)."""
+        """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""
         node.in_storage = stored
 
     def set_origin(self, node: Node, origin: str | None) -> None:
-        """Record the tier ``node``'s newest copy came from until an admission counted it
-        (``None``: counted, hits are hits of the tier it is in)."""
+        """Record the tier ``node``'s newest copy came from until an admission counts it."""
         node.origin = origin
 
     def begin_io(self, node: Node, tier: CopyTier) -> None:
@@ -319,8 +320,7 @@ class RadixTree:
 
     def split(self, node: Node, pages: int) -> Node:
         """Split ``node`` after its first ``pages`` pages; returns the new parent (the first
-        part). Locks, I/O counts and copies are shared by both parts; split hooks re-attribute
-        in-flight work."""
+        part). Both parts share locks, I/O counts and copies; split hooks re-attribute work."""
         if not 0 < pages < node.num_pages(self.page_size):
             raise IntegrityError(f"split of {node!r} at page {pages}")
         return self._split(node, pages)

@@ -62,6 +62,14 @@ def as_array(tokens: Tokens) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def list_head(tokens: Tokens, page_size: int) -> bytes | None:
+    """The packed first page of a list or tuple holding more than a page, else ``None``: a
+    lookup can miss on it without converting the whole list."""
+    if type(tokens) in (list, tuple) and len(tokens) > page_size:
+        return np.array(tokens[:page_size], dtype=np.int64).tobytes()
+    return None
+
+
 def unpack(buf: bytes) -> np.ndarray:
     """The tokens packed in ``buf`` as a read-only int64 array (a view, no copy)."""
     return np.frombuffer(buf, dtype=np.int64)
