@@ -105,6 +105,8 @@ def test_matching_does_not_keep_or_alter_the_callers_buffer() -> None:
         np.zeros((2, 2), dtype=np.int64),
         torch.tensor([True, False]),
         torch.tensor([1.5, 2.5]),
+        [1, 2.5],
+        (2**63,),
     ],
 )
 def test_non_integer_or_multi_dimensional_tokens_are_refused(bad: object) -> None:

@@ -7,12 +7,13 @@ at ``memcmp`` speed, and a page's bytes are its key in the parent's ``children``
 ``as_array`` is the one conversion at the tree's API boundary. Containers that already hold
 int64 contiguously (``array('q')``, int64 numpy arrays, int64 CPU tensors) are viewed without
 a copy; other integer arrays and tensors are cast once by numpy; lists and tuples are packed
-once by numpy.
+once by ``struct``.
 """
 
 from __future__ import annotations
 
 import array
+import struct
 from collections.abc import Sequence
 from typing import Union
 
@@ -50,9 +51,7 @@ def as_array(tokens: Tokens) -> np.ndarray:
             return np.frombuffer(tokens, dtype=np.int64)
         arr = np.asarray(tokens)
     else:
-        if not tokens:
-            return np.empty(0, dtype=np.int64)
-        arr = np.array(tokens, dtype=np.int64)
+        return _pack_ints(tokens)
     if arr.ndim != 1:
         raise RequestError(f"tokens of shape {tuple(arr.shape)}: need one dimension")
     if arr.dtype != np.int64:
@@ -62,11 +61,19 @@ def as_array(tokens: Tokens) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def _pack_ints(tokens: Sequence[int]) -> np.ndarray:
+    # struct packs a list about twice as fast as np.array converts it, and refuses non-ints.
+    try:
+        return np.frombuffer(struct.pack(f"{len(tokens)}q", *tokens), dtype=np.int64)
+    except struct.error as e:
+        raise RequestError(f"tokens must be int64 integers: {e}") from None
+
+
 def list_head(tokens: Tokens, page_size: int) -> bytes | None:
     """The packed first page of a list or tuple holding more than a page, else ``None``: a
     lookup can miss on it without converting the whole list."""
     if type(tokens) in (list, tuple) and len(tokens) > page_size:
-        return np.array(tokens[:page_size], dtype=np.int64).tobytes()
+        return _pack_ints(tokens[:page_size]).tobytes()
     return None
 
 
