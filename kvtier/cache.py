@@ -281,7 +281,7 @@ class TieredCache:
         ps = self.page_size
         h.locked.last_pages = path[-1].num_pages(ps) if path else 0
         before = [was.get(id(node), False) for node in path]
-        usable = sum(len(node.tokens) for node in path[:n])
+        usable = sum(node.num_tokens for node in path[:n])
         if n < len(path) and self.resume.partial:
             cut = truncate_match(h.locked, usable, ps)
             usable = self.resume.cut(cut, usable, ps, self._on_device)

@@ -60,8 +60,10 @@ def _plot(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "tree":
         from kvtier.bench.tree import bench_tree
+        from kvtier.bench.tree_peer import bench_tree_sides
 
-        result = bench_tree()
+        sides = bench_tree_sides(peer_python=args.peer_python, rounds=args.rounds)
+        result = {"bench": "tree", "scenarios": sides, "flat_table": bench_tree()}
     elif args.which == "transfer":
         from kvtier.bench.pool_sets import FAMILIES
         from kvtier.bench.transfer import bench_transfer
@@ -185,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--page-size", type=_positive, default=16, help="transfer, compute: tokens per page"
     )
     b.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        default=None,
+        help="tree, storage: an interpreter where sglang imports; adds SGLang's RadixCache "
+        "(tree) or HiCacheFile (storage, file) as the peer, run in its own process",
+    )
+    b.add_argument("--rounds", type=_positive, default=3, help="tree: A/B rounds per scenario")
+    b.add_argument(
         "--host-layout",
         choices=("page_first", "layer_first"),
         default="page_first",
@@ -225,11 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--url",
         default=None,
         help="storage, mooncake: storage_url of a cluster (default: start a local one)",
-    )
-    b.add_argument(
-        "--peer-python",
-        default=None,
-        help="storage, file: an interpreter where sglang imports; adds SGLang's HiCacheFile",
     )
     b.set_defaults(func=_bench)
 

@@ -260,7 +260,7 @@ def served_prefix(
     for node, was_dev in zip(path, was_on_device, strict=True):
         if left <= 0:
             break
-        take = min(len(node.tokens), left)
+        take = min(node.num_tokens, left)
         last = (
             check_tier(node.origin, "Node.origin")
             if node.origin

@@ -301,7 +301,7 @@ class EnginePages:
             for node in tm.path:
                 if not (node.on_host or node.device_io):
                     break
-                hosted += len(node.tokens)
+                hosted += node.num_tokens
             first = max(first, min(hosted, tm.matched_len) // ps)
             if last > first:
                 pages.append(self.owned_pages(locs[first * ps : last * ps]))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tree_helpers import PS, L, P, find, page, seq, snapshot
+from tree_helpers import PS, L, P, find, kids, page, seq, snapshot
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import chain_keys, namespace_digest
@@ -29,7 +29,7 @@ def test_insert_then_match_full_and_partial(tree: RadixTree) -> None:
     (node,) = out.taken
     assert out.last is node
     assert node.tokens == tuple(tokens) and L(node.device) == [10, 11] and node.host is None
-    assert node.parent is tree.root and tree.root.children == {(0, 1, 2, 3): node}
+    assert node.parent is tree.root and kids(tree.root) == {(0, 1, 2, 3): node}
     tree.check_integrity()
 
     m = tree.match(tokens)
@@ -94,14 +94,14 @@ def test_lock_splits_partially_matched_node(tree: RadixTree) -> None:
     assert locked is not x and locked.id not in ids_before
     assert m.path == [locked] and m.last_pages == 2
     # the prefix is the new parent
-    assert locked.parent is tree.root and tree.root.children == {tuple(page(1)): locked}
+    assert locked.parent is tree.root and kids(tree.root) == {tuple(page(1)): locked}
     assert locked.tokens == tuple(seq(1, 2))
     assert L(locked.device) == [10, 11] and L(locked.host) == [70, 71]
-    assert locked.children == {tuple(page(3)): x}
+    assert kids(locked) == {tuple(page(3)): x}
     # the suffix keeps its object and children
     assert x.parent is locked and x.tokens == tuple(page(3))
     assert L(x.device) == [12] and L(x.host) == [72]
-    assert x.children == {tuple(page(4)): child} and child.parent is x
+    assert kids(x) == {tuple(page(4)): child} and child.parent is x
     assert (locked.lock_ref, x.lock_ref, child.lock_ref) == (1, 0, 0)
     assert calls == [(locked, x, 2)]
 

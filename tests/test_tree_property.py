@@ -7,9 +7,12 @@ allocated exactly once and every id it gives back must have been held.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -23,6 +26,17 @@ PAGE = st.lists(ALPHABET, min_size=PS, max_size=PS)
 SEQ = st.lists(PAGE, min_size=1, max_size=4).map(lambda ps: [t for p in ps for t in p])
 TAIL = st.lists(ALPHABET, max_size=PS - 1)
 TIER = st.sampled_from(["device", "host"])
+BOXES: dict[str, Callable[[list[int]], object]] = {
+    "list": list,
+    "tuple": tuple,
+    "array_q": lambda t: array("q", t),
+    "numpy_int64": lambda t: np.array(t, dtype=np.int64),
+    "numpy_int32": lambda t: np.array(t, dtype=np.int32),
+    "tensor_int64": lambda t: torch.tensor(t, dtype=torch.int64),
+    "tensor_int32": lambda t: torch.tensor(t, dtype=torch.int32),
+}
+BOX = st.sampled_from(sorted(BOXES))
+"""The token containers engines hold: the tree must answer the same for each."""
 
 Prefix = tuple[int, ...]
 
@@ -121,7 +135,9 @@ class TreeMachine(RuleBasedStateMachine):
         )
 
     # ---- rules --------------------------------------------------------------------------
-    def _insert(self, start: Node | None, base: Prefix, ext: list[int], tier: str) -> None:
+    def _insert(
+        self, start: Node | None, base: Prefix, ext: list[int], tier: str, box: str = "list"
+    ) -> None:
         t = 0 if tier == "device" else 1
         alloc = self.dev if tier == "device" else self.host
         pages = alloc.alloc(len(ext) // PS)
@@ -138,7 +154,7 @@ class TreeMachine(RuleBasedStateMachine):
                     cached += PS
             else:
                 leading = False
-        out = self.tree.insert(ext, pages, tier=tier, start=start)
+        out = self.tree.insert(BOXES[box](ext), pages, tier=tier, start=start)
         assert out.duplicates.tolist() == dups
         assert out.cached_len == cached
         assert path_tokens(out.last) == full
@@ -148,9 +164,9 @@ class TreeMachine(RuleBasedStateMachine):
                 entry[t] = int(pages[i])
         alloc.free(dups)
 
-    @rule(tokens=SEQ, tier=TIER)
-    def insert(self, tokens: list[int], tier: str) -> None:
-        self._insert(None, (), tokens, tier)
+    @rule(tokens=SEQ, tier=TIER, box=BOX)
+    def insert(self, tokens: list[int], tier: str, box: str) -> None:
+        self._insert(None, (), tokens, tier, box)
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(min_value=0, max_value=7), ext=SEQ, tier=TIER)
@@ -172,9 +188,9 @@ class TreeMachine(RuleBasedStateMachine):
         self._insert(node, base, ext, tier)
         self.tree.unlock(node)
 
-    @rule(tokens=SEQ, tail=TAIL)
-    def match(self, tokens: list[int], tail: list[int]) -> None:
-        m = self.tree.match(tokens + tail)
+    @rule(tokens=SEQ, tail=TAIL, box=BOX)
+    def match(self, tokens: list[int], tail: list[int], box: str) -> None:
+        m = self.tree.match(BOXES[box](tokens + tail))
         dev_len, host_len, seen = self.expected_match(tuple(tokens))
         assert (m.device_len, m.host_len) == (dev_len, host_len)
         got: list[tuple] = []

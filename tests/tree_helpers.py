@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtier.tree import Node, RadixTree
@@ -27,6 +28,11 @@ def seq(*vals: int) -> list[int]:
     for v in vals:
         out += page(v)
     return out
+
+
+def kids(node: Node) -> dict[tuple[int, ...], Node]:
+    """``node.children`` with each packed key read back as a token tuple."""
+    return {tuple(np.frombuffer(k, dtype=np.int64).tolist()): c for k, c in node.children.items()}
 
 
 def flat(parts: list[torch.Tensor]) -> list[int]:

@@ -394,7 +394,7 @@ class Controller:
         for node in self.tree.nodes():
             if node.parent is None:
                 continue
-            n = len(node.tokens) // ps
+            n = node.num_tokens // ps
             first = node.depth_tokens() // ps - n
             owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
             for pages in (node.device, node.host):
@@ -403,7 +403,7 @@ class Controller:
             if node.host is not None:
                 mine = node.host[owners == layout.rank]
                 meta = CPNodeMeta.build(node.id, layout.rank, ps, owners, layout.physical(mine))
-                meta.check(len(node.tokens))
+                meta.check(node.num_tokens)
 
     def close(self) -> None:
         self.drain()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import IntegrityError
+from kvtier.tree.tokens import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from kvtier.tree.radix import RadixTree
@@ -21,21 +22,22 @@ def check_tree(tree: RadixTree) -> None:
     parent's ``tails`` counts it (every node's ``tails`` equals its partial-page children).
     """
     ps = tree.page_size
+    page = ps * TOKEN_BYTES
     for tier in ("device", "host"):
         held = tree.held_pages(tier)
         if held.numel() != torch.unique(held).numel():
             raise IntegrityError(f"a {tier} page is held by two nodes")
     for n in (tree.root, *tree.nodes()):
-        short = sum(len(k) < ps for k in n.children)
+        short = sum(len(k) < page for k in n.children)
         if short != n.tails:
             raise IntegrityError(f"node {n.id}: {short} partial-tail children, {n.tails} counted")
     for n in tree.nodes():
         ctx = f"node {n.id} at depth {n.depth_tokens()}"
         parent = n.parent
-        if parent is None or parent.children.get(n.tokens[:ps]) is not n:
+        if parent is None or parent.children.get(n.buf[:page]) is not n:
             raise IntegrityError(f"{ctx}: not linked from its parent")
-        if not n.tokens:
-            raise IntegrityError(f"{ctx}: no tokens")
+        if not n.buf or len(n.buf) % TOKEN_BYTES:
+            raise IntegrityError(f"{ctx}: {len(n.buf)} token bytes")
         if n.tail(ps) and n.children:
             raise IntegrityError(
                 f"{ctx}: {len(n.children)} children below a partial tail of {n.tail(ps)} tokens"

@@ -24,6 +24,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.tree.node import Node
 from kvtier.tree.results import Evicted
+from kvtier.tree.tokens import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from kvtier.tree.radix import RadixTree
@@ -46,8 +47,9 @@ class EvictionIndex:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         node.device = pages
         self.refresh_leaf(node)
+        # The parent now has a device child, so it is no leaf: no scan of its children.
         if node.parent is not None:
-            self.refresh_leaf(node.parent)
+            self.device_leaves.discard(node.parent)
         if node.host is not None:
             self.queue_host(node)
 
@@ -249,12 +251,13 @@ class EvictionIndex:
             self.refresh_leaf(parent)
 
     def _detach(self, node: Node) -> None:
-        ps = self.tree.page_size
+        page = self.tree.page_size * TOKEN_BYTES
         parent = node.parent
-        if parent is None or parent.children.get(node.tokens[:ps]) is not node:
+        key = node.buf[:page]
+        if parent is None or parent.children.get(key) is not node:
             raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
-        del parent.children[node.tokens[:ps]]
-        parent.tails -= len(node.tokens) < ps
+        del parent.children[key]
+        parent.tails -= len(key) < page
         node.parent = None
         if parent.host is not None and not parent.children and parent is not self.tree.root:
             self.queue_host(parent)

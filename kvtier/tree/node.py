@@ -7,16 +7,19 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.keys import PageKey
+from kvtier.tree.tokens import TOKEN_BYTES, to_tuple
 
 
 @dataclass(slots=True, eq=False)
 class Node:
     """A run of pages sharing one residency.
 
-    ``tokens`` counts valid tokens: every page is whole except, possibly, the last page of a
-    leaf (a *partial tail*, ``tail(page_size) > 0`` valid tokens in a whole physical page whose
-    other slots are padding). Nothing hangs below a partial page. ``tails`` counts the children
-    that are partial tails (a partial tail child is keyed by all its tokens, fewer than a page).
+    ``buf`` holds the node's valid tokens packed as int64 bytes (``kvtier.tree.tokens``);
+    ``tokens`` is the same as a tuple of ints. Every page is whole except, possibly, the last
+    page of a leaf (a *partial tail*, ``tail(page_size) > 0`` valid tokens in a whole physical
+    page whose other slots are padding). Nothing hangs below a partial page. ``children`` are
+    keyed by the bytes of their first page; ``tails`` counts the children that are partial
+    tails (a partial tail child is keyed by all its tokens, fewer than a page).
 
     Residency is per node: ``device``/``host`` hold one page id per page of the node or are
     ``None``. Every node except the root has at least one of them. Device residency is closed
@@ -38,8 +41,8 @@ class Node:
 
     id: int
     parent: Node | None
-    tokens: tuple[int, ...]
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    buf: bytes
+    children: dict[bytes, Node] = field(default_factory=dict)
     device: torch.Tensor | None = None
     host: torch.Tensor | None = None
     keys: list[PageKey] | None = None
@@ -53,13 +56,23 @@ class Node:
     hits: int = 0
     tails: int = 0
 
+    @property
+    def num_tokens(self) -> int:
+        """Valid tokens of the node."""
+        return len(self.buf) // TOKEN_BYTES
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The node's tokens as ints (a fresh tuple each call: for inspection only)."""
+        return to_tuple(self.buf)
+
     def num_pages(self, page_size: int) -> int:
         """Physical pages of the node (a partial tail counts as one)."""
-        return -(-len(self.tokens) // page_size)
+        return -(-(len(self.buf) // TOKEN_BYTES) // page_size)
 
     def tail(self, page_size: int) -> int:
         """Valid tokens of the last page when it is partial, else 0."""
-        return len(self.tokens) % page_size
+        return (len(self.buf) // TOKEN_BYTES) % page_size
 
     @property
     def on_device(self) -> bool:
@@ -73,12 +86,12 @@ class Node:
         """Tokens from the root to the end of this node."""
         n, node = 0, self
         while node is not None:
-            n += len(node.tokens)
+            n += len(node.buf)
             node = node.parent
-        return n
+        return n // TOKEN_BYTES
 
     def __repr__(self) -> str:
         return (
-            f"Node(id={self.id}, tokens={len(self.tokens)}, device={self.on_device}, "
+            f"Node(id={self.id}, tokens={self.num_tokens}, device={self.on_device}, "
             f"host={self.on_host}, storage={self.in_storage}, lock={self.lock_ref})"
         )

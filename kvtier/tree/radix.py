@@ -13,7 +13,7 @@ Residency changes and eviction are in ``kvtier.tree.eviction``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -26,9 +26,9 @@ from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
 from kvtier.tree.tails import shorter_tail, tail_child
+from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, list_head, unpack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 CopyTier = Literal["device", "host"]
 """The tiers that hold page copies a node records (storage holds objects, by key)."""
@@ -52,55 +52,48 @@ class RadixTree:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        self.root = Node(id=0, parent=None, tokens=())
+        self.root = Node(id=0, parent=None, buf=b"")
         self.split_hooks: list[SplitHook] = []
         self.eviction = EvictionIndex(self)
         """The eviction queues, told of every residency, lock and shape change."""
 
     # ---- lookup -------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> TreeMatch:
-        """Longest cached prefix of ``tokens``: whole pages, plus a partial tail only when all
-        its valid tokens equal the next tokens (a request that diverges or ends inside a
-        partial tail gets the whole pages before it). Never mutates."""
-        ps, n_tok = self.page_size, len(tokens)
-        node, pos, path, last, tail = self.root, 0, [], 0, 0
+    def match(self, tokens: Tokens) -> TreeMatch:
+        """Longest cached prefix of ``tokens`` (any container ``kvtier.tree.tokens`` accepts):
+        whole pages, plus a partial tail only when all its valid tokens equal the next tokens
+        (a request that diverges or ends inside a partial tail gets the whole pages before it).
+        Never mutates."""
+        head = list_head(tokens, self.page_size)
+        if head is not None and not self.root.tails and head not in self.root.children:
+            return TreeMatch([], 0, 0, 0, 0)
+        q = as_array(tokens)
+        qm = memoryview(q).cast("B")
+        ps, end = self.page_size, len(qm)
+        page = ps * TOKEN_BYTES
+        node, at, path, k = self.root, 0, [], 0
         device_len = host_len = 0
-        while pos < n_tok:
-            child = None
-            if pos + ps <= n_tok:
-                child = node.children.get(tuple(tokens[pos : pos + ps]))
+        while at < end:
+            child = node.children.get(qm[at : at + page].tobytes()) if at + page <= end else None
             if child is None:
-                child = tail_child(node, tokens, pos, ps)
+                child = tail_child(node, q, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
-            # Only the span this node covers is converted: a miss costs one page, not the prompt.
-            span = tuple(tokens[pos : pos + len(child.tokens)])
-            k = self._common_len(child, span, 0)
+            buf, size = child.buf, len(child.buf)
+            if end - at >= size and buf.startswith(qm[at : at + size]):
+                k = size // TOKEN_BYTES
+            else:
+                k = common_len(buf, qm, at // TOKEN_BYTES, ps)
             path.append(child)
-            last, tail = -(-k // ps), k % ps
-            if child.on_device:
+            if child.device is not None:
                 device_len += k
             else:
                 host_len += k
-            pos += k
-            if k < len(child.tokens):
+            at += k * TOKEN_BYTES
+            if k * TOKEN_BYTES < size:
                 break
             node = child
+        last, tail = -(-k // ps), k % ps
         return TreeMatch(path, last, device_len, host_len, tail)
-
-    def _common_len(self, node: Node, t: tuple[int, ...], pos: int) -> int:
-        """Tokens ``node.tokens`` shares with ``t[pos:]``: all of them (its partial tail
-        included) when they all match, else its whole matching pages (at least the first one,
-        which matched through the children dict)."""
-        ps, nt = self.page_size, node.tokens
-        if t[pos : pos + len(nt)] == nt:
-            return len(nt)
-        n = 1
-        while (n + 1) * ps <= len(nt) and nt[n * ps : (n + 1) * ps] == t[
-            pos + n * ps : pos + (n + 1) * ps
-        ]:
-            n += 1
-        return n * ps
 
     # ---- locking ------------------------------------------------------------------------
     def lock(self, m: TreeMatch) -> Node:
@@ -144,7 +137,7 @@ class RadixTree:
     # ---- insertion ----------------------------------------------------------------------
     def insert(
         self,
-        tokens: Sequence[int],
+        tokens: Tokens,
         pages: torch.Tensor,
         tier: CopyTier = "device",
         keys: list[PageKey] | None = None,
@@ -167,30 +160,32 @@ class RadixTree:
         them). Otherwise the caller's pages from that page on are returned as duplicates.
         """
         ps = self.page_size
-        if pages.numel() != -(-len(tokens) // ps):
+        t = as_array(tokens)
+        tm = memoryview(t).cast("B")
+        n_tok, page = len(t), ps * TOKEN_BYTES
+        if pages.numel() != -(-n_tok // ps):
             raise IntegrityError(
-                f"insert of {len(tokens)} tokens with {pages.numel()} pages (page_size={ps})"
+                f"insert of {n_tok} tokens with {pages.numel()} pages (page_size={ps})"
             )
-        t = tuple(tokens)
         node, pos, cached, prefix = start or self.root, 0, 0, True
-        if pos < len(t) and node.tail(ps):
+        if n_tok and node.tail(ps):
             raise IntegrityError(f"insert below the partial tail of {node!r}")
-        dups: list[torch.Tensor] = []
+        dups: list[torch.Tensor] = []  # one run (the usual case) is returned as it is
         taken: list[Node] = []
         dropped = Evicted()
         now = next(self._clock)
-        while pos < len(t):
+        while pos < n_tok:
             p0 = pos // ps
-            key = t[pos : pos + ps]
+            key = tm[pos * TOKEN_BYTES : pos * TOKEN_BYTES + page].tobytes()
             child = node.children.get(key)
             if child is None:
                 stale = shorter_tail(node, key, ps)
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
                     dups.append(pages[p0:])
                     break
-                child = Node(id=next(self._ids), parent=node, tokens=t[pos:])
+                child = Node(id=next(self._ids), parent=node, buf=tm[pos * TOKEN_BYTES :].tobytes())
                 node.children[key] = child
-                node.tails += len(key) < ps
+                node.tails += len(key) < page
                 self._set_copy(child, tier, pages[p0:])
                 if checkpoints is not None:
                     child.ckpt = checkpoints[p0:].clone()
@@ -200,8 +195,8 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            k = self._common_len(child, t, pos)
-            if k == len(child.tokens) and child.tail(ps) and pos + k < len(t):
+            k = common_len(child.buf, tm, pos, ps)
+            if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
                 # ``t`` runs on past this node's partial tail: handle its whole pages here and
                 # the tail as a stale sibling of the continuation (next round).
                 # (found through a whole-page key, so it has at least one whole page)
@@ -224,7 +219,7 @@ class RadixTree:
             child.last_access = now
             pos += k
             node = child
-        dup = torch.cat(dups) if dups else _EMPTY
+        dup = (dups[0] if len(dups) == 1 else torch.cat(dups)) if dups else _EMPTY
         return InsertOutcome(cached, dup, taken, node, dropped)
 
     def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
@@ -261,11 +256,12 @@ class RadixTree:
 
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
-        ps, k = self.page_size, n * self.page_size
+        page = self.page_size * TOKEN_BYTES
+        cut = n * page
         parent = node.parent
         if parent is None:
             raise IntegrityError(f"split of a node outside the tree: {node!r}")
-        new = Node(id=next(self._ids), parent=parent, tokens=node.tokens[:k])
+        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut])
         new.device = node.device[:n] if node.device is not None else None
         new.host = node.host[:n] if node.host is not None else None
         new.keys = node.keys[:n] if node.keys is not None else None
@@ -274,15 +270,15 @@ class RadixTree:
         self.eviction.hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
-        parent.children[node.tokens[:ps]] = new
-        node.tokens = node.tokens[k:]
+        parent.children[node.buf[:page]] = new
+        node.buf = node.buf[cut:]
         node.device = node.device[n:] if node.device is not None else None
         node.host = node.host[n:] if node.host is not None else None
         node.keys = node.keys[n:] if node.keys is not None else None
         node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
         node.parent = new
-        new.children[node.tokens[:ps]] = node
-        new.tails = int(len(node.tokens) < ps)
+        new.children[node.buf[:page]] = node
+        new.tails = int(len(node.buf) < page)
         self.eviction.refresh_leaf(new)
         if new.host is not None:
             self.eviction.queue_host(new)
@@ -291,13 +287,11 @@ class RadixTree:
         return new
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
-        """Record whether storage holds every page object of ``node`` (``False``: one was
-        found gone, so a backup writes the node again)."""
+        """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""
         node.in_storage = stored
 
     def set_origin(self, node: Node, origin: str | None) -> None:
-        """Record the tier ``node``'s newest copy came from until an admission counted it
-        (``None``: counted, hits are hits of the tier it is in)."""
+        """Record the tier ``node``'s newest copy came from until an admission counts it."""
         node.origin = origin
 
     def begin_io(self, node: Node, tier: CopyTier) -> None:
@@ -326,8 +320,7 @@ class RadixTree:
 
     def split(self, node: Node, pages: int) -> Node:
         """Split ``node`` after its first ``pages`` pages; returns the new parent (the first
-        part). Locks, I/O counts and copies are shared by both parts; split hooks re-attribute
-        in-flight work."""
+        part). Both parts share locks, I/O counts and copies; split hooks re-attribute work."""
         if not 0 < pages < node.num_pages(self.page_size):
             raise IntegrityError(f"split of {node!r} at page {pages}")
         return self._split(node, pages)
@@ -376,7 +369,7 @@ class RadixTree:
             prev = None
             if parent is not None and parent is not self.root:
                 prev = self.ensure_keys(parent, namespace)[-1]
-            node.keys = chain_keys(namespace, node.tokens, self.page_size, prev, tail=True)
+            node.keys = chain_keys(namespace, unpack(node.buf), self.page_size, prev, tail=True)
         return node.keys
 
     # ---- traversal and checks -----------------------------------------------------------

@@ -41,7 +41,7 @@ def truncate_match(m: TreeMatch, tokens: int, page_size: int) -> TreeMatch:
     for i, node in enumerate(m.path):
         if left <= 0:
             break
-        avail = len(node.tokens)
+        avail = node.num_tokens
         if i == len(m.path) - 1:
             avail = min(avail, m.last_pages * page_size - (page_size - m.tail) % page_size)
         take = min(avail, left)

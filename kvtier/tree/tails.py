@@ -2,7 +2,7 @@
 
 A partial tail is a page with fewer than ``page_size`` valid tokens (the rest of the physical
 page is padding); it is always the last page of a leaf. A node consisting of one partial page
-is keyed in its parent's ``children`` by all its tokens (a key shorter than a page), so a
+is keyed in its parent's ``children`` by all its packed tokens (a key shorter than a page), so a
 whole-page lookup never finds it; ``Node.tails`` counts such children so that nodes without
 any skip these scans.
 
@@ -21,36 +21,40 @@ Rules (``RadixTree.match`` / ``insert``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvtier.errors import IntegrityError
 from kvtier.tree.node import Node
+from kvtier.tree.tokens import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from kvtier.tree.radix import RadixTree
 
 
-def tail_child(node: Node, tokens: Sequence[int], pos: int, page_size: int) -> Node | None:
+def tail_child(node: Node, tokens: np.ndarray, pos: int, page_size: int) -> Node | None:
     """The longest single-page partial-tail child of ``node`` whose tokens all equal
-    ``tokens[pos:]``'s first ones, or ``None``."""
+    ``tokens[pos:]``'s first ones (``tokens``: int64, ``kvtier.tree.tokens``), or ``None``."""
     if not node.tails:
         return None
-    w = tuple(tokens[pos : pos + page_size - 1])
-    for r in range(len(w), 0, -1):
-        child = node.children.get(w[:r])
+    w = tokens[pos : pos + page_size - 1].tobytes()
+    get = node.children.get
+    for end in range(len(w), 0, -TOKEN_BYTES):
+        child = get(w[:end])
         if child is not None:
             return child
     return None
 
 
-def shorter_tail(node: Node, key: tuple[int, ...], page_size: int) -> Node | None:
+def shorter_tail(node: Node, key: bytes, page_size: int) -> Node | None:
     """The longest single-page partial-tail child of ``node`` whose tokens are a proper
-    prefix of ``key`` (the next page, whole or partial, of an insert), or ``None``."""
+    prefix of ``key`` (the packed next page, whole or partial, of an insert), or ``None``."""
     if not node.tails:
         return None
-    for r in range(min(len(key), page_size) - 1, 0, -1):
-        child = node.children.get(key[:r])
+    get = node.children.get
+    for end in range(min(len(key), page_size * TOKEN_BYTES) - TOKEN_BYTES, 0, -TOKEN_BYTES):
+        child = get(key[:end])
         if child is not None:
             return child
     return None

@@ -1,0 +1,42 @@
+"""``kvtier bench tree``'s per-process scenarios, shrunk (the peer is optional)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvtier.bench.tree_peer import bench_tree_sides
+from kvtier.errors import ConfigError
+
+OPS = (
+    "long_insert_32k",
+    "long_match_hit_32k",
+    "long_match_diverge_16k",
+    "long_match_lock_unlock_32k",
+    "chat_evict_256",
+    "chat_insert_768",
+    "chat_match_768",
+    "chat_match_lock_unlock_768",
+)
+
+
+def test_kvtier_side_reports_every_scenario_and_its_memory() -> None:
+    out = bench_tree_sides(rounds=1, scale=64)
+    assert sorted(out["kvtier"]) == sorted(OPS)
+    assert all(v > 0 for v in out["kvtier"].values())
+    assert "speedup" not in out and "sglang" not in out
+    for scenario in ("long", "chat"):
+        mem = out["kvtier_memory"][scenario]
+        # 8 bytes a token plus per-node overhead, far below a tuple of ints.
+        assert 8 <= mem["traced_bytes_per_token"] < 24
+
+
+def test_a_peer_interpreter_without_sglang_fails_loudly() -> None:
+    with pytest.raises(RuntimeError, match="sglang long exited"):
+        bench_tree_sides(peer_python=sys.executable, rounds=1, scale=64)
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        bench_tree_sides(rounds=0)

@@ -1,0 +1,116 @@
+"""Token containers at the tree's boundary and the packed token storage."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+import torch
+from tree_helpers import PS, L, P, kids, seq, snapshot
+
+from kvtier.errors import RequestError
+from kvtier.keys import chain_keys, namespace_digest
+from kvtier.tree import RadixTree
+from kvtier.tree.tokens import as_array
+
+BASE = seq(1, 2, 3) + [7, 8]  # three whole pages and a partial tail of two tokens
+CONTAINERS = {
+    "list": lambda t: list(t),
+    "tuple": lambda t: tuple(t),
+    "array_q": lambda t: array("q", t),
+    "array_i": lambda t: array("i", t),
+    "numpy_int64": lambda t: np.array(t, dtype=np.int64),
+    "numpy_int32": lambda t: np.array(t, dtype=np.int32),
+    "numpy_strided": lambda t: np.repeat(np.array(t, dtype=np.int64), 2)[::2],
+    "tensor_int64": lambda t: torch.tensor(t, dtype=torch.int64),
+    "tensor_int32": lambda t: torch.tensor(t, dtype=torch.int32),
+    "tensor_strided": lambda t: torch.tensor(t, dtype=torch.int64).repeat_interleave(2)[::2],
+}
+
+
+def build(box) -> tuple[RadixTree, list]:
+    tree = RadixTree(PS)
+    outs = [
+        tree.insert(box(BASE), P(0, 1, 2, 3)),
+        tree.insert(box(seq(1, 2, 9)), P(4, 5, 6)),
+        tree.insert(box(seq(1, 2, 3) + [7, 8, 5]), P(7, 8, 9, 10)),
+        tree.insert(box(seq(1, 2, 3)), P(11, 12, 13), tier="host"),
+    ]
+    tree.check_integrity()
+    summary = [(o.cached_len, L(o.duplicates), [n.id for n in o.taken], o.last.id) for o in outs]
+    return tree, summary
+
+
+@pytest.mark.parametrize("name", sorted(CONTAINERS))
+def test_every_container_gives_the_same_tree_and_matches(name: str) -> None:
+    ref_tree, ref_summary = build(CONTAINERS["list"])
+    tree, summary = build(CONTAINERS[name])
+    assert summary == ref_summary
+    assert snapshot(tree) == snapshot(ref_tree)
+    box = CONTAINERS[name]
+    for q in (BASE, seq(1, 2, 3) + [7, 8, 5, 6], seq(1, 2), seq(1, 4), [1, 1], seq(1, 2, 9, 9), []):
+        a, b = tree.match(box(q)), ref_tree.match(list(q))
+        assert (a.device_len, a.host_len, a.tail, a.last_pages) == (
+            b.device_len,
+            b.host_len,
+            b.tail,
+            b.last_pages,
+        )
+        assert [n.id for n in a.path] == [n.id for n in b.path]
+
+
+def test_nodes_pack_their_tokens_as_int64_bytes() -> None:
+    tree, _ = build(CONTAINERS["list"])
+    (trunk,) = tree.root.children.values()
+    assert trunk.tokens == tuple(seq(1, 2)) and trunk.num_tokens == 2 * PS
+    assert trunk.buf == np.array(seq(1, 2), dtype=np.int64).tobytes()
+    assert sorted(kids(trunk)) == [tuple(seq(3)), tuple(seq(9))]
+    for n in tree.nodes():
+        assert isinstance(n.buf, bytes) and len(n.buf) == 8 * len(n.tokens)
+
+
+def test_keys_are_the_chain_of_the_unpacked_tokens() -> None:
+    tree = RadixTree(PS)
+    big = [2**40 + i for i in range(3 * PS)] + [5]
+    out = tree.insert(array("q", big), P(0, 1, 2, 3))
+    ns = namespace_digest(
+        model_fingerprint="m",
+        dtype="bf16",
+        page_size=PS,
+        tree_page_size=PS,
+        components=("kv",),
+        rank=0,
+        world_size=1,
+    )
+    assert tree.ensure_keys(out.last, ns) == chain_keys(ns, big, PS, tail=True)
+
+
+def test_matching_does_not_keep_or_alter_the_callers_buffer() -> None:
+    tree = RadixTree(PS)
+    toks = np.array(seq(1, 2), dtype=np.int64)
+    tree.insert(toks, P(0, 1))
+    toks[:] = 9  # the caller reuses its buffer
+    assert tree.match(seq(1, 2)).matched_len == 2 * PS
+    q = array("q", seq(1, 2))
+    tree.match(q)
+    q.append(3)  # no export still held: the array can grow
+    assert list(q) == seq(1, 2) + [3]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([1.0, 2.0]),
+        np.zeros((2, 2), dtype=np.int64),
+        torch.tensor([True, False]),
+        torch.tensor([1.5, 2.5]),
+        [1, 2.5],
+        (2**63,),
+    ],
+)
+def test_non_integer_or_multi_dimensional_tokens_are_refused(bad: object) -> None:
+    with pytest.raises(RequestError):
+        as_array(bad)  # type: ignore[arg-type]
+    with pytest.raises(RequestError):
+        RadixTree(PS).match(bad)  # type: ignore[arg-type]
