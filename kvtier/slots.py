@@ -33,6 +33,7 @@ import torch
 
 from kvtier.errors import CapacityError, IntegrityError, RequestError
 from kvtier.paging import align_down, pages_to_locs
+from kvtier.windows import give_back_windows, hand_over_windows
 
 if TYPE_CHECKING:
     from kvtier.pools.device import DevicePool
@@ -229,43 +230,15 @@ class EnginePages:
         dups = out.duplicates
         self._owned[dups[torch.isin(dups, mine)]] = True
         if self.windowed and dups.numel():
-            self._revive_windows(tokens, pages)
+            took = hand_over_windows(self.tree, self.pool, self._owned, tokens, pages)
+            if took and self._on_windows is not None:
+                self._on_windows(took)
         if out.dropped.device_pages or out.dropped.host_pages:
             if self._release is None:
                 raise IntegrityError("the tree dropped a partial tail with nobody to free it")
             self._release(out.dropped)
         self._on_insert(out.taken)
         return out.cached_len
-
-    def _revive_windows(self, tokens: Sequence[int], pages: torch.Tensor) -> None:
-        """Cached device pages without window rows take those of the engine's duplicates of
-        them (the same tokens at the same positions, computed again): hits can resume there
-        again. The arena moves the rows by reassigning them, not by copying."""
-        m = self.tree.match(tokens)
-        cached, nodes, pos = [], [], 0
-        for i, node in enumerate(m.path):
-            k = m.last_pages if i == len(m.path) - 1 else node.num_pages(self.page_size)
-            if node.device is None:
-                break
-            # a backup reading the node copies the rows its pages had when it began
-            cached.append(node.device[:k] if not node.device_io else torch.full((k,), -1))
-            nodes.append((node, pos, pos + k))
-            pos += k
-        if not cached:
-            return
-        theirs = torch.cat(cached)
-        n = min(theirs.numel(), pages.numel())
-        mine, theirs = pages[:n], theirs[:n]
-        give = (theirs >= 0) & (mine != theirs) & self._owned[mine]
-        if not bool(give.any()):
-            return
-        give[give.clone()] &= self.pool.has_window(mine[give]) & ~self.pool.has_window(theirs[give])
-        if not bool(give.any()):
-            return
-        self.pool.move_window(mine[give], theirs[give])
-        touched = [node for node, lo, hi in nodes if bool(give[lo:hi].any())]
-        if self._on_windows is not None:
-            self._on_windows(touched)
 
     def release_window(self, locs: torch.Tensor) -> int:
         """The engine reads no window rows of the pages of ``locs`` any more: those of its own
@@ -274,11 +247,7 @@ class EnginePages:
         if not self.windowed or not locs.numel():
             return 0
         pages = torch.unique(self._pages_of(locs, "release_window"))
-        pages = pages[self._owned[pages]]
-        pages = pages[self.pool.has_window(pages)]
-        if pages.numel():
-            self.pool.release_window(pages)
-        return pages.numel()
+        return give_back_windows(self.pool, pages[self._owned[pages]])
 
     def _free(self, pages: torch.Tensor) -> None:
         if self._on_free is not None:

@@ -19,12 +19,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.pools.spec import PoolSpec
 
 if TYPE_CHECKING:
     from kvtier.cache import TieredCache
     from kvtier.config import CacheConfig
+    from kvtier.pools.arena import UnifiedPool
+    from kvtier.tree.node import Node
+    from kvtier.tree.radix import RadixTree
 
 
 def window_spec(specs: Sequence[PoolSpec]) -> PoolSpec | None:
@@ -51,6 +56,50 @@ def check_window_config(config: CacheConfig, specs: Sequence[PoolSpec], translat
             f"the window pool {win.name!r} (sliding-window layers in a unified arena) does not "
             f"support {why}; use the defaults or a model without a window pool"
         )
+
+
+def hand_over_windows(
+    tree: RadixTree,
+    pool: UnifiedPool,
+    engine_owned: torch.Tensor,
+    tokens: Sequence[int],
+    pages: torch.Tensor,
+) -> list[Node]:
+    """Cached device pages of ``tokens`` without window rows take those of ``pages``, the
+    engine's duplicates of them (the same tokens at the same positions, computed again), so
+    hits can resume there again; the arena reassigns the rows, nothing is copied. Returns the
+    nodes that took rows (their host copies may want them: ``WindowBackups``)."""
+    m = tree.match(tokens)
+    cached, spans, pos = [], [], 0
+    for i, node in enumerate(m.path):
+        if node.device is None:
+            break
+        k = m.last_pages if i == len(m.path) - 1 else node.num_pages(tree.page_size)
+        # a backup reading the node copies the rows its pages had when it began: leave it be
+        cached.append(node.device[:k] if not node.device_io else torch.full((k,), -1))
+        spans.append((node, pos, pos + k))
+        pos += k
+    if not cached:
+        return []
+    theirs = torch.cat(cached)
+    n = min(theirs.numel(), pages.numel())
+    mine, theirs = pages[:n], theirs[:n]
+    idx = torch.nonzero((theirs >= 0) & (mine != theirs) & engine_owned[mine]).reshape(-1)
+    idx = idx[pool.has_window(mine[idx]) & ~pool.has_window(theirs[idx])]
+    if not idx.numel():
+        return []
+    pool.move_window(mine[idx], theirs[idx])
+    took = torch.zeros(n, dtype=torch.bool)
+    took[idx] = True
+    return [node for node, lo, hi in spans if bool(took[lo:hi].any())]
+
+
+def give_back_windows(pool: UnifiedPool, pages: torch.Tensor) -> int:
+    """Release the window rows those of the engine's ``pages`` still have; returns how many."""
+    pages = pages[pool.has_window(pages)]
+    if pages.numel():
+        pool.release_window(pages)
+    return pages.numel()
 
 
 def check_windows(cache: TieredCache) -> None:

@@ -31,10 +31,9 @@ from kvtier.controller.window_backup import WindowBackups
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
-from kvtier.parallel.alloc import verify_owners
+from kvtier.parallel.alloc import check_tree_owners
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
-from kvtier.parallel.meta import CPNodeMeta
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
@@ -384,26 +383,7 @@ class Controller:
         if self.prefetcher is not None:
             self.prefetcher.check_integrity()
         if self.layout is not None:
-            self._check_owners(self.layout)
-
-    def _check_owners(self, layout: CPLayout) -> None:
-        """Under CP every copy of a node's page sits on the lane of the page's sequence owner
-        (so each rank holds exactly its shard), and this rank's host shard of the node is a
-        consistent seed-003 record (owned positions, distinct host slots)."""
-        ps = self.tree.page_size
-        for node in self.tree.nodes():
-            if node.parent is None:
-                continue
-            n = node.num_tokens // ps
-            first = node.depth_tokens() // ps - n
-            owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
-            for pages in (node.device, node.host):
-                if pages is not None:
-                    verify_owners(layout, pages, owners, node.id)
-            if node.host is not None:
-                mine = node.host[owners == layout.rank]
-                meta = CPNodeMeta.build(node.id, layout.rank, ps, owners, layout.physical(mine))
-                meta.check(node.num_tokens)
+            check_tree_owners(self.tree, self.layout)
 
     def close(self) -> None:
         self.drain()

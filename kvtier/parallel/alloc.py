@@ -14,10 +14,16 @@ allocator that follows it (``alloc_owned``)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.parallel.layout import CPLayout
+from kvtier.parallel.meta import CPNodeMeta
+
+if TYPE_CHECKING:
+    from kvtier.tree.radix import RadixTree
 
 
 def verify_owners(
@@ -39,3 +45,23 @@ def verify_owners(
             f"but logical page {int(pages[i])} lives on rank {layout.lane(int(pages[i]))} "
             f"(pages {bad.tolist()} misplaced); allocate with the saved owners"
         )
+
+
+def check_tree_owners(tree: RadixTree, layout: CPLayout) -> None:
+    """Every copy of a node's page sits on the lane of the page's sequence owner (so each rank
+    holds exactly its shard), and this rank's host shard of the node is a consistent seed-003
+    record (owned positions, distinct host slots)."""
+    ps = tree.page_size
+    for node in tree.nodes():
+        if node.parent is None:
+            continue
+        n = node.num_tokens // ps
+        first = node.depth_tokens() // ps - n
+        owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
+        for pages in (node.device, node.host):
+            if pages is not None:
+                verify_owners(layout, pages, owners, node.id)
+        if node.host is not None:
+            mine = node.host[owners == layout.rank]
+            meta = CPNodeMeta.build(node.id, layout.rank, ps, owners, layout.physical(mine))
+            meta.check(node.num_tokens)
