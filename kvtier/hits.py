@@ -82,15 +82,17 @@ def window_pages(boundary_page: int, page_size: int, window: int) -> int:
 def windowed_pages(flags: torch.Tensor, page_size: int, window: int) -> int:
     """Deepest page boundary ``k <= len(flags)`` such that the window before it is flagged
     (``0`` when none is: resuming at 0 reads nothing)."""
-    run = 0
-    runs = [0]
-    for f in flags.tolist():
-        run = run + 1 if f else 0
-        runs.append(run)
-    for k in range(len(runs) - 1, 0, -1):
-        if runs[k] >= window_pages(k, page_size, window):
-            return k
-    return 0
+    n = flags.numel()
+    if n == 0:
+        return 0
+    # boundary k reads pages [first(k), k); they are all flagged iff no gap falls in them
+    gaps = torch.zeros(n + 1, dtype=torch.int64)
+    gaps[1:] = torch.cumsum(~flags.to(torch.bool), 0)
+    k = torch.arange(1, n + 1)
+    first = (k * page_size - window + 1).clamp(min=0) // page_size
+    ok = (gaps[k] - gaps[first]) == 0
+    hit = torch.nonzero(ok).reshape(-1)
+    return int(k[hit[-1]]) if hit.numel() else 0
 
 
 def windowed_len(
