@@ -11,8 +11,9 @@ written per second, GB/s, the memory traffic the device sustains).
   and the LM head runs for the last token only, which the formula leaves out), and attention is
   two matmuls (QK^T, PV) of two FLOPs per multiply-add over the causal half of the
   ``tokens x tokens`` scores. ``prefill.ratio_to_matmul`` is its TFLOP/s over the matmul rate.
-- **Decode step** of ``batch`` requests at a context of ``decode_context`` tokens (mean over
-  ``decode_steps`` steps, contexts growing by one each). Its bound is the bytes a step must
+- **Decode step** of ``batch`` requests at a context of ``decode_context`` tokens (median over
+  ``decode_steps`` steps, contexts growing by one each; the mean and the slowest step, which
+  records a CUDA graph where one is new, are reported beside it). Its bound is the bytes a step must
   read, every weight once (embedding table excluded: only a row per request is read) plus every
   request's K/V rows of every layer at its context, over the copy rate. ``decode.ratio_to_bound``
   is the step time over that bound (1 is the limit; larger is slower).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import sys
 import time
 
@@ -238,14 +240,17 @@ def _decode(
         llm.add_request(fresh(context - 2), params)
     llm.step()
     llm.step()
-    total = 0.0
+    times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         llm.step()
-        total += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     while llm.has_unfinished():
         llm.step()
-    step_s = total / steps
+    # The median: a step that records a CUDA graph (once per batch size and 256 context
+    # columns) weighs in the mean of a few steps far more than in a long decode.
+    step_s = statistics.median(times)
+    graphs = llm.runner.graphs
     mean_ctx = context + (steps - 1) / 2
     read = decode_read_bytes(model, cfg, batch, mean_ctx)
     bound_s = (read["weights_bytes"] + read["kv_bytes"]) / (copy * 1e9)
@@ -259,6 +264,10 @@ def _decode(
         "steps": steps,
         "mean_context": mean_ctx,
         "step_s": step_s,
+        "mean_step_s": sum(times) / steps,
+        "max_step_s": max(times),
+        "graph_captures": None if graphs is None else graphs.captures,
+        "graph_replays": None if graphs is None else graphs.replays,
         **read,
         "bound_s": bound_s,
         "ratio_to_bound": step_s / bound_s,

@@ -1,7 +1,8 @@
 """Dense causal GQA attention over K/V gathered from the paged pool by slot, through PyTorch's
 scaled-dot-product attention: its flash / memory-efficient kernels on CUDA, its own kernels on
 CPU, the same calls on both. A prefilling sequence is one call; every decoding sequence of a
-batch shares one call."""
+batch shares one call, on CUDA the paged Triton kernel of ``kvtier.engine.decode_kernel``
+(which reads the rows in place) where it applies."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from kvtier.engine import decode_kernel
 
 if TYPE_CHECKING:
     from kvtier.engine.model import SeqSlots
@@ -112,11 +115,13 @@ class DecodePlan:
     when they are ``0 .. B-1``; ``locs``:
     ``[B, C_max]`` pool slots, sequence ``b``'s context then its first slot repeated (a row it
     owns, hence finite); ``visible``: ``[B, C_max]`` which of them are its context (``None``:
-    every sequence has ``C_max`` positions)."""
+    every sequence has ``C_max`` positions); ``lens``: int32 ``[B]``, the contexts' lengths
+    (``None`` likewise)."""
 
     rows: torch.Tensor | None
     locs: torch.Tensor
     visible: torch.Tensor | None
+    lens: torch.Tensor | None = None
 
 
 def decode_plan(seqs: Sequence[SeqSlots], device: torch.device) -> DecodePlan | None:
@@ -135,13 +140,21 @@ def decode_plan(seqs: Sequence[SeqSlots], device: torch.device) -> DecodePlan | 
         return DecodePlan(rows_t, torch.stack(locs), None)
     padded = torch.nn.utils.rnn.pad_sequence(locs, batch_first=True, padding_value=-1)
     visible = padded >= 0
-    return DecodePlan(rows_t, torch.where(visible, padded, padded[:, :1]), visible)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return DecodePlan(rows_t, torch.where(visible, padded, padded[:, :1]), visible, lens_t)
 
 
 _plan_cache: tuple[tuple[tuple[torch.Tensor, int], ...], DecodePlan | None] | None = None
 """The last batch's plan, keyed by its sequences' ``(ctx_locs, num_new)`` (the tensors held,
 so their identities cannot be reused): every layer of a forward gets the same ones, and the
 plan is built once per forward instead of once per layer."""
+
+
+def use_decode_plan(seqs: Sequence[SeqSlots], plan: DecodePlan) -> None:
+    """Make ``plan`` the one the next calls with exactly ``seqs`` use: for a forward whose
+    slots are already on the device in plan form (``kvtier.engine.graphs``)."""
+    global _plan_cache
+    _plan_cache = (tuple((s.ctx_locs, s.num_new) for s in seqs), plan)
 
 
 def cached_decode_plan(seqs: Sequence[SeqSlots], device: torch.device) -> DecodePlan | None:
@@ -172,9 +185,12 @@ def batched_attention(q: torch.Tensor, seqs: Sequence[SeqSlots], kv: torch.Tenso
     dec = None
     if plan is not None:
         b, c = plan.locs.shape
-        ctx = kv.index_select(0, plan.locs.reshape(-1)).view(b, c, *kv.shape[1:])
         qd = q[:b] if plan.rows is None else q.index_select(0, plan.rows)
-        dec = decode_attention(qd, ctx[:, :, 0], ctx[:, :, 1], plan.visible)
+        if decode_kernel.available(qd, kv):  # reads rows in place: no gathered copy
+            dec = decode_kernel.paged_decode(qd, kv, plan.locs, plan.lens)
+        else:
+            ctx = kv.index_select(0, plan.locs.reshape(-1)).view(b, c, *kv.shape[1:])
+            dec = decode_attention(qd, ctx[:, :, 0], ctx[:, :, 1], plan.visible)
         if b == q.shape[0]:
             return dec
     out = torch.empty_like(q) if dec is not None or len(seqs) != 1 else None

@@ -49,12 +49,17 @@ class LLM:
         overlap_loads: bool = True,
         group: Group | None = None,
         speculative_tokens: int = 0,
+        cuda_graphs: bool = True,
     ) -> None:
         """``group``: the context-parallel group this rank belongs to (``None`` without
         context parallelism); every rank of it runs the same requests.
         ``speculative_tokens``: draft tokens each decode step of a greedy request proposes
         with the model's draft head and verifies in one forward (``kvtier.engine.spec``);
-        ``0``: off. Needs a draft head (``mtp_layers > 0``) and no context parallelism."""
+        ``0``: off. Needs a draft head (``mtp_layers > 0``) and no context parallelism.
+        ``cuda_graphs``: decode steps of the dense model on CUDA replay recorded graphs
+        (``kvtier.engine.graphs``); ``False`` runs every forward eagerly."""
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
@@ -88,7 +93,7 @@ class LLM:
             overlap_loads,
             self.speculative_tokens,
         )
-        self.runner = ModelRunner(self.model, kv, self.cache.page_size)
+        self.runner = ModelRunner(self.model, kv, self.cache.page_size, cuda_graphs)
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
         # that when load-back kernels and the forward overlap, the forward's blocks go first.
         self._compute_stream = None
@@ -167,12 +172,18 @@ class LLM:
         self.cache.poll()
         sampled: list[list[int]] = []
         errors: dict[int, Exception] = {}
-        row = 0
+        firsts = list(itertools.accumulate((1 + len(w.draft) for w in work), initial=0))
+        plain = [i for i, w in enumerate(work) if not w.draft]
+        rows = logits[[firsts[i] for i in plain]]
+        drawn = dict(zip(plain, self.runner.sample([work[i] for i in plain], rows), strict=True))
         for i, w in enumerate(work):
-            rows = logits[row : row + 1 + len(w.draft)]
-            row += rows.shape[0]
             try:
-                sampled.append(spec.accept(w, rows) if w.draft else self.runner.sample([w], rows))
+                if w.draft:
+                    sampled.append(spec.accept(w, logits[firsts[i] : firsts[i + 1]]))
+                elif isinstance(drawn[i], Exception):
+                    raise drawn[i]
+                else:
+                    sampled.append([drawn[i]])
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
                 errors[i] = e
                 sampled.append([-1])

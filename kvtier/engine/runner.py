@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.engine import cp
+from kvtier.engine import cp, graphs
 from kvtier.engine.model import CausalLM, SeqSlots
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
@@ -18,7 +18,10 @@ class ModelRunner:
     against the device pool ``kv`` (``TieredCache.kv_buffers``). Requests hold the cache's
     logical slots; every slot and state row handed to the model is ``kv.slots`` of them."""
 
-    def __init__(self, model: CausalLM, kv: DeviceKV, page_size: int) -> None:
+    def __init__(
+        self, model: CausalLM, kv: DeviceKV, page_size: int, cuda_graphs: bool = True
+    ) -> None:
+        """``cuda_graphs``: replay recorded decode steps where ``graphs.supported``."""
         self.model = model
         self.kv = kv
         self.page_size = page_size
@@ -32,16 +35,28 @@ class ModelRunner:
         self.group = cp.cp_group(kv)
         """The CP group this rank runs in (``None`` without context parallelism)."""
         cp.check_supported(model, self.group)
+        self.graphs = (
+            graphs.DecodeGraphs(model, kv) if cuda_graphs and graphs.supported(model, kv) else None
+        )
+        """Recorded decode steps (``None``: every forward runs eagerly)."""
 
     def run(self, work: list[Work]) -> list[int]:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
-        return self.agree(self.sample(work, self.forward(work)))
+        tokens = self.sample(work, self.forward(work))
+        for t in tokens:
+            if isinstance(t, Exception):
+                raise t
+        return self.agree(tokens)
 
     def forward(self, work: list[Work], layered: Layered | None = None) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
         (the step's one device → host read): one row per item, ``1 + len(draft)`` rows (its
         last token's and every draft token's) for an item verifying a draft. ``layered``
         (``cache.backup_layers``) is told of each anchor layer the forward finished."""
+        if self.graphs is not None and layered is None and self._replayable(work):
+            ctx = [self.kv.slots(w.req.locs[: w.req.num_computed + 1]) for w in work]
+            ids = [w.req.tokens[w.req.num_computed] for w in work]
+            return _to_host(self.graphs.forward(ctx, ids))
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -69,7 +84,7 @@ class ModelRunner:
         waits = [w.req.layer_events for w in work if w.req.layer_events]
         for w in work:
             w.req.layer_events = None
-        return self.model(
+        logits = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             seqs,
@@ -77,15 +92,32 @@ class ModelRunner:
             before_layer=_layer_waiter(waits) if waits else None,
             last_logits=[1 + len(w.draft) for w in work],
             after_layer=layered.layer_done if layered is not None else None,
-        ).cpu()
+        )
+        return _to_host(logits)
 
-    def sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        """Each item's next token from its row of ``logits`` (on the CPU). A request that asked
-        for its logits keeps the row of every token sampled for it: one row per output token."""
-        tokens = []
+    @staticmethod
+    def _replayable(work: list[Work]) -> bool:
+        """Every item decodes one token of its own (no draft, no load still arriving)."""
+        return len(work) <= graphs.MAX_BATCH and all(
+            w.num_new == 1 and not w.draft and not w.req.layer_events and w.req.locs is not None
+            for w in work
+        )
+
+    def sample(self, work: list[Work], logits: torch.Tensor) -> list[int | Exception]:
+        """Each item's next token from its row of ``logits`` (on the CPU), or the exception
+        sampling it raised (which ends only that item). Greedy rows share one ``argmax``
+        (one per row cost more than a decode step's forward on a large GPU). A request that
+        asked for its logits keeps the row of every token sampled for it."""
+        greedy = [i for i, w in enumerate(work) if w.req.params.greedy or w.req.generator is None]
+        best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True))
+        tokens: list[int | Exception] = []
         for i, w in enumerate(work):
-            tokens.append(sample(logits[i], w.req.params, w.req.generator))
-            w.req.record_logits(logits[i])
+            try:
+                t = best[i] if i in best else sample(logits[i], w.req.params, w.req.generator)
+                w.req.record_logits(logits[i])
+            except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                t = e
+            tokens.append(t)
         return tokens
 
     def agree(self, tokens: list[int]) -> list[int]:
@@ -118,6 +150,17 @@ class ModelRunner:
             if (page + 1) % self.checkpoint_every == 0:
                 seq.state_out.append((p - start, int(locs[p]) // ps))
                 req.checkpoints.add(page)
+
+
+def _to_host(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` on the CPU: through pinned memory on CUDA (a pageable read of a batch's
+    logits took over a millisecond of copy)."""
+    if logits.device.type != "cuda":
+        return logits.cpu()
+    host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    host.copy_(logits, non_blocking=True)
+    torch.cuda.current_stream(logits.device).synchronize()
+    return host
 
 
 def _layer_waiter(waits: list[list]):  # noqa: ANN202 - a closure over CUDA events

@@ -1,0 +1,163 @@
+"""CUDA graphs of decode steps: a step of ``B`` decoding sequences whose longest context fits
+``C`` columns replays one recorded forward instead of launching its ~30 kernels per layer from
+Python, which on a large GPU costs more than the kernels themselves.
+
+A graph's inputs are static device buffers the step fills from one pinned host buffer:
+
+    ids [B] | positions [B] | out slots [B] | context slots [B, C] | context lengths [B]
+
+Context slots past a sequence's length are never read (the decode kernel masks by length), so
+``C`` is a bucket (a multiple of ``CONTEXT_BUCKET``) and contexts grow into it without a new
+graph. Only forwards of the dense model whose every item decodes one token qualify; everything
+else runs eagerly. A new ``(B, C)`` runs its step eagerly on the static buffers (which also
+compiles the kernels) and records the graph after it, so no step waits for a capture it does
+not use.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.engine import attention, cp, decode_kernel
+from kvtier.engine.model import Attention, CausalLM, SeqSlots
+from kvtier.transfer import DeviceKV
+
+CONTEXT_BUCKET = 256
+"""Context columns of a graph are a multiple of this."""
+MAX_GRAPHS = 12
+"""Recorded graphs kept (least recently used go first)."""
+MAX_BATCH = 128
+"""Larger decode batches run eagerly."""
+
+
+@dataclass(slots=True)
+class _Graph:
+    """One recorded decode forward and its static buffers."""
+
+    host: torch.Tensor
+    """Pinned int64 ``[3B + B*C]``: ids, positions, out slots, context slots."""
+    host_lens: torch.Tensor
+    """Pinned int32 ``[B]``."""
+    dev: torch.Tensor
+    """The device copy of ``host``."""
+    lens: torch.Tensor
+    """The device copy of ``host_lens``."""
+    logits: torch.Tensor | None = None
+    """The recorded forward's output; ``None`` until recorded."""
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+_SAME_FORWARD = ("forward", "mix", "after_layers", "anchor_layers", "pool_specs", "check_batch")
+"""What a model class must take unchanged from ``CausalLM`` for its decode steps to replay:
+the forward's whole path (a subclass may still change how its weights start)."""
+
+
+def supported(model: torch.nn.Module, kv: DeviceKV) -> bool:
+    """Whether decode steps of ``model`` over ``kv`` may replay graphs: the dense model (not a
+    family deriving from it with its own mixing or state) on CUDA, its pool's dtype one the
+    decode kernel takes, no context parallelism."""
+    if not isinstance(model, CausalLM) or decode_kernel.triton is None:
+        return False
+    cls = type(model)
+    if any(getattr(cls, name) is not getattr(CausalLM, name) for name in _SAME_FORWARD):
+        return False
+    if getattr(model, "stateful", False) or model.device.type != "cuda":
+        return False
+    if cp.cp_group(kv) is not None:
+        return False
+    return (
+        all(type(layer.self_attn) is Attention for layer in model.model.layers)
+        and model.config.torch_dtype in (torch.float16, torch.bfloat16)
+        and kv.layer(0).dtype == model.config.torch_dtype
+    )
+
+
+class DecodeGraphs:
+    """Recorded decode forwards of one model over one pool, keyed by ``(B, C)``."""
+
+    def __init__(self, model: CausalLM, kv: DeviceKV) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+        """Steps served by a recorded graph."""
+        self.captures = 0
+        """Graphs recorded."""
+
+    def forward(self, ctx_slots: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (float32, on the device) of ``B`` sequences decoding one token
+        each: sequence ``i`` reads the physical slots ``ctx_slots[i]`` (CPU int64, its whole
+        context, the new token's slot last) and feeds token ``ids[i]``."""
+        b = len(ctx_slots)
+        lens = [int(s.shape[0]) for s in ctx_slots]
+        c = -(-max(lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+        key = (b, c)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._new(b, c)
+        else:
+            self._graphs.move_to_end(key)
+        self._fill(g, b, c, ctx_slots, ids, lens)
+        if g.graph is not None:
+            g.graph.replay()
+            self.replays += 1
+            return g.logits
+        logits = self._run(g, b, c)  # this step's forward, eagerly: kernels compile here
+        self._record(g, b, c)
+        return logits
+
+    def _new(self, b: int, c: int) -> _Graph:
+        while len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        n = 3 * b + b * c
+        g = _Graph(
+            host=torch.zeros(n, dtype=torch.int64, pin_memory=True),
+            host_lens=torch.ones(b, dtype=torch.int32, pin_memory=True),
+            dev=torch.zeros(n, dtype=torch.int64, device=self.device),
+            lens=torch.ones(b, dtype=torch.int32, device=self.device),
+        )
+        self._graphs[(b, c)] = g
+        return g
+
+    def _fill(
+        self,
+        g: _Graph,
+        b: int,
+        c: int,
+        ctx_slots: Sequence[torch.Tensor],
+        ids: Sequence[int],
+        lens: list[int],
+    ) -> None:
+        host = g.host
+        host[:b] = torch.tensor(ids, dtype=torch.int64)
+        host[b : 2 * b] = torch.tensor(lens, dtype=torch.int64) - 1
+        locs = host[3 * b :].view(b, c)
+        for i, s in enumerate(ctx_slots):
+            locs[i, : s.shape[0]] = s
+        host[2 * b : 3 * b] = locs[torch.arange(b), host[b : 2 * b]]
+        g.host_lens[:] = torch.tensor(lens, dtype=torch.int32)
+        # the previous step read its logits back, so its copies out of these buffers are done
+        g.dev.copy_(host, non_blocking=True)
+        g.lens.copy_(g.host_lens, non_blocking=True)
+
+    def _run(self, g: _Graph, b: int, c: int) -> torch.Tensor:
+        dev = g.dev
+        ids, positions, out = dev[:b], dev[b : 2 * b], dev[2 * b : 3 * b]
+        locs = dev[3 * b :].view(b, c)
+        seqs = [SeqSlots(1, out[i : i + 1], locs[i]) for i in range(b)]
+        attention.use_decode_plan(seqs, attention.DecodePlan(None, locs, None, g.lens))
+        return self.model(ids, positions, seqs, self.kv, all_logits=True)
+
+    def _record(self, g: _Graph, b: int, c: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        # Recording runs nothing: the eager step just run on these buffers stays the result.
+        with torch.cuda.graph(graph, pool=self._pool):
+            g.logits = self._run(g, b, c)
+        g.graph = graph
+        self.captures += 1
