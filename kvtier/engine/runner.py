@@ -11,6 +11,7 @@ from kvtier.engine.scheduler import Work
 from kvtier.errors import IntegrityError
 from kvtier.transfer import DeviceKV
 from kvtier.transfer.layers import Layered
+from kvtier.transfer.mapped import map_pinned
 
 
 class ModelRunner:
@@ -153,12 +154,14 @@ class ModelRunner:
 
 
 def _to_host(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` on the CPU: through pinned memory on CUDA (a pageable read of a batch's
-    logits took over a millisecond of copy)."""
+    """``logits`` on the CPU. On CUDA a kernel writes them into pinned memory through its
+    device mapping: the copy engines serve copies in the order queued, so a copy would wait
+    behind every backup chunk queued before it (a step's worth, by the pacer's budget), and
+    a pageable copy cost over a millisecond on its own."""
     if logits.device.type != "cuda":
         return logits.cpu()
     host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-    host.copy_(logits, non_blocking=True)
+    torch.mul(logits, 1, out=map_pinned(host, logits.device))  # SM stores, not a copy engine
     torch.cuda.current_stream(logits.device).synchronize()
     return host
 
