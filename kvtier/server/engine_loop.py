@@ -216,7 +216,9 @@ class EngineLoop:
         try:
             t.request_id = self.llm.add_request(t.prompt, t.params)
         except RequestError as e:
-            code = "context_length_exceeded" if "exceeds" in str(e) else "invalid_value"
+            # the engine's two length refusals: the context length and the device pool
+            too_long = "exceeds" in str(e) or "device pool has only" in str(e)
+            code = "context_length_exceeded" if too_long else "invalid_value"
             self._send(t, "error", APIError(400, str(e), param=t.prompt_param, code=code))
             return
         self._live[t.request_id] = t
