@@ -61,7 +61,7 @@ def wait_until(cond: Callable[[], Any], what: str, deadline_s: float = DEADLINE_
 def wait_ready(url: str) -> dict:
     def ready() -> dict | None:
         try:
-            r = httpx.get(f"{url}/health", timeout=5)
+            r = _HTTP.get(f"{url}/health")
         except httpx.TransportError:
             return None
         return r.json() if r.status_code == 200 else None
@@ -69,8 +69,18 @@ def wait_ready(url: str) -> dict:
     return wait_until(ready, f"{url}/health")
 
 
+_HTTP = httpx.Client(timeout=DEADLINE_S)
+"""One client for raw requests: building one per request costs a TLS context each time."""
+
+
+def http() -> httpx.Client:
+    return _HTTP
+
+
 def client(server: Server, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, http_client=_HTTP
+    )
 
 
 def state(server: Server) -> dict:
@@ -118,7 +128,7 @@ def cold(prompt: Any, params: SamplingParams, model: str = "tiny", cache: CacheC
 
 def metric(server: Server, name: str) -> float:
     """A sample's value in ``/metrics`` (``name`` with its labels, as exposed)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=DEADLINE_S).text
+    text = _HTTP.get(f"{server.url}/metrics").text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import random
 
-import httpx2 as httpx
 import openai
 import pytest
-from server_harness import cache_config, client, cold, idle, metric, start
+from server_harness import cache_config, client, cold, http, idle, metric, start
 
 from kvtier.engine import SamplingParams
 from kvtier.engine.families import build_model, preset
@@ -108,7 +107,7 @@ def test_stream_with_usage_ends_with_usage_then_done(srv) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=20) as r:
+    with http().stream("POST", f"{srv.url}/v1/completions", json=body, timeout=20) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
@@ -124,13 +123,13 @@ def test_stream_with_usage_ends_with_usage_then_done(srv) -> None:
 def test_models_and_health(srv) -> None:
     models = client(srv).models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    h = httpx.get(f"{srv.url}/health").json()
+    h = http().get(f"{srv.url}/health").json()
     assert h["status"] == "ok" and h["storage"] is None
 
 
 def test_metrics_expose_the_server_families(srv) -> None:
     client(srv).completions.create(model="tiny", prompt=prompt(6), max_tokens=3)
-    text = httpx.get(f"{srv.url}/metrics").text
+    text = http().get(f"{srv.url}/metrics").text
     for name in (
         'kvtier_cached_tokens_total{cache_source="storage"}',
         "kvtier_recomputed_tokens_total",
@@ -185,7 +184,7 @@ BAD = [
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), BAD)
 def test_bad_completion_requests_name_the_field(srv, body, status, param, code) -> None:
-    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=20)
+    r = http().post(f"{srv.url}/v1/completions", json=body, timeout=20)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code), err
@@ -198,7 +197,7 @@ def test_bad_completion_requests_name_the_field(srv, body, status, param, code) 
 def test_bad_requests_are_refused_before_streaming(srv, stream) -> None:
     """A prompt the engine refuses is a 400, streaming or not (no 200 with an error inside)."""
     body = {"model": "tiny", "prompt": [1] * 600, "stream": stream}
-    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=20)
+    r = http().post(f"{srv.url}/v1/completions", json=body, timeout=20)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -208,7 +207,7 @@ def test_bad_requests_are_refused_before_streaming(srv, stream) -> None:
 )
 def test_malformed_bodies_are_400_in_openai_shape(srv, raw, message) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
-        r = httpx.post(f"{srv.url}{path}", content=raw, timeout=20)
+        r = http().post(f"{srv.url}{path}", content=raw, timeout=20)
         assert r.status_code == 400
         err = r.json()["error"]
         assert message in err["message"] and err["code"] == "invalid_json"
@@ -217,21 +216,21 @@ def test_malformed_bodies_are_400_in_openai_shape(srv, raw, message) -> None:
 def test_chat_needs_a_template_and_valid_messages(srv) -> None:
     url = f"{srv.url}/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
-    r = httpx.post(url, json={"model": "tiny", "messages": msgs})
+    r = http().post(url, json={"model": "tiny", "messages": msgs})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert "chat template" in r.json()["error"]["message"]
-    r = httpx.post(url, json={"model": "tiny", "messages": [{"role": "bot", "content": "x"}]})
+    r = http().post(url, json={"model": "tiny", "messages": [{"role": "bot", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]"
-    r = httpx.post(url, json={"model": "tiny", "messages": []})
+    r = http().post(url, json={"model": "tiny", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(url, json={"model": "other", "messages": msgs})
+    r = http().post(url, json={"model": "other", "messages": msgs})
     assert r.status_code == 404
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(srv) -> None:
-    r = httpx.get(f"{srv.url}/v1/nothing")
+    r = http().get(f"{srv.url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.get(f"{srv.url}/v1/completions")
+    r = http().get(f"{srv.url}/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
 
 

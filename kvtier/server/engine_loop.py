@@ -90,6 +90,8 @@ class EngineLoop:
         self._errors_total = 0
         self._last_error: float | None = None
         self._health_at = 0.0
+        self.cancels = 0
+        """Requests cancelled because their client went away (what tests wait on)."""
 
     # ---- any thread -----------------------------------------------------------------------
     def start(self) -> None:
@@ -122,7 +124,11 @@ class EngineLoop:
 
     def cancel(self, ticket: Ticket) -> None:
         """Abort ``ticket``'s request (its client went away); a no-op once it finished."""
-        ticket.cancelled = True
+        with self._lock:
+            if ticket.cancelled:
+                return
+            ticket.cancelled = True
+            self.cancels += 1
         self._q.put(("cancel", ticket))
 
     def call(self, fn: Callable[[LLM], Any]) -> Future:
@@ -211,7 +217,8 @@ class EngineLoop:
         with self._lock:
             self._pending -= 1
             self._waiting += 1  # until this step's counts are published
-        if t.cancelled:
+        if t.cancelled:  # its client went away before the engine took it
+            self._count("abort")
             return
         try:
             t.request_id = self.llm.add_request(t.prompt, t.params)
