@@ -14,10 +14,13 @@ answers ``ok`` once the engine thread runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +124,30 @@ class Server:
     def _make_uvicorn(self) -> Any:
         import uvicorn
 
+        class _Uvicorn(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                """SIGINT/SIGTERM start the graceful shutdown. Unlike uvicorn's own handler
+                this one does not raise the signal again once serving stopped: the engine
+                still has to close (pending storage writes land), then the process exits 0."""
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                sigs = (signal.SIGINT, signal.SIGTERM)
+                original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+                try:
+                    yield
+                finally:
+                    for sig, handler in original.items():
+                        signal.signal(sig, handler)
+
         config = uvicorn.Config(
             self.app,
             log_level=self._log_level,
             lifespan="off",
             timeout_graceful_shutdown=10,
         )
-        return uvicorn.Server(config)
+        return _Uvicorn(config)
 
     def start(self) -> Server:
         """Listen and serve on background threads; returns at once (see the module doc)."""
