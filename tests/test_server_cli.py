@@ -66,7 +66,10 @@ def test_flags_convert_by_the_field_types() -> None:
         (["--enable-host", "maybe"], {"enable_host": "maybe"}),
         (["--backup-share", "2"], {"backup_share": 2.0}),
         (["--host-pages", "4", "--host-bytes", "4096"], {"host_pages": 4, "host_bytes": 4096}),
-        (["--enable-host", "false", "--storage", "file"], {"enable_host": False, "storage": "file"}),
+        (
+            ["--enable-host", "false", "--storage", "file"],
+            {"enable_host": False, "storage": "file"},
+        ),
     ],
 )
 def test_bad_cache_flags_exit_2_with_the_config_error(capsys, flags, kw) -> None:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.server import protocol as P
 from kvtier.server.chat import ChatTemplate, check_messages
 from kvtier.server.engine_loop import EngineLoop, Ticket
-from kvtier.server.errors import APIError, error_body, invalid, unauthorized
+from kvtier.server.errors import APIError, error_body, invalid, server_error, unauthorized
 from kvtier.server.metrics import ServerMetrics
 
 
@@ -95,6 +95,11 @@ def create_app(state: ServerState) -> FastAPI:
             error_body(str(e.detail), "invalid_request_error", None, code),
             status_code=e.status_code,
         )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        # logged by Starlette; the client still gets OpenAI's shape
+        return _error(server_error(f"internal error: {type(e).__name__}: {e}"))
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
