@@ -258,3 +258,32 @@ def test_chat_renders_the_template_and_matches_the_engine(tmp_path) -> None:
         assert r.json()["error"]["code"] == "context_length_exceeded"
     finally:
         server.stop()
+
+
+def test_concurrent_requests_batch_together_and_match_their_cold_runs() -> None:
+    """Four requests queued together while the engine is held run side by side; each one's
+    tokens are those of its own cold run (greedy and seeded sampling alike)."""
+    server = start()
+    url = f"{server.url}/v1/completions"
+    prompts = [[i, *P, i] for i in range(20, 24)]
+    temps = [0.0, 0.0, 0.7, 1.0]
+    out: dict[int, object] = {}
+
+    def post(i: int) -> None:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 6, "seed": i}
+        out[i] = http().post(url, json={**body, "temperature": temps[i]})
+
+    try:
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        with engine_held(server):
+            for t in threads:
+                t.start()
+            wait_until(lambda: server.loop.queue_depth()["queued"] == 4, "four queued requests")
+        for t in threads:
+            t.join()
+        for i in range(4):
+            want = cold(prompts[i], SamplingParams(max_tokens=6, temperature=temps[i], seed=i))
+            assert out[i].json()["choices"][0]["token_ids"] == want.output_ids  # type: ignore[attr-defined]
+        assert idle(server)["locked_nodes"] == 0
+    finally:
+        server.stop()
