@@ -287,3 +287,37 @@ def test_concurrent_requests_batch_together_and_match_their_cold_runs() -> None:
         assert idle(server)["locked_nodes"] == 0
     finally:
         server.stop()
+
+
+def test_a_request_failing_in_the_engine_is_a_500_and_the_server_goes_on() -> None:
+    server = start()
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny", "prompt": P, "max_tokens": 4, "temperature": 0}
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("simulated kernel fault")
+
+    def break_forward(llm) -> object:
+        original = llm.runner.forward
+        llm.runner.forward = broken
+        return original
+
+    try:
+        original = server.loop.call(break_forward).result()
+        r = http().post(url, json=body)
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "simulated kernel fault" in err["message"]
+        with http().stream("POST", url, json={**body, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert "simulated kernel fault" in json.loads(lines[-2][6:])["error"]["message"]
+        server.loop.call(lambda llm: setattr(llm.runner, "forward", original)).result()
+        r = http().post(url, json=body)
+        assert (
+            r.json()["choices"][0]["token_ids"] == cold(P, SamplingParams(max_tokens=4)).output_ids
+        )
+        assert metric(server, 'kvtier_requests_total{finish_reason="error"}') == 2
+        assert idle(server)["locked_nodes"] == 0
+    finally:
+        server.stop()
