@@ -113,30 +113,33 @@ class Metrics:
             return snap
 
 
-def prometheus_registry(stats: Callable[[], dict[str, Any]], prefix: str = "kvtier") -> Any:
-    """A prometheus_client registry whose collector reports ``stats()`` on every scrape.
-
-    Keys of ``COUNTERS`` become counters, keys of ``LABELED`` (dicts) labelled counters, other
-    numeric keys gauges.
-    """
-    from prometheus_client import CollectorRegistry
+def metric_families(snap: dict[str, Any], prefix: str = "kvtier") -> Any:
+    """Prometheus metric families of a ``stats()`` snapshot: keys of ``COUNTERS`` become
+    counters, keys of ``LABELED`` (dicts) labelled counters, other numeric keys gauges."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key, value in snap.items():
+        name = f"{prefix}_{key}"
+        if key in COUNTERS:
+            yield CounterMetricFamily(name, COUNTERS[key], value=value)
+        elif key in LABELED:
+            doc, labels = LABELED[key]
+            fam = CounterMetricFamily(name, doc, labels=list(labels))
+            for joined, n in sorted(value.items()):
+                fam.add_metric(joined.split("/"), n)
+            yield fam
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield GaugeMetricFamily(name, key.replace("_", " "), value=value)
+
+
+def prometheus_registry(stats: Callable[[], dict[str, Any]], prefix: str = "kvtier") -> Any:
+    """A prometheus_client registry whose collector reports ``stats()`` on every scrape
+    (``metric_families``)."""
+    from prometheus_client import CollectorRegistry
 
     class _Collector:
         def collect(self):  # noqa: ANN202 - prometheus_client protocol
-            snap = stats()
-            for key, value in snap.items():
-                name = f"{prefix}_{key}"
-                if key in COUNTERS:
-                    yield CounterMetricFamily(name, COUNTERS[key], value=value)
-                elif key in LABELED:
-                    doc, labels = LABELED[key]
-                    fam = CounterMetricFamily(name, doc, labels=list(labels))
-                    for joined, n in sorted(value.items()):
-                        fam.add_metric(joined.split("/"), n)
-                    yield fam
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    yield GaugeMetricFamily(name, key.replace("_", " "), value=value)
+            yield from metric_families(stats(), prefix)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())

@@ -101,14 +101,45 @@ class LLM:
             # Out-of-range priorities clamp to the highest the device has.
             self._compute_stream = torch.cuda.Stream(self.cache.device, priority=-100)
         self._ids = itertools.count()
+        self._live: dict[int, Request] = {}
+        """Unfinished requests by id (the step-wise API's view of them)."""
         self._closed = False
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Validate and queue one request; returns its id. Raises ``RequestError``."""
         self._check_open("add_request")
         req = self._make_request(prompt, params or SamplingParams())
-        self.scheduler.add(req)
+        self._queue(req)
         return req.id
+
+    def _queue(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._live[req.id] = req
+
+    def output_ids(self, request_id: int) -> list[int]:
+        """The tokens an unfinished request generated so far (a copy); what ``step`` adds to
+        it between calls is what a streaming caller sends. Raises ``RequestError`` for an id
+        that is unknown or finished."""
+        return self._get_live(request_id).output
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop an unfinished request now (``finish_reason="abort"``): its lock and its own
+        pages go back (what it computed is cached), a prefetch it waits on is released.
+        Raises ``RequestError`` for an id that is unknown or finished."""
+        self._check_open("abort")
+        req = self.scheduler.cancel(self._get_live(request_id))
+        del self._live[request_id]
+        return req.to_output(self._decode(req.output))
+
+    def counts(self) -> dict[str, int]:
+        """Unfinished requests: ``waiting`` (not admitted, or preempted) and ``running``."""
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+
+    def _get_live(self, request_id: int) -> Request:
+        req = self._live.get(request_id)
+        if req is None:
+            raise RequestError(f"request {request_id!r} is unknown or already finished")
+        return req
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
         tokens = self._tokens(prompt)
@@ -207,6 +238,8 @@ class LLM:
         self._drafts["spec_draft_accepted"] += sum(len(t) - 1 for t in tokens)
         finished = self.scheduler.update(ok, tokens)
         finished += [self.scheduler.abort(req, e) for req, e in failed]
+        for r in finished:
+            self._live.pop(r.id, None)
         return [r.to_output(self._decode(r.output)) for r in finished]
 
     def _propose(self, work: list[Work]) -> None:
@@ -280,7 +313,7 @@ class LLM:
             raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         for req in reqs:
-            self.scheduler.add(req)
+            self._queue(req)
         ids = [r.id for r in reqs]
         done: dict[int, RequestOutput] = {}
         while len(done) < len(ids):

@@ -297,11 +297,29 @@ class Scheduler:
             req.num_computed = req.prefix_len  # hand back only the cache's own prefix
             self._release(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._leave_queue(req)
         req.status = Status.FINISHED
         req.finish_reason = "error"
         req.error = f"{type(error).__name__}: {error}"
         return req
+
+    def cancel(self, req: Request) -> Request:
+        """Finish ``req`` on its caller's behalf (``finish_reason="abort"``): a running request
+        hands what it computed to the cache, as a preempted one does (its KV is valid), and
+        drops its slots and lock; a waiting one leaves the queue, its fetch released (pages
+        still in flight land and become visible at later polls). Returns it."""
+        if req in self.running:
+            self._release(req)
+        elif req in self.waiting:
+            self._leave_queue(req)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
+        return req
+
+    def _leave_queue(self, req: Request) -> None:
+        if req.prefetch is not None:
+            self._consume(req)  # an unreleased fetch would keep its pages locked
+        self.waiting.remove(req)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -192,8 +192,9 @@ class Tokenizer:
 
         self._tok = _HFTokenizer.from_file(str(file))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False``: text a chat template rendered already holds them."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
