@@ -9,6 +9,7 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
+from kvtier.engine.request import Request
 from kvtier.errors import RequestError
 from kvtier.pools.spec import PoolSpec
 
@@ -121,15 +122,16 @@ def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
     expected = [o.output_ids for o in LLM(model, cfg).generate(prompts, params)]
 
     llm = LLM(model, cfg)
-    sample = llm.runner.sample
+    record = Request.record_logits
 
-    def failing_sample(work, logits):
-        if work[0].req.id == 1 and work[0].req.num_output == 2:
+    def failing_record(req, row):  # inside the sampling of one item of a batch
+        if req.id == 1 and req.num_output == 2:
             raise ValueError("sampler broke")
-        return sample(work, logits)
+        return record(req, row)
 
-    monkeypatch.setattr(llm.runner, "sample", failing_sample)
+    monkeypatch.setattr(Request, "record_logits", failing_record)
     outs = llm.generate(prompts, params)
+    monkeypatch.setattr(Request, "record_logits", record)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert outs[1].error == "ValueError: sampler broke" and len(outs[1].output_ids) == 2
     assert [outs[i].output_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]

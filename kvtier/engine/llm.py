@@ -205,8 +205,12 @@ class LLM:
         errors: dict[int, Exception] = {}
         firsts = list(itertools.accumulate((1 + len(w.draft) for w in work), initial=0))
         plain = [i for i, w in enumerate(work) if not w.draft]
-        rows = logits[[firsts[i] for i in plain]]
-        drawn = dict(zip(plain, self.runner.sample([work[i] for i in plain], rows), strict=True))
+        drawn = {}
+        if plain:  # (a failed forward leaves no work and no logits)
+            rows = logits[[firsts[i] for i in plain]]
+            drawn = dict(
+                zip(plain, self.runner.sample([work[i] for i in plain], rows), strict=True)
+            )
         for i, w in enumerate(work):
             try:
                 if w.draft:

@@ -110,7 +110,9 @@ class ModelRunner:
         (one per row cost more than a decode step's forward on a large GPU). A request that
         asked for its logits keeps the row of every token sampled for it."""
         greedy = [i for i, w in enumerate(work) if w.req.params.greedy or w.req.generator is None]
-        best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True))
+        best = (
+            dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True)) if greedy else {}
+        )
         tokens: list[int | Exception] = []
         for i, w in enumerate(work):
             try:
