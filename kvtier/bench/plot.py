@@ -189,7 +189,9 @@ def _compute(results: Sequence[tuple[str, dict]]) -> list[Panel]:
     dec_ticks: list[list[Mark]] = []
     for name, r in results:
         p, d = r["prefill"], r["decode"]
-        pre.append((f"{name}{p['prompt_tokens']} tokens", {"of matmul rate": p["ratio_to_matmul"]}))
+        pre.append(
+            (f"{name}{p['prompt_tokens']} tokens", {"TFLOP/s / matmul rate": p["ratio_to_matmul"]})
+        )
         dec.append(
             (
                 f"{name}{d['batch']} x ~{d['mean_context']:.0f} tokens",
