@@ -119,7 +119,8 @@ def _tree(r: dict) -> list[Panel]:
             (op, {"kvtier": v, **({"SGLang RadixCache": peer[op]} if peer and op in peer else {})})
             for op, v in kv.items()
         ]
-        rounds = f"median of {sides['rounds']} rounds" if "rounds" in sides else "median"
+        n = sides.get("rounds")
+        rounds = f"median of {n} round{'s' * (n != 1)}" if n else "median"
         vs = "kvtier vs SGLang RadixCache" if peer else "kvtier (no SGLang peer in this run)"
         panels.append(Panel(f"Radix tree CPU µs per op, {vs}, {rounds}", groups, "µs"))
         if "speedup" in sides:

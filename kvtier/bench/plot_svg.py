@@ -32,6 +32,11 @@ class Panel:
     across that group only, for a target that differs between groups."""
 
 
+def _num(v: float) -> str:
+    """Three significant digits, without an exponent for values in the thousands and up."""
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
 def _panel(p: Panel, y: float) -> tuple[list[str], float]:
     """The elements of ``p`` drawn from height ``y`` down, and the height they take."""
     series = list(dict.fromkeys(s for _, vals in p.groups for s in vals))
@@ -59,7 +64,7 @@ def _panel(p: Panel, y: float) -> tuple[list[str], float]:
                 f'<rect x="{LEFT}" y="{yb}" width="{v * scale:.1f}" height="{BAR - 2}" '
                 f'fill="{COLORS[i % 4]}"/>'
             )
-            out.append(f'<text x="{LEFT + v * scale + 3:.1f}" y="{yb + BAR - 4}">{v:.3g}</text>')
+            out.append(f'<text x="{LEFT + v * scale + 3:.1f}" y="{yb + BAR - 4}">{_num(v)}</text>')
         for value, mark in p.group_marks[g] if g < len(p.group_marks) else ():
             x = LEFT + value * scale
             out.append(
