@@ -6,8 +6,11 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
+# The SGLang peer of `bench tree` and `bench storage` (--peer-python $(PEER_VENV)/bin/python).
+PEER_VENV ?= .peer-venv
+PEER_STAMP := $(PEER_VENV)/.kvtier-peer-installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench clean peer-venv
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -34,5 +37,11 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvtier bench tree && $(BIN)/kvtier bench transfer && $(BIN)/kvtier bench storage
 
+$(PEER_STAMP): scripts/peer_venv.sh scripts/peer_venv/requirements.txt scripts/peer_venv/torchvision_stub.py
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" sh scripts/peer_venv.sh $(PEER_VENV)
+	touch $(PEER_STAMP)
+
+peer-venv: $(PEER_STAMP)
+
 clean:
-	rm -rf $(VENV) kvtier-data build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) kvtier-data build *.egg-info

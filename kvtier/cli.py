@@ -323,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=_bench)
 
-    pl = sub.add_parser("plot", help="SVG chart of bench transfer results or one bench ttft result")
+    pl = sub.add_parser(
+        "plot", help="SVG chart of bench transfer, storage or compute results, or one ttft or tree"
+    )
     pl.add_argument("out", help="SVG file to write")
     pl.add_argument("results", nargs="+", help="bench JSON files")
     pl.set_defaults(func=_plot)

@@ -125,7 +125,7 @@ def test_plot_draws_one_bar_per_direction_and_configuration(tmp_path) -> None:
     root = ET.parse(svg).getroot()
     bars = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("height") != "10"]
     assert len(bars) == 2 * 2  # two files x (d2h, h2d); no "both" on CPU
-    with pytest.raises(ValueError, match="transfer results or one ttft"):
+    with pytest.raises(ValueError, match="at least one result file"):
         plot(tmp_path / "x.svg", [])
 
 
