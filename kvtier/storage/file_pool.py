@@ -56,14 +56,14 @@ class OrderedIO:
         self._pool: ThreadPoolExecutor | None = None
 
     def run_ordered(
-        self, jobs: Sequence[Callable[[], None]], nbytes: int
+        self, job: Callable[[int], None], n: int, nbytes: int
     ) -> list[BaseException | None]:
-        """Run ``jobs`` (``nbytes`` of objects in all); returns each one's outcome: ``None``
-        (done), the exception it raised, or ``NOT_RUN``.
+        """Run ``job(i)`` for ``i`` in ``range(n)`` (``nbytes`` of objects in all); returns
+        each one's outcome: ``None`` (done), the exception it raised, or ``NOT_RUN``. One
+        callable over indices rather than a callable per object: no per-object allocation.
 
         Every job before the first failure runs; a job after it may or may not have run.
         All have ended when this returns, so none touches its buffers afterwards."""
-        n = len(jobs)
         out: list[BaseException | None] = [NOT_RUN] * n
         first_failure = [n]
         lock = threading.Lock()
@@ -73,7 +73,7 @@ class OrderedIO:
                 if i > first_failure[0]:
                     return
                 try:
-                    jobs[i]()
+                    job(i)
                     out[i] = None
                 except BaseException as e:  # noqa: BLE001 - handed to the caller in key order
                     out[i] = e
