@@ -18,6 +18,7 @@ worker threads verify pages in parallel.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import xxhash
@@ -66,8 +67,23 @@ payload length alone."""
 
 def expected_prefix(namespace: str, key: str, payload_len: int) -> bytes:
     """The header bytes before the payload digest of a valid object of ``key`` in
-    ``namespace`` with ``payload_len`` payload bytes (for ``verify``)."""
-    return pack_fields(namespace, key, payload_len, 0)[:_DIGEST_AT]
+    ``namespace`` with ``payload_len`` payload bytes (for ``verify``; one that no header
+    starts with when the key or namespace is too long to have been stored)."""
+    raw, ns = key.encode(), _namespace_field(namespace)
+    if len(raw) > 48 or ns is None:
+        return _NO_PREFIX
+    return _PREFIX_HEAD + _PREFIX_TAIL.pack(len(key), payload_len, ns, raw)
+
+
+_PREFIX_HEAD = _PREFIX.pack(MAGIC, VERSION)
+_PREFIX_TAIL = struct.Struct("<HQ32s48s")
+_NO_PREFIX = b"\xff" * (len(_PREFIX_HEAD) + _PREFIX_TAIL.size + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _namespace_field(namespace: str) -> bytes | None:
+    raw = namespace.encode()
+    return raw if len(raw) <= 32 else None
 
 
 def pack_fields(namespace: str, key: str, payload_len: int, payload_digest: int) -> bytes:
