@@ -7,7 +7,8 @@ the journal grows past ``COMPACT_BYTES``, and on start-up before the directory i
 is applied: every key it names gets the latest time it was read as its mtime (unless the file
 is newer: rewritten or touched since), then the journal is emptied.
 
-Record: ``u64 time_ns | u32 count | count x (u8 length | key bytes)``. A crash can tear the
+Record: ``u64 time_ns | u32 count | count x (u8 length | key bytes)``, the ``i``-th key read
+at ``time_ns + i``. A crash can tear the
 last record; applying stops at the first record that does not parse. Recency is advisory: a
 journal that cannot be written or read costs restart order, never objects.
 """
@@ -34,7 +35,8 @@ _HEAD = struct.Struct("<QI")
 
 def parse(raw: bytes) -> dict[str, int]:
     """Latest read time (ns) of every key in journal bytes ``raw``, up to the first record
-    that does not parse."""
+    that does not parse; the ``i``-th key of a record was read at its time + ``i`` ns, so a
+    batch's order survives."""
     last: dict[str, int] = {}
     off, end = 0, len(raw)
     while off + _HEAD.size <= end:
@@ -46,8 +48,8 @@ def parse(raw: bytes) -> dict[str, int]:
                 return last
             keys.append(raw[pos + 1 : pos + 1 + raw[pos]].decode(errors="replace"))
             pos += 1 + raw[pos]
-        for k in keys:
-            last[k] = ts
+        for i, k in enumerate(keys):
+            last[k] = ts + i
         off = pos
     return last
 
@@ -74,9 +76,10 @@ class RecencyJournal:
             parts.append(bytes((len(raw),)))
             parts.append(raw)
         with self._lock:
-            # Strictly increasing, so records of one process never tie.
-            self._last_ts = max(time.time_ns(), self._last_ts + 1)
-            parts[0] = _HEAD.pack(self._last_ts, len(keys))
+            # Strictly increasing, so no two keys of one process's records tie.
+            ts = max(time.time_ns(), self._last_ts + 1)
+            self._last_ts = ts + len(keys) - 1
+            parts[0] = _HEAD.pack(ts, len(keys))
             data = b"".join(parts)
             try:
                 if self._fd is None:
