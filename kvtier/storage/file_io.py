@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import threading
 import uuid
@@ -170,6 +171,19 @@ def _write_payload(fd: int, namespace: str, key: str, payload: memoryview) -> No
         raise OSError(errno.EIO, "short header write")
 
 
+_tag = ["", 0]  # process-unique prefix, pid it was made in
+_tmp_seq = itertools.count()
+
+
+def _tmp_tag() -> str:
+    """A temp-name part no other write in this or another process uses: a random tag made
+    once per process plus a counter (``next`` is atomic under the GIL), so a write costs no
+    ``getrandom`` call."""
+    if _tag[1] != os.getpid():
+        _tag[:] = [uuid.uuid4().hex[:16], os.getpid()]
+    return f"{_tag[0]}-{next(_tmp_seq)}"
+
+
 def write_object(path: str, namespace: str, key: str, payload: np.ndarray, fsync: bool) -> None:
     """Publish the object of ``key`` holding ``payload`` as the file ``path``: written to a
     temp file in the same directory (created if missing, ``_write_payload``), then
@@ -177,7 +191,7 @@ def write_object(path: str, namespace: str, key: str, payload: np.ndarray, fsync
     directory are synced. On any failure nothing of it is left behind (the caller has not
     indexed the key yet)."""
     d = os.path.dirname(path)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+    tmp = f"{d}/.{os.path.basename(path)}.{_tmp_tag()}{TMP_SUFFIX}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         try:
