@@ -13,6 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import create_backend, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
+from kvtier.storage.file_recency import JOURNAL
 
 NS = Namespace("ns0")
 PAGE = 64  # elements per test page
@@ -266,7 +267,11 @@ def test_budget_lru_eviction_order(tmp_path: Path) -> None:
         "budget_bytes": 3 * obj,
         "evictions": 2,
     }
-    assert sorted(p.name for p in Path(be.dir).rglob("*") if p.is_file()) == ["c", "d", "e"]
+    assert sorted(p.name for p in Path(be.dir).rglob("*") if p.is_file() and p.name != JOURNAL) == [
+        "c",
+        "d",
+        "e",
+    ]
 
 
 def test_restart_persistence_and_mtime_order(tmp_path: Path) -> None:
@@ -347,7 +352,7 @@ def test_concurrent_writers_and_readers_stay_within_budget(tmp_path: Path) -> No
     assert not be.errors
     st = be.stats()
     assert st["objects"] == 8 and st["bytes_used"] == 8 * obj
-    assert len([p for p in Path(be.dir).rglob("*") if p.is_file()]) == 8
+    assert len([p for p in Path(be.dir).rglob("*") if p.is_file() and p.name != JOURNAL]) == 8
 
 
 def test_large_pages_checksummed_on_worker_threads(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
 from kvtier.storage.file_pool import POOL_MIN_BYTES
+from kvtier.storage.file_recency import JOURNAL
 
 NS = Namespace("ns0")
 BIG = 1 << 20  # bytes per page: a batch of two is past POOL_MIN_BYTES
@@ -46,7 +47,7 @@ def flip(p: Path, offset: int) -> None:
 
 
 def files(be: FileBackend) -> set[str]:
-    return {p.name for p in Path(be.dir).rglob("*") if p.is_file()}
+    return {p.name for p in Path(be.dir).rglob("*") if p.is_file() and p.name != JOURNAL}
 
 
 @pytest.fixture

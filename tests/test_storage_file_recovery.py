@@ -12,6 +12,7 @@ import torch
 
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage.file import HEADER_BYTES, FileBackend
+from kvtier.storage.file_recency import JOURNAL
 
 NS = Namespace("ns0")
 PAGE = 64  # float32 elements per test page
@@ -31,7 +32,9 @@ def obj_path(be: FileBackend, key: str) -> Path:
 
 
 def stored_bytes(be: FileBackend) -> int:
-    return sum(p.stat().st_size for p in Path(be.dir).rglob("*") if p.is_file())
+    return sum(
+        p.stat().st_size for p in Path(be.dir).rglob("*") if p.is_file() and p.name != JOURNAL
+    )
 
 
 def disk_bytes(root: Path) -> int:
@@ -94,11 +97,11 @@ class FullDisk:
         self.root, self.capacity, self.refused = Path(be.root).parent, capacity, 0
         self._write = be._write
 
-    def __call__(self, path: str, key: str, payload, crc: int) -> None:  # noqa: ANN001
+    def __call__(self, path: str, key: str, payload) -> None:  # noqa: ANN001
         if disk_bytes(self.root) + HEADER_BYTES + payload.nbytes > self.capacity:
             self.refused += 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self._write(path, key, payload, crc)
+        self._write(path, key, payload)
 
 
 def test_full_disk_evicts_lru_and_lowers_the_budget(

@@ -45,8 +45,9 @@ SIZES = ((1 << 20, 64), (2 << 20, 256), (64 << 10, 1024))
 PAGE_CACHE = (
     "reads hit the page cache: each side reads back files it wrote in the same run (dropping "
     "caches needs root), and no side fsyncs; the figures are syscall, copy and checksum cost. "
-    "Before every read phase 256 MiB are written elsewhere so no side finds its pages in the "
-    "CPU's last-level cache"
+    "Every phase starts after an os.sync() (no side runs beside the writeback of another's "
+    "writes), and before every read phase 256 MiB are written elsewhere so no side finds its "
+    "pages in the CPU's last-level cache"
 )
 _SWEEP_BYTES = 256 << 20
 
@@ -176,9 +177,10 @@ def bench_file(
         for r in range(repeats):
             # Interleaved so every side sees the same page-cache and writeback state.
             for name, fn in phases:
-                if name.endswith("write"):
-                    os.sync()  # start each write phase without the other side's dirty pages
-                else:
+                # Every phase starts with no dirty pages: no side runs beside the writeback
+                # (block allocation, on the same cores) of what another side wrote.
+                os.sync()
+                if name.endswith("read"):
                     torch.ones(_SWEEP_BYTES, dtype=torch.uint8)
                 dt = fn(r)
                 times.setdefault(name, []).append(dt)

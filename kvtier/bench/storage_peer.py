@@ -5,8 +5,9 @@ interpreter where ``sglang`` imports (``--peer-python``); it imports nothing fro
 
 Writes ``NUM_PAGES`` random pages of ``PAGE_BYTES`` with ``batch_set`` under ``DIR`` (a size
 cap of twice the bytes, so its LRU accounting runs as kvtier's budget does), reads them back
-with ``batch_get`` into preallocated buffers (after writing ``SWEEP_BYTES`` elsewhere, so the
-pages are not in the CPU cache), checks the bytes, and prints one JSON line:
+with ``batch_get`` into preallocated buffers (after an ``os.sync()`` and writing
+``SWEEP_BYTES`` elsewhere, so no writeback runs beside the read and the pages are not in the CPU
+cache), checks the bytes, and prints one JSON line:
 ``{"write_s", "read_s", "sglang"}``. Exits 2 with the reason on stderr when ``sglang`` does not
 import, 1 when a call falls short or the bytes differ.
 """
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     ok = store.batch_set(keys, list(src))
     write_s = time.perf_counter() - t0
+    os.sync()  # as kvtier's side does: read without writeback running beside it
     torch.ones(SWEEP_BYTES, dtype=torch.uint8)  # as kvtier's side does before every read
     t0 = time.perf_counter()
     got = store.batch_get(keys, list(dst))

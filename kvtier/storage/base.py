@@ -130,4 +130,9 @@ def flat_cpu_bytes(tensor: torch.Tensor) -> np.ndarray:
             f"storage buffers must be contiguous CPU tensors, got {tensor.device} "
             f"stride={tuple(tensor.stride())}"
         )
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.detach()
+    if flat.dim() != 1:
+        flat = flat.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy()

@@ -18,6 +18,7 @@ worker threads verify pages in parallel.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import xxhash
@@ -29,6 +30,7 @@ VERSION = 3
 _HEAD = struct.Struct("<4sHHQ32s48sQ")
 _FULL = struct.Struct("<4sHHQ32s48sQQ")
 _PREFIX = struct.Struct("<4sH")
+_LENGTH = struct.Struct("<Q")
 HEADER_BYTES = _FULL.size
 """Bytes an object takes beyond its payload."""
 
@@ -54,7 +56,39 @@ def pack(namespace: str, key: str, payload_len: int, payload_digest: int) -> byt
     """Header bytes for an object whose payload has ``payload_len`` bytes and XXH3-64
     ``payload_digest``. Raises ``RequestError`` naming a namespace over 32 or a key over 48
     bytes."""
-    head = _HEAD.pack(
+    head = pack_fields(namespace, key, payload_len, payload_digest)
+    return head + struct.pack("<Q", digest(head))
+
+
+_DIGEST_AT = _HEAD.size - 8
+"""Where the payload digest starts: the header bytes before it follow from namespace, key and
+payload length alone."""
+
+
+def expected_prefix(namespace: str, key: str, payload_len: int) -> bytes:
+    """The header bytes before the payload digest of a valid object of ``key`` in
+    ``namespace`` with ``payload_len`` payload bytes (for ``verify``; one that no header
+    starts with when the key or namespace is too long to have been stored)."""
+    raw, ns = key.encode(), _namespace_field(namespace)
+    if len(raw) > 48 or ns is None:
+        return _NO_PREFIX
+    return _PREFIX_HEAD + _PREFIX_TAIL.pack(len(key), payload_len, ns, raw)
+
+
+_PREFIX_HEAD = _PREFIX.pack(MAGIC, VERSION)
+_PREFIX_TAIL = struct.Struct("<HQ32s48s")
+_NO_PREFIX = b"\xff" * (len(_PREFIX_HEAD) + _PREFIX_TAIL.size + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _namespace_field(namespace: str) -> bytes | None:
+    raw = namespace.encode()
+    return raw if len(raw) <= 32 else None
+
+
+def pack_fields(namespace: str, key: str, payload_len: int, payload_digest: int) -> bytes:
+    """The header without its own digest (``pack`` appends that)."""
+    return _HEAD.pack(
         MAGIC,
         VERSION,
         len(key),
@@ -63,7 +97,20 @@ def pack(namespace: str, key: str, payload_len: int, payload_digest: int) -> byt
         _field(key, 48, "key"),
         payload_digest,
     )
-    return head + struct.pack("<Q", digest(head))
+
+
+_DIGESTS = struct.Struct("<QQ")
+
+
+def verify(header: bytearray | bytes, prefix: bytes, namespace: str, key: str) -> tuple[int, int]:
+    """``unpack`` with a fast path: a header that starts with ``prefix`` (``expected_prefix``)
+    and whose digest matches needs no field-by-field decoding. Returns or raises as
+    ``unpack`` does (the fast path's length is the one ``prefix`` names)."""
+    if len(header) == HEADER_BYTES and header.startswith(prefix):
+        payload_digest, head_digest = _DIGESTS.unpack_from(header, _DIGEST_AT)
+        if xxhash.xxh3_64_intdigest(memoryview(header)[: _HEAD.size]) == head_digest:
+            return _LENGTH.unpack_from(prefix, 8)[0], payload_digest
+    return unpack(header, namespace, key)
 
 
 def unpack(header: bytes | memoryview, namespace: str, key: str) -> tuple[int, int]:

@@ -4,16 +4,15 @@ Each file is an envelope (``kvtier.storage.envelope``: a header naming the names
 with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in
 the same directory and are published with ``os.replace``, so readers only ever see whole objects.
 A byte budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held);
-the index is rebuilt from the directory (oldest mtime first) on start-up. One process owns a
+the index is rebuilt from the directory (oldest mtime first, after applying the read-recency
+journal, ``kvtier.storage.file_recency``) on start-up. One process owns a
 namespace directory at a time; files removed behind its back leave the index when a read, touch
 or backup finds them gone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import functools
 import os
 import threading
 import uuid
@@ -43,6 +42,7 @@ from kvtier.storage.file_io import (
     write_object,
 )
 from kvtier.storage.file_pool import NOT_RUN, BatchProgress, OrderedIO, leading
+from kvtier.storage.file_recency import RecencyJournal
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
@@ -106,6 +106,8 @@ class FileBackend(StorageBackend):
             raise ConfigError(
                 f"storage_dir={self.root!r}: cannot create or write {self.dir!r}: {e.strerror or e}"
             ) from e
+        self._recency = RecencyJournal(self.dir, self._path)
+        self._recency.apply()
         self._scan()
 
     @classmethod
@@ -116,9 +118,9 @@ class FileBackend(StorageBackend):
     def _path(self, key: str) -> str:
         """Where ``key``'s object lives; raises ``RequestError`` naming a key that is empty,
         hidden or holds a path separator (it would name a file outside the namespace)."""
-        if not key or key.startswith(".") or "/" in key or os.sep in key:
+        if not key or key[0] == "." or "/" in key or os.sep in key:
             raise RequestError(f"invalid storage key {key!r}: empty, hidden or a path")
-        return os.path.join(self.dir, key[:2], key)
+        return f"{self.dir}/{key[:2]}/{key}"
 
     def _scan(self) -> None:
         found: list[tuple[int, str, int]] = []
@@ -192,12 +194,16 @@ class FileBackend(StorageBackend):
                 self._index.move_to_end(key)
                 run += 1
         paths = [self._path(k) for k in keys[:run]]
-        jobs = [
-            functools.partial(self._read_one, p, k, d)
-            for p, k, d in zip(paths, keys, dests, strict=False)
-        ]
-        outcomes = self._io.run_ordered(jobs, sum(d.nbytes for d in dests[:run]))
+        ns = self.namespace
+        prefixes = [envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(run)]
+
+        def read(i: int) -> None:
+            read_object(paths[i], ns, keys[i], prefixes[i], dests[i])
+
+        outcomes = self._io.run_ordered(read, run, sum(d.nbytes for d in dests[:run]))
         n = leading(outcomes)
+        # Persists recency so a restart rebuilds the LRU order (one append per batch).
+        self._recency.record(keys[:n])
         if n == run:
             return n
         key, path, failure = keys[n], paths[n], outcomes[n]
@@ -215,15 +221,11 @@ class FileBackend(StorageBackend):
             raise failure
         return n
 
-    def _read_one(self, path: str, key: str, dest: np.ndarray) -> None:
-        read_object(path, self.namespace, key, dest)
-        with contextlib.suppress(OSError):
-            # Persist recency so a restart rebuilds the LRU order from mtimes.
-            os.utime(path)
-
     def close(self) -> None:
-        """Stop the I/O threads; the backend is not used afterwards."""
+        """Stop the I/O threads and close the recency journal; the backend is not used
+        afterwards."""
         self._io.close()
+        self._recency.close()
 
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
@@ -284,13 +286,14 @@ class FileBackend(StorageBackend):
     def _write_round(self, plan: list[_Planned], state: BatchProgress) -> None:
         """Write the reserved objects of ``plan``, index those written, return the
         reservations of the rest, and count the first fault."""
-        jobs = [
-            (lambda: None)
-            if p is None
-            else functools.partial(self._write_reserved, path, key, p, size)
-            for key, path, size, p in plan
-        ]
-        outcomes = self._io.run_ordered(jobs, sum(0 if p is None else p.nbytes for *_, p in plan))
+
+        def write(i: int) -> None:
+            key, path, size, payload = plan[i]
+            if payload is not None:
+                self._write_reserved(path, key, payload, size)
+
+        nbytes = sum(0 if p is None else p.nbytes for *_, p in plan)
+        outcomes = self._io.run_ordered(write, len(plan), nbytes)
         for (key, path, size, payload), outcome in zip(plan, outcomes, strict=True):
             if outcome is None and payload is not None:
                 with self._lock:
@@ -324,10 +327,9 @@ class FileBackend(StorageBackend):
         """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
         reservation is returned and the ``OSError`` raised. A full disk shrinks the budget and
         evicts before each retry."""
-        value = envelope.digest(memoryview(payload))
         while True:
             try:
-                self._write(path, key, payload, value)
+                self._write(path, key, payload)
                 return
             except OSError as e:
                 with self._lock:
@@ -379,9 +381,8 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write(self, path: str, key: str, payload: np.ndarray, digest: int) -> None:
-        header = envelope.pack(self.namespace, key, payload.nbytes, digest)
-        write_object(path, [memoryview(header), memoryview(payload)], self.fsync)
+    def _write(self, path: str, key: str, payload: np.ndarray) -> None:
+        write_object(path, self.namespace, key, payload, self.fsync)
 
     def stats(self) -> dict[str, float]:
         """``bytes_used``, ``objects``, ``budget_bytes`` and ``evictions`` so far."""

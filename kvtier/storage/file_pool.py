@@ -3,6 +3,7 @@ pool (reads, writes and digests release the GIL) and are accounted for in key or
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,11 +41,11 @@ class BatchProgress:
 
 
 class OrderedIO:
-    """Runs the per-object jobs of a batch as contiguous ranges, one per thread, the calling
-    thread taking the first (``threads - 1`` pool threads, created on first use); all on the
-    calling thread when ``threads`` is 1 or the batch is small. Ranges rather than one task
-    per object: per-object hand-offs cost more GIL round trips than small objects take to
-    read. Thread-safe."""
+    """Runs the per-object jobs of a batch on ``threads`` threads, the calling thread among
+    them (``threads - 1`` pool threads, created on first use), each claiming the next job in
+    index order until none is left; all on the calling thread when ``threads`` is 1 or the
+    batch is small. One pool task per thread rather than per object: per-object hand-offs
+    cost more GIL round trips than small objects take to read. Thread-safe."""
 
     def __init__(self, threads: int, name: str) -> None:
         """Raises ``ConfigError`` naming ``io_threads`` unless ``threads`` is positive."""
@@ -56,24 +57,26 @@ class OrderedIO:
         self._pool: ThreadPoolExecutor | None = None
 
     def run_ordered(
-        self, jobs: Sequence[Callable[[], None]], nbytes: int
+        self, job: Callable[[int], None], n: int, nbytes: int
     ) -> list[BaseException | None]:
-        """Run ``jobs`` (``nbytes`` of objects in all); returns each one's outcome: ``None``
-        (done), the exception it raised, or ``NOT_RUN``.
+        """Run ``job(i)`` for ``i`` in ``range(n)`` (``nbytes`` of objects in all); returns
+        each one's outcome: ``None`` (done), the exception it raised, or ``NOT_RUN``. One
+        callable over indices rather than a callable per object: no per-object allocation.
 
         Every job before the first failure runs; a job after it may or may not have run.
         All have ended when this returns, so none touches its buffers afterwards."""
-        n = len(jobs)
         out: list[BaseException | None] = [NOT_RUN] * n
         first_failure = [n]
         lock = threading.Lock()
+        # Jobs are claimed one at a time in index order (``next`` on a shared counter is
+        # atomic under the GIL), so a thread the OS runs less just claims fewer: no thread
+        # waits on a fixed share of another.
+        claim = itertools.count()
 
-        def run(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                if i > first_failure[0]:
-                    return
+        def run() -> None:
+            while (i := next(claim)) < n and i <= first_failure[0]:
                 try:
-                    jobs[i]()
+                    job(i)
                     out[i] = None
                 except BaseException as e:  # noqa: BLE001 - handed to the caller in key order
                     out[i] = e
@@ -83,13 +86,12 @@ class OrderedIO:
 
         t = min(self.threads, n)
         if t < 2 or nbytes < POOL_MIN_BYTES:
-            run(0, n)
+            run()
             return out
-        bounds = [n * j // t for j in range(t + 1)]
         pool = self._executor()
-        futures = [pool.submit(run, bounds[j], bounds[j + 1]) for j in range(1, t)]
+        futures = [pool.submit(run) for _ in range(1, t)]
         try:
-            run(bounds[0], bounds[1])
+            run()
         finally:
             wait(futures)
         return out
