@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.cache_setup import build_pools, open_backend
 from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller, PrefetchOp
 from kvtier.errors import ConfigError, IntegrityError, RequestError
@@ -42,7 +43,6 @@ from kvtier.metrics import Metrics, prometheus_registry
 from kvtier.paging import align_down
 from kvtier.parallel.acks import all_ranks
 from kvtier.parallel.group import Group
-from kvtier.parallel.layout import CPLayout
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -52,7 +52,7 @@ from kvtier.report import cache_stats, check_cache
 from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
 from kvtier.slots import EnginePages
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.registry import check_capabilities, create_backend
+from kvtier.storage.registry import check_capabilities
 from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.translate import PageTranslator, device_view
@@ -87,25 +87,12 @@ class TieredCache:
         self.device = resolve_device(config.device)
         cp = config.cp_size
         check_window_config(config, specs, translator)
-        self.device_pool: DevicePool | UnifiedPool
-        self._on_device = None
+        pools = build_pools(config, specs, ps, self.device, self.resume.window > 0, translator)
+        self.device_pool: DevicePool | UnifiedPool = pools.device
+        self.host_pool: HostPool | None = pools.host
+        self._on_device = pools.on_device
         """A window pool: which device pages hold window rows (the arena says)."""
-        if self.resume.window:
-            self.device_pool = UnifiedPool(
-                specs, config.device_pages, ps, self.device, config.compaction
-            )
-            self._on_device = self.device_pool.has_window
-        else:
-            self.device_pool = DevicePool(specs, config.device_pages, ps, self.device, cp)
-        self.host_pool: HostPool | None = None
-        if config.enable_host:
-            pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
-            pages = config.resolve_host_pages(self.device_pool.page_bytes)
-            self.host_pool = HostPool(specs, pages, ps, config.host_layout, pin, cp)
-        if cp > 1:
-            layout = CPLayout(cp, config.cp_rank, config.cp_pattern)
-            host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
-            translator = layout.translator(config.device_pages, host_pages)
+        translator = pools.translator
         self.namespace: Namespace = cache_namespace(config, specs, ps)
         self.metrics = Metrics()
         self.tree = RadixTree(ps, config.eviction_policy, host_flags=self.resume.window > 0)
@@ -113,14 +100,7 @@ class TieredCache:
             translator, self.device_pool, self.host_pool, group if cp > 1 else None
         )
         """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
-        backend: StorageBackend | None = None
-        if config.storage:
-            backend = create_backend(config.storage, config, self.namespace)
-            try:
-                check_capabilities(backend, self.config, self.page_size)
-            except ConfigError:
-                backend.close()
-                raise
+        backend = open_backend(config, self.namespace, self.page_size)
         self.controller = Controller(
             config,
             self.tree,
