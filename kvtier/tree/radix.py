@@ -20,13 +20,22 @@ import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
+from kvtier.tree.arena import TokenArena, memequal
 from kvtier.tree.checks import check_tree
 from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
 from kvtier.tree.tails import shorter_tail, tail_child
-from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, list_head, unpack
+from kvtier.tree.tokens import (
+    TOKEN_BYTES,
+    Tokens,
+    address,
+    as_array,
+    common_len,
+    list_head,
+    unpack,
+)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -56,6 +65,8 @@ class RadixTree:
         self.split_hooks: list[SplitHook] = []
         self.eviction = EvictionIndex(self)
         """The eviction queues, told of every residency, lock and shape change."""
+        self.arena = TokenArena()
+        """Where long nodes keep their tokens (``kvtier.tree.arena``)."""
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Tokens) -> TreeMatch:
@@ -70,7 +81,7 @@ class RadixTree:
         qm = memoryview(q).cast("B")
         ps, end = self.page_size, len(qm)
         page = ps * TOKEN_BYTES
-        node, at, path, k = self.root, 0, [], 0
+        node, at, path, k, qaddr = self.root, 0, [], 0, 0
         device_len = host_len = 0
         while at < end:
             child = node.children.get(qm[at : at + page].tobytes()) if at + page <= end else None
@@ -78,11 +89,16 @@ class RadixTree:
                 child = tail_child(node, q, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
-            buf, size = child.buf, len(child.buf)
-            if end - at >= size and buf.startswith(qm[at : at + size]):
+            buf, size, addr = child.buf, len(child.buf), child.addr
+            if addr:
+                qaddr = qaddr or address(q)
+                full = end - at >= size and memequal(addr, qaddr + at, size)
+            else:
+                full = end - at >= size and buf.startswith(qm[at : at + size])
+            if full:
                 k = size // TOKEN_BYTES
             else:
-                k = common_len(buf, qm, at // TOKEN_BYTES, ps)
+                k = common_len(buf, qm, at // TOKEN_BYTES, ps, addr, qaddr)
             path.append(child)
             if child.device is not None:
                 device_len += k
@@ -174,6 +190,7 @@ class RadixTree:
         taken: list[Node] = []
         dropped = Evicted()
         now = next(self._clock)
+        qaddr = 0
         while pos < n_tok:
             p0 = pos // ps
             key = tm[pos * TOKEN_BYTES : pos * TOKEN_BYTES + page].tobytes()
@@ -183,7 +200,8 @@ class RadixTree:
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
                     dups.append(pages[p0:])
                     break
-                child = Node(id=next(self._ids), parent=node, buf=tm[pos * TOKEN_BYTES :].tobytes())
+                child = Node(id=next(self._ids), parent=node, buf=b"")
+                self.arena.store(child, tm[pos * TOKEN_BYTES :])
                 node.children[key] = child
                 node.tails += len(key) < page
                 self._set_copy(child, tier, pages[p0:])
@@ -195,7 +213,9 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            k = common_len(child.buf, tm, pos, ps)
+            if child.addr:
+                qaddr = qaddr or address(t)
+            k = common_len(child.buf, tm, pos, ps, child.addr, qaddr)
             if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
                 # ``t`` runs on past this node's partial tail: handle its whole pages here and
                 # the tail as a stale sibling of the continuation (next round).
@@ -261,7 +281,7 @@ class RadixTree:
         parent = node.parent
         if parent is None:
             raise IntegrityError(f"split of a node outside the tree: {node!r}")
-        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut])
+        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut], addr=node.addr)
         new.device = node.device[:n] if node.device is not None else None
         new.host = node.host[:n] if node.host is not None else None
         new.keys = node.keys[:n] if node.keys is not None else None
@@ -270,15 +290,17 @@ class RadixTree:
         self.eviction.hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
-        parent.children[node.buf[:page]] = new
-        node.buf = node.buf[cut:]
+        parent.children[bytes(node.buf[:page])] = new
+        node.buf = node.buf[cut:]  # an arena run: a view of the same bytes, no copy
+        node.addr += cut if node.addr else 0
         node.device = node.device[n:] if node.device is not None else None
         node.host = node.host[n:] if node.host is not None else None
         node.keys = node.keys[n:] if node.keys is not None else None
         node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
         node.parent = new
-        new.children[node.buf[:page]] = node
+        new.children[bytes(node.buf[:page])] = node
         new.tails = int(len(node.buf) < page)
+        self.arena.adopt(new)
         self.eviction.refresh_leaf(new)
         if new.host is not None:
             self.eviction.queue_host(new)

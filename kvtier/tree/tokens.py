@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import RequestError
+from kvtier.tree.arena import memequal
 
 TOKEN_BYTES = 8
 """Bytes per stored token (int64)."""
@@ -87,21 +88,37 @@ def to_tuple(buf: bytes) -> tuple[int, ...]:
     return tuple(unpack(buf).tolist())
 
 
-def common_len(buf: bytes, qm: memoryview, pos: int, page_size: int) -> int:
+def common_len(
+    buf: bytes | memoryview, qm: memoryview, pos: int, page_size: int, addr: int = 0, qaddr: int = 0
+) -> int:
     """Tokens the packed run ``buf`` shares with the query from token ``pos`` on (``qm``: the
     query's packed bytes): all of them (a partial last page included) when they all match,
-    else its whole pages before the first differing token (or before the query's end)."""
+    else its whole pages before the first differing token (or before the query's end).
+    ``addr``/``qaddr``: the addresses of ``buf`` and ``qm`` when ``buf`` is an arena run
+    (``kvtier.tree.arena``), compared by ``memcmp``; else ``buf`` is ``bytes``."""
     at, size = pos * TOKEN_BYTES, len(buf)
     avail = min(size, len(qm) - at)
-    if avail == size and buf.startswith(qm[at : at + size]):
+    if addr:
+        if avail == size and memequal(addr, qaddr + at, size):
+            return size // TOKEN_BYTES
+    elif avail == size and buf.startswith(qm[at : at + size]):
         return size // TOKEN_BYTES
     page = page_size * TOKEN_BYTES
     # Binary search on pages with memcmp over page ranges: pages [0, lo) are equal.
     lo, hi = 0, avail // page
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if buf.startswith(qm[at + lo * page : at + mid * page], lo * page):
+        if addr:
+            same = memequal(addr + lo * page, qaddr + at + lo * page, (mid - lo) * page)
+        else:
+            same = buf.startswith(qm[at + lo * page : at + mid * page], lo * page)
+        if same:
             lo = mid
         else:
             hi = mid - 1
     return lo * page_size
+
+
+def address(q: np.ndarray) -> int:
+    """Address of the first byte of the contiguous array ``q`` (for ``memcmp``)."""
+    return q.__array_interface__["data"][0]
