@@ -74,7 +74,7 @@ class EvictionIndex:
         if (
             node is not self.tree.root
             and node.device is not None
-            and not any(c.device is not None for c in node.children.values())
+            and (not node.children or not any(c.device is not None for c in node.children.values()))
         ):
             if node not in self.device_leaves:
                 self.device_leaves.add(node)

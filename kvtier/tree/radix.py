@@ -31,9 +31,9 @@ from kvtier.tree.tokens import (
     TOKEN_BYTES,
     Tokens,
     address,
-    as_array,
     common_len,
     list_head,
+    packed,
     unpack,
 )
 
@@ -77,8 +77,7 @@ class RadixTree:
         head = list_head(tokens, self.page_size)
         if head is not None and not self.root.tails and head not in self.root.children:
             return TreeMatch([], 0, 0, 0, 0)
-        q = as_array(tokens)
-        qm = memoryview(q).cast("B")
+        qm = packed(tokens)
         ps, end = self.page_size, len(qm)
         page = ps * TOKEN_BYTES
         node, at, path, k, qaddr = self.root, 0, [], 0, 0
@@ -86,12 +85,12 @@ class RadixTree:
         while at < end:
             child = node.children.get(qm[at : at + page].tobytes()) if at + page <= end else None
             if child is None:
-                child = tail_child(node, q, at // TOKEN_BYTES, ps)
+                child = tail_child(node, qm, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
             buf, size, addr = child.buf, len(child.buf), child.addr
             if addr:
-                qaddr = qaddr or address(q)
+                qaddr = qaddr or address(qm, tokens)
                 full = end - at >= size and memequal(addr, qaddr + at, size)
             else:
                 full = end - at >= size and buf.startswith(qm[at : at + size])
@@ -176,9 +175,8 @@ class RadixTree:
         them). Otherwise the caller's pages from that page on are returned as duplicates.
         """
         ps = self.page_size
-        t = as_array(tokens)
-        tm = memoryview(t).cast("B")
-        n_tok, page = len(t), ps * TOKEN_BYTES
+        tm = packed(tokens)
+        n_tok, page = len(tm) // TOKEN_BYTES, ps * TOKEN_BYTES
         if pages.numel() != -(-n_tok // ps):
             raise IntegrityError(
                 f"insert of {n_tok} tokens with {pages.numel()} pages (page_size={ps})"
@@ -186,11 +184,12 @@ class RadixTree:
         node, pos, cached, prefix = start or self.root, 0, 0, True
         if n_tok and node.tail(ps):
             raise IntegrityError(f"insert below the partial tail of {node!r}")
-        dups: list[torch.Tensor] = []  # one run (the usual case) is returned as it is
+        dups: list[tuple[int, int]] = []  # page ranges, contiguous ones merged
         taken: list[Node] = []
         dropped = Evicted()
         now = next(self._clock)
-        qaddr = 0
+        qaddr, n_pages = 0, -(-n_tok // ps)
+        dup_t: torch.Tensor | None = None
         while pos < n_tok:
             p0 = pos // ps
             key = tm[pos * TOKEN_BYTES : pos * TOKEN_BYTES + page].tobytes()
@@ -198,13 +197,19 @@ class RadixTree:
             if child is None:
                 stale = shorter_tail(node, key, ps)
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
-                    dups.append(pages[p0:])
+                    _add_range(dups, p0, n_pages)
                     break
                 child = Node(id=next(self._ids), parent=node, buf=b"")
                 self.arena.store(child, tm[pos * TOKEN_BYTES :])
                 node.children[key] = child
                 node.tails += len(key) < page
-                self._set_copy(child, tier, pages[p0:])
+                if dups == [(0, p0)]:  # the usual case: a cached prefix, then new pages
+                    # one call for both parts (int page ids: the views need no autograd)
+                    dup_t, rest = pages.unsafe_split_with_sizes((p0, n_pages - p0))
+                    dups = []
+                else:
+                    rest = pages[p0:] if p0 else pages  # a view either way
+                self._set_copy(child, tier, rest)
                 if checkpoints is not None:
                     child.ckpt = checkpoints[p0:].clone()
                 if keys is not None:
@@ -214,10 +219,10 @@ class RadixTree:
                 node = child
                 break
             if child.addr:
-                qaddr = qaddr or address(t)
+                qaddr = qaddr or address(tm, tokens)
             k = common_len(child.buf, tm, pos, ps, child.addr, qaddr)
             if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
-                # ``t`` runs on past this node's partial tail: handle its whole pages here and
+                # the tokens run on past this node's partial tail: handle its whole pages here and
                 # the tail as a stale sibling of the continuation (next round).
                 # (found through a whole-page key, so it has at least one whole page)
                 k = (child.num_pages(ps) - 1) * ps
@@ -225,7 +230,7 @@ class RadixTree:
             if n < child.num_pages(ps):
                 child = self._split(child, n)
             if self._copy(child, tier) is not None:
-                dups.append(pages[p0 : p0 + n])
+                _add_range(dups, p0, p0 + n)
                 if prefix:
                     cached = pos + k
             else:
@@ -239,7 +244,12 @@ class RadixTree:
             child.last_access = now
             pos += k
             node = child
-        dup = (dups[0] if len(dups) == 1 else torch.cat(dups)) if dups else _EMPTY
+        if dup_t is None:
+            parts = [pages[a:b] for a, b in dups]
+            dup_t = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else _EMPTY
+        elif dups:
+            raise IntegrityError("insert: duplicates both split off and collected")
+        dup = dup_t
         return InsertOutcome(cached, dup, taken, node, dropped)
 
     def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
@@ -420,3 +430,11 @@ class RadixTree:
         """Structure, residency, partial-tail and reference-count invariants; raises
         ``IntegrityError`` (``kvtier.tree.checks``)."""
         check_tree(self)
+
+
+def _add_range(ranges: list[tuple[int, int]], a: int, b: int) -> None:
+    """Append the page range ``[a, b)`` to ``ranges``, merged into the last one if adjacent."""
+    if ranges and ranges[-1][1] == a:
+        ranges[-1] = (ranges[-1][0], b)
+    else:
+        ranges.append((a, b))
