@@ -25,17 +25,10 @@ from kvtier.tree.checks import check_tree
 from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
+from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch, add_range
+from kvtier.tree.split import split_node
 from kvtier.tree.tails import shorter_tail, tail_child
-from kvtier.tree.tokens import (
-    TOKEN_BYTES,
-    Tokens,
-    address,
-    common_len,
-    list_head,
-    packed,
-    unpack,
-)
+from kvtier.tree.tokens import TOKEN_BYTES, Tokens, address, common_len, list_head, packed, unpack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -197,7 +190,7 @@ class RadixTree:
             if child is None:
                 stale = shorter_tail(node, key, ps)
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
-                    _add_range(dups, p0, n_pages)
+                    add_range(dups, p0, n_pages)
                     break
                 child = Node(id=next(self._ids), parent=node, buf=b"")
                 self.arena.store(child, tm[pos * TOKEN_BYTES :])
@@ -230,7 +223,7 @@ class RadixTree:
             if n < child.num_pages(ps):
                 child = self._split(child, n)
             if self._copy(child, tier) is not None:
-                _add_range(dups, p0, p0 + n)
+                add_range(dups, p0, p0 + n)
                 if prefix:
                     cached = pos + k
             else:
@@ -286,37 +279,7 @@ class RadixTree:
 
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
-        page = self.page_size * TOKEN_BYTES
-        cut = n * page
-        parent = node.parent
-        if parent is None:
-            raise IntegrityError(f"split of a node outside the tree: {node!r}")
-        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut], addr=node.addr)
-        new.device = node.device[:n] if node.device is not None else None
-        new.host = node.host[:n] if node.host is not None else None
-        new.keys = node.keys[:n] if node.keys is not None else None
-        new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
-        new.in_storage, new.origin = node.in_storage, node.origin
-        self.eviction.hosted += new.host is not None
-        new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
-        new.last_access, new.hits = node.last_access, node.hits
-        parent.children[bytes(node.buf[:page])] = new
-        node.buf = node.buf[cut:]  # an arena run: a view of the same bytes, no copy
-        node.addr += cut if node.addr else 0
-        node.device = node.device[n:] if node.device is not None else None
-        node.host = node.host[n:] if node.host is not None else None
-        node.keys = node.keys[n:] if node.keys is not None else None
-        node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
-        node.parent = new
-        new.children[bytes(node.buf[:page])] = node
-        new.tails = int(len(node.buf) < page)
-        self.arena.adopt(new)
-        self.eviction.refresh_leaf(new)
-        if new.host is not None:
-            self.eviction.queue_host(new)
-        for hook in self.split_hooks:
-            hook(new, node, n)
-        return new
+        return split_node(self, node, n)
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
         """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""
@@ -430,11 +393,3 @@ class RadixTree:
         """Structure, residency, partial-tail and reference-count invariants; raises
         ``IntegrityError`` (``kvtier.tree.checks``)."""
         check_tree(self)
-
-
-def _add_range(ranges: list[tuple[int, int]], a: int, b: int) -> None:
-    """Append the page range ``[a, b)`` to ``ranges``, merged into the last one if adjacent."""
-    if ranges and ranges[-1][1] == a:
-        ranges[-1] = (ranges[-1][0], b)
-    else:
-        ranges.append((a, b))
