@@ -135,3 +135,13 @@ def test_check_integrity_sees_a_wrong_arena_address() -> None:
     node.addr += 8
     with pytest.raises(IntegrityError, match="address"):
         tree.check_integrity()
+
+
+def test_a_dead_chunk_is_dropped_when_filling_moves_past_it() -> None:
+    tree = arena_tree(chunk=8 * PS * 8)
+    tree.insert(list(range(6 * PS)), torch.arange(6))
+    tree.evict_device(6)  # dead, but its chunk is still being filled
+    assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() == 8 * PS * 8
+    tree.insert(list(range(100, 100 + 6 * PS)), torch.arange(6, 12))  # does not fit: new chunk
+    assert tree.arena.held_bytes() == 8 * PS * 8 and tree.arena.live_bytes() == 6 * PS * 8
+    tree.check_integrity()

@@ -90,7 +90,9 @@ class TokenArena:
         if c is None or c.used + n > len(c.data):
             c = self._new_chunk(max(self.chunk, n))
             if n <= self.chunk:
-                self._cur = c
+                old, self._cur = self._cur, c
+                if old is not None:
+                    self._settle(old)  # no longer filled: dead space counts now
         at = c.used
         c.data[at : at + n] = src
         c.used += n
@@ -110,8 +112,13 @@ class TokenArena:
         c = self._chunk_of(node)
         c.nodes.discard(node)
         c.live -= len(node.buf)
-        if c is self._cur:
-            return
+        if c is not self._cur:
+            self._settle(c)
+
+    def _settle(self, c: _Chunk) -> None:
+        """Drop the chunk ``c`` (not the one being filled) once dead, or moving out the few
+        survivors of a mostly dead one. Views that dead nodes still hold keep its memory
+        valid (nothing is ever written over a run), so only the tree lets go of it."""
         if c.live and c.live * 4 < c.used:
             for n in c.nodes:  # few survivors: move them out so the chunk can go
                 n.buf, n.addr = n.buf.tobytes(), 0
