@@ -237,13 +237,10 @@ class RadixTree:
             child.last_access = now
             pos += k
             node = child
-        if dup_t is None:
-            parts = [pages[a:b] for a, b in dups]
+        if dup_t is None:  # views of ``pages`` (the whole of it when every page was cached)
+            parts = [pages if b - a == n_pages else pages[a:b] for a, b in dups]
             dup_t = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else _EMPTY
-        elif dups:
-            raise IntegrityError("insert: duplicates both split off and collected")
-        dup = dup_t
-        return InsertOutcome(cached, dup, taken, node, dropped)
+        return InsertOutcome(cached, dup_t, taken, node, dropped)
 
     def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
         """Flags of a node given a copy in ``tier`` next to the one it had. Flags of every
