@@ -90,7 +90,7 @@ class RadixTree:
             if full:
                 k = size // TOKEN_BYTES
             else:
-                k = common_len(buf, qm, at // TOKEN_BYTES, ps, addr, qaddr)
+                k = common_len(buf, qm, at // TOKEN_BYTES, ps, addr, qaddr, end - at >= size)
             path.append(child)
             if child.device is not None:
                 device_len += k

@@ -97,19 +97,24 @@ def to_tuple(buf: bytes) -> tuple[int, ...]:
 
 
 def common_len(
-    buf: bytes | memoryview, qm: memoryview, pos: int, page_size: int, addr: int = 0, qaddr: int = 0
+    buf: bytes | memoryview,
+    qm: memoryview,
+    pos: int,
+    page_size: int,
+    addr: int = 0,
+    qaddr: int = 0,
+    differs: bool = False,
 ) -> int:
     """Tokens the packed run ``buf`` shares with the query from token ``pos`` on (``qm``: the
     query's packed bytes): all of them (a partial last page included) when they all match,
     else its whole pages before the first differing token (or before the query's end).
     ``addr``/``qaddr``: the addresses of ``buf`` and ``qm`` when ``buf`` is an arena run
-    (``kvtier.tree.arena``), compared by ``memcmp``; else ``buf`` is ``bytes``."""
+    (``kvtier.tree.arena``), compared by ``memcmp``; else ``buf`` is ``bytes``. ``differs``:
+    the caller already found that not all of ``buf`` matches (skips that compare)."""
     at, size = pos * TOKEN_BYTES, len(buf)
     avail = min(size, len(qm) - at)
-    if addr:
-        if avail == size and memequal(addr, qaddr + at, size):
-            return size // TOKEN_BYTES
-    elif avail == size and buf.startswith(qm[at : at + size]):
+    whole = not differs and avail == size
+    if whole and (memequal(addr, qaddr + at, size) if addr else buf.startswith(qm[at : at + size])):
         return size // TOKEN_BYTES
     page = page_size * TOKEN_BYTES
     # Binary search on pages with memcmp over page ranges: pages [0, lo) are equal.
