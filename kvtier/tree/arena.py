@@ -43,7 +43,7 @@ def _libc_fn(name: str, restype: type, argtypes: list) -> object | None:
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         fn = getattr(lib, name)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to load (not a POSIX system)
         return None
     fn.restype, fn.argtypes = restype, argtypes
     return fn
@@ -73,7 +73,7 @@ class TokenArena:
     """The long token runs of one tree (see the module docstring)."""
 
     def __init__(self, min_run: int = MIN_RUN, chunk: int = CHUNK) -> None:
-        if _memcmp is None:  # no libc: every run stays ``bytes``
+        if _memcmp is None or not hasattr(mmap, "MAP_ANONYMOUS"):  # every run stays ``bytes``
             min_run = 1 << 62
         self.min_run, self.chunk = min_run, chunk
         self._chunks: dict[int, _Chunk] = {}
