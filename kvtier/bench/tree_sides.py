@@ -22,8 +22,9 @@ Scenarios:
             lock + unlock.
 
 Memory: bytes per cached token from ``tracemalloc`` (Python-heap allocations made while the tree
-was built and still live after; torch tensor storage is not traced) and from the resident set
-size (``/proc/self/statm``) growth over the build, which includes tensors.
+was built and still live after; torch tensor storage is not traced), plus the memory a side
+maps outside the heap for the tree (``untraced_bytes``: kvtier's token arena chunks, whole), and
+from the resident set size (``/proc/self/statm``) growth over the build, which includes both.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class KvtierSide:
     def evict(self, num_tokens: int) -> int:
         return self.tree.evict_device(-(-num_tokens // self.ps)).num_device() * self.ps
 
+    def untraced_bytes(self) -> int:
+        return self.tree.arena.held_bytes()
+
 
 class _Allocator:
     """What SGLang's simulated ``RadixCache`` asks of an allocator: a device and a free."""
@@ -142,6 +146,9 @@ class SglangSide:
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(self.evict_p(num_tokens=num_tokens)).num_tokens_evicted
 
+    def untraced_bytes(self) -> int:
+        return 0
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
@@ -168,7 +175,7 @@ def _build(side: KvtierSide | SglangSide, seqs: list[array]) -> dict:
     for s in seqs:
         side.insert(s, side.pages(s))
     gc.collect()
-    traced = tracemalloc.get_traced_memory()[0] - base
+    traced = tracemalloc.get_traced_memory()[0] - base + side.untraced_bytes()
     tracemalloc.stop()
     gc.collect()
     cached = sum(len(s) for s in seqs)  # upper bound; shared prefixes counted once below

@@ -34,7 +34,7 @@ def check_tree(tree: RadixTree) -> None:
     for n in tree.nodes():
         ctx = f"node {n.id} at depth {n.depth_tokens()}"
         parent = n.parent
-        if parent is None or parent.children.get(n.buf[:page]) is not n:
+        if parent is None or parent.children.get(bytes(n.buf[:page])) is not n:
             raise IntegrityError(f"{ctx}: not linked from its parent")
         if not n.buf or len(n.buf) % TOKEN_BYTES:
             raise IntegrityError(f"{ctx}: {len(n.buf)} token bytes")
@@ -69,3 +69,4 @@ def check_tree(tree: RadixTree) -> None:
             f"device leaf index out of date: {len(leaves ^ tree.eviction.device_leaves)} nodes differ"
         )
     tree.eviction.check(leaves)
+    tree.arena.check(list(tree.nodes()))

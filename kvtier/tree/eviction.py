@@ -74,7 +74,7 @@ class EvictionIndex:
         if (
             node is not self.tree.root
             and node.device is not None
-            and not any(c.device is not None for c in node.children.values())
+            and (not node.children or not any(c.device is not None for c in node.children.values()))
         ):
             if node not in self.device_leaves:
                 self.device_leaves.add(node)
@@ -155,6 +155,7 @@ class EvictionIndex:
             self.hosted -= 1
             if not node.on_device:
                 self._detach(node)  # queues the parent when it became a host-only leaf
+                self.tree.arena.release(node)
                 out.removed_nodes += 1
             return n
 
@@ -229,6 +230,7 @@ class EvictionIndex:
                 d.host = None
                 self.hosted -= 1
             out.removed_nodes += 1
+            self.tree.arena.release(d)
         self._detach(node)
 
     def drop_leaf(self, node: Node, out: Evicted) -> None:
@@ -246,6 +248,7 @@ class EvictionIndex:
         self.device_leaves.discard(node)
         parent = node.parent
         self._detach(node)
+        self.tree.arena.release(node)
         out.removed_nodes += 1
         if parent is not None:
             self.refresh_leaf(parent)
@@ -253,7 +256,7 @@ class EvictionIndex:
     def _detach(self, node: Node) -> None:
         page = self.tree.page_size * TOKEN_BYTES
         parent = node.parent
-        key = node.buf[:page]
+        key = bytes(node.buf[:page])
         if parent is None or parent.children.get(key) is not node:
             raise IntegrityError(f"detach of a node not attached to its parent: {node!r}")
         del parent.children[key]

@@ -14,7 +14,8 @@ from kvtier.tree.tokens import TOKEN_BYTES, to_tuple
 class Node:
     """A run of pages sharing one residency.
 
-    ``buf`` holds the node's valid tokens packed as int64 bytes (``kvtier.tree.tokens``);
+    ``buf`` holds the node's valid tokens packed as int64 bytes (``kvtier.tree.tokens``): a
+    ``bytes`` object, or for a long run a view of the tree's token arena (``addr``);
     ``tokens`` is the same as a tuple of ints. Every page is whole except, possibly, the last
     page of a leaf (a *partial tail*, ``tail(page_size) > 0`` valid tokens in a whole physical
     page whose other slots are padding). Nothing hangs below a partial page. ``children`` are
@@ -41,7 +42,7 @@ class Node:
 
     id: int
     parent: Node | None
-    buf: bytes
+    buf: bytes | memoryview
     children: dict[bytes, Node] = field(default_factory=dict)
     device: torch.Tensor | None = None
     host: torch.Tensor | None = None
@@ -55,6 +56,9 @@ class Node:
     last_access: int = 0
     hits: int = 0
     tails: int = 0
+    addr: int = 0
+    """Address of ``buf``'s first byte when ``buf`` is a run in the tree's token arena (a
+    read-only ``memoryview``, ``kvtier.tree.arena``); 0 when ``buf`` is ``bytes``."""
 
     @property
     def num_tokens(self) -> int:

@@ -20,13 +20,15 @@ import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
+from kvtier.tree.arena import TokenArena, memequal
 from kvtier.tree.checks import check_tree
 from kvtier.tree.eviction import EvictionIndex
 from kvtier.tree.node import Node
 from kvtier.tree.policy import EvictionPolicy, make_policy
-from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch
+from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch, add_range
+from kvtier.tree.split import split_node
 from kvtier.tree.tails import shorter_tail, tail_child
-from kvtier.tree.tokens import TOKEN_BYTES, Tokens, as_array, common_len, list_head, unpack
+from kvtier.tree.tokens import TOKEN_BYTES, Tokens, address, common_len, list_head, packed, unpack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -56,6 +58,8 @@ class RadixTree:
         self.split_hooks: list[SplitHook] = []
         self.eviction = EvictionIndex(self)
         """The eviction queues, told of every residency, lock and shape change."""
+        self.arena = TokenArena()
+        """Where long nodes keep their tokens (``kvtier.tree.arena``)."""
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Tokens) -> TreeMatch:
@@ -66,23 +70,27 @@ class RadixTree:
         head = list_head(tokens, self.page_size)
         if head is not None and not self.root.tails and head not in self.root.children:
             return TreeMatch([], 0, 0, 0, 0)
-        q = as_array(tokens)
-        qm = memoryview(q).cast("B")
+        qm = packed(tokens)
         ps, end = self.page_size, len(qm)
         page = ps * TOKEN_BYTES
-        node, at, path, k = self.root, 0, [], 0
+        node, at, path, k, qaddr = self.root, 0, [], 0, 0
         device_len = host_len = 0
         while at < end:
             child = node.children.get(qm[at : at + page].tobytes()) if at + page <= end else None
             if child is None:
-                child = tail_child(node, q, at // TOKEN_BYTES, ps)
+                child = tail_child(node, qm, at // TOKEN_BYTES, ps)
                 if child is None:
                     break
-            buf, size = child.buf, len(child.buf)
-            if end - at >= size and buf.startswith(qm[at : at + size]):
+            buf, size, addr = child.buf, len(child.buf), child.addr
+            if addr:
+                qaddr = qaddr or address(qm, tokens)
+                full = end - at >= size and memequal(addr, qaddr + at, size)
+            else:
+                full = end - at >= size and buf.startswith(qm[at : at + size])
+            if full:
                 k = size // TOKEN_BYTES
             else:
-                k = common_len(buf, qm, at // TOKEN_BYTES, ps)
+                k = common_len(buf, qm, at // TOKEN_BYTES, ps, addr, qaddr, end - at >= size)
             path.append(child)
             if child.device is not None:
                 device_len += k
@@ -160,9 +168,8 @@ class RadixTree:
         them). Otherwise the caller's pages from that page on are returned as duplicates.
         """
         ps = self.page_size
-        t = as_array(tokens)
-        tm = memoryview(t).cast("B")
-        n_tok, page = len(t), ps * TOKEN_BYTES
+        tm = packed(tokens)
+        n_tok, page = len(tm) // TOKEN_BYTES, ps * TOKEN_BYTES
         if pages.numel() != -(-n_tok // ps):
             raise IntegrityError(
                 f"insert of {n_tok} tokens with {pages.numel()} pages (page_size={ps})"
@@ -170,10 +177,12 @@ class RadixTree:
         node, pos, cached, prefix = start or self.root, 0, 0, True
         if n_tok and node.tail(ps):
             raise IntegrityError(f"insert below the partial tail of {node!r}")
-        dups: list[torch.Tensor] = []  # one run (the usual case) is returned as it is
+        dups: list[tuple[int, int]] = []  # page ranges, contiguous ones merged
         taken: list[Node] = []
         dropped = Evicted()
         now = next(self._clock)
+        qaddr, n_pages = 0, -(-n_tok // ps)
+        dup_t: torch.Tensor | None = None
         while pos < n_tok:
             p0 = pos // ps
             key = tm[pos * TOKEN_BYTES : pos * TOKEN_BYTES + page].tobytes()
@@ -181,12 +190,19 @@ class RadixTree:
             if child is None:
                 stale = shorter_tail(node, key, ps)
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
-                    dups.append(pages[p0:])
+                    add_range(dups, p0, n_pages)
                     break
-                child = Node(id=next(self._ids), parent=node, buf=tm[pos * TOKEN_BYTES :].tobytes())
+                child = Node(id=next(self._ids), parent=node, buf=b"")
+                self.arena.store(child, tm[pos * TOKEN_BYTES :])
                 node.children[key] = child
                 node.tails += len(key) < page
-                self._set_copy(child, tier, pages[p0:])
+                if dups == [(0, p0)]:  # the usual case: a cached prefix, then new pages
+                    # one call for both parts (int page ids: the views need no autograd)
+                    dup_t, rest = pages.unsafe_split_with_sizes((p0, n_pages - p0))
+                    dups = []
+                else:
+                    rest = pages[p0:] if p0 else pages  # a view either way
+                self._set_copy(child, tier, rest)
                 if checkpoints is not None:
                     child.ckpt = checkpoints[p0:].clone()
                 if keys is not None:
@@ -195,9 +211,11 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            k = common_len(child.buf, tm, pos, ps)
+            if child.addr:
+                qaddr = qaddr or address(tm, tokens)
+            k = common_len(child.buf, tm, pos, ps, child.addr, qaddr)
             if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
-                # ``t`` runs on past this node's partial tail: handle its whole pages here and
+                # the tokens run on past this node's partial tail: handle its whole pages here and
                 # the tail as a stale sibling of the continuation (next round).
                 # (found through a whole-page key, so it has at least one whole page)
                 k = (child.num_pages(ps) - 1) * ps
@@ -205,7 +223,7 @@ class RadixTree:
             if n < child.num_pages(ps):
                 child = self._split(child, n)
             if self._copy(child, tier) is not None:
-                dups.append(pages[p0 : p0 + n])
+                add_range(dups, p0, p0 + n)
                 if prefix:
                     cached = pos + k
             else:
@@ -219,8 +237,10 @@ class RadixTree:
             child.last_access = now
             pos += k
             node = child
-        dup = (dups[0] if len(dups) == 1 else torch.cat(dups)) if dups else _EMPTY
-        return InsertOutcome(cached, dup, taken, node, dropped)
+        if dup_t is None:  # views of ``pages`` (the whole of it when every page was cached)
+            parts = [pages if b - a == n_pages else pages[a:b] for a, b in dups]
+            dup_t = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else _EMPTY
+        return InsertOutcome(cached, dup_t, taken, node, dropped)
 
     def _merge_flags(self, old: torch.Tensor, new: torch.Tensor, tier: CopyTier) -> torch.Tensor:
         """Flags of a node given a copy in ``tier`` next to the one it had. Flags of every
@@ -256,35 +276,7 @@ class RadixTree:
 
     def _split(self, node: Node, n: int) -> Node:
         """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
-        page = self.page_size * TOKEN_BYTES
-        cut = n * page
-        parent = node.parent
-        if parent is None:
-            raise IntegrityError(f"split of a node outside the tree: {node!r}")
-        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut])
-        new.device = node.device[:n] if node.device is not None else None
-        new.host = node.host[:n] if node.host is not None else None
-        new.keys = node.keys[:n] if node.keys is not None else None
-        new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
-        new.in_storage, new.origin = node.in_storage, node.origin
-        self.eviction.hosted += new.host is not None
-        new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
-        new.last_access, new.hits = node.last_access, node.hits
-        parent.children[node.buf[:page]] = new
-        node.buf = node.buf[cut:]
-        node.device = node.device[n:] if node.device is not None else None
-        node.host = node.host[n:] if node.host is not None else None
-        node.keys = node.keys[n:] if node.keys is not None else None
-        node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
-        node.parent = new
-        new.children[node.buf[:page]] = node
-        new.tails = int(len(node.buf) < page)
-        self.eviction.refresh_leaf(new)
-        if new.host is not None:
-            self.eviction.queue_host(new)
-        for hook in self.split_hooks:
-            hook(new, node, n)
-        return new
+        return split_node(self, node, n)
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
         """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""

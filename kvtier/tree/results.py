@@ -86,3 +86,11 @@ class Evicted:
 
     def num_host(self) -> int:
         return sum(p.numel() for p in self.host_pages)
+
+
+def add_range(ranges: list[tuple[int, int]], a: int, b: int) -> None:
+    """Append the page range ``[a, b)`` to ``ranges``, merged into the last one if adjacent."""
+    if ranges and ranges[-1][1] == a:
+        ranges[-1] = (ranges[-1][0], b)
+    else:
+        ranges.append((a, b))

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvtier.errors import IntegrityError
 from kvtier.tree.node import Node
 from kvtier.tree.tokens import TOKEN_BYTES
@@ -33,12 +31,13 @@ if TYPE_CHECKING:
     from kvtier.tree.radix import RadixTree
 
 
-def tail_child(node: Node, tokens: np.ndarray, pos: int, page_size: int) -> Node | None:
-    """The longest single-page partial-tail child of ``node`` whose tokens all equal
-    ``tokens[pos:]``'s first ones (``tokens``: int64, ``kvtier.tree.tokens``), or ``None``."""
+def tail_child(node: Node, qm: memoryview, pos: int, page_size: int) -> Node | None:
+    """The longest single-page partial-tail child of ``node`` whose tokens all equal the
+    query's first ones from token ``pos`` on (``qm``: the query's packed bytes,
+    ``kvtier.tree.tokens``), or ``None``."""
     if not node.tails:
         return None
-    w = tokens[pos : pos + page_size - 1].tobytes()
+    w = qm[pos * TOKEN_BYTES : (pos + page_size - 1) * TOKEN_BYTES].tobytes()
     get = node.children.get
     for end in range(len(w), 0, -TOKEN_BYTES):
         child = get(w[:end])

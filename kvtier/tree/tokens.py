@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import RequestError
+from kvtier.tree.arena import memequal
 
 TOKEN_BYTES = 8
 """Bytes per stored token (int64)."""
@@ -61,6 +62,14 @@ def as_array(tokens: Tokens) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def packed(tokens: Tokens) -> memoryview:
+    """``tokens`` as a flat byte view of native int64 values (``as_array``'s conversions; no
+    copy for an int64 container). Callers only read it and drop it before returning."""
+    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
+        return memoryview(tokens).cast("B")
+    return memoryview(as_array(tokens)).cast("B")
+
+
 def _pack_ints(tokens: Sequence[int]) -> np.ndarray:
     # struct packs a list about twice as fast as np.array converts it, and refuses non-ints.
     try:
@@ -87,21 +96,44 @@ def to_tuple(buf: bytes) -> tuple[int, ...]:
     return tuple(unpack(buf).tolist())
 
 
-def common_len(buf: bytes, qm: memoryview, pos: int, page_size: int) -> int:
+def common_len(
+    buf: bytes | memoryview,
+    qm: memoryview,
+    pos: int,
+    page_size: int,
+    addr: int = 0,
+    qaddr: int = 0,
+    differs: bool = False,
+) -> int:
     """Tokens the packed run ``buf`` shares with the query from token ``pos`` on (``qm``: the
     query's packed bytes): all of them (a partial last page included) when they all match,
-    else its whole pages before the first differing token (or before the query's end)."""
+    else its whole pages before the first differing token (or before the query's end).
+    ``addr``/``qaddr``: the addresses of ``buf`` and ``qm`` when ``buf`` is an arena run
+    (``kvtier.tree.arena``), compared by ``memcmp``; else ``buf`` is ``bytes``. ``differs``:
+    the caller already found that not all of ``buf`` matches (skips that compare)."""
     at, size = pos * TOKEN_BYTES, len(buf)
     avail = min(size, len(qm) - at)
-    if avail == size and buf.startswith(qm[at : at + size]):
+    whole = not differs and avail == size
+    if whole and (memequal(addr, qaddr + at, size) if addr else buf.startswith(qm[at : at + size])):
         return size // TOKEN_BYTES
     page = page_size * TOKEN_BYTES
     # Binary search on pages with memcmp over page ranges: pages [0, lo) are equal.
     lo, hi = 0, avail // page
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if buf.startswith(qm[at + lo * page : at + mid * page], lo * page):
+        if addr:
+            same = memequal(addr + lo * page, qaddr + at + lo * page, (mid - lo) * page)
+        else:
+            same = buf.startswith(qm[at + lo * page : at + mid * page], lo * page)
+        if same:
             lo = mid
         else:
             hi = mid - 1
     return lo * page_size
+
+
+def address(qm: memoryview, tokens: Tokens) -> int:
+    """Address of the first byte of ``qm``, ``packed(tokens)`` (for ``memcmp``)."""
+    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
+        return tokens.buffer_info()[0]  # ``qm`` is a view of it; a fifth of numpy's cost
+    return np.frombuffer(qm, dtype=np.uint8).ctypes.data

@@ -1,0 +1,81 @@
+"""Memory floors under ``kvtier bench tree``'s ``long`` scenario, measured in its conditions.
+
+``python -m kvtier.bench.tree_floor [SEED]`` builds the scenario's tree (kvtier side of
+``kvtier.bench.tree_sides``: page 64, 200 prompts of 32K tokens on a 4K prefix), then times,
+with ``time.process_time_ns`` and the collector on, the memory work an op cannot avoid, on
+the scenario's own fresh/cached prompts (arrays as cold as the scenario's):
+
+  ``copy_fresh_bytes``  the 28K new tokens (224 KiB) copied into a fresh ``bytes`` object
+                        (what a tree that keeps tokens in ``bytes``/``array`` pays per insert)
+  ``copy_arena``        the same tokens copied into the tree's token arena (huge pages)
+  ``memcmp_hit``        ``memcmp`` of a cached prompt's 32K tokens against its stored runs
+                        (the compare a full-hit match cannot skip)
+
+Prints one JSON object: per floor the median and mean microseconds over the ops.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from kvtier.bench.tree_sides import KvtierSide, Workload, packed
+from kvtier.tree.arena import memequal
+from kvtier.tree.node import Node
+from kvtier.tree.tokens import TOKEN_BYTES
+
+
+def floors(seed: int = 0, n_ops: int = 40) -> dict:
+    w = Workload(seed)
+    side = KvtierSide(64)
+    prefix = w.draw(4096)
+    seqs = [packed(prefix, w.draw(32768 - 4096)) for _ in range(200)]
+    for s in seqs:
+        side.insert(s, side.pages(s))
+    tree = side.tree
+    ns: dict[str, list[int]] = {"copy_fresh_bytes": [], "copy_arena": [], "memcmp_hit": []}
+    # Drawn up front and kept, as the scenario does: no op reuses memory another one freed.
+    fresh = [packed(prefix, w.draw(32768 - 4096)) for _ in range(2 * n_ops)]
+    half = 32768 // 2
+    diverge = [packed(np.frombuffer(s, np.int64)[:half], w.draw(32768 - half)) for s in seqs]
+    keep: list[object] = []
+    cut, page = 4096 * TOKEN_BYTES, 64 * TOKEN_BYTES
+    for i in range(n_ops):
+        a, b = fresh[2 * i], fresh[2 * i + 1]
+        t0 = time.process_time_ns()
+        keep.append(memoryview(a).cast("B")[cut:].tobytes())
+        t1 = time.process_time_ns()
+        node = Node(id=-1, parent=None, buf=b"")
+        tree.arena.store(node, memoryview(b).cast("B")[cut:])
+        t2 = time.process_time_ns()
+        keep.append(node)
+        ns["copy_fresh_bytes"].append(t1 - t0)
+        ns["copy_arena"].append(t2 - t1)
+        q = seqs[i % len(seqs)]
+        qm = memoryview(q).cast("B")
+        # The stored runs, found through first-page keys only (the query's tokens stay cold).
+        path, at, n = [], 0, tree.root
+        while at < len(qm) and (n := n.children.get(qm[at : at + page].tobytes())) is not None:
+            path.append((n, at))
+            at += len(n.buf)
+        qaddr = q.buffer_info()[0]
+        t3 = time.process_time_ns()
+        for n, at in path:
+            if n.addr:
+                memequal(n.addr, qaddr + at, len(n.buf))
+            else:
+                n.buf.startswith(qm[at : at + len(n.buf)])
+        ns["memcmp_hit"].append(time.process_time_ns() - t3)
+        tree.match(diverge[(i * 7) % len(seqs)])  # between hits, as the scenario does
+    return {
+        k: {"median_us": statistics.median(v) / 1e3, "mean_us": statistics.mean(v) / 1e3}
+        for k, v in ns.items()
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(floors(int(sys.argv[1]) if len(sys.argv) > 1 else 0), indent=1))
