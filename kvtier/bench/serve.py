@@ -43,10 +43,13 @@ SHARES = (*TIERS, "recomputed")
 class ServeBenchConfig:
     """The workload and the in-process server's cache."""
 
-    clients: int = 8
+    clients: int = 4
     """Concurrent clients (threads), one conversation each."""
+    conversations: int = 3
+    """Conversations each client takes turns in, round-robin: a conversation's history goes
+    down the tiers while its client serves the others."""
     turns: int = 6
-    """Requests per client at most."""
+    """Turns per conversation at most."""
     duration_s: float = 60.0
     """No client starts a request after this many seconds."""
     model: str = "tiny"
@@ -77,7 +80,14 @@ class ServeBenchConfig:
     """Socket timeout of one request."""
 
     def __post_init__(self) -> None:
-        for name in ("clients", "turns", "system_tokens", "max_tokens", "max_running"):
+        for name in (
+            "clients",
+            "conversations",
+            "turns",
+            "system_tokens",
+            "max_tokens",
+            "max_running",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -96,7 +106,7 @@ class ServeBenchConfig:
 class Sample:
     """One request's outcome."""
 
-    client: int
+    conversation: int
     turn: int
     status: str
     """``200``, another HTTP status, ``500`` for an error chunk in a 200 stream, or
@@ -132,9 +142,7 @@ class _Client:
 
     def __init__(self, url: str, timeout_s: float) -> None:
         parts = urlsplit(url)
-        self._conn = http.client.HTTPConnection(
-            parts.hostname, parts.port or 80, timeout=timeout_s
-        )
+        self._conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
 
     def complete(self, body: dict[str, Any], sample: Sample) -> None:
         """Send ``body`` streaming; fill ``sample`` from the SSE chunks."""
@@ -189,7 +197,7 @@ class _Client:
         self._conn.close()
 
 
-def _conversation(
+def _client(
     cfg: ServeBenchConfig,
     url: str,
     idx: int,
@@ -198,31 +206,43 @@ def _conversation(
     deadline: float,
     out: list[Sample],
 ) -> None:
+    """Client ``idx``: its conversations' turns, round-robin, until ``turns`` or
+    ``deadline``; a conversation whose request failed ends (its next prompt needs the reply)."""
     rng = random.Random(cfg.seed * 1_000_003 + idx)
     client = _Client(url, cfg.timeout_s)
-    prompt = list(system)
+    prompts = [list(system) for _ in range(cfg.conversations)]
+    live = set(range(cfg.conversations))
     try:
         for turn in range(cfg.turns):
-            if time.monotonic() > deadline:
-                return
-            prompt += [rng.randrange(vocab) for _ in range(rng.randint(*cfg.user_tokens))]
-            body = {
-                "model": cfg.model,
-                "prompt": prompt,
-                "max_tokens": cfg.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            s = Sample(idx, turn, "connection")
-            client.complete(body, s)
-            out.append(s)
-            if s.status != "200":
-                return  # the conversation's next prompt would need this reply
-            prompt += s.reply
+            for conv in range(cfg.conversations):
+                if conv not in live:
+                    continue
+                if time.monotonic() > deadline:
+                    return
+                prompt = prompts[conv]
+                prompt += [rng.randrange(vocab) for _ in range(rng.randint(*cfg.user_tokens))]
+                s = Sample(idx * cfg.conversations + conv, turn, "connection")
+                client.complete(request_body(cfg.model, prompt, cfg.max_tokens), s)
+                out.append(s)
+                if s.status == "200":
+                    prompt += s.reply
+                else:
+                    live.discard(conv)
     finally:
         client.close()
+
+
+def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A greedy streaming completion of exactly ``max_tokens`` tokens, usage included."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> dict[str, Any]:
@@ -263,7 +283,8 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
         "ttft_by_tier": ttft,
         "errors_by_status": errors,
         "errors_5xx": sum(n for k, n in errors.items() if k.startswith("5")),
-        "stopped_by_duration": not errors and len(samples) < cfg.clients * cfg.turns,
+        "stopped_by_duration": not errors
+        and len(samples) < cfg.clients * cfg.conversations * cfg.turns,
     }
 
 
@@ -323,7 +344,7 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             deadline = time.monotonic() + cfg.duration_s
             threads = [
                 threading.Thread(
-                    target=_conversation,
+                    target=_client,
                     args=(cfg, url, i, system, vocab, deadline, per_client[i]),
                     name=f"bench-client-{i}",
                 )
