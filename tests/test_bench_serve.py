@@ -59,7 +59,9 @@ def test_bench_serve_in_process_two_clients_two_turns(tmp_path) -> None:
     st = r["server_stats"]
     for tier in ("device", "host", "storage"):
         assert st[f"{tier}_hit_tokens"] == r["prompt_tokens_by_source"][tier]
-    assert st["recomputed_tokens"] == r["prompt_tokens_by_source"]["recomputed"]
+    assert (
+        st["recomputed_tokens"] == r["prefill_tokens"] >= r["prompt_tokens_by_source"]["recomputed"]
+    )
 
 
 def test_bench_serve_against_a_running_server() -> None:

@@ -14,7 +14,9 @@ every client stops after ``turns`` turns or once ``duration_s`` passed, whicheve
 
 The result (JSON): the configuration, TTFT percentiles and counts per serving tier, tokens/s
 and requests/s, the share of prompt tokens served from each tier (and recomputed), and errors
-by HTTP status (``connection`` for a transport failure). There is no peer run: a serving
+by HTTP status (``connection`` for a transport failure). A prompt token no tier served counts as
+recomputed; ``prefill_tokens`` is what the engine computed by prefill (``recomputed_tokens``
+of ``usage``), which also counts what a preempted request computed again. There is no peer run: a serving
 benchmark's figures are compared across commits and configurations, per tier.
 """
 
@@ -260,7 +262,7 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
         ttft[cls] = row
     prompt = sum(s.prompt_tokens for s in ok)
     tokens = {t: sum(s.by_tier.get(t, 0) for s in ok) for t in TIERS}
-    tokens["recomputed"] = sum(s.recomputed for s in ok)
+    tokens["recomputed"] = prompt - sum(tokens.values())
     errors: dict[str, int] = {}
     for s in samples:
         if s.status != "200":
@@ -278,6 +280,7 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "prompt_tokens_by_source": tokens,
+        "prefill_tokens": sum(s.recomputed for s in ok),
         "prompt_share": {k: (v / prompt if prompt else 0.0) for k, v in tokens.items()},
         "served_by_counts": {c: sum(1 for s in ok if s.served_by == c) for c in CLASSES},
         "ttft_by_tier": ttft,
