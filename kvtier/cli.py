@@ -236,7 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    return 0
+    # a server answering 5xx under load failed the benchmark, whatever its figures
+    return 1 if args.which == "serve" and result["errors_5xx"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
