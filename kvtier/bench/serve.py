@@ -59,7 +59,7 @@ class ServeBenchConfig:
     url: str | None = None
     """A running server to connect to instead (``http://HOST:PORT``); it must serve ``model``
     under that name and take token-id prompts."""
-    system_tokens: int = 64
+    system_tokens: int = 32
     """Length of the system prefix every conversation shares."""
     user_tokens: tuple[int, int] = (8, 24)
     """Range of a user turn's length."""
@@ -69,7 +69,7 @@ class ServeBenchConfig:
     """Tokens per page (in-process server)."""
     device_pages: int = 32
     """Device pool pages (in-process server): below the clients' working set."""
-    host_pages: int = 48
+    host_pages: int = 64
     """Host pool pages (in-process server): below it too, so pages go on to storage."""
     max_running: int = 4
     """Requests the in-process engine decodes together (fewer than ``clients``: waiting
