@@ -28,8 +28,8 @@ from kvtier.types import TIERS
 CLIENTS = 4
 CONVERSATIONS = 3
 """Conversations each client takes turns in, round-robin."""
-REQUESTS = 120
-"""Requests per client: 480 in all, the restart after half of them."""
+REQUESTS = 160
+"""Requests per client: 640 in all, the restart after half of them."""
 MAX_TOKENS = 6
 SYSTEM = [(7 * i + 3) % 251 for i in range(40)]
 """The system prefix every conversation starts with."""
@@ -43,12 +43,13 @@ COLD_BATCH = 64
 
 
 def soak_config(storage_dir: str) -> CacheConfig:
-    # 24 device pages hold one 190-token context; the clients' working set is several
-    # hundred pages, so the host tier (48 pages) keeps evicting to storage.
+    # 24 device pages hold one 192-token context; the clients' 12 conversations of up to
+    # PROMPT_CAP tokens make over 200 pages, so the host tier (80 pages) keeps evicting to
+    # storage. debug_checks: the cache checks its integrity at every poll.
     return CacheConfig(
         page_size=PAGE_SIZE,
         device_pages=24,
-        host_pages=64,
+        host_pages=80,
         device="cpu",
         storage="file",
         storage_dir=storage_dir,
