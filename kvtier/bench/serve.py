@@ -111,8 +111,8 @@ class Sample:
     conversation: int
     turn: int
     status: str
-    """``200``, another HTTP status, ``500`` for an error chunk in a 200 stream, or
-    ``connection``."""
+    """``200``, another HTTP status, ``500`` for a server error chunk in a 200 stream,
+    ``connection`` (a transport failure) or ``incomplete`` (a stream without its usage)."""
     ttft_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
