@@ -1,5 +1,5 @@
-"""Command line: ``kvtier demo | serve | bench {tree,transfer,storage,ttft,step,backup,window,compute}
-| plot``."""
+"""Command line: ``kvtier demo | serve | bench {tree,transfer,storage,ttft,step,backup,window,compute,
+serve} | plot``."""
 
 from __future__ import annotations
 
@@ -174,11 +174,30 @@ def _bench(args: argparse.Namespace) -> int:
         from kvtier.bench.backup_timing import run as bench_backup
 
         result = bench_backup(
-            model=args.model,
+            model=args.model or "small",
             batch=args.batch or 8,
             prompt_tokens=args.prompt_tokens if args.prompt_tokens != 32768 else 2048,
             page_size=args.page_size,
         )
+    elif args.which == "serve":
+        from kvtier.bench.serve import ServeBenchConfig, bench_serve
+        from kvtier.errors import ConfigError
+
+        try:
+            cfg = ServeBenchConfig(
+                clients=args.clients,
+                conversations=args.conversations,
+                turns=args.turns,
+                duration_s=args.duration_s,
+                model=args.model or "tiny",
+                url=args.url,
+                page_size=args.page_size,
+                device=args.device,
+            )
+            result = bench_serve(cfg)
+        except ConfigError as e:
+            print(f"kvtier bench serve: {e}", file=sys.stderr)
+            return 2
     elif args.which == "window":
         from kvtier.bench.window_memory import run as bench_window
 
@@ -217,7 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    return 0
+    # a server answering 5xx under load failed the benchmark, whatever its figures
+    return 1 if args.which == "serve" and result["errors_5xx"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,12 +266,40 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks; print JSON with ratios to a peer run")
     b.add_argument(
         "which",
-        choices=("tree", "transfer", "storage", "ttft", "step", "backup", "window", "compute"),
+        choices=(
+            "tree",
+            "transfer",
+            "storage",
+            "ttft",
+            "step",
+            "backup",
+            "window",
+            "compute",
+            "serve",
+        ),
     )
     b.add_argument(
         "--window", type=_positive, default=512, help="window: sliding window (positions)"
     )
-    b.add_argument("--model", default="small", help="backup: model preset")
+    b.add_argument(
+        "--model",
+        default=None,
+        help="backup: model preset (default small); serve: preset or checkpoint (default tiny)",
+    )
+    b.add_argument("--clients", type=_positive, default=4, help="serve: concurrent clients")
+    b.add_argument(
+        "--conversations",
+        type=_positive,
+        default=3,
+        help="serve: conversations each client takes turns in",
+    )
+    b.add_argument("--turns", type=_positive, default=6, help="serve: turns per conversation")
+    b.add_argument(
+        "--duration-s",
+        type=_positive_float,
+        default=60.0,
+        help="serve: no request starts after this many seconds",
+    )
     b.add_argument(
         "--batch",
         type=_positive,
@@ -269,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help="transfer, compute: torch device (default: cuda if any)"
     )
     b.add_argument(
-        "--page-size", type=_positive, default=16, help="transfer, compute: tokens per page"
+        "--page-size",
+        type=_positive,
+        default=16,
+        help="transfer, compute, serve: tokens per page",
     )
     b.add_argument(
         "--peer-python",
@@ -319,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--url",
         default=None,
-        help="storage, mooncake: storage_url of a cluster (default: start a local one)",
+        help="storage, mooncake: storage_url of a cluster (default: start a local one); "
+        "serve: a running kvtier serve, http://HOST:PORT (default: start one in-process)",
     )
     b.set_defaults(func=_bench)
 
@@ -336,6 +388,16 @@ def _positive(text: str) -> int:
     v = int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return v
 
 
