@@ -121,7 +121,9 @@ def test_corrupt_header_is_checksum_inside_and_a_counted_miss_at_batch_get(
     path.write_bytes(bytes(raw))
     dest = torch.empty_like(data)
     with pytest.raises(CorruptObject, match="^checksum: header checksum mismatch$") as info:
-        read_object(str(path), NS, KEY, flat_cpu_bytes(dest))
+        read_object(
+            str(path), NS, KEY, envelope.expected_prefix(NS, KEY, dest.nbytes), flat_cpu_bytes(dest)
+        )
     assert isinstance(info.value, StorageError) and info.value.kind == "checksum"
 
     assert be.batch_get([KEY], [dest]) == 0
@@ -133,7 +135,13 @@ def test_wrong_buffer_size_is_a_miss_that_keeps_the_object(be: FileBackend) -> N
     _, path = _stored(be)
     small = torch.empty(8, dtype=torch.float32)
     with pytest.raises(StorageError, match="stored payload is 64 bytes, buffer 32") as info:
-        read_object(str(path), NS, KEY, flat_cpu_bytes(small))
+        read_object(
+            str(path),
+            NS,
+            KEY,
+            envelope.expected_prefix(NS, KEY, small.nbytes),
+            flat_cpu_bytes(small),
+        )
     assert not isinstance(info.value, CorruptObject)
     assert be.batch_get([KEY], [small]) == 0
     assert be.errors == {"checksum": 1}
