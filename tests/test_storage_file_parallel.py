@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
-from kvtier.storage.file_pool import POOL_MIN_BYTES
+from kvtier.storage.file_pool import POOL_MIN_BYTES, POOL_MIN_OBJECT_BYTES, OrderedIO
 from kvtier.storage.file_recency import JOURNAL
 
 NS = Namespace("ns0")
@@ -240,3 +241,13 @@ def test_parallel_set_refuses_an_object_over_the_budget_after_the_ones_before(
     assert be.errors == {"no_space": 1}
     assert be.keys() == ["a0", "a1", "a2"]
     be.close()
+
+
+def test_batches_of_small_objects_stay_on_the_calling_thread() -> None:
+    io = OrderedIO(4, "t")
+    ran: list[int] = []
+    n = 64  # 64 objects of 64 KiB: past POOL_MIN_BYTES in all, under POOL_MIN_OBJECT_BYTES each
+    assert n * (64 << 10) >= POOL_MIN_BYTES and POOL_MIN_OBJECT_BYTES > 64 << 10
+    out = io.run_ordered(lambda i: ran.append(threading.get_ident()), n, n * (64 << 10))
+    assert out == [None] * n and set(ran) == {threading.get_ident()} and io._pool is None
+    io.close()
