@@ -39,21 +39,27 @@ class ServerState:
 
 
 class _Detokenizer:
-    """Streamed text: the decoded output so far minus what was sent. A trailing replacement
-    character (a multi-byte character cut between tokens) waits for the next tokens."""
+    """Streamed text: each chunk's new text, decoded from a window of the output's last tokens
+    rather than the whole output each time (which grows quadratically with its length).
+
+    The window starts at ``start``; ``done`` tokens of the output have been sent. Both decodes
+    begin at ``start``, so whatever a tokenizer does at the start of a decode (a dropped
+    leading space) is the same in both and cancels. A trailing replacement character (a
+    multi-byte character cut between tokens) waits for the next tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tok, self.ids, self.sent = tokenizer, [], 0
+        self.tok, self.ids, self.start, self.done = tokenizer, [], 0, 0
 
     def feed(self, ids: list[int], final: bool = False) -> str | None:
         self.ids += ids
         if self.tok is None:
             return None
-        text = self.tok.decode(self.ids)
+        sent = self.tok.decode(self.ids[self.start : self.done])
+        text = self.tok.decode(self.ids[self.start :])
         if text.endswith("\ufffd") and not final:
             return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+        self.start, self.done = self.done, len(self.ids)
+        return text[len(sent) :]
 
 
 def _error(e: APIError) -> JSONResponse:
