@@ -44,7 +44,8 @@ class _Detokenizer:
 
     The window starts at ``start``; ``done`` tokens of the output have been sent. Both decodes
     begin at ``start``, so whatever a tokenizer does at the start of a decode (a dropped
-    leading space) is the same in both and cancels. A trailing replacement character (a
+    leading space) is the same in both and cancels, as long as the window's first tokens show
+    text. A trailing replacement character (a
     multi-byte character cut between tokens) waits for the next tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -58,8 +59,11 @@ class _Detokenizer:
         text = self.tok.decode(self.ids[self.start :])
         if text.endswith("\ufffd") and not final:
             return ""
-        self.start, self.done = self.done, len(self.ids)
-        return text[len(sent) :]
+        delta = text[len(sent) :]
+        # The next window starts at tokens that showed text: one that decodes to nothing (a
+        # special token) would leave nothing before the next word for its space to cancel.
+        self.start, self.done = (self.done if delta else self.start), len(self.ids)
+        return delta
 
 
 def _error(e: APIError) -> JSONResponse:
