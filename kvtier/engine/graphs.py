@@ -136,12 +136,13 @@ class DecodeGraphs:
     ) -> None:
         host = g.host
         host[:b] = torch.tensor(ids, dtype=torch.int64)
-        host[b : 2 * b] = torch.tensor(lens, dtype=torch.int64) - 1
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        host[b : 2 * b] = lens_t - 1
         locs = host[3 * b :].view(b, c)
         for i, s in enumerate(ctx_slots):
             locs[i, : s.shape[0]] = s
         host[2 * b : 3 * b] = locs[torch.arange(b), host[b : 2 * b]]
-        g.host_lens[:] = torch.tensor(lens, dtype=torch.int32)
+        g.host_lens.copy_(lens_t)
         # the previous step read its logits back, so its copies out of these buffers are done
         g.dev.copy_(host, non_blocking=True)
         g.lens.copy_(g.host_lens, non_blocking=True)

@@ -207,7 +207,8 @@ class LLM:
         plain = [i for i, w in enumerate(work) if not w.draft]
         drawn = {}
         if plain:  # (a failed forward leaves no work and no logits)
-            rows = logits[[firsts[i] for i in plain]]
+            # without drafts every row is a plain item's, in order: no gathered copy
+            rows = logits if len(plain) == logits.shape[0] else logits[[firsts[i] for i in plain]]
             drawn = dict(
                 zip(plain, self.runner.sample([work[i] for i in plain], rows), strict=True)
             )
