@@ -63,6 +63,14 @@ def test_integer_scalars_of_numpy_and_torch_are_taken() -> None:
     assert token_ids((11,)) == [11]
 
 
+def test_a_list_of_plain_ints_is_copied_and_a_late_bad_token_still_named() -> None:
+    prompt = list(range(1000))
+    got = token_ids(prompt)
+    assert got == prompt and got is not prompt
+    with pytest.raises(RequestError, match=r"prompt token 999 is True \(bool\)"):
+        token_ids([*range(999), True])
+
+
 def test_the_engine_refuses_a_float_prompt_token_before_queueing() -> None:
     llm = make_llm()
     with pytest.raises(RequestError, match=r"prompt token 2 is 1.7"):

@@ -33,6 +33,10 @@ def token_ids(prompt: Any) -> list[int]:
             raise RequestError(f"a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
         if _integer_dtype(prompt.dtype):
             return prompt.tolist()
+    if type(prompt) is list and set(map(type, prompt)) <= _PLAIN_INT:
+        # The common case at C speed: one ABC check per token cost ~1 µs, 30 ms for a 32K
+        # prompt, ahead of everything its TTFT waits for.
+        return list(prompt)
     ids: list[int] = []
     for i, t in enumerate(prompt):
         if isinstance(t, torch.Tensor):
@@ -45,6 +49,10 @@ def token_ids(prompt: Any) -> list[int]:
             )
         ids.append(int(t))
     return ids
+
+
+_PLAIN_INT = frozenset({int})
+"""Element types of a list prompt taken without a per-token check (``bool`` is not one)."""
 
 
 def _integer_dtype(dtype: torch.dtype) -> bool:
