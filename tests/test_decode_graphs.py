@@ -76,3 +76,18 @@ def test_cuda_graphs_option_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="cuda_graphs"):
         LLM(ModelConfig(), CacheConfig(), cuda_graphs="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_argmax_read_with_the_logits_is_the_hosts() -> None:
+    llm = _llm(cuda_graphs=False)
+    runner = llm.runner
+    logits = torch.randn(37, 1000, device="cuda")
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: the first index wins on both
+    ran: list[int] = []
+    host = runner._to_host(logits, lambda: ran.append(1))
+    assert ran == [1] and torch.equal(host, logits.cpu())
+    assert runner._argmax is not None and runner._argmax[0] is host
+    assert runner._argmax[1].tolist() == host.argmax(dim=-1).tolist()
+    assert runner._argmax[1][3].item() == 7
+    llm.close()

@@ -138,10 +138,10 @@ def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
 
     forward = llm.runner.forward
 
-    def failing_forward(work):
+    def failing_forward(work, *rest):
         if any(w.req.id == 5 for w in work):  # the second prompt of the next batch
             raise RuntimeError("kernel fault")
-        return forward(work)
+        return forward(work, *rest)
 
     monkeypatch.setattr(llm.runner, "forward", failing_forward)
     outs = llm.generate(prompts, params)

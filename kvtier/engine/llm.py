@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -197,10 +197,18 @@ class LLM:
             return []
         if self.speculative_tokens:
             self._propose(work)
-        work, logits, failed = self._forward(work)
-        # Right after the step's device → host read: the backups the poll queues have until the
-        # next step's read to finish (``CacheConfig.backup_share``), so none delays it.
-        self.cache.poll()
+        polled: list[bool] = []
+
+        def poll() -> None:
+            # While the forward runs (its logits come back through SM stores, which no backup
+            # copy queued here can delay); its CPU time hid behind the GPU's. The backups it
+            # queues have until the next step's read (``CacheConfig.backup_share``).
+            if not polled:
+                polled.append(True)
+                self.cache.poll()
+
+        work, logits, failed = self._forward(work, poll)
+        poll()  # a forward that failed before its read
         sampled: list[list[int]] = []
         errors: dict[int, Exception] = {}
         firsts = list(itertools.accumulate((1 + len(w.draft) for w in work), initial=0))
@@ -259,11 +267,12 @@ class LLM:
                     w.draft, w.num_new = [], 1
 
     def _forward(
-        self, work: list[Work]
+        self, work: list[Work], while_running: Callable[[], None]
     ) -> tuple[list[Work], torch.Tensor, list[tuple[Request, Exception]]]:
-        """The step's forward. If it raises, the requests are run one by one to find the ones
-        that fail (a stateful model's running state may be half updated: the whole batch
-        fails); the failures come back to be finished with their error."""
+        """The step's forward (``while_running`` as for ``ModelRunner.forward``). If it raises,
+        the requests are run one by one to find the ones that fail (a stateful model's running
+        state may be half updated: the whole batch fails); the failures come back to be
+        finished with their error."""
         layered = self.cache.backup_layers(
             [
                 # a draft's positions may be rejected: only the verified token's KV is kept
@@ -275,7 +284,7 @@ class LLM:
             ]
         )
         try:
-            logits = self.runner.forward(work, layered)
+            logits = self.runner.forward(work, layered, while_running)
             if layered is not None:
                 self.cache.end_backup_layers(layered)
             return work, logits, []

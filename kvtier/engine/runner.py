@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvtier.engine import cp, graphs
@@ -40,6 +42,8 @@ class ModelRunner:
             graphs.DecodeGraphs(model, kv) if cuda_graphs and graphs.supported(model, kv) else None
         )
         """Recorded decode steps (``None``: every forward runs eagerly)."""
+        self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The last forward's host logits and their rows' argmax (CUDA only)."""
 
     def run(self, work: list[Work]) -> list[int]:
         """One forward over ``work``; returns the sampled next token of each item, in order."""
@@ -49,15 +53,22 @@ class ModelRunner:
                 raise t
         return self.agree(tokens)
 
-    def forward(self, work: list[Work], layered: Layered | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        work: list[Work],
+        layered: Layered | None = None,
+        while_running: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
         (the step's one device → host read): one row per item, ``1 + len(draft)`` rows (its
         last token's and every draft token's) for an item verifying a draft. ``layered``
-        (``cache.backup_layers``) is told of each anchor layer the forward finished."""
+        (``cache.backup_layers``) is told of each anchor layer the forward finished.
+        ``while_running`` is called once the forward and its read are queued, before the host
+        waits for them (CPU work that then overlaps the GPU's)."""
         if self.graphs is not None and layered is None and self._replayable(work):
             ctx = [self.kv.slots(w.req.locs[: w.req.num_computed + 1]) for w in work]
             ids = [w.req.tokens[w.req.num_computed] for w in work]
-            return _to_host(self.graphs.forward(ctx, ids))
+            return self._to_host(self.graphs.forward(ctx, ids), while_running)
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -94,7 +105,24 @@ class ModelRunner:
             last_logits=[1 + len(w.draft) for w in work],
             after_layer=layered.layer_done if layered is not None else None,
         )
-        return _to_host(logits)
+        return self._to_host(logits, while_running)
+
+    def _to_host(
+        self, logits: torch.Tensor, while_running: Callable[[], None] | None
+    ) -> torch.Tensor:
+        """``logits`` on the CPU (``_to_host``); on CUDA each row's argmax is read with them,
+        for :meth:`sample`'s greedy rows (kept in :attr:`_argmax` with the rows they are of)."""
+        self._argmax = None
+        if logits.device.type != "cuda" or logits.dim() != 2:
+            host = _to_host(logits, None)
+            if while_running is not None:
+                while_running()
+            return host
+        best = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
+        torch.argmax(logits, dim=-1, out=map_pinned(best, logits.device))
+        host = _to_host(logits, while_running)
+        self._argmax = (host, best)
+        return host
 
     @staticmethod
     def _replayable(work: list[Work]) -> bool:
@@ -110,9 +138,15 @@ class ModelRunner:
         (one per row cost more than a decode step's forward on a large GPU). A request that
         asked for its logits keeps the row of every token sampled for it."""
         greedy = [i for i, w in enumerate(work) if w.req.params.greedy or w.req.generator is None]
-        best = (
-            dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True)) if greedy else {}
-        )
+        best: dict[int, int] = {}
+        if greedy:
+            read = self._argmax
+            # the forward's own rows: their argmax came back with them (one CPU argmax over a
+            # batch's logits cost 0.6-0.8 ms a step, a tenth of a decode step on a large GPU)
+            ids = read[1][greedy] if read is not None and read[0] is logits else None
+            if ids is None:
+                ids = logits[greedy].argmax(dim=-1)
+            best = dict(zip(greedy, ids.tolist(), strict=True))
         tokens: list[int | Exception] = []
         for i, w in enumerate(work):
             try:
@@ -155,15 +189,21 @@ class ModelRunner:
                 req.checkpoints.add(page)
 
 
-def _to_host(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` on the CPU. On CUDA a kernel writes them into pinned memory through its
-    device mapping: the copy engines serve copies in the order queued, so a copy would wait
-    behind every backup chunk queued before it (a step's worth, by the pacer's budget), and
-    a pageable copy cost over a millisecond on its own."""
+def _to_host(logits: torch.Tensor, while_running: Callable[[], None] | None) -> torch.Tensor:
+    """``logits`` on the CPU; ``while_running()`` is called before the host waits for them.
+    On CUDA a kernel writes them into pinned memory through its device mapping: the copy
+    engines serve copies in the order queued, so a copy would wait behind every backup chunk
+    queued before it (a step's worth, by the pacer's budget), and a pageable copy cost over a
+    millisecond on its own. Backups queued by ``while_running`` therefore cannot delay it."""
     if logits.device.type != "cuda":
-        return logits.cpu()
+        host = logits.cpu()
+        if while_running is not None:
+            while_running()
+        return host
     host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
     torch.mul(logits, 1, out=map_pinned(host, logits.device))  # SM stores, not a copy engine
+    if while_running is not None:
+        while_running()
     torch.cuda.current_stream(logits.device).synchronize()
     return host
 
