@@ -14,8 +14,11 @@ the scenario's own fresh/cached prompts (arrays as cold as the scenario's):
                         array with itself): what any exact full-hit match of an int64 query
                         touches at least, whatever the stored format
   ``int32_hit``         the hit compare with tokens stored as int32 (a copy of each prompt in
-                        a huge-page map): range check of the int64 query (``max`` as uint64),
-                        cast into a scratch array, ``memcmp`` against the int32 copy
+                        a huge-page map): the int64 query cast into a scratch array, its range
+                        checked (``max`` as uint64, warm by then), ``memcmp`` against the copy
+  ``int32_query_hit``   ``memcmp`` of a cached prompt held as int32 (``array('i')``, a query an
+                        engine would hand over as int32) against its int32 copy: the hit
+                        compare if both sides were int32
   ``int32_store``       the insert copy with tokens stored as int32: range check and cast of
                         a fresh prompt's 28K new tokens into an int32 map (vs ``copy_arena``)
 
@@ -30,6 +33,7 @@ import mmap
 import statistics
 import sys
 import time
+from array import array
 
 import numpy as np
 
@@ -52,8 +56,9 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
         narrow[j * 32768 : (j + 1) * 32768] = np.frombuffer(s, np.int64)
     scratch, fill = np.empty(32768, np.int32), len(seqs) * 32768
     scratch_addr, narrow_addr = scratch.ctypes.data, narrow.ctypes.data
+    queries32 = [array("i", np.frombuffer(s, np.int64).astype(np.int32).tobytes()) for s in seqs]
     names = ("copy_fresh_bytes", "copy_arena", "memcmp_hit", "read_query", "int32_hit")
-    ns: dict[str, list[int]] = {k: [] for k in (*names, "int32_store")}
+    ns: dict[str, list[int]] = {k: [] for k in (*names, "int32_query_hit", "int32_store")}
     # Drawn up front and kept, as the scenario does: no op reuses memory another one freed.
     fresh = [packed(prefix, w.draw(32768 - 4096)) for _ in range(3 * n_ops)]
     half = 32768 // 2
@@ -103,6 +108,12 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
         t7 = time.process_time_ns()
         ns["int32_hit"].append(t7 - t6)
         tree.match(diverge[(i * 7 + 2) % len(seqs)])
+        j = (i + 3 * len(seqs) // 4) % len(seqs)
+        q32, mine = queries32[j], narrow_addr + j * 32768 * 4
+        t9 = time.process_time_ns()
+        memequal(q32.buffer_info()[0], mine, 32768 * 4)
+        ns["int32_query_hit"].append(time.process_time_ns() - t9)
+        tree.match(diverge[(i * 7 + 3) % len(seqs)])
         new_part = np.frombuffer(fresh[2 * n_ops + i], np.int64)[4096:]
         t8 = time.process_time_ns()
         if new_part.view(np.uint64).max() < 1 << 31:
