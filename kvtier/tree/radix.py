@@ -220,9 +220,8 @@ class RadixTree:
             else:
                 full = fits and buf.startswith(tm[at : at + size])
             if full:
-                # tokens running on past a partial tail: its whole pages are handled here, the
-                # tail as a stale sibling of the continuation (next round); found through a
-                # whole-page key, the node has at least one whole page.
+                # tokens running on past a partial tail: whole pages here, the tail as a stale
+                # sibling of the continuation next round (a whole-page key found the node)
                 k = size // TOKEN_BYTES
                 k -= k % ps if pos + k < n_tok else 0
             else:
