@@ -10,16 +10,30 @@ the scenario's own fresh/cached prompts (arrays as cold as the scenario's):
   ``copy_arena``        the same tokens copied into the tree's token arena (huge pages)
   ``memcmp_hit``        ``memcmp`` of a cached prompt's 32K tokens against its stored runs
                         (the compare a full-hit match cannot skip)
+  ``read_query``        one read of a cached prompt's 32K int64 tokens (``memcmp`` of the
+                        array with itself): what any exact full-hit match of an int64 query
+                        touches at least, whatever the stored format
+  ``int32_hit``         the hit compare with tokens stored as int32 (a copy of each prompt in
+                        a huge-page map): the int64 query cast into a scratch array, its range
+                        checked (``max`` as uint64, warm by then), ``memcmp`` against the copy
+  ``int32_query_hit``   ``memcmp`` of a cached prompt held as int32 (``array('i')``, a query an
+                        engine would hand over as int32) against its int32 copy: the hit
+                        compare if both sides were int32
+  ``int32_store``       the insert copy with tokens stored as int32: range check and cast of
+                        a fresh prompt's 28K new tokens into an int32 map (vs ``copy_arena``)
 
 Prints one JSON object: per floor the median and mean microseconds over the ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import statistics
 import sys
 import time
+from array import array
 
 import numpy as np
 
@@ -37,9 +51,16 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
     for s in seqs:
         side.insert(s, side.pages(s))
     tree = side.tree
-    ns: dict[str, list[int]] = {"copy_fresh_bytes": [], "copy_arena": [], "memcmp_hit": []}
+    narrow = _int32_map(len(seqs) * 32768 + 2 * n_ops * (32768 - 4096))
+    for j, s in enumerate(seqs):  # the int32 copies, written (and gone cold) like the tree's
+        narrow[j * 32768 : (j + 1) * 32768] = np.frombuffer(s, np.int64)
+    scratch, fill = np.empty(32768, np.int32), len(seqs) * 32768
+    scratch_addr, narrow_addr = scratch.ctypes.data, narrow.ctypes.data
+    queries32 = [array("i", np.frombuffer(s, np.int64).astype(np.int32).tobytes()) for s in seqs]
+    names = ("copy_fresh_bytes", "copy_arena", "memcmp_hit", "read_query", "int32_hit")
+    ns: dict[str, list[int]] = {k: [] for k in (*names, "int32_query_hit", "int32_store")}
     # Drawn up front and kept, as the scenario does: no op reuses memory another one freed.
-    fresh = [packed(prefix, w.draw(32768 - 4096)) for _ in range(2 * n_ops)]
+    fresh = [packed(prefix, w.draw(32768 - 4096)) for _ in range(3 * n_ops)]
     half = 32768 // 2
     diverge = [packed(np.frombuffer(s, np.int64)[:half], w.draw(32768 - half)) for s in seqs]
     keep: list[object] = []
@@ -71,10 +92,49 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
                 n.buf.startswith(qm[at : at + len(n.buf)])
         ns["memcmp_hit"].append(time.process_time_ns() - t3)
         tree.match(diverge[(i * 7) % len(seqs)])  # between hits, as the scenario does
+        j = (i + len(seqs) // 2) % len(seqs)  # a prompt no op touched yet
+        q = seqs[j]
+        t4 = time.process_time_ns()
+        memequal(q.buffer_info()[0], q.buffer_info()[0], len(q) * TOKEN_BYTES)
+        t5 = time.process_time_ns()
+        ns["read_query"].append(t5 - t4)
+        tree.match(diverge[(i * 7 + 1) % len(seqs)])
+        j = (i + len(seqs) // 4) % len(seqs)
+        a, mine = np.frombuffer(seqs[j], np.int64), narrow_addr + j * 32768 * 4
+        t6 = time.process_time_ns()
+        np.copyto(scratch, a, casting="unsafe")  # reads the query once; the check reads it warm
+        if a.view(np.uint64).max() < 1 << 31:
+            memequal(scratch_addr, mine, 32768 * 4)
+        t7 = time.process_time_ns()
+        ns["int32_hit"].append(t7 - t6)
+        tree.match(diverge[(i * 7 + 2) % len(seqs)])
+        j = (i + 3 * len(seqs) // 4) % len(seqs)
+        q32, mine = queries32[j], narrow_addr + j * 32768 * 4
+        t9 = time.process_time_ns()
+        memequal(q32.buffer_info()[0], mine, 32768 * 4)
+        ns["int32_query_hit"].append(time.process_time_ns() - t9)
+        tree.match(diverge[(i * 7 + 3) % len(seqs)])
+        new_part = np.frombuffer(fresh[2 * n_ops + i], np.int64)[4096:]
+        t8 = time.process_time_ns()
+        if new_part.view(np.uint64).max() < 1 << 31:
+            np.copyto(narrow[fill : fill + len(new_part)], new_part, casting="unsafe")
+        ns["int32_store"].append(time.process_time_ns() - t8)
+        fill += len(new_part)
     return {
         k: {"median_us": statistics.median(v) / 1e3, "mean_us": statistics.mean(v) / 1e3}
         for k, v in ns.items()
     }
+
+
+def _int32_map(n: int) -> np.ndarray:
+    """``n`` int32 slots in an anonymous huge-page map, faulted in when first written (like
+    the tree's arena chunks)."""
+    m = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # huge pages off: only slower
+            m.madvise(advice)
+    return np.frombuffer(m, dtype=np.int32)
 
 
 if __name__ == "__main__":

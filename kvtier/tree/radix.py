@@ -169,7 +169,8 @@ class RadixTree:
         """
         ps = self.page_size
         tm = packed(tokens)
-        n_tok, page = len(tm) // TOKEN_BYTES, ps * TOKEN_BYTES
+        n_bytes, page = len(tm), ps * TOKEN_BYTES
+        n_tok = n_bytes // TOKEN_BYTES
         if pages.numel() != -(-n_tok // ps):
             raise IntegrityError(
                 f"insert of {n_tok} tokens with {pages.numel()} pages (page_size={ps})"
@@ -211,16 +212,22 @@ class RadixTree:
                 taken.append(child)
                 node = child
                 break
-            if child.addr:
+            buf, size, addr, at = child.buf, len(child.buf), child.addr, pos * TOKEN_BYTES
+            fits = n_bytes - at >= size
+            if addr:
                 qaddr = qaddr or address(tm, tokens)
-            k = common_len(child.buf, tm, pos, ps, child.addr, qaddr)
-            if k == child.num_tokens and child.tail(ps) and pos + k < n_tok:
-                # the tokens run on past this node's partial tail: handle its whole pages here and
-                # the tail as a stale sibling of the continuation (next round).
-                # (found through a whole-page key, so it has at least one whole page)
-                k = (child.num_pages(ps) - 1) * ps
+                full = fits and memequal(addr, qaddr + at, size)
+            else:
+                full = fits and buf.startswith(tm[at : at + size])
+            if full:
+                # tokens running on past a partial tail: whole pages here, the tail as a stale
+                # sibling of the continuation next round (a whole-page key found the node)
+                k = size // TOKEN_BYTES
+                k -= k % ps if pos + k < n_tok else 0
+            else:
+                k = common_len(buf, tm, pos, ps, addr, qaddr, fits)
             n = -(-k // ps)
-            if n < child.num_pages(ps):
+            if n * page < size:
                 child = self._split(child, n)
             if self._copy(child, tier) is not None:
                 add_range(dups, p0, p0 + n)
