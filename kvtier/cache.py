@@ -10,8 +10,9 @@ Request flow (engine's view)::
     locs = cache.alloc(n)            # fresh whole pages for the uncached suffix
     ... compute ...
     cache.finish(tokens, all_locs, prefix_len=ld.locs.numel(), handle=m.handle)
-    cache.poll()                     # once per step, right after the step's device → host read:
-                                     # completes transfers, makes copies visible, queues backups
+    cache.poll()                     # once per step, after the step's device → host read (or
+                                     # beside its forward: see poll): completes transfers, makes
+                                     # copies visible, queues backups
 
 Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens computed,
 ``full = n - n % ps``)::
@@ -441,7 +442,11 @@ class TieredCache:
     # ---- progress and introspection -----------------------------------------------------
     def poll(self) -> None:
         """Complete finished transfers, make copies visible, queue paced backups. Never blocks.
-        Call once per step, right after its device → host read (``CacheConfig.backup_share``)."""
+        Call once per step, right after its device → host read (``CacheConfig.backup_share``):
+        copy engines serve copies in order, so a read queued behind the backups a poll queues
+        would wait for them. An engine whose read no copy engine carries (the reference engine's
+        kernel writes its logits into mapped pinned memory) may poll once the forward and the
+        read are queued, before waiting for them, so the poll's CPU time overlaps the GPU's."""
         self._check_open("poll")
         self.controller.poll()
         if self.config.debug_checks:

@@ -7,7 +7,8 @@ byte of it — 18.1 ms behind one 1 GiB backup on an H200, and a decode step wit
 queued than the link moved in a step took 1.5-1.7x its time alone (results/h200-dma). So a
 backup is never queued whole. It is a sequence of chunks (a generator that yields each chunk's
 bytes, then queues it when resumed), and at every :meth:`Pacer.pump` — once per scheduler step,
-through ``cache.poll()`` right after the step's device → host read — the pacer queues chunks
+through ``cache.poll()`` (the reference engine's: once its forward and logits read are queued;
+the read is a kernel's stores into mapped memory, which no queued copy delays) — the pacer queues chunks
 until the unfinished ones add up to
 
     share x link rate x time between polls
