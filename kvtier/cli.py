@@ -111,6 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
                 duration_s=args.duration_s,
                 model=args.model or "tiny",
                 url=args.url,
+                api_key=args.api_key,
                 page_size=args.page_size,
                 device=args.device,
             )
@@ -293,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="storage, mooncake: storage_url of a cluster (default: start a local one); "
         "serve: a running kvtier serve, http://HOST:PORT (default: start one in-process)",
     )
+    b.add_argument("--api-key", default=None, help="serve: bearer key the server at --url expects")
     b.set_defaults(func=_bench)
 
     pl = sub.add_parser(

@@ -75,9 +75,24 @@ def test_bench_serve_against_a_running_server() -> None:
     assert "server_stats" not in r
 
 
+def test_bench_serve_sends_the_api_key_a_server_expects() -> None:
+    server = start(api_key="sekrit")
+    try:
+        base = {"clients": 1, "conversations": 1, "turns": 2, "max_tokens": 2, "url": server.url}
+        keyed = bench_serve(ServeBenchConfig(**base, api_key="sekrit"))
+        bare = bench_serve(ServeBenchConfig(**base))
+    finally:
+        server.stop()
+    _check(keyed, requests=2, max_tokens=2)
+    assert bare["requests_ok"] == 0 and bare["requests"] > 0
+    assert bare["errors_by_status"] == {"401": bare["requests"]}
+
+
 def test_bench_serve_refuses_bad_options() -> None:
     with pytest.raises(ConfigError, match="clients"):
         ServeBenchConfig(clients=0)
     with pytest.raises(ConfigError, match="url"):
         ServeBenchConfig(url="localhost:8000")
+    with pytest.raises(ConfigError, match="api_key"):
+        ServeBenchConfig(api_key="")
     assert main(["bench", "serve", "--model", "no-such-model", "--device", "cpu"]) == 2

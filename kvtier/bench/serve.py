@@ -59,6 +59,8 @@ class ServeBenchConfig:
     url: str | None = None
     """A running server to connect to instead (``http://HOST:PORT``); it must serve ``model``
     under that name and take token-id prompts."""
+    api_key: str | None = None
+    """Bearer key sent with every request (a server started with ``--api-key``)."""
     system_tokens: int = 32
     """Length of the system prefix every conversation shares."""
     user_tokens: tuple[int, int] = (8, 24)
@@ -98,6 +100,8 @@ class ServeBenchConfig:
         lo, hi = self.user_tokens
         if not 1 <= lo <= hi:
             raise ConfigError(f"user_tokens must be a range 1 <= lo <= hi, got {self.user_tokens}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ConfigError("api_key must be a non-empty string or None")
         if self.url is not None:
             parts = urlsplit(self.url)
             if parts.scheme != "http" or not parts.hostname:
@@ -142,9 +146,12 @@ def percentile(values: list[float], q: float) -> float:
 class _Client:
     """One keep-alive connection and the streaming request over it."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None) -> None:
         parts = urlsplit(url)
         self._conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+        self._headers = {"Content-Type": "application/json"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     def complete(self, body: dict[str, Any], sample: Sample) -> None:
         """Send ``body`` streaming; fill ``sample`` from the SSE chunks."""
@@ -154,7 +161,7 @@ class _Client:
                 "POST",
                 "/v1/completions",
                 body=json.dumps(body),
-                headers={"Content-Type": "application/json"},
+                headers=self._headers,
             )
             resp = self._conn.getresponse()
             if resp.status != 200:
@@ -211,7 +218,7 @@ def _client(
     """Client ``idx``: its conversations' turns, round-robin, until ``turns`` or
     ``deadline``; a conversation whose request failed ends (its next prompt needs the reply)."""
     rng = random.Random(cfg.seed * 1_000_003 + idx)
-    client = _Client(url, cfg.timeout_s)
+    client = _Client(url, cfg.timeout_s, cfg.api_key)
     prompts = [list(system) for _ in range(cfg.conversations)]
     live = set(range(cfg.conversations))
     try:
