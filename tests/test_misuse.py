@@ -152,3 +152,30 @@ def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     assert llm.cache.engine_pages.count == 0
     llm.cache.check_integrity()
+
+
+def test_a_failing_poll_is_raised_as_itself_not_as_a_failed_forward(monkeypatch) -> None:
+    model = ModelConfig(num_layers=1, max_position=256)
+    llm = LLM(model, CacheConfig(page_size=PS, device_pages=64, device="cpu"))
+    for p in ([1] * 7, [2] * 9):
+        llm.add_request(p, SamplingParams(max_tokens=3))
+    forwards: list[int] = []
+    forward = llm.runner.forward
+
+    def counting_forward(work, *rest):
+        forwards.append(len(work))
+        return forward(work, *rest)
+
+    def broken_poll() -> None:
+        raise RuntimeError("poll broke")
+
+    monkeypatch.setattr(llm.runner, "forward", counting_forward)
+    monkeypatch.setattr(llm.cache, "poll", broken_poll)
+    with pytest.raises(RuntimeError, match="poll broke"):
+        llm.step()
+    assert forwards == [2]  # one forward of the batch: not re-run item by item
+    monkeypatch.undo()
+    while llm.has_unfinished():  # the engine goes on once polls work again
+        llm.step()
+    llm.cache.drain()
+    llm.cache.check_integrity()

@@ -197,18 +197,24 @@ class LLM:
             return []
         if self.speculative_tokens:
             self._propose(work)
-        polled: list[bool] = []
+        polled: list[BaseException | None] = []
 
         def poll() -> None:
             # While the forward runs (its logits come back through SM stores, which no backup
             # copy queued here can delay); its CPU time hid behind the GPU's. The backups it
-            # queues have until the next step's read (``CacheConfig.backup_share``).
+            # queues have until the next step's read (``CacheConfig.backup_share``). A failure
+            # is the poll's, not the forward's: kept, and raised once the forward is done.
             if not polled:
-                polled.append(True)
-                self.cache.poll()
+                try:
+                    self.cache.poll()
+                    polled.append(None)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    polled.append(e)
 
         work, logits, failed = self._forward(work, poll)
         poll()  # a forward that failed before its read
+        if polled[0] is not None:
+            raise polled[0]
         sampled: list[list[int]] = []
         errors: dict[int, Exception] = {}
         firsts = list(itertools.accumulate((1 + len(w.draft) for w in work), initial=0))
