@@ -144,5 +144,8 @@ def test_a_dead_chunk_is_dropped_when_filling_moves_past_it() -> None:
     tree.evict_device(6)  # dead, but its chunk is still being filled
     assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() == 8 * PS * TOKEN_BYTES
     tree.insert(list(range(100, 100 + 6 * PS)), torch.arange(6, 12))  # does not fit: new chunk
-    assert tree.arena.held_bytes() == 8 * PS * TOKEN_BYTES and tree.arena.live_bytes() == 6 * PS * TOKEN_BYTES
+    assert (
+        tree.arena.held_bytes() == 8 * PS * TOKEN_BYTES
+        and tree.arena.live_bytes() == 6 * PS * TOKEN_BYTES
+    )
     tree.check_integrity()
