@@ -106,6 +106,8 @@ def test_the_engine_refuses_a_token_past_int32_before_queueing() -> None:
     assert not llm.has_unfinished()
     with pytest.raises(RequestError, match="prompt token 0 is 2147483648"):  # built directly
         Request(0, [2**31], SamplingParams(), 0.0, None)
+    with pytest.raises(RequestError, match="prompt token ids must be integers"):
+        Request(0, [1, 2.5], SamplingParams(), 0.0, None)
 
 
 def test_a_request_holds_its_tokens_as_int32_and_outputs_python_ints() -> None:

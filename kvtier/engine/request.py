@@ -71,11 +71,11 @@ def int32_tokens(ids: Sequence[int]) -> array[int]:
     try:
         # struct packs a list about twice as fast as ``array('i', ids)`` builds one
         out.frombytes(struct.pack(f"{len(ids)}i", *ids))
-    except struct.error:
+    except struct.error as e:
         for i, t in enumerate(ids):
-            if not TOKEN_MIN <= t <= TOKEN_MAX:
+            if isinstance(t, int) and not TOKEN_MIN <= t <= TOKEN_MAX:
                 raise _out_of_range(i, t) from None
-        raise
+        raise RequestError(f"prompt token ids must be integers: {e}") from None
     return out
 
 
