@@ -28,8 +28,22 @@ def test_kvtier_side_reports_every_scenario_and_its_memory() -> None:
     assert "speedup" not in out and "sglang" not in out
     for scenario in ("long", "chat"):
         mem = out["kvtier_memory"][scenario]
-        # 8 bytes a token plus per-node overhead, far below a tuple of ints.
-        assert 8 <= mem["traced_bytes_per_token"] < 24
+        # 4 bytes a token (int32) plus per-node overhead, far below a tuple of ints.
+        assert 4 <= mem["traced_bytes_per_token"] < 20
+
+
+def test_each_side_gets_the_same_tokens_in_its_engines_container() -> None:
+    from kvtier.bench import tree_sides as ts
+    from kvtier.engine.request import Request
+    from kvtier.engine.sampling import SamplingParams
+
+    req = Request(0, [1, 2], SamplingParams(), 0.0, None)
+    assert ts.KvtierSide.TYPECODE == req.tokens.typecode == "i"
+    assert ts.SglangSide.TYPECODE == "q"
+    parts = [ts.Workload(3).draw(100), ts.Workload(4).draw(28)]
+    mine, theirs = ts.packed(*parts, code="i"), ts.packed(*parts, code="q")
+    assert (mine.itemsize, theirs.itemsize) == (4, 8)
+    assert mine.tolist() == theirs.tolist() == [int(x) for p in parts for x in p]
 
 
 def test_a_peer_interpreter_without_sglang_fails_loudly() -> None:

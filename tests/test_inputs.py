@@ -13,7 +13,7 @@ import torch
 from kvtier.cache import resolve_device
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
-from kvtier.engine.request import token_ids
+from kvtier.engine.request import Request, token_ids
 from kvtier.errors import ConfigError, RequestError
 
 MODEL = ModelConfig(num_layers=2, max_position=512)
@@ -82,6 +82,48 @@ def test_the_engine_refuses_a_float_prompt_token_before_queueing() -> None:
     assert got == want
     got = llm.generate([torch.tensor([5, 6, 1])], SamplingParams(max_tokens=4))[0].output_ids
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ([*range(10), 2**31], "prompt token 10 is 2147483648: token ids must fit in int32"),
+        ([1, -(2**31) - 1], "prompt token 1 is -2147483649: token ids must fit in int32"),
+        ([1, np.int64(2**40)], "prompt token 1 is 1099511627776: token ids must fit in int32"),
+        (np.array([0, 0, 2**31]), "prompt token 2 is 2147483648: token ids must fit in int32"),
+        (torch.tensor([2**33, 1]), "prompt token 0 is 8589934592: token ids must fit in int32"),
+    ],
+)
+def test_prompt_tokens_outside_int32_are_refused_naming_index_and_value(prompt, needle) -> None:
+    with pytest.raises(RequestError, match=needle):
+        token_ids(prompt)
+
+
+def test_the_engine_refuses_a_token_past_int32_before_queueing() -> None:
+    llm = make_llm()
+    with pytest.raises(RequestError, match="prompt token 1 is 2147483648: token ids must fit"):
+        llm.add_request([5, 2**31, 6])
+    assert not llm.has_unfinished()
+    with pytest.raises(RequestError, match="prompt token 0 is 2147483648"):  # built directly
+        Request(0, [2**31], SamplingParams(), 0.0, None)
+    with pytest.raises(RequestError, match="prompt token ids must be integers"):
+        Request(0, [1, 2.5], SamplingParams(), 0.0, None)
+
+
+def test_a_request_holds_its_tokens_as_int32_and_outputs_python_ints() -> None:
+    edge = [0, 2**31 - 1, -(2**31), 5]
+    req = Request(0, edge, SamplingParams(), 0.0, None)
+    assert req.tokens.typecode == "i" and req.tokens.itemsize == 4 and req.tokens.tolist() == edge
+    req.tokens.extend([7, 8])
+    assert req.output == [7, 8] and all(type(t) is int for t in req.output)
+    out = req.to_output()
+    assert out.prompt == edge and out.output_ids == [7, 8]
+    assert all(type(t) is int for t in out.output_ids + out.prompt)
+    assert Request(1, [1], SamplingParams(), 0.0, None, tokens=[1, 2]).tokens.typecode == "i"
+    llm = make_llm()
+    (res,) = llm.generate([[5, 6, 1]], SamplingParams(max_tokens=4))
+    assert type(res.output_ids) is list and all(type(t) is int for t in res.output_ids)
+    assert len(res.output_ids) == 4
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,10 @@ from kvtier.errors import IntegrityError
 from kvtier.keys import namespace_digest
 from kvtier.tree import RadixTree
 from kvtier.tree.arena import TokenArena
+from kvtier.tree.tokens import TOKEN_BYTES
 
 
-def arena_tree(min_run: int = 2 * PS * 8, chunk: int = 64 * 8) -> RadixTree:
+def arena_tree(min_run: int = 2 * PS * TOKEN_BYTES, chunk: int = 64 * TOKEN_BYTES) -> RadixTree:
     """A tree whose runs of two pages or more go to small chunks (eight pages each)."""
     tree = RadixTree(PS)
     tree.arena = TokenArena(min_run=min_run, chunk=chunk)
@@ -35,7 +36,7 @@ def arena_nodes(tree: RadixTree) -> int:
 def test_long_runs_live_in_the_arena_and_splits_share_it() -> None:
     tree = arena_tree()
     toks = list(range(1, 6 * PS + 1))
-    tree.insert(array("q", toks), torch.arange(6))
+    tree.insert(array("i", toks), torch.arange(6))
     (node,) = tree.root.children.values()
     assert isinstance(node.buf, memoryview) and node.addr and node.tokens == tuple(toks)
     tree.insert(toks[: 2 * PS] + [99] * PS, torch.arange(6, 9))
@@ -50,15 +51,15 @@ def test_memory_of_dead_runs_is_given_back() -> None:
     tree = arena_tree()
     for i in range(12):
         tree.insert([1000 * i + j for j in range(6 * PS)], torch.arange(6 * i, 6 * i + 6))
-    assert arena_nodes(tree) == 12 and tree.arena.held_bytes() >= 12 * 6 * PS * 8
+    assert arena_nodes(tree) == 12 and tree.arena.held_bytes() >= 12 * 6 * PS * TOKEN_BYTES
     tree.evict_device(12 * 6)
     assert not list(tree.nodes())
-    assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() <= 64 * 8
+    assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() <= 64 * TOKEN_BYTES
     tree.check_integrity()
 
 
 def test_a_chunk_mostly_dead_moves_its_survivors_to_bytes() -> None:
-    tree = arena_tree(chunk=12 * PS * 8)
+    tree = arena_tree(chunk=12 * PS * TOKEN_BYTES)
     a, b = list(range(1, 6 * PS + 1)), list(range(500, 500 + 6 * PS))
     tree.insert(a, torch.arange(6))
     tree.insert(b, torch.arange(6, 12))
@@ -84,7 +85,7 @@ def test_the_arena_changes_nothing_the_tree_does() -> None:
         seq = seq[: rng.randint(1, len(seq))]
         if op < 0.5:
             n = -(-len(seq) // PS)
-            outs = [t.insert(array("q", seq), torch.arange(nxt, nxt + n)) for t in trees]
+            outs = [t.insert(array("i", seq), torch.arange(nxt, nxt + n)) for t in trees]
             nxt += n
             assert outs[0].cached_len == outs[1].cached_len
             assert outs[0].duplicates.tolist() == outs[1].duplicates.tolist()
@@ -120,7 +121,7 @@ def test_keys_of_arena_runs_equal_keys_of_bytes_runs() -> None:
         rank=0,
         world_size=1,
     )
-    toks = [2**40 + i for i in range(5 * PS)] + [3]
+    toks = [2**30 + i for i in range(5 * PS)] + [3]
     got = []
     for t in (arena_tree(), bytes_tree()):
         out = t.insert(toks, torch.arange(6))
@@ -138,10 +139,13 @@ def test_check_integrity_sees_a_wrong_arena_address() -> None:
 
 
 def test_a_dead_chunk_is_dropped_when_filling_moves_past_it() -> None:
-    tree = arena_tree(chunk=8 * PS * 8)
+    tree = arena_tree(chunk=8 * PS * TOKEN_BYTES)
     tree.insert(list(range(6 * PS)), torch.arange(6))
     tree.evict_device(6)  # dead, but its chunk is still being filled
-    assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() == 8 * PS * 8
+    assert tree.arena.live_bytes() == 0 and tree.arena.held_bytes() == 8 * PS * TOKEN_BYTES
     tree.insert(list(range(100, 100 + 6 * PS)), torch.arange(6, 12))  # does not fit: new chunk
-    assert tree.arena.held_bytes() == 8 * PS * 8 and tree.arena.live_bytes() == 6 * PS * 8
+    assert (
+        tree.arena.held_bytes() == 8 * PS * TOKEN_BYTES
+        and tree.arena.live_bytes() == 6 * PS * TOKEN_BYTES
+    )
     tree.check_integrity()

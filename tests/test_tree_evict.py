@@ -8,6 +8,7 @@ from tree_helpers import PS, L, P, find, flat, page, seq
 
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.tree import Node, RadixTree, make_policy
+from kvtier.tree.tokens import TOKEN_BYTES
 
 # ---- device eviction -------------------------------------------------------------------
 
@@ -265,7 +266,7 @@ def test_held_pages(tree: RadixTree) -> None:
         (lambda t, a, b: setattr(b, "lock_ref", 1), "locked more than its parent"),
         (lambda t, a, b: setattr(a, "host_io", -1), "negative"),
         (lambda t, a, b: setattr(b, "keys", ["k1", "k2"]), "2 keys for 1 pages"),
-        (lambda t, a, b: setattr(b, "buf", b.buf[: 2 * 8]), "not"),
+        (lambda t, a, b: setattr(b, "buf", b.buf[: 2 * TOKEN_BYTES]), "not"),
         (lambda t, a, b: setattr(b, "parent", t.root), "not linked from its parent"),
     ],
 )

@@ -29,6 +29,7 @@ TIER = st.sampled_from(["device", "host"])
 BOXES: dict[str, Callable[[list[int]], object]] = {
     "list": list,
     "tuple": tuple,
+    "array_i": lambda t: array("i", t),
     "array_q": lambda t: array("q", t),
     "numpy_int64": lambda t: np.array(t, dtype=np.int64),
     "numpy_int32": lambda t: np.array(t, dtype=np.int32),

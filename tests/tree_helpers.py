@@ -32,7 +32,7 @@ def seq(*vals: int) -> list[int]:
 
 def kids(node: Node) -> dict[tuple[int, ...], Node]:
     """``node.children`` with each packed key read back as a token tuple."""
-    return {tuple(np.frombuffer(k, dtype=np.int64).tolist()): c for k, c in node.children.items()}
+    return {tuple(np.frombuffer(k, dtype=np.int32).tolist()): c for k, c in node.children.items()}
 
 
 def flat(parts: list[torch.Tensor]) -> list[int]:

@@ -3,13 +3,15 @@
 ``python -m kvtier.bench.tree_floor [SEED]`` builds the scenario's tree (kvtier side of
 ``kvtier.bench.tree_sides``: page 64, 200 prompts of 32K tokens on a 4K prefix), then times,
 with ``time.process_time_ns`` and the collector on, the memory work an op cannot avoid, on
-the scenario's own fresh/cached prompts (arrays as cold as the scenario's):
+the scenario's own fresh/cached prompts (arrays as cold as the scenario's). The tree is built
+from, and stores, int32 tokens (``array('i')``, what the engine holds); the int64 copies of the
+same prompts measure what an int64 query would cost:
 
-  ``copy_fresh_bytes``  the 28K new tokens (224 KiB) copied into a fresh ``bytes`` object
-                        (what a tree that keeps tokens in ``bytes``/``array`` pays per insert)
+  ``copy_fresh_bytes``  the 28K new int32 tokens (112 KiB) copied into a fresh ``bytes``
+                        object (what a tree keeping tokens in ``bytes`` pays per insert)
   ``copy_arena``        the same tokens copied into the tree's token arena (huge pages)
-  ``memcmp_hit``        ``memcmp`` of a cached prompt's 32K tokens against its stored runs
-                        (the compare a full-hit match cannot skip)
+  ``memcmp_hit``        ``memcmp`` of a cached prompt's 32K int32 tokens against its stored
+                        runs (the compare a full-hit match cannot skip)
   ``read_query``        one read of a cached prompt's 32K int64 tokens (``memcmp`` of the
                         array with itself): what any exact full-hit match of an int64 query
                         touches at least, whatever the stored format
@@ -33,7 +35,6 @@ import mmap
 import statistics
 import sys
 import time
-from array import array
 
 import numpy as np
 
@@ -48,7 +49,8 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
     side = KvtierSide(64)
     prefix = w.draw(4096)
     seqs = [packed(prefix, w.draw(32768 - 4096)) for _ in range(200)]
-    for s in seqs:
+    queries32 = [packed(s, code="i") for s in seqs]
+    for s in queries32:
         side.insert(s, side.pages(s))
     tree = side.tree
     narrow = _int32_map(len(seqs) * 32768 + 2 * n_ops * (32768 - 4096))
@@ -56,17 +58,17 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
         narrow[j * 32768 : (j + 1) * 32768] = np.frombuffer(s, np.int64)
     scratch, fill = np.empty(32768, np.int32), len(seqs) * 32768
     scratch_addr, narrow_addr = scratch.ctypes.data, narrow.ctypes.data
-    queries32 = [array("i", np.frombuffer(s, np.int64).astype(np.int32).tobytes()) for s in seqs]
     names = ("copy_fresh_bytes", "copy_arena", "memcmp_hit", "read_query", "int32_hit")
     ns: dict[str, list[int]] = {k: [] for k in (*names, "int32_query_hit", "int32_store")}
     # Drawn up front and kept, as the scenario does: no op reuses memory another one freed.
     fresh = [packed(prefix, w.draw(32768 - 4096)) for _ in range(3 * n_ops)]
+    fresh32 = [packed(s, code="i") for s in fresh[: 2 * n_ops]]
     half = 32768 // 2
-    diverge = [packed(np.frombuffer(s, np.int64)[:half], w.draw(32768 - half)) for s in seqs]
+    diverge = [packed(np.asarray(s)[:half], w.draw(32768 - half), code="i") for s in seqs]
     keep: list[object] = []
     cut, page = 4096 * TOKEN_BYTES, 64 * TOKEN_BYTES
     for i in range(n_ops):
-        a, b = fresh[2 * i], fresh[2 * i + 1]
+        a, b = fresh32[2 * i], fresh32[2 * i + 1]
         t0 = time.process_time_ns()
         keep.append(memoryview(a).cast("B")[cut:].tobytes())
         t1 = time.process_time_ns()
@@ -76,7 +78,7 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
         keep.append(node)
         ns["copy_fresh_bytes"].append(t1 - t0)
         ns["copy_arena"].append(t2 - t1)
-        q = seqs[i % len(seqs)]
+        q = queries32[i % len(seqs)]
         qm = memoryview(q).cast("B")
         # The stored runs, found through first-page keys only (the query's tokens stay cold).
         path, at, n = [], 0, tree.root
@@ -95,7 +97,7 @@ def floors(seed: int = 0, n_ops: int = 40) -> dict:
         j = (i + len(seqs) // 2) % len(seqs)  # a prompt no op touched yet
         q = seqs[j]
         t4 = time.process_time_ns()
-        memequal(q.buffer_info()[0], q.buffer_info()[0], len(q) * TOKEN_BYTES)
+        memequal(q.buffer_info()[0], q.buffer_info()[0], len(q) * q.itemsize)
         t5 = time.process_time_ns()
         ns["read_query"].append(t5 - t4)
         tree.match(diverge[(i * 7 + 1) % len(seqs)])

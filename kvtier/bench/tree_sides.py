@@ -8,7 +8,9 @@ found cached (the caller compares them across sides: same tokens, same answers) 
 memory the built tree took.
 
 Both sides draw the same tokens: numpy's PCG64 from ``SEED`` in one fixed order, handed to
-each tree as ``array('q')`` (what SGLang's ``RadixKey`` holds). ``SCALE`` divides the sizes
+each tree in the container its engine holds (``TYPECODE``), built before any timing:
+``array('i')`` for kvtier (``Request.tokens`` is int32, compared and stored without
+conversion), ``array('q')`` for SGLang (what its ``RadixKey`` holds). ``SCALE`` divides the sizes
 (1 for the measured run; larger for tests). Only the standard library, numpy and torch are
 imported at module level, so any interpreter with those runs it.
 
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 VOCAB = 50_000
+_DTYPES = {"i": np.int32, "q": np.int64}
 
 
 class Workload:
@@ -54,14 +57,18 @@ class Workload:
         return self.rng.integers(0, VOCAB, n, dtype=np.int64)
 
 
-def packed(*parts: np.ndarray) -> array:
-    out = array("q")
+def packed(*parts: np.ndarray, code: str = "q") -> array:
+    """``parts`` joined into one ``array(code)``."""
+    out = array(code)
     for p in parts:
-        out.frombytes(np.ascontiguousarray(p, dtype=np.int64).tobytes())
+        out.frombytes(np.ascontiguousarray(p, dtype=_DTYPES[code]).tobytes())
     return out
 
 
 class KvtierSide:
+    TYPECODE = "i"
+    """Tokens as kvtier's engine holds them (``Request.tokens``: int32)."""
+
     def __init__(self, page_size: int) -> None:
         from kvtier.tree.radix import RadixTree
 
@@ -105,6 +112,9 @@ class _Allocator:
 
 
 class SglangSide:
+    TYPECODE = "q"
+    """Tokens as handed to SGLang's tree so far (int64, what ``RadixKey`` holds)."""
+
     def __init__(self, page_size: int) -> None:
         from sglang.srt.mem_cache import radix_cache as rc
         from sglang.srt.mem_cache.base_prefix_cache import (
@@ -186,14 +196,15 @@ def run_long(side_cls: type, w: Workload, scale: int) -> dict:
     ps, prefix_len, prompt_len = 64, 4096 // scale, 32768 // scale
     n_prompts, n_ops = max(4, 200 // scale), max(2, 20 // scale)
     side = side_cls(ps)
+    code = side_cls.TYPECODE
     prefix = w.draw(prefix_len)
-    seqs = [packed(prefix, w.draw(prompt_len - prefix_len)) for _ in range(n_prompts)]
+    seqs = [packed(prefix, w.draw(prompt_len - prefix_len), code=code) for _ in range(n_prompts)]
     mem = _build(side, seqs)
     mem["cached_tokens"] = prefix_len + n_prompts * (prompt_len - prefix_len)
     rec = Recorder()
-    fresh = [packed(prefix, w.draw(prompt_len - prefix_len)) for _ in range(n_ops)]
+    fresh = [packed(prefix, w.draw(prompt_len - prefix_len), code=code) for _ in range(n_ops)]
     half = prompt_len // 2
-    diverge = [packed(np.frombuffer(s, np.int64)[:half], w.draw(prompt_len - half)) for s in seqs]
+    diverge = [packed(np.asarray(s)[:half], w.draw(prompt_len - half), code=code) for s in seqs]
     for i in range(n_ops):
         s = fresh[i]
         pages = side.pages(s)
@@ -213,7 +224,7 @@ def run_chat(side_cls: type, w: Workload, scale: int) -> dict:
     systems = [w.draw(sys_len) for _ in range(8)]
 
     def conversation(i: int) -> array:
-        return packed(systems[i % 8], w.draw(conv_len - sys_len))
+        return packed(systems[i % 8], w.draw(conv_len - sys_len), code=side_cls.TYPECODE)
 
     seqs = [conversation(i) for i in range(n_convs)]
     mem = _build(side, seqs)

@@ -77,7 +77,8 @@ class ModelRunner:
             if req.locs is None:
                 raise IntegrityError(f"request {req.id} scheduled without slots")
             start, end = req.num_computed, req.num_computed + w.num_new
-            ids.extend(req.tokens[start : end - len(w.draft)] + w.draft)
+            ids.extend(req.tokens[start : end - len(w.draft)])  # an int32 array: no list +
+            ids.extend(w.draft)
             positions.extend(range(start, end))
             if self.group is not None:
                 seqs.append(cp.seq_slots(self.kv, req.locs[:end], start, self.device))

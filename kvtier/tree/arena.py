@@ -1,6 +1,6 @@
 """Token arena: long token runs packed into large, huge-page-backed chunks.
 
-A node's tokens are packed int64 bytes (``kvtier.tree.tokens``). Short runs are ``bytes``
+A node's tokens are packed int32 bytes (``kvtier.tree.tokens``). Short runs are ``bytes``
 objects. A long run (``MIN_RUN`` bytes or more: a long prompt) is copied into the arena instead
 and the node holds a read-only ``memoryview`` of it plus its address (``Node.addr``, for
 ``memcmp``). Why: a fresh ``bytes`` object of a few hundred KiB is a fresh ``mmap`` that faults
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from kvtier.tree.node import Node
 
 MIN_RUN = 64 << 10
-"""Runs of at least this many bytes (8,192 tokens) go to the arena; shorter ones stay ``bytes``."""
+"""Runs of at least this many bytes (16,384 tokens) go to the arena; shorter ones stay ``bytes``."""
 CHUNK = 4 << 20
 """Bytes per chunk (a run longer than that gets a chunk of its own size)."""
 

@@ -14,7 +14,7 @@ from kvtier.tree.tokens import TOKEN_BYTES, to_tuple
 class Node:
     """A run of pages sharing one residency.
 
-    ``buf`` holds the node's valid tokens packed as int64 bytes (``kvtier.tree.tokens``): a
+    ``buf`` holds the node's valid tokens packed as int32 bytes (``kvtier.tree.tokens``): a
     ``bytes`` object, or for a long run a view of the tree's token arena (``addr``);
     ``tokens`` is the same as a tuple of ints. Every page is whole except, possibly, the last
     page of a leaf (a *partial tail*, ``tail(page_size) > 0`` valid tokens in a whole physical

@@ -1,13 +1,16 @@
-"""Token runs as packed int64 bytes: the tree's storage and comparison format.
+"""Token runs as packed int32 bytes: the tree's storage and comparison format.
 
-A node's tokens are one ``bytes`` object holding native-endian int64 values (8 bytes a token):
+A node's tokens are one ``bytes`` object holding native-endian int32 values (4 bytes a token):
 no Python int per token, nothing for the cyclic collector to scan, equality and prefix tests
-at ``memcmp`` speed, and a page's bytes are its key in the parent's ``children``.
+at ``memcmp`` speed over half the bytes int64 would take, and a page's bytes are its key in the
+parent's ``children``. Token ids are vocabulary indices, so int32 holds every real one; an id
+outside ``[-2**31, 2**31)`` is refused (``RequestError`` naming its index and value), never
+wrapped, since a wrapped id would match another prompt's tokens.
 
 ``as_array`` is the one conversion at the tree's API boundary. Containers that already hold
-int64 contiguously (``array('q')``, int64 numpy arrays, int64 CPU tensors) are viewed without
-a copy; other integer arrays and tensors are cast once by numpy; lists and tuples are packed
-once by ``struct``.
+int32 contiguously (``array('i')``, int32 numpy arrays, int32 CPU tensors: what the engine's
+requests hold) are viewed without a copy; other integer arrays and tensors are range-checked
+and cast once by numpy; lists and tuples are packed once by ``struct``.
 """
 
 from __future__ import annotations
@@ -23,22 +26,34 @@ import torch
 from kvtier.errors import RequestError
 from kvtier.tree.arena import memequal
 
-TOKEN_BYTES = 8
-"""Bytes per stored token (int64)."""
+TOKEN_BYTES = 4
+"""Bytes per stored token (int32)."""
+TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
+"""The token ids the tree can hold (int32)."""
 
 Tokens = Union[Sequence[int], np.ndarray, torch.Tensor, "array.array[int]"]
-"""Token containers the tree accepts: lists, tuples, ``array('q')`` (or any integer typecode),
+"""Token containers the tree accepts: lists, tuples, ``array('i')`` (or any integer typecode),
 integer numpy arrays and integer CPU tensors, all one-dimensional."""
+
+_NARROW = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
+"""Integer dtypes whose every value fits in int32 (cast without a range check)."""
+
+
+def _is_i32(tokens: object) -> bool:
+    """Whether ``tokens`` is an ``array.array`` of 4-byte signed ints (viewable as int32)."""
+    return (
+        type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "il"
+    )
 
 
 def as_array(tokens: Tokens) -> np.ndarray:
-    """``tokens`` as a one-dimensional, C-contiguous int64 numpy array; a view when the
+    """``tokens`` as a one-dimensional, C-contiguous int32 numpy array; a view when the
     container already is one (callers must not write to it). Raises ``RequestError`` for a
-    non-integer, multi-dimensional or non-CPU container."""
-    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
-        return np.frombuffer(tokens, dtype=np.int64)
+    non-integer, multi-dimensional or non-CPU container, or a token outside int32."""
+    if _is_i32(tokens):
+        return np.frombuffer(tokens, dtype=np.int32)
     if isinstance(tokens, np.ndarray):
-        if tokens.dtype == np.int64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        if tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.flags.c_contiguous:
             return tokens
         arr = tokens
     elif isinstance(tokens, torch.Tensor):
@@ -46,36 +61,48 @@ def as_array(tokens: Tokens) -> np.ndarray:
             raise RequestError(f"tokens on {tokens.device}: the tree reads CPU tokens only")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise RequestError(f"tokens of dtype {tokens.dtype}: need an integer tensor")
-        arr = tokens.detach().numpy()
+        arr = tokens.detach().numpy()  # a view: an int32 contiguous tensor is not copied
     elif isinstance(tokens, array.array):
-        if tokens.typecode in ("q", "l") and tokens.itemsize == TOKEN_BYTES:
-            return np.frombuffer(tokens, dtype=np.int64)
         arr = np.asarray(tokens)
     else:
         return _pack_ints(tokens)
     if arr.ndim != 1:
         raise RequestError(f"tokens of shape {tuple(arr.shape)}: need one dimension")
-    if arr.dtype != np.int64:
+    if arr.dtype != np.int32:
         if arr.dtype.kind not in "iu":
             raise RequestError(f"tokens of dtype {arr.dtype}: need integers")
-        arr = arr.astype(np.int64)
+        if (
+            arr.dtype not in _NARROW
+            and arr.size
+            and (arr.min() < TOKEN_MIN or arr.max() > TOKEN_MAX)
+        ):
+            i = int(np.flatnonzero((arr < TOKEN_MIN) | (arr > TOKEN_MAX))[0])
+            raise _out_of_range(i, int(arr[i]))
+        arr = arr.astype(np.int32)
     return np.ascontiguousarray(arr)
 
 
 def packed(tokens: Tokens) -> memoryview:
-    """``tokens`` as a flat byte view of native int64 values (``as_array``'s conversions; no
-    copy for an int64 container). Callers only read it and drop it before returning."""
-    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
+    """``tokens`` as a flat byte view of native int32 values (``as_array``'s conversions; no
+    copy for an int32 container). Callers only read it and drop it before returning."""
+    if _is_i32(tokens):
         return memoryview(tokens).cast("B")
     return memoryview(as_array(tokens)).cast("B")
+
+
+def _out_of_range(i: int, value: int) -> RequestError:
+    return RequestError(f"token {i} is {value}: token ids must fit in int32")
 
 
 def _pack_ints(tokens: Sequence[int]) -> np.ndarray:
     # struct packs a list about twice as fast as np.array converts it, and refuses non-ints.
     try:
-        return np.frombuffer(struct.pack(f"{len(tokens)}q", *tokens), dtype=np.int64)
+        return np.frombuffer(struct.pack(f"{len(tokens)}i", *tokens), dtype=np.int32)
     except struct.error as e:
-        raise RequestError(f"tokens must be int64 integers: {e}") from None
+        for i, t in enumerate(tokens):  # name the culprit (the error path only)
+            if isinstance(t, int) and not TOKEN_MIN <= t <= TOKEN_MAX:
+                raise _out_of_range(i, t) from None
+        raise RequestError(f"tokens must be int32 integers: {e}") from None
 
 
 def list_head(tokens: Tokens, page_size: int) -> bytes | None:
@@ -87,8 +114,8 @@ def list_head(tokens: Tokens, page_size: int) -> bytes | None:
 
 
 def unpack(buf: bytes) -> np.ndarray:
-    """The tokens packed in ``buf`` as a read-only int64 array (a view, no copy)."""
-    return np.frombuffer(buf, dtype=np.int64)
+    """The tokens packed in ``buf`` as a read-only int32 array (a view, no copy)."""
+    return np.frombuffer(buf, dtype=np.int32)
 
 
 def to_tuple(buf: bytes) -> tuple[int, ...]:
@@ -134,6 +161,6 @@ def common_len(
 
 def address(qm: memoryview, tokens: Tokens) -> int:
     """Address of the first byte of ``qm``, ``packed(tokens)`` (for ``memcmp``)."""
-    if type(tokens) is array.array and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "ql":
+    if _is_i32(tokens):
         return tokens.buffer_info()[0]  # ``qm`` is a view of it; a fifth of numpy's cost
     return np.frombuffer(qm, dtype=np.uint8).ctypes.data
