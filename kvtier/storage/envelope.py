@@ -102,6 +102,23 @@ def pack_fields(namespace: str, key: str, payload_len: int, payload_digest: int)
 _DIGESTS = struct.Struct("<QQ")
 
 
+FIELDS_BYTES = _HEAD.size
+"""Leading header bytes its own digest covers (all but that digest)."""
+
+
+def fast_payload_digest(header: bytearray, fields: memoryview, prefix: bytes) -> int | None:
+    """The payload digest of a whole ``header`` that starts with ``prefix``
+    (``expected_prefix``) and whose own digest matches, with no field-by-field decoding;
+    ``fields`` is a view of its first ``FIELDS_BYTES`` (kept by the caller, so no view is made
+    per object). ``None`` otherwise: ``unpack`` then says what is wrong, or that the header is
+    whole but for another payload length."""
+    if len(header) == HEADER_BYTES and header.startswith(prefix):
+        payload_digest, head_digest = _DIGESTS.unpack_from(header, _DIGEST_AT)
+        if xxhash.xxh3_64_intdigest(fields) == head_digest:
+            return payload_digest
+    return None
+
+
 def verify(header: bytearray | bytes, prefix: bytes, namespace: str, key: str) -> tuple[int, int]:
     """``unpack`` with a fast path: a header that starts with ``prefix`` (``expected_prefix``)
     and whose digest matches needs no field-by-field decoding. Returns or raises as

@@ -77,14 +77,16 @@ against 0.94 and 0.99 against 0.75 (``scripts/probes/file_tier_ab.py``, CHUNK=..
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers reused by every read: no allocation per object."""
+    """Per-thread buffers reused by every read: no allocation or view per object."""
 
     def __init__(self) -> None:
         self.head = bytearray(HEADER_BYTES)
+        self.fields = memoryview(self.head)[: envelope.FIELDS_BYTES]
         self.spare = memoryview(bytearray(1))
 
 
 _scratch = _Scratch()
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
 def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, int]:
@@ -96,7 +98,7 @@ def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, in
     n = len(dest)
     if n <= READ_CHUNK:
         got = os.preadv(fd, [dest, spare], HEADER_BYTES)
-        return HEADER_BYTES + got, envelope.digest(dest[: min(got, n)])
+        return HEADER_BYTES + got, envelope.digest(dest if got == n else dest[: min(got, n)])
     h = envelope.hasher()
     off = 0
     while off < n:
@@ -111,9 +113,12 @@ def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, in
     return HEADER_BYTES + off, h.intdigest()
 
 
-def read_object(path: str, namespace: Namespace, key: str, prefix: bytes, dest: np.ndarray) -> None:
-    """Fill ``dest`` with the payload at ``path`` and verify header, sizes and payload digest;
-    ``prefix`` is ``envelope.expected_prefix(namespace, key, dest.nbytes)``.
+def read_object(
+    path: str, namespace: Namespace, key: str, prefix: bytes, dest: memoryview | np.ndarray
+) -> None:
+    """Fill ``dest`` (a flat byte buffer) with the payload at ``path`` and verify header,
+    sizes and payload digest; ``prefix`` is ``envelope.expected_prefix(namespace, key,
+    dest.nbytes)``.
 
     The header is verified before any byte lands in ``dest`` (another deployment's payload is
     never copied into the caller's buffer); the payload then arrives straight in ``dest``
@@ -124,29 +129,34 @@ def read_object(path: str, namespace: Namespace, key: str, prefix: bytes, dest: 
     after a failure."""
     scratch = _scratch
     head = scratch.head
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    n = dest.nbytes
+    fd = os.open(path, _READ_FLAGS)
     try:
         got = os.preadv(fd, [head], 0)
-        try:
-            length, want = envelope.verify(
-                head if got == HEADER_BYTES else head[:got], prefix, namespace, key
-            )
-        except StorageError as e:
-            raise CorruptObject(e.kind, e.detail) from None
-        if length == dest.nbytes:
+        want = (
+            envelope.fast_payload_digest(head, scratch.fields, prefix) if got == len(head) else None
+        )
+        if want is not None:
+            length = n  # the prefix names it
+        else:
+            try:
+                length, want = envelope.unpack(head[:got], namespace, key)
+            except StorageError as e:
+                raise CorruptObject(e.kind, e.detail) from None
+        if length == n:
             file_size, got_digest = _read_payload(fd, memoryview(dest), scratch.spare)
         else:
             file_size, got_digest = os.fstat(fd).st_size, 0
     finally:
         os.close(fd)
-    if file_size < HEADER_BYTES + length:
-        raise CorruptObject(
-            "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
-        )
-    if file_size > HEADER_BYTES + length:
+    if file_size != HEADER_BYTES + length:
+        if file_size < HEADER_BYTES + length:
+            raise CorruptObject(
+                "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
+            )
         raise CorruptObject("checksum", f"file size exceeds header + {length}")
-    if length != dest.nbytes:
-        raise StorageError("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")
+    if length != n:
+        raise StorageError("checksum", f"stored payload is {length} bytes, buffer {n}")
     if got_digest != want:
         raise CorruptObject("checksum", "payload checksum mismatch")
 
@@ -185,7 +195,9 @@ def _tmp_tag() -> str:
     return f"{_tag[0]}-{next(_tmp_seq)}"
 
 
-def write_object(path: str, namespace: str, key: str, payload: np.ndarray, fsync: bool) -> None:
+def write_object(
+    path: str, namespace: str, key: str, payload: memoryview | np.ndarray, fsync: bool
+) -> None:
     """Publish the object of ``key`` holding ``payload`` as the file ``path``: written to a
     temp file in the same directory (created if missing, ``_write_payload``), then
     ``os.replace``d, so readers only see whole objects; with ``fsync`` the file and the
