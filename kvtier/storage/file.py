@@ -1,13 +1,14 @@
 """Local-file L3 backend: one file per object under ``root/<namespace>/<key[:2]>/<key>``.
 
 Each file is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
-with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in
-the same directory and are published with ``os.replace``, so readers only ever see whole objects.
-A byte budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held);
-the index is rebuilt from the directory (oldest mtime first, after applying the read-recency
-journal, ``kvtier.storage.file_recency``) on start-up. One process owns a
-namespace directory at a time; files removed behind its back leave the index when a read, touch
-or backup finds them gone.
+with checksums of header and payload) followed by the payload bytes. Writes go to an unnamed
+file in the same directory, then linked under the object's name (where the file system refuses
+that, a named temp file and ``os.replace``), so readers only ever see whole objects. A byte
+budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the
+index is rebuilt from the directory (oldest mtime first, after applying the read-recency
+journal, ``kvtier.storage.file_recency``) on start-up. One process owns a namespace directory
+at a time; files removed behind its back leave the index when a read, touch or backup finds
+them gone.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
-
 
 _Planned = tuple[str, str, int, "memoryview | None"]
 """An object of a ``batch_set`` round: key, path, size, payload (``None``: already stored)."""

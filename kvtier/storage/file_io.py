@@ -1,6 +1,6 @@
 """Small pieces under the local-file L3 backend (``kvtier.storage.file``): the corrupt-object
-fault, payload reads in one ``preadv`` straight into the caller's buffer, vectored
-writes, and OS-error kinds."""
+fault, payload reads in one ``preadv`` straight into the caller's buffer, vectored writes
+published whole (an unnamed file linked under its name), and OS-error kinds."""
 
 from __future__ import annotations
 
