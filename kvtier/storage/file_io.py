@@ -217,6 +217,7 @@ def _tmp_tag() -> str:
 
 
 _ROOT_FD = [-1, 0]  # a descriptor of "/", pid it was opened in
+_ROOT_LOCK = threading.Lock()
 
 
 def _link_anchor() -> int:
@@ -224,7 +225,10 @@ def _link_anchor() -> int:
     ``linkat`` with ``AT_SYMLINK_FOLLOW`` (plain ``link`` does not follow ``/proc/self/fd``'s
     links); destination paths are absolute, so the kernel ignores which directory it is."""
     if _ROOT_FD[1] != os.getpid():
-        _ROOT_FD[:] = [os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), os.getpid()]
+        with _ROOT_LOCK:  # once per process: no descriptor leaked by racing threads
+            if _ROOT_FD[1] != os.getpid():
+                fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                _ROOT_FD[:] = [fd, os.getpid()]
     return _ROOT_FD[0]
 
 
