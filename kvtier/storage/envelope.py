@@ -30,7 +30,6 @@ VERSION = 3
 _HEAD = struct.Struct("<4sHHQ32s48sQ")
 _FULL = struct.Struct("<4sHHQ32s48sQQ")
 _PREFIX = struct.Struct("<4sH")
-_LENGTH = struct.Struct("<Q")
 HEADER_BYTES = _FULL.size
 """Bytes an object takes beyond its payload."""
 
@@ -67,8 +66,8 @@ payload length alone."""
 
 def expected_prefix(namespace: str, key: str, payload_len: int) -> bytes:
     """The header bytes before the payload digest of a valid object of ``key`` in
-    ``namespace`` with ``payload_len`` payload bytes (for ``verify``; one that no header
-    starts with when the key or namespace is too long to have been stored)."""
+    ``namespace`` with ``payload_len`` payload bytes (for ``fast_payload_digest``; one that no
+    header starts with when the key or namespace is too long to have been stored)."""
     raw, ns = key.encode(), _namespace_field(namespace)
     if len(raw) > 48 or ns is None:
         return _NO_PREFIX
@@ -117,17 +116,6 @@ def fast_payload_digest(header: bytearray, fields: memoryview, prefix: bytes) ->
         if xxhash.xxh3_64_intdigest(fields) == head_digest:
             return payload_digest
     return None
-
-
-def verify(header: bytearray | bytes, prefix: bytes, namespace: str, key: str) -> tuple[int, int]:
-    """``unpack`` with a fast path: a header that starts with ``prefix`` (``expected_prefix``)
-    and whose digest matches needs no field-by-field decoding. Returns or raises as
-    ``unpack`` does (the fast path's length is the one ``prefix`` names)."""
-    if len(header) == HEADER_BYTES and header.startswith(prefix):
-        payload_digest, head_digest = _DIGESTS.unpack_from(header, _DIGEST_AT)
-        if xxhash.xxh3_64_intdigest(memoryview(header)[: _HEAD.size]) == head_digest:
-            return _LENGTH.unpack_from(prefix, 8)[0], payload_digest
-    return unpack(header, namespace, key)
 
 
 def unpack(header: bytes | memoryview, namespace: str, key: str) -> tuple[int, int]:
