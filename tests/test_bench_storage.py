@@ -20,6 +20,14 @@ def test_bench_storage_tiny(tmp_path: Path) -> None:
         assert all(v > 0 for v in out[part].values())
     assert set(out["ratio"]) == {"write", "read"}
     assert out["ratio"]["write"] > 0 and out["ratio"]["read"] > 0
+    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io"}
+    for part in out["gb_per_cpu_s"].values():
+        assert set(part) == {"write", "read"} and all(v > 0 for v in part.values())
+    per_cpu = out["gb_per_cpu_s"]
+    assert out["cpu_ratio"] == {
+        d: per_cpu["file_backend"][d] / per_cpu["plain_io"][d] for d in ("write", "read")
+    }
+    assert "cpu_ratio_vs_sglang" not in out
     assert list(tmp_path.iterdir()) == []  # the bench removed what it wrote
 
 
@@ -28,7 +36,8 @@ def test_bench_storage_missing_peer_is_reported(tmp_path: Path) -> None:
     top = bench_storage(str(tmp_path), page_bytes=4096, num_pages=2, repeats=2, peer_python=missing)
     out = top["runs"][0]
     assert missing in out["sglang_hicache_file"]["error"]
-    assert "ratio_vs_sglang" not in out
+    assert "ratio_vs_sglang" not in out and "cpu_ratio_vs_sglang" not in out
+    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io"}
     assert list(tmp_path.iterdir()) == []
 
 

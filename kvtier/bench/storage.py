@@ -31,6 +31,16 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
 
 
+def _clock() -> tuple[float, float]:
+    """Wall and process CPU time now (CPU time moves less than wall time on a shared host)."""
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = _clock()
+    return wall - t0[0], cpu - t0[1]
+
+
 def _check(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
     if not torch.equal(src, dst):
         raise RuntimeError(f"{what}: bytes read back differ from the bytes written")
@@ -115,7 +125,9 @@ def bench_file(
     Each repeat runs every side once, interleaved, in a fresh namespace/directory; figures are
     medians over ``repeats``. Raises ``RuntimeError`` if any read-back differs. Files go to a
     temp dir under ``directory`` (default: cwd) that is removed afterwards. Returns GB/s for
-    each side and the ratios kvtier / plain and kvtier / SGLang.
+    each side and the ratios kvtier / plain and kvtier / SGLang; also GB per second of process
+    CPU time (``gb_per_cpu_s``: kvtier's counts all its I/O threads; steadier than wall time on
+    a shared host) and its ratios (``cpu_ratio``, ``cpu_ratio_vs_sglang``).
     """
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -124,25 +136,26 @@ def bench_file(
     work = tempfile.mkdtemp(prefix="kvtier-bench-storage-", dir=directory or os.getcwd())
     budget = 2 * num_pages * (page_bytes + HEADER_BYTES)
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     peer_error: str | None = None
     peer_version = None
 
     try:
         backends = [FileBackend(work, Namespace(f"ns{r}"), budget) for r in range(repeats)]
 
-        def be_write(r: int) -> float:
-            t0 = time.perf_counter()
+        def be_write(r: int) -> tuple[float, float]:
+            t0 = _clock()
             n = backends[r].batch_set(keys, list(src))
-            dt = time.perf_counter() - t0
+            dt = _since(t0)
             if n != num_pages:
                 raise RuntimeError(f"batch_set stored {n}/{num_pages}: {dict(backends[r].errors)}")
             return dt
 
-        def be_read(r: int) -> float:
+        def be_read(r: int) -> tuple[float, float]:
             dst.zero_()
-            t0 = time.perf_counter()
+            t0 = _clock()
             n = backends[r].batch_get(keys, list(dst))
-            dt = time.perf_counter() - t0
+            dt = _since(t0)
             if n != num_pages:
                 raise RuntimeError(f"batch_get read {n}/{num_pages}: {dict(backends[r].errors)}")
             _check(src, dst, "file backend")
@@ -150,25 +163,25 @@ def bench_file(
 
         plain_dirs = [os.path.join(work, f"plain{r}") for r in range(repeats)]
 
-        def plain_write(r: int) -> float:
+        def plain_write(r: int) -> tuple[float, float]:
             os.makedirs(plain_dirs[r])
-            t0 = time.perf_counter()
+            t0 = _clock()
             for i in range(num_pages):
                 with open(os.path.join(plain_dirs[r], str(i)), "wb", buffering=0) as f:
                     f.write(src[i].numpy())
-            return time.perf_counter() - t0
+            return _since(t0)
 
-        def plain_read(r: int) -> float:
+        def plain_read(r: int) -> tuple[float, float]:
             dst.zero_()
-            t0 = time.perf_counter()
+            t0 = _clock()
             for i in range(num_pages):
                 with open(os.path.join(plain_dirs[r], str(i)), "rb", buffering=0) as f:
                     f.readinto(dst[i].numpy())
-            dt = time.perf_counter() - t0
+            dt = _since(t0)
             _check(src, dst, "plain I/O")
             return dt
 
-        phases: list[tuple[str, Callable[[int], float]]] = [
+        phases: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
             ("file_write", be_write),
             ("plain_write", plain_write),
             ("file_read", be_read),
@@ -182,8 +195,9 @@ def bench_file(
                 os.sync()
                 if name.endswith("read"):
                     torch.ones(_SWEEP_BYTES, dtype=torch.uint8)
-                dt = fn(r)
+                dt, dcpu = fn(r)
                 times.setdefault(name, []).append(dt)
+                cpus.setdefault(name, []).append(dcpu)
                 _log(
                     f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
                 )
@@ -201,8 +215,10 @@ def bench_file(
                 peer_version = got["sglang"]
                 for side in ("write", "read"):
                     times.setdefault(f"sglang_{side}", []).append(got[f"{side}_s"])
+                    cpus.setdefault(f"sglang_{side}", []).append(got[f"{side}_cpu_s"])
                     _log(f"repeat {r} sglang_{side}: {_gbps(total, got[f'{side}_s']):.2f} GB/s")
         gbps = {name: _gbps(total, statistics.median(dts)) for name, dts in times.items()}
+        per_cpu = {name: _gbps(total, statistics.median(dts)) for name, dts in cpus.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -219,6 +235,17 @@ def bench_file(
             "read": gbps["file_read"] / gbps["plain_read"],
         },
     }
+    sides = {"file_backend": "file", "plain_io": "plain"}
+    if "sglang_write" in per_cpu:
+        sides["sglang_hicache_file"] = "sglang"
+    out["gb_per_cpu_s"] = {
+        side: {d: per_cpu[f"{p}_{d}"] for d in ("write", "read")} for side, p in sides.items()
+    }
+    out["cpu_ratio"] = {d: per_cpu[f"file_{d}"] / per_cpu[f"plain_{d}"] for d in ("write", "read")}
+    if "sglang_write" in per_cpu:
+        out["cpu_ratio_vs_sglang"] = {
+            d: per_cpu[f"file_{d}"] / per_cpu[f"sglang_{d}"] for d in ("write", "read")
+        }
     if peer_python is not None:
         if "sglang_write" in gbps:
             out["sglang_hicache_file"] = {

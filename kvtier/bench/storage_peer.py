@@ -8,7 +8,8 @@ cap of twice the bytes, so its LRU accounting runs as kvtier's budget does), rea
 with ``batch_get`` into preallocated buffers (after an ``os.sync()`` and writing
 ``SWEEP_BYTES`` elsewhere, so no writeback runs beside the read and the pages are not in the CPU
 cache), checks the bytes, and prints one JSON line:
-``{"write_s", "read_s", "sglang"}``. Exits 2 with the reason on stderr when ``sglang`` does not
+``{"write_s", "read_s", "write_cpu_s", "read_cpu_s", "sglang"}`` (wall and process CPU
+seconds). Exits 2 with the reason on stderr when ``sglang`` does not
 import, 1 when a call falls short or the bytes differ.
 """
 
@@ -50,18 +51,19 @@ def main(argv: list[str]) -> int:
     dst = torch.zeros_like(src)
     keys = [f"{i:032x}" for i in range(num_pages)]
     os.sync()  # as kvtier's side does: start the write without earlier dirty pages
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ok = store.batch_set(keys, list(src))
-    write_s = time.perf_counter() - t0
+    write_s, write_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     os.sync()  # as kvtier's side does: read without writeback running beside it
     torch.ones(SWEEP_BYTES, dtype=torch.uint8)  # as kvtier's side does before every read
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     got = store.batch_get(keys, list(dst))
-    read_s = time.perf_counter() - t0
+    read_s, read_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if not ok or any(g is None for g in got) or not torch.equal(src, dst):
         print("HiCacheFile fell short or read back other bytes", file=sys.stderr)
         return 1
-    print(json.dumps({"write_s": write_s, "read_s": read_s, "sglang": sglang.__version__}))
+    times = {"write_s": write_s, "read_s": read_s, "write_cpu_s": write_cpu_s}
+    print(json.dumps({**times, "read_cpu_s": read_cpu_s, "sglang": sglang.__version__}))
     return 0
 
 

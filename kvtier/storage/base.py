@@ -11,6 +11,7 @@ that are not contiguous CPU tensors, malformed keys) raise ``RequestError``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -136,3 +137,41 @@ def flat_cpu_bytes(tensor: torch.Tensor) -> np.ndarray:
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return flat.numpy()
+
+
+def cpu_byte_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
+    """Each storage buffer's memory as a flat, writable byte ``memoryview`` (no copy), for
+    syscalls and digests that take any buffer; the views keep their tensors alive. Buffers
+    that lie back to back (rows of one tensor, the usual batch) become slices of one view.
+    Per tensor this costs a fifth to a third of ``flat_cpu_bytes`` (no detached tensor or
+    numpy array per buffer), which is a tenth of a 64 KiB page's read. Raises
+    ``RequestError`` as ``flat_cpu_bytes`` does."""
+    strided = torch.strided
+    spans: list[tuple[int, int]] = []
+    for t in tensors:
+        if not t.is_cpu or t.layout is not strided or not t.is_contiguous() or t.is_conj():
+            raise RequestError(
+                f"storage buffers must be contiguous CPU tensors, got {t.device} "
+                f"stride={tuple(t.stride())}"
+            )
+        spans.append((t.data_ptr(), t.nbytes))
+    if not spans:
+        return []
+    start, size = spans[0]
+    end = start
+    for ptr, nbytes in spans:
+        if ptr != end or nbytes != size:
+            return [_view(t, ptr, nbytes) for t, (ptr, nbytes) in zip(tensors, spans, strict=True)]
+        end += nbytes
+    whole = _view(list(tensors), start, end - start)
+    return (
+        [whole[i : i + size] for i in range(0, end - start, size)] if size else [whole] * len(spans)
+    )
+
+
+def _view(owner: object, ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``ptr`` that keeps ``owner`` (whose memory it
+    is) alive."""
+    raw = (ctypes.c_ubyte * nbytes).from_address(ptr)
+    raw._owner = owner  # type: ignore[attr-defined]
+    return memoryview(raw).cast("B")  # plain bytes format: sliceable and assignable

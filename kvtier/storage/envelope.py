@@ -30,7 +30,6 @@ VERSION = 3
 _HEAD = struct.Struct("<4sHHQ32s48sQ")
 _FULL = struct.Struct("<4sHHQ32s48sQQ")
 _PREFIX = struct.Struct("<4sH")
-_LENGTH = struct.Struct("<Q")
 HEADER_BYTES = _FULL.size
 """Bytes an object takes beyond its payload."""
 
@@ -67,8 +66,8 @@ payload length alone."""
 
 def expected_prefix(namespace: str, key: str, payload_len: int) -> bytes:
     """The header bytes before the payload digest of a valid object of ``key`` in
-    ``namespace`` with ``payload_len`` payload bytes (for ``verify``; one that no header
-    starts with when the key or namespace is too long to have been stored)."""
+    ``namespace`` with ``payload_len`` payload bytes (for ``fast_payload_digest``; one that no
+    header starts with when the key or namespace is too long to have been stored)."""
     raw, ns = key.encode(), _namespace_field(namespace)
     if len(raw) > 48 or ns is None:
         return _NO_PREFIX
@@ -102,15 +101,21 @@ def pack_fields(namespace: str, key: str, payload_len: int, payload_digest: int)
 _DIGESTS = struct.Struct("<QQ")
 
 
-def verify(header: bytearray | bytes, prefix: bytes, namespace: str, key: str) -> tuple[int, int]:
-    """``unpack`` with a fast path: a header that starts with ``prefix`` (``expected_prefix``)
-    and whose digest matches needs no field-by-field decoding. Returns or raises as
-    ``unpack`` does (the fast path's length is the one ``prefix`` names)."""
+FIELDS_BYTES = _HEAD.size
+"""Leading header bytes its own digest covers (all but that digest)."""
+
+
+def fast_payload_digest(header: bytearray, fields: memoryview, prefix: bytes) -> int | None:
+    """The payload digest of a whole ``header`` that starts with ``prefix``
+    (``expected_prefix``) and whose own digest matches, with no field-by-field decoding;
+    ``fields`` is a view of its first ``FIELDS_BYTES`` (kept by the caller, so no view is made
+    per object). ``None`` otherwise: ``unpack`` then says what is wrong, or that the header is
+    whole but for another payload length."""
     if len(header) == HEADER_BYTES and header.startswith(prefix):
         payload_digest, head_digest = _DIGESTS.unpack_from(header, _DIGEST_AT)
-        if xxhash.xxh3_64_intdigest(memoryview(header)[: _HEAD.size]) == head_digest:
-            return _LENGTH.unpack_from(prefix, 8)[0], payload_digest
-    return unpack(header, namespace, key)
+        if xxhash.xxh3_64_intdigest(fields) == head_digest:
+            return payload_digest
+    return None
 
 
 def unpack(header: bytes | memoryview, namespace: str, key: str) -> tuple[int, int]:

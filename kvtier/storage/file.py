@@ -1,13 +1,14 @@
 """Local-file L3 backend: one file per object under ``root/<namespace>/<key[:2]>/<key>``.
 
 Each file is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
-with checksums of header and payload) followed by the payload bytes. Writes go to a temp file in
-the same directory and are published with ``os.replace``, so readers only ever see whole objects.
-A byte budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held);
-the index is rebuilt from the directory (oldest mtime first, after applying the read-recency
-journal, ``kvtier.storage.file_recency``) on start-up. One process owns a
-namespace directory at a time; files removed behind its back leave the index when a read, touch
-or backup finds them gone.
+with checksums of header and payload) followed by the payload bytes. Writes go to an unnamed
+file in the same directory, then linked under the object's name (where the file system refuses
+that, a named temp file and ``os.replace``), so readers only ever see whole objects. A byte
+budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the
+index is rebuilt from the directory (oldest mtime first, after applying the read-recency
+journal, ``kvtier.storage.file_recency``) on start-up. One process owns a namespace directory
+at a time; files removed behind its back leave the index when a read, touch or backup finds
+them gone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, RequestError, StorageError
@@ -30,7 +30,7 @@ from kvtier.storage.base import (
     StorageBackend,
     StorageCapabilities,
     check_lengths,
-    flat_cpu_bytes,
+    cpu_byte_views,
     log,
 )
 from kvtier.storage.file_io import (
@@ -50,8 +50,7 @@ if TYPE_CHECKING:
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes a stored object takes beyond its payload (the envelope header)."""
 
-
-_Planned = tuple[str, str, int, "np.ndarray | None"]
+_Planned = tuple[str, str, int, "memoryview | None"]
 """An object of a ``batch_set`` round: key, path, size, payload (``None``: already stored)."""
 
 
@@ -185,7 +184,7 @@ class FileBackend(StorageBackend):
         writes it again; corrupt or truncated files are deleted.
         """
         check_lengths(keys, buffers)
-        dests = [flat_cpu_bytes(b) for b in buffers]
+        dests = cpu_byte_views(buffers)
         with self._lock:
             run = 0
             for key in keys:
@@ -240,7 +239,7 @@ class FileBackend(StorageBackend):
         write fits or nothing is left to evict.
         """
         check_lengths(keys, buffers)
-        payloads = [flat_cpu_bytes(b) for b in buffers]
+        payloads = cpu_byte_views(buffers)
         state = BatchProgress()
         i = 0
         while i < len(keys) and not state.failed:
@@ -253,7 +252,7 @@ class FileBackend(StorageBackend):
         return state.done
 
     def _plan(
-        self, keys: Sequence[PageKey], payloads: list[np.ndarray], start: int
+        self, keys: Sequence[PageKey], payloads: list[memoryview], start: int
     ) -> tuple[list[_Planned], StorageError | None]:
         """Reserve the bytes of objects from ``start`` on in key order, until one does not fit
         beside this round's reservations; returns ``(key, path, size, payload)`` for each
@@ -323,7 +322,7 @@ class FileBackend(StorageBackend):
         self.fault("missing", f"{path}: indexed object file is gone")
         return True
 
-    def _write_reserved(self, path: str, key: str, payload: np.ndarray, size: int) -> None:
+    def _write_reserved(self, path: str, key: str, payload: memoryview, size: int) -> None:
         """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
         reservation is returned and the ``OSError`` raised. A full disk shrinks the budget and
         evicts before each retry."""
@@ -381,7 +380,7 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write(self, path: str, key: str, payload: np.ndarray) -> None:
+    def _write(self, path: str, key: str, payload: memoryview) -> None:
         write_object(path, self.namespace, key, payload, self.fsync)
 
     def stats(self) -> dict[str, float]:

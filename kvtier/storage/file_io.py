@@ -1,6 +1,6 @@
 """Small pieces under the local-file L3 backend (``kvtier.storage.file``): the corrupt-object
-fault, payload reads in one ``preadv`` straight into the caller's buffer, vectored
-writes, and OS-error kinds."""
+fault, payload reads in one ``preadv`` straight into the caller's buffer, vectored writes
+published whole (an unnamed file linked under its name), and OS-error kinds."""
 
 from __future__ import annotations
 
@@ -77,14 +77,31 @@ against 0.94 and 0.99 against 0.75 (``scripts/probes/file_tier_ab.py``, CHUNK=..
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers reused by every read: no allocation per object."""
+    """Per-thread buffers reused by every read: no allocation or view per object."""
 
     def __init__(self) -> None:
         self.head = bytearray(HEADER_BYTES)
+        self.fields = memoryview(self.head)[: envelope.FIELDS_BYTES]
         self.spare = memoryview(bytearray(1))
 
 
 _scratch = _Scratch()
+_O_NOATIME = getattr(os, "O_NOATIME", 0)
+_read_flags = [os.O_RDONLY | os.O_CLOEXEC | _O_NOATIME]
+"""Flags of object opens. ``O_NOATIME``: the first read of a file after its write would
+otherwise update its atime (``relatime``), about 1.2 of a 64 KiB read's 25 µs here, and
+nothing uses atimes (recency is mtimes and the journal); dropped the first time a file the
+process does not own refuses it (``EPERM``)."""
+
+
+def _open_read(path: str) -> int:
+    try:
+        return os.open(path, _read_flags[0])
+    except PermissionError as e:
+        if e.errno != errno.EPERM or not _read_flags[0] & _O_NOATIME:
+            raise
+        _read_flags[0] &= ~_O_NOATIME
+        return os.open(path, _read_flags[0])
 
 
 def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, int]:
@@ -96,7 +113,7 @@ def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, in
     n = len(dest)
     if n <= READ_CHUNK:
         got = os.preadv(fd, [dest, spare], HEADER_BYTES)
-        return HEADER_BYTES + got, envelope.digest(dest[: min(got, n)])
+        return HEADER_BYTES + got, envelope.digest(dest if got == n else dest[: min(got, n)])
     h = envelope.hasher()
     off = 0
     while off < n:
@@ -111,9 +128,12 @@ def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, in
     return HEADER_BYTES + off, h.intdigest()
 
 
-def read_object(path: str, namespace: Namespace, key: str, prefix: bytes, dest: np.ndarray) -> None:
-    """Fill ``dest`` with the payload at ``path`` and verify header, sizes and payload digest;
-    ``prefix`` is ``envelope.expected_prefix(namespace, key, dest.nbytes)``.
+def read_object(
+    path: str, namespace: Namespace, key: str, prefix: bytes, dest: memoryview | np.ndarray
+) -> None:
+    """Fill ``dest`` (a flat byte buffer) with the payload at ``path`` and verify header,
+    sizes and payload digest; ``prefix`` is ``envelope.expected_prefix(namespace, key,
+    dest.nbytes)``.
 
     The header is verified before any byte lands in ``dest`` (another deployment's payload is
     never copied into the caller's buffer); the payload then arrives straight in ``dest``
@@ -124,29 +144,40 @@ def read_object(path: str, namespace: Namespace, key: str, prefix: bytes, dest: 
     after a failure."""
     scratch = _scratch
     head = scratch.head
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    n = dest.nbytes
+    fd = _open_read(path)
     try:
         got = os.preadv(fd, [head], 0)
-        try:
-            length, want = envelope.verify(
-                head if got == HEADER_BYTES else head[:got], prefix, namespace, key
-            )
-        except StorageError as e:
-            raise CorruptObject(e.kind, e.detail) from None
-        if length == dest.nbytes:
-            file_size, got_digest = _read_payload(fd, memoryview(dest), scratch.spare)
+        want = (
+            envelope.fast_payload_digest(head, scratch.fields, prefix)
+            if got == HEADER_BYTES
+            else None
+        )
+        if want is not None:
+            length = n  # the prefix names it
         else:
+            try:
+                length, want = envelope.unpack(head[:got], namespace, key)
+            except StorageError as e:
+                raise CorruptObject(e.kind, e.detail) from None
+        if length != n:
             file_size, got_digest = os.fstat(fd).st_size, 0
+        elif n <= READ_CHUNK:  # the common case inline: a tenth of a 64 KiB read is Python
+            got = os.preadv(fd, [dest, scratch.spare], HEADER_BYTES)
+            file_size = HEADER_BYTES + got
+            got_digest = envelope.digest(dest) if got == n else 0  # else a size fault below
+        else:
+            file_size, got_digest = _read_payload(fd, memoryview(dest), scratch.spare)
     finally:
         os.close(fd)
-    if file_size < HEADER_BYTES + length:
-        raise CorruptObject(
-            "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
-        )
-    if file_size > HEADER_BYTES + length:
+    if file_size != HEADER_BYTES + length:
+        if file_size < HEADER_BYTES + length:
+            raise CorruptObject(
+                "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
+            )
         raise CorruptObject("checksum", f"file size exceeds header + {length}")
-    if length != dest.nbytes:
-        raise StorageError("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")
+    if length != n:
+        raise StorageError("checksum", f"stored payload is {length} bytes, buffer {n}")
     if got_digest != want:
         raise CorruptObject("checksum", "payload checksum mismatch")
 
@@ -185,31 +216,119 @@ def _tmp_tag() -> str:
     return f"{_tag[0]}-{next(_tmp_seq)}"
 
 
-def write_object(path: str, namespace: str, key: str, payload: np.ndarray, fsync: bool) -> None:
-    """Publish the object of ``key`` holding ``payload`` as the file ``path``: written to a
-    temp file in the same directory (created if missing, ``_write_payload``), then
-    ``os.replace``d, so readers only see whole objects; with ``fsync`` the file and the
-    directory are synced. On any failure nothing of it is left behind (the caller has not
-    indexed the key yet)."""
-    d = os.path.dirname(path)
-    tmp = f"{d}/.{os.path.basename(path)}.{_tmp_tag()}{TMP_SUFFIX}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_ROOT_FD = [-1, 0]  # a descriptor of "/", pid it was opened in
+_ROOT_LOCK = threading.Lock()
+
+
+def _link_anchor() -> int:
+    """A directory descriptor to pass as ``os.link``'s ``dst_dir_fd``, so Python calls
+    ``linkat`` with ``AT_SYMLINK_FOLLOW`` (plain ``link`` does not follow ``/proc/self/fd``'s
+    links); destination paths are absolute, so the kernel ignores which directory it is."""
+    if _ROOT_FD[1] != os.getpid():
+        with _ROOT_LOCK:  # once per process: no descriptor leaked by racing threads
+            if _ROOT_FD[1] != os.getpid():
+                fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                _ROOT_FD[:] = [fd, os.getpid()]
+    return _ROOT_FD[0]
+
+
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+_tmpfile_ok = [_O_TMPFILE != 0 and os.path.isdir("/proc/self/fd")]
+"""Whether unnamed temp files are used (they are linked through ``/proc/self/fd``): cleared
+the first time the kernel or file system refuses to make or link one, after which writes use
+named temp files."""
+
+_TMPFILE_REFUSED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.EXDEV, errno.EPERM)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+def _open_in(d: str, name: str | None) -> int:
+    """Open a new file for writing in ``d`` (created if missing): unnamed (``O_TMPFILE``)
+    when ``name`` is ``None``."""
+    target, flags = (
+        (d, _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC) if name is None else (name, _CREATE)
+    )
     try:
-        try:
-            fd = os.open(tmp, flags, 0o666)
-        except FileNotFoundError:
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(tmp, flags, 0o666)
+        return os.open(target, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(d, exist_ok=True)
+        return os.open(target, flags, 0o666)
+
+
+def _publish_unnamed(fd: int, path: str) -> bool:
+    """Give the written unnamed file ``fd`` the name ``path`` (which then holds it whole);
+    over an existing file through a named link and ``os.replace``, as the named path does.
+    ``False`` when the file system refuses to link it: nothing was published."""
+    src = f"/proc/self/fd/{fd}"
+    try:
+        os.link(src, path, dst_dir_fd=_link_anchor(), follow_symlinks=True)
+        return True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno in _TMPFILE_REFUSED:
+            return False
+        raise
+    tmp = _tmp_name(path)
+    os.link(src, tmp, dst_dir_fd=_link_anchor(), follow_symlinks=True)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+    return True
+
+
+def _tmp_name(path: str) -> str:
+    d, base = path.rsplit("/", 1)
+    return f"{d}/.{base}.{_tmp_tag()}{TMP_SUFFIX}"
+
+
+def write_object(
+    path: str, namespace: str, key: str, payload: memoryview | np.ndarray, fsync: bool
+) -> None:
+    """Publish the object of ``key`` holding ``payload`` as the file ``path`` so readers only
+    ever see it whole: written (``_write_payload``) to an unnamed file in the same directory
+    (``O_TMPFILE``, created if missing), then linked as ``path``; where the file system has no
+    unnamed files, to a named temp file then ``os.replace``d. An existing ``path`` is replaced
+    atomically either way. With ``fsync`` the file and the directory are synced. On any
+    failure nothing of it is left behind (the caller has not indexed the key yet).
+
+    An unnamed file costs no rename: 1-5 µs over a plain create-and-write of a 64 KiB file
+    against 8-17 µs for temp file plus rename, measured interleaved on ext4 here."""
+    d = path.rsplit("/", 1)[0]
+    tmp: str | None = None
+    fd = -1
+    try:
+        if _tmpfile_ok[0]:
+            try:
+                fd = _open_in(d, None)
+            except OSError as e:
+                if e.errno not in _TMPFILE_REFUSED:
+                    raise
+                _tmpfile_ok[0] = False
+        if fd < 0:
+            tmp = _tmp_name(path)
+            fd = _open_in(d, tmp)
         try:
             _write_payload(fd, namespace, key, memoryview(payload))
             if fsync:
                 os.fsync(fd)
+            if tmp is None and not _publish_unnamed(fd, path):
+                _tmpfile_ok[0] = False
+                os.close(fd)
+                fd = -1
+                write_object(path, namespace, key, payload, fsync)
+                return
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            if fd >= 0:
+                os.close(fd)
+        if tmp is not None:
+            os.replace(tmp, path)
         if fsync:
             fsync_dir(d)
     except BaseException:
-        unlink_quiet(tmp)
+        if tmp is not None:
+            unlink_quiet(tmp)
         unlink_quiet(path)
         raise
