@@ -162,3 +162,29 @@ def test_failed_link_is_a_fault_without_leftovers(
     assert entries(be) == [] and hidden(be) == []
     assert be.stats()["bytes_used"] == 0 and be.batch_exists([PageKey("ab01")]) == 0
     assert file_io._tmpfile_ok == [True]  # a fault, not a refusal: unnamed files stay on
+
+
+def test_a_relative_storage_dir_publishes_under_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    be = FileBackend("rel-l3", NS, 1 << 30)
+    keys, pages = (
+        [PageKey("ab" + "0" * 30), PageKey("cd" + "1" * 30)],
+        [page(1, 4096), page(2, 999)],
+    )
+    assert be.batch_set(keys, pages) == 2
+    monkeypatch.chdir("/")  # a later chdir does not move the tier
+    out = [torch.zeros_like(p) for p in pages]
+    assert be.batch_get(keys, out) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out, pages, strict=True))
+    assert entries(be) == sorted(keys) and obj_path(be, keys[0]).is_relative_to(tmp_path)
+
+
+def test_publishing_to_a_relative_path_links_it_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    payload = page(3, 4096).numpy()
+    file_io.write_object("sub/obj", NS, "k" * 32, payload, fsync=False)
+    assert (tmp_path / "sub" / "obj").stat().st_size == HEADER_BYTES + 4096

@@ -260,6 +260,8 @@ def _publish_unnamed(fd: int, path: str) -> bool:
     over an existing file through a named link and ``os.replace``, as the named path does.
     ``False`` when the file system refuses to link it: nothing was published."""
     src = f"/proc/self/fd/{fd}"
+    # relative to the anchor ("/") a relative path would name another file
+    path = path if os.path.isabs(path) else os.path.abspath(path)
     try:
         os.link(src, path, dst_dir_fd=_link_anchor(), follow_symlinks=True)
         return True
