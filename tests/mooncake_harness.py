@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,13 @@ else:
     IMPORT_ERROR = None
 
 
+def _state(stat: Path) -> str | None:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # a thread that just ended
+        return None
+
+
 class MooncakeCluster(LocalMooncake):
     """``LocalMooncake`` plus test controls: pausing the master (a hung rather than dead
     master) and raw store clients for forging objects. Raw clients close at ``stop``."""
@@ -39,13 +47,31 @@ class MooncakeCluster(LocalMooncake):
         self.start_master()
 
     def pause_master(self) -> None:
-        """SIGSTOP the master: its sockets stay open but nothing answers."""
+        """SIGSTOP the master: its sockets stay open but nothing answers. Returns once the
+        kernel reports it stopped (a loaded host may let it answer one more request between
+        the signal and the stop)."""
         assert self.master is not None
         self.master.send_signal(signal.SIGSTOP)
+        self._await_state(stopped=True)
 
     def resume_master(self) -> None:
         assert self.master is not None
         self.master.send_signal(signal.SIGCONT)
+        self._await_state(stopped=False)
+
+    def _await_state(self, stopped: bool, deadline_s: float = 10.0) -> None:
+        """Wait until ``/proc`` shows every thread of the master stopped (``T``) or none;
+        where there is no ``/proc`` the signal alone has to do."""
+        tasks = Path(f"/proc/{self.master.pid}/task")
+        end = time.monotonic() + deadline_s
+        while tasks.is_dir():
+            # a thread's state is the field after its parenthesised command name
+            states = {_state(t / "stat") for t in tasks.iterdir()} - {None}
+            if states and all((st == "T") == stopped for st in states):
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(f"master did not {'stop' if stopped else 'resume'}: {states}")
+            os.sched_yield()
 
     def raw_client(self) -> Any:
         """A plain ``MooncakeDistributedStore`` connected to this cluster (no segment)."""
