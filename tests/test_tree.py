@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tree_helpers import PS, L, P, find, kids, page, seq, snapshot
+from tree_helpers import NS, PS, L, P, find, kids, page, seq, snapshot
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import chain_keys, namespace_digest
@@ -311,17 +311,6 @@ def test_insert_with_keys_marks_storage(tree: RadixTree) -> None:
 
 
 # ---- keys ------------------------------------------------------------------------------
-
-
-NS = namespace_digest(
-    model_fingerprint="tiny",
-    dtype="float32",
-    page_size=PS,
-    tree_page_size=PS,
-    components=["kv"],
-    rank=0,
-    world_size=1,
-)
 
 
 def test_ensure_keys_matches_chain_keys(tree: RadixTree) -> None:

@@ -7,10 +7,9 @@ from array import array
 
 import pytest
 import torch
-from tree_helpers import PS, snapshot
+from tree_helpers import NS, PS, snapshot
 
 from kvtier.errors import IntegrityError
-from kvtier.keys import namespace_digest
 from kvtier.tree import RadixTree
 from kvtier.tree.arena import TokenArena
 from kvtier.tree.tokens import TOKEN_BYTES
@@ -112,20 +111,11 @@ def test_the_arena_changes_nothing_the_tree_does() -> None:
 
 
 def test_keys_of_arena_runs_equal_keys_of_bytes_runs() -> None:
-    ns = namespace_digest(
-        model_fingerprint="m",
-        dtype="bf16",
-        page_size=PS,
-        tree_page_size=PS,
-        components=("kv",),
-        rank=0,
-        world_size=1,
-    )
     toks = [2**30 + i for i in range(5 * PS)] + [3]
     got = []
     for t in (arena_tree(), bytes_tree()):
         out = t.insert(toks, torch.arange(6))
-        got.append(t.ensure_keys(out.last, ns))
+        got.append(t.ensure_keys(out.last, NS))
     assert got[0] == got[1]
 
 

@@ -7,10 +7,10 @@ from array import array
 import numpy as np
 import pytest
 import torch
-from tree_helpers import PS, L, P, kids, seq, snapshot
+from tree_helpers import NS, PS, L, P, kids, seq, snapshot
 
 from kvtier.errors import RequestError
-from kvtier.keys import chain_keys, namespace_digest
+from kvtier.keys import chain_keys
 from kvtier.tree import RadixTree
 from kvtier.tree.tokens import TOKEN_BYTES, as_array, packed
 
@@ -76,16 +76,7 @@ def test_keys_are_the_chain_of_the_unpacked_tokens() -> None:
     tree = RadixTree(PS)
     big = [2**31 - 1 - i for i in range(3 * PS)] + [-(2**31)]
     out = tree.insert(array("i", big), P(0, 1, 2, 3))
-    ns = namespace_digest(
-        model_fingerprint="m",
-        dtype="bf16",
-        page_size=PS,
-        tree_page_size=PS,
-        components=("kv",),
-        rank=0,
-        world_size=1,
-    )
-    assert tree.ensure_keys(out.last, ns) == chain_keys(ns, big, PS, tail=True)
+    assert tree.ensure_keys(out.last, NS) == chain_keys(NS, big, PS, tail=True)
 
 
 def test_matching_does_not_keep_or_alter_the_callers_buffer() -> None:

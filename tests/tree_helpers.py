@@ -5,9 +5,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.keys import namespace_digest
 from kvtier.tree import Node, RadixTree
 
 PS = 4
+NS = namespace_digest(
+    model_fingerprint="tiny",
+    dtype="float32",
+    page_size=PS,
+    tree_page_size=PS,
+    components=["kv"],
+    rank=0,
+    world_size=1,
+)
+"""A storage namespace for key tests."""
 
 
 def P(*ids: int) -> torch.Tensor:
