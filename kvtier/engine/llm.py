@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,7 +20,7 @@ from kvtier.engine import spec
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
-from kvtier.engine.request import Request, RequestOutput, token_ids
+from kvtier.engine.request import Request, RequestOutput, int32_tokens, token_ids
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
@@ -146,8 +147,11 @@ class LLM:
         cfg = self.model_config
         if not tokens:
             raise RequestError("empty prompt: a request needs at least one token")
-        bad = next((t for t in tokens if not 0 <= t < cfg.vocab_size), None)
-        if bad is not None:
+        held = int32_tokens(tokens)  # the request's own container, checked as numpy: no loop
+        ids = np.frombuffer(held, dtype=np.int32)
+        outside = (ids < 0) | (ids >= cfg.vocab_size)
+        if outside.any():
+            bad = int(ids[outside.argmax()])
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
         total = len(tokens) + params.max_tokens
         if total > cfg.max_position:
@@ -166,6 +170,7 @@ class LLM:
             id=next(self._ids),
             prompt=tokens,
             params=params,
+            tokens=held,
             arrival=time.perf_counter(),
             generator=params.make_generator(),
         )
