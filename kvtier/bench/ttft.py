@@ -16,9 +16,8 @@ while device → host backups of prompt-sized prefixes (inserted through the cac
 backed up by its write-through policy) are kept waiting, more than the link moves in a step:
 paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (copy engines for
 these page sizes) and with row kernels forced (``transfer_mechanism="kernel"``), and queued whole
-(``unpaced``: ``backup_share=0``). The stall is the step-time ratio;
-``backup_gbps_while_decoding`` is the bytes of backups completed during the timed steps over
-their time. Every configuration is a cache option on an engine of its own.
+(``unpaced``: ``backup_share=0``), each a cache option on a warmed engine of its own. The stall
+is the step-time ratio; ``backup_gbps_while_decoding``, backup bytes completed per timed second.
 """
 
 from __future__ import annotations
@@ -338,9 +337,7 @@ def _backup_during_decode(
         llm = engine(in_flight, transfer_mechanism=mechanism, backup_share=share)
         try:
             backup_s = timed_backup(llm)
-            # warmed like the engine timed alone: a fresh engine's first decode steps record
-            # their CUDA graphs, which is not what backups cost
-            steps(llm, 4, in_flight)
+            steps(llm, 4, in_flight)  # warm-up, as alone: a fresh engine records CUDA graphs
             step_s, done = steps(llm, num_steps, in_flight)
         finally:
             llm.close()

@@ -115,10 +115,7 @@ class ModelRunner:
         for :meth:`sample`'s greedy rows (kept in :attr:`_argmax` with the rows they are of)."""
         self._argmax = None
         if logits.device.type != "cuda" or logits.dim() != 2:
-            host = _to_host(logits, None)
-            if while_running is not None:
-                while_running()
-            return host
+            return _to_host(logits, while_running)
         best = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
         torch.argmax(logits, dim=-1, out=map_pinned(best, logits.device))
         host = _to_host(logits, while_running)

@@ -83,8 +83,7 @@ class FileBackend(StorageBackend):
         super().__init__()
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"storage_bytes must be a positive integer, got {budget_bytes!r}")
-        # absolute: objects are published by ``linkat`` with an absolute destination
-        # (``file_io.write_object``), and a later ``chdir`` must not move the tier
+        # absolute: publishing links to absolute paths, and a later chdir must not move the tier
         self.root = os.path.abspath(os.fspath(root))
         self.namespace = namespace
         self.dir = os.path.join(self.root, namespace)
