@@ -80,6 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
                 num_pages=args.num_pages,
                 staging_mib=args.staging_mib,
                 target_mib=args.target_mib,
+                host_pages=args.host_pages,
             )
 
         if args.family == "all":
@@ -277,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="transfer: move about this many MiB per copy (overrides --num-pages)",
+    )
+    b.add_argument(
+        "--host-pages",
+        choices=("churned", "random"),
+        default="churned",
+        help="transfer: host pages as a host tier hands them out after churn, or random ones",
     )
     b.add_argument("--dir", default=None, help="storage: directory to benchmark in")
     b.add_argument(

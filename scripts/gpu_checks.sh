@@ -3,7 +3,8 @@
 # Run from the repository root on a CUDA machine whose python3 has torch. JSON results are
 # written to $OUT/json and bundled into $OUT/gpu_results.tgz (one file to bring back).
 #   SWEEP=1    every family's pool set and the single GQA pool (both host layouts) at page
-#              sizes 1, 16 and 64, about 1 GiB per copy (default: families at page size 16)
+#              sizes 1, 16 and 64 (PAGE_SIZES), about 1 GiB per copy, host pages churned or
+#              random (HOST_PAGES, default churned) (default: families at page size 16)
 #   STAGING=1  staging-memory sweep (16, 64, 256 MiB) for the staged families
 #   TTFT=1     time to first token of a 32K-token prompt on a Llama-8B-sized model
 #   COMPUTE=1  that model's cold 32K prefill and 32-request decode step against the device's
@@ -31,19 +32,21 @@ r = json.load(open(sys.argv[1]))
 for name, run in (r["families"].items() if "families" in r else [(sys.argv[1].rsplit("/", 1)[-1], r)]):
     print(f"{name:30s} page {run['sizes']['page_size']:3d}", *(
         "%s %.1f GB/s (%.2f) %s" % (d, run[d]["gbps"], run[d]["ratio"], run[d]["paths"])
-        for d in ("d2h", "h2d", "both") if run.get(d)))
+        for d in ("d2h", "h2d", "both", "both_whole") if run.get(d)))
 PY
 }
 
 if [ "${SWEEP:-0}" = 1 ]; then
-  for ps in 1 16 64; do
+  HP=${HOST_PAGES:-churned}
+  for ps in ${PAGE_SIZES:-1 16 64}; do
     python3 -m kvtier.cli bench transfer --family all --page-size "$ps" --target-mib 1024 \
-        --json "$J/transfer_families_ps$ps.json" > /dev/null 2>&1
-    summary "$J/transfer_families_ps$ps.json"
+        --host-pages "$HP" --json "$J/transfer_families_${HP}_ps$ps.json" > /dev/null 2>&1
+    summary "$J/transfer_families_${HP}_ps$ps.json"
     for layout in page_first layer_first; do
       python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" \
-          --target-mib 1024 --json "$J/transfer_${layout}_ps$ps.json" > /dev/null 2>&1
-      summary "$J/transfer_${layout}_ps$ps.json"
+          --host-pages "$HP" --target-mib 1024 --json "$J/transfer_${layout}_${HP}_ps$ps.json" \
+          > /dev/null 2>&1
+      summary "$J/transfer_${layout}_${HP}_ps$ps.json"
     done
   done
 else

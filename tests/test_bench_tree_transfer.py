@@ -136,3 +136,16 @@ def test_bench_transfer_target_mib_sets_the_page_count() -> None:
     assert out["sizes"]["page_bytes"] == 4096 and out["sizes"]["num_pages"] == 256
     with pytest.raises(ConfigError, match="target_mib=0"):
         bench_transfer(target_mib=0)
+
+
+def test_bench_transfer_host_pages_option() -> None:
+    kw = dict(num_layers=2, num_kv_heads=1, head_dim=8, num_pages=64, repeats=1)
+    churn = bench_transfer(page_size=1, **kw)
+    assert churn["sizes"]["host_pages"] == "churned" and churn["verified"] is True
+    assert churn["sizes"]["host_pool_pages"] == 4 * 64
+    rand = bench_transfer(page_size=1, host_pages="random", **kw)
+    assert rand["sizes"]["host_pages"] == "random" and rand["verified"] is True
+    # One tree node's pages are consecutive host pages; a random subset rarely is.
+    assert churn["sizes"]["mean_host_run"] > 4 * rand["sizes"]["mean_host_run"]
+    with pytest.raises(ConfigError, match="host_pages='sorted' is not one of churned, random"):
+        bench_transfer(host_pages="sorted", **kw)

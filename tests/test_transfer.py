@@ -42,19 +42,31 @@ def test_mean_run_counts_pages_contiguous_on_both_sides():
     assert geo("page_first").mean_run(hp, torch.tensor([0, 1, 2, 3, 4])) == 1.0
 
 
+def test_host_run_counts_consecutive_host_pages_only():
+    g = geo("page_first")
+    assert g.host_run(torch.tensor([4, 5, 6, 9, 10])) == 2.5
+    assert g.host_run(torch.tensor([3, 1])) == 1.0
+    assert g.host_run(torch.tensor([], dtype=torch.int64)) == 1.0
+
+
 def test_choice_follows_block_size_and_direction():
     one, runs = torch.tensor([3, 0]), torch.arange(8)
-    kv16 = geo("page_first", row_bytes=64 << 10, layers=32)
-    assert choose(kv16, "h2d", one, one) == DIRECT
+    kv16 = geo("page_first", row_bytes=64 << 10, layers=32)  # 2 MiB pages
+    assert choose(kv16, "h2d", one, one) == STAGED  # 2 MiB blocks beat 64 KiB ones 32 to 1
     assert choose(kv16, "d2h", one, one) == STAGED
+    assert choose(kv16, "h2d", one, one, per_layer=True) == KERNEL  # the CPU issues the forward
+    four = geo("page_first", row_bytes=64 << 10, layers=4)  # 256 KiB pages: 4 to 1
+    assert choose(four, "h2d", one, one) == DIRECT
+    assert choose(four, "h2d", runs, torch.tensor([9, 2, 5, 0, 7, 1, 3, 6])) == STAGED  # 2 MiB
     small = geo("page_first", row_bytes=4 << 10, layers=32)  # 128 KiB pages
     assert choose(small, "h2d", one, one) == STAGED
     assert choose(small, "h2d", one, one, per_layer=True) == KERNEL
-    assert choose(kv16, "h2d", one, one, per_layer=True) == KERNEL  # the CPU issues the forward
-    assert choose(small, "d2h", one, one) == KERNEL
+    assert choose(small, "d2h", one, one) == KERNEL  # one 128 KiB block per page
+    assert choose(small, "d2h", runs, one.repeat(4)) == STAGED  # runs of 8 host pages: 1 MiB
     lf = geo("layer_first", row_bytes=16 << 10, layers=32)
     assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
     assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs: 128 KiB blocks
+    assert choose(lf, "d2h", runs, one.repeat(4)) == KERNEL  # host runs alone: 16 KiB blocks
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
 
 
@@ -271,3 +283,32 @@ def test_cuda_transfers_never_synchronise_the_host(row_heads):
     for op in ops:
         op.wait()
     assert_same(dev, dp, host, hp)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("path", [None, DIRECT, STAGED, KERNEL])
+def test_exchange_moves_both_directions_byte_exact(monkeypatch, device, path):
+    if path is not None:
+        if device == "cpu":
+            pytest.skip("CPU copies have one mechanism")
+        monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: path)
+    dev, host = make_pools("page_first", device)
+    mover = Mover(dev, host, staging_bytes=1)  # staged: a page per slice, many chunks each way
+    src, hsrc = torch.tensor([7, 2, 3, 19]), torch.tensor([0, 11, 12, 5])
+    before = {s.name: host.page_bytes_view(s.name)[:, hsrc].clone() for s in dev.specs}
+    dst, hdst = torch.tensor([1, 23, 8, 9]), torch.tensor([4, 6, 7, 10])
+    back, load = mover.exchange((src, hdst), (hsrc, dst))
+    back.wait()
+    load.wait()
+    back.complete()
+    assert back.direction == "d2h" and load.direction == "h2d"
+    assert_same(dev, src, host, hdst)  # the backup
+    for s in dev.specs:  # the load, of the host pages as they were
+        assert torch.equal(dev.page_bytes_view(s.name)[:, dst].cpu(), before[s.name]), s.name
+    empty = torch.tensor([], dtype=torch.int64)
+    b2, l2 = mover.exchange((empty, empty), (hsrc, torch.tensor([13, 14, 15, 16])))
+    l2.wait()
+    assert b2.done() and b2.num_pages == 0
+    assert_same(dev, torch.tensor([13, 14, 15, 16]), host, hsrc)
+    dev.check_integrity()
+    host.check_integrity()

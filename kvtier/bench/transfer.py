@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.host_runs import churned, mean_run
 from kvtier.bench.pool_sets import family_pool_set
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.pools.device import DevicePool
@@ -23,12 +24,14 @@ from kvtier.transfer.plan import STAGING_BYTES
 
 CPU_TRANSFER_BYTES = 64 << 20
 """Bytes moved per copy on CPU (sizes shrink to fit), which keeps the CPU run to seconds."""
-FOOTPRINT_COPIES = 11
-"""Estimated peak memory in units of the transferred bytes: device and host pools of twice the
-transferred pages each, the contiguous pairs (two on CUDA), the verification snapshot and staging."""
+FOOTPRINT_COPIES = 13
+"""Estimated peak memory in units of the transferred bytes: a device pool of twice and a host
+pool of four times the transferred pages, the contiguous pairs (two on CUDA), the verification
+snapshot and staging."""
 MIN_CPU_PAGES = 16
 """Pages kept on CPU before layers are cut instead."""
 SEED = 0
+HOST_PAGES = ("churned", "random")
 
 
 def _log(msg: str) -> None:
@@ -70,13 +73,18 @@ def bench_transfer(
     family: str | None = None,
     staging_mib: int | None = None,
     target_mib: int | None = None,
+    host_pages: str = "churned",
 ) -> dict:
     """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
     contiguous ``copy_`` of the same byte count, in each direction, in the same process.
 
     ``device`` defaults to CUDA when available, else CPU; the host pool and the contiguous host
-    tensor are pinned on CUDA. Device and host pools hold ``2 * num_pages`` pages and the pages
-    moved are random, unordered subsets of them. On CPU ``num_pages`` (then ``num_layers``) is
+    tensor are pinned on CUDA. The device pool holds ``2 * num_pages`` pages and the device
+    pages moved are random, unordered subsets of them. The host pool holds ``4 * num_pages``
+    pages; ``host_pages`` picks the host pages moved: ``churned`` (default), as a host tier
+    hands them out after node churn (``kvtier.bench.host_runs``: runs of consecutive pages, one
+    per tree node), or ``random``, random unordered subsets (one run per page, the worst case).
+    ``sizes`` reports the mean host run. On CPU ``num_pages`` (then ``num_layers``) is
     reduced so one copy moves at most ``CPU_TRANSFER_BYTES`` (peak memory about
     ``FOOTPRINT_COPIES`` times that); ``sizes`` reports what was used.
 
@@ -94,9 +102,10 @@ def bench_transfer(
     in the same transfer); ``num_layers``/``num_kv_heads``/``head_dim`` are ignored and on CPU
     only ``num_pages`` shrinks.
 
-    On CUDA ``both`` times a backup of the source pages (into the other host pages) issued
-    together with the load, against contiguous copies both ways at once; its GB/s count the bytes
-    of both directions.
+    On CUDA ``both`` times a backup of the source pages (into the other host pages) and the load
+    issued together (``Mover.exchange``: chunks in turn), against contiguous copies both ways at
+    once; its GB/s count the bytes of both directions. ``both_whole`` times the same pair queued
+    one after the other (the backup whole, then the load), the order without ``exchange``.
 
     Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d", "both"}`` where
     each direction has ``paths`` (the mechanism per component), ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
@@ -108,6 +117,8 @@ def bench_transfer(
         raise ConfigError(f"dtype={dtype!r} is not a torch dtype name")
     if num_pages <= 0 or repeats <= 0:
         raise ConfigError(f"num_pages={num_pages} and repeats={repeats} must be positive")
+    if host_pages not in HOST_PAGES:
+        raise ConfigError(f"host_pages={host_pages!r} is not one of {', '.join(HOST_PAGES)}")
     if target_mib is not None and target_mib <= 0:
         raise ConfigError(f"target_mib={target_mib} must be positive")
     cuda = dev.type == "cuda"
@@ -133,7 +144,7 @@ def bench_transfer(
     spec = specs[0]
     pool_pages = 2 * num_pages
     dpool = DevicePool(specs, pool_pages, page_size, dev)
-    hpool = HostPool(specs, pool_pages, page_size, layout=host_layout, pin=cuda)
+    hpool = HostPool(specs, 2 * pool_pages, page_size, layout=host_layout, pin=cuda)
     staging = STAGING_BYTES if staging_mib is None else staging_mib << 20
     mover = Mover(dpool, hpool, staging_bytes=staging)
     total = num_pages * dpool.page_bytes
@@ -149,7 +160,8 @@ def bench_transfer(
         "page_bytes": dpool.page_bytes,
         "total_bytes": total,
         "device_pool_pages": pool_pages,
-        "host_pool_pages": pool_pages,
+        "host_pool_pages": 2 * pool_pages,
+        "host_pages": host_pages,
         "host_layout": host_layout,
         "staging_bytes": mover.staging_bytes,
         "pinned": cuda,
@@ -168,8 +180,12 @@ def bench_transfer(
         _fill_random(buf, dgen)
     perm = torch.randperm(pool_pages, generator=gen)
     src, dst = perm[:num_pages], perm[num_pages:]
-    hperm = torch.randperm(pool_pages, generator=gen)
-    hpages, hother = hperm[:num_pages], hperm[num_pages:]
+    if host_pages == "random":
+        hperm = torch.randperm(2 * pool_pages, generator=gen)
+        hpages, hother = hperm[:num_pages], hperm[num_pages:pool_pages]
+    else:
+        hpages, hother = churned(2 * pool_pages, [num_pages, num_pages], page_size, seed=SEED)
+    sizes["mean_host_run"] = round(mean_run(hpages), 1)
     cdev = torch.empty(total, dtype=torch.uint8, device=dev)
     chost = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     paths: dict[str, dict[str, str]] = {}
@@ -199,12 +215,18 @@ def bench_transfer(
 
     def both() -> None:
         # A backup of the source pages into the other host pages while the load runs.
+        back, load = mover.exchange((src, hother), (hpages, dst))
+        back.wait()
+        load.wait()
+        back.complete()
+        paths["both"] = {n: f"d2h {back.paths[n]}, h2d {load.paths[n]}" for n in load.paths}
+
+    def both_whole() -> None:
         back = mover.device_to_host(src, hother)
         load = mover.host_to_device(hpages, dst)
         back.wait()
         load.wait()
         back.complete()
-        paths["both"] = {n: f"d2h {back.paths[n]}, h2d {load.paths[n]}" for n in load.paths}
 
     cdev2 = torch.empty(total, dtype=torch.uint8, device=dev) if cuda else cdev
     chost2 = torch.empty(total, dtype=torch.uint8, pin_memory=True) if cuda else chost
@@ -238,6 +260,7 @@ def bench_transfer(
     ]
     if cuda:  # both directions at once only mean something with two copy engines
         phases += [("both", both), ("contiguous_both", contiguous_both)]
+        phases += [("both_whole", both_whole), ("contiguous_both_whole", contiguous_both)]
     for _, fn in phases[1::2]:
         fn()  # warm-up: first touch of the contiguous buffers
     times: dict[str, list[float]] = {name: [] for name, _ in phases}
@@ -252,7 +275,7 @@ def bench_transfer(
             _log(f"repeat {r} {name}: {_gbps(2 * total if 'both' in name else total, dt):.2f} GB/s")
 
     def direction(name: str) -> dict:
-        nbytes = 2 * total if name == "both" else total
+        nbytes = 2 * total if "both" in name else total
         best = _gbps(nbytes, min(times[name]))
         med = _gbps(nbytes, statistics.median(times[name]))
         c = f"contiguous_{name}"
@@ -275,6 +298,7 @@ def bench_transfer(
         "d2h": direction("d2h"),
         "h2d": direction("h2d"),
         "both": direction("both") if cuda else None,
+        "both_whole": direction("both_whole") if cuda else None,
     }
     _log(
         f"ratio scattered/contiguous: d2h {out['d2h']['ratio']:.2f}, h2d {out['h2d']['ratio']:.2f}"

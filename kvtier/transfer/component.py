@@ -300,6 +300,17 @@ def queue_all(chunks: Iterator[int], after: Callable[[], None] | None = None) ->
             return
 
 
+def interleave(jobs: list[tuple[Iterator[int], torch.cuda.Stream]]) -> None:
+    """Queue every chunk of several chunk generators, one chunk of each in turn, each
+    generator resumed on its own stream."""
+    live = list(jobs)
+    while live:
+        for job in list(live):
+            with torch.cuda.stream(job[1]):
+                if next(job[0], None) is None:
+                    live.remove(job)
+
+
 def queue_rows(
     src: torch.Tensor,
     src_rows: torch.Tensor,

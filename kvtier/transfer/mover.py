@@ -25,7 +25,13 @@ from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists, queue_all
+from kvtier.transfer.component import (
+    ComponentRows,
+    PageLists,
+    envelope_lists,
+    interleave,
+    queue_all,
+)
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
@@ -300,27 +306,77 @@ class Mover:
             raise
         return op
 
+    def exchange(
+        self, backup: tuple[torch.Tensor, torch.Tensor], load: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[TransferOp, TransferOp]:
+        """A backup ``(device_pages, host_pages)`` and a load ``(host_pages, device_pages)``
+        at once: ``(backup op, load op)``, with the contracts of :meth:`device_to_host` and
+        :meth:`host_to_device` (no per-layer overlap; the pacer is bypassed).
+
+        Their chunks are queued in turn, so each direction's copies start once its first chunk
+        is queued. Queued one after the other, the second waits for the first's whole CPU issue
+        (4-9 ms per GiB on an H200 for staged copies) and the link runs one way meanwhile.
+        """
+        bpages, bop = self._begin("d2h", backup[0], backup[1])
+        try:
+            lpages, lop = self._begin("h2d", load[1], load[0])
+        except BaseException:
+            bop.release()
+            raise
+        if not self.cuda:
+            return bop, lop
+        try:
+            with torch.cuda.device(self.dev.device):
+                compute = torch.cuda.current_stream(self.dev.device)
+                jobs: list[tuple[Iterator[int], torch.cuda.Stream]] = []
+                if bop.num_pages:
+                    start = torch.cuda.Event()
+                    start.record(compute)
+                    jobs.append((self._backup(bpages, bop, start, 0), self.backup_stream))
+                if lop.num_pages:
+                    chunks = self._load_chunks(lpages, lop, False, compute)
+                    jobs.append((chunks, self.load_stream))
+                interleave(jobs)
+        except BaseException:
+            bop.release()
+            lop.release()
+            raise
+        for op in (bop, lop):
+            if not op.num_pages:  # nothing of it on this rank: born done
+                op.release()
+        return bop, lop
+
     def _load(self, pages: dict[str, PageLists], op: TransferOp, overlap: bool) -> None:
+        with torch.cuda.device(self.dev.device):
+            compute = torch.cuda.current_stream(self.dev.device)
+            with torch.cuda.stream(self.load_stream):
+                queue_all(self._load_chunks(pages, op, overlap, compute))
+
+    def _load_chunks(
+        self,
+        pages: dict[str, PageLists],
+        op: TransferOp,
+        overlap: bool,
+        compute: torch.cuda.Stream,
+    ) -> Iterator[int]:
+        """A load's chunks (see :meth:`_component`), each resumed on the load stream; the
+        copies follow the work queued on ``compute`` so far, and ``compute`` is made to wait
+        for them at the end (unless ``overlap``)."""
         stream = self._stream(self.load_stream)
         overlap = overlap and self.pinned
         anchor = self.dev.specs[0].name
-        with torch.cuda.device(self.dev.device):
-            compute = torch.cuda.current_stream(self.dev.device)
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                overlap = overlap and anchor in pages
-                for name, part in pages.items():
-                    if not (overlap and name == anchor) and part.device.numel():
-                        queue_all(self._component(name, self.rows[name], "h2d", part, stream, op))
-                if overlap:
-                    op.layer_events = self._load_layers(
-                        self.rows[anchor], pages[anchor], stream, op
-                    )
-                    op.paths[anchor] += " per layer"
-                op.event = torch.cuda.Event()
-                op.event.record(stream)
-            if not overlap:
-                compute.wait_event(op.event)
+        stream.wait_stream(compute)
+        overlap = overlap and anchor in pages
+        for name, part in pages.items():
+            if not (overlap and name == anchor) and part.device.numel():
+                yield from self._component(name, self.rows[name], "h2d", part, stream, op)
+        if overlap:
+            op.layer_events = self._load_layers(self.rows[anchor], pages[anchor], stream, op)
+            op.paths[anchor] += " per layer"
+        op.event = torch.cuda.Event()
+        op.event.record(stream)
+        if not overlap:
+            compute.wait_event(op.event)
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         if stream is None:

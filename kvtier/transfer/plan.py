@@ -13,7 +13,8 @@ Mechanisms, by measurement on an H200 (see ``kvtier.transfer.dma`` and ``kvtier.
 
     direct   one copy-engine block per row (or run of rows contiguous on both sides)
     staged   page_first host only: whole host pages (all layers) by copy engine into / out of a
-             device staging buffer, rows gathered / scattered on the device
+             device staging buffer, rows gathered / scattered on the device; a run of
+             consecutive host pages (one tree node's backup) is one block
     kernel   rows copied by a kernel through a device view of pinned host memory
 
 Copy engines use no SMs (nothing the transfer overlaps slows down), so they win whenever their
@@ -40,6 +41,9 @@ FIRST_SLICE_BYTES = 16 << 20
 enough that its copy outlasts the CPU issuing the next slice (about 0.2 ms: smaller first slices
 left the copy engine waiting for the CPU), small enough to gather in tens of microseconds with
 ``rows.PCIE_CTAS`` programs."""
+
+STAGE_GAIN = 8
+"""Staging is chosen over direct blocks when its blocks are this many times larger."""
 
 KERNEL, DIRECT, STAGED = "kernel", "direct", "staged"
 
@@ -112,6 +116,14 @@ class RowGeometry:
         breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != 1))
         return n / (breaks + 1)
 
+    def host_run(self, host_pages: torch.Tensor) -> float:
+        """Mean host pages per run of consecutive host pages: the whole pages a staged copy
+        moves per copy-engine block (its staging side is always contiguous)."""
+        n = host_pages.numel()
+        if n == 0:
+            return 1.0
+        return n / (np.count_nonzero(np.diff(host_pages.numpy()) != 1) + 1)
+
 
 def _flat(rows: torch.Tensor, page_major: bool) -> torch.Tensor:
     """``[layers, pages]`` row numbers as one list, layer-major or page-major."""
@@ -135,6 +147,13 @@ def choose(
     forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer page-first
     hosts, else direct blocks; direct blocks per layer) whatever the block size. Envelope rows
     (a unified arena) are never staged: with a page-first host their pages already are blocks.
+
+    Under ``auto`` the larger blocks win: staged blocks are whole pages times the mean run of
+    consecutive host pages, direct blocks rows times the mean run contiguous on both sides.
+    Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
+    small), since it adds a gather or scatter on the device. Measured both ways at once on an
+    H200 (``results/h200-dma/both_ways_runs.json``, churned host pages): staged pairs reached
+    0.84-0.92 of two contiguous copies, direct pairs 0.01-0.92.
     """
     stageable = not per_layer and geo.host_layout == "page_first" and not geo.envelope
     if mechanism == "copy_engine" and dma:
@@ -148,9 +167,13 @@ def choose(
         # layer costs microseconds. Measured: 87.9 ms TTFT with kernels, 123.8 ms with blocks.
         return KERNEL
     least = H2D_DMA_MIN_BYTES if direction == "h2d" else D2H_DMA_MIN_BYTES
-    if geo.row_bytes * geo.mean_run(host_pages, device_pages) >= least:
+    direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)
+    staged = geo.layers * geo.row_bytes * geo.host_run(host_pages) if stageable else 0.0
+    if staged >= least and staged >= STAGE_GAIN * direct:
+        return STAGED
+    if direct >= least:
         return DIRECT
-    if stageable and geo.layers * geo.row_bytes >= least:
+    if staged >= least:
         return STAGED
     return KERNEL
 
