@@ -124,7 +124,8 @@ def test_plot_draws_one_bar_per_direction_and_configuration(tmp_path) -> None:
     plot(svg, [src, src])
     root = ET.parse(svg).getroot()
     bars = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("height") != "10"]
-    assert len(bars) == 2 * 2  # two files x (d2h, h2d); no "both" on CPU
+    per_file = 3 if out["both"] is not None else 2  # d2h, h2d and, on CUDA only, both
+    assert len(bars) == 2 * per_file
     with pytest.raises(ValueError, match="at least one result file"):
         plot(tmp_path / "x.svg", [])
 

@@ -304,6 +304,12 @@ def interleave(jobs: list[tuple[Iterator[int], torch.cuda.Stream]]) -> None:
     """Queue every chunk of several chunk generators, one chunk of each in turn, each
     generator resumed on its own stream."""
     live = list(jobs)
+    # A chunk is queued at the resumption after the one yielding its size: resume each job
+    # twice first, so that every direction's first copy is queued before the next one's set-up.
+    for job in list(live):
+        with torch.cuda.stream(job[1]):
+            if next(job[0], None) is None or next(job[0], None) is None:
+                live.remove(job)
     while live:
         for job in list(live):
             with torch.cuda.stream(job[1]):

@@ -23,6 +23,7 @@ blocks are large enough to run at link speed; kernels take the small-block cases
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,22 +85,17 @@ class RowGeometry:
         of the first layer, then the next layer's; one layer only when ``layer`` is given;
         ``page_major`` orders them all layers of the first page, then the next page's."""
         stride = self.device_layer_stride or self.device_pages
-        rows = self._layers(layer, pages.device)[:, None] * stride + pages[None, :]
-        return _flat(rows, page_major)
+        return _rows(pages, 1, _offsets(self.layers, layer, stride, pages.device), page_major)
 
     def host_rows(
         self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False
     ) -> torch.Tensor:
         """Host row numbers of ``pages`` in the same order as :meth:`device_rows`."""
-        ls = self._layers(layer, pages.device)[:, None]
         if self.host_layout == "page_first":
-            return _flat(pages[None, :] * self.layers + ls, page_major)
-        return _flat(ls * self.host_pages + pages[None, :], page_major)
-
-    def _layers(self, layer: int | None, device: torch.device) -> torch.Tensor:
-        if layer is None:
-            return torch.arange(self.layers, dtype=torch.int64, device=device)
-        return torch.tensor([layer], dtype=torch.int64, device=device)
+            offsets = _offsets(self.layers, layer, 1, pages.device)
+            return _rows(pages, self.layers, offsets, page_major)
+        offsets = _offsets(self.layers, layer, self.host_pages, pages.device)
+        return _rows(pages, 1, offsets, page_major)
 
     def mean_run(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> float:
         """Mean rows per block when rows contiguous on both sides are merged (one layer; for
@@ -125,9 +121,32 @@ class RowGeometry:
         return n / (np.count_nonzero(np.diff(host_pages.numpy()) != 1) + 1)
 
 
-def _flat(rows: torch.Tensor, page_major: bool) -> torch.Tensor:
-    """``[layers, pages]`` row numbers as one list, layer-major or page-major."""
-    return (rows.t() if page_major else rows).reshape(-1)
+def _offsets(layers: int, layer: int | None, stride: int, device: torch.device) -> torch.Tensor:
+    """Row offsets ``l * stride`` of every layer (or of ``layer`` alone), built once per
+    stream: building them cost kernel launches before every batch's first copy. Per stream,
+    so that the kernels using them always follow the ones that wrote them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _offsets_on(layers, layer, stride, device, stream)
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets_on(
+    layers: int, layer: int | None, stride: int, device: torch.device, stream: int
+) -> torch.Tensor:
+    if layer is None:
+        return torch.arange(layers, dtype=torch.int64, device=device) * stride
+    return torch.tensor([layer * stride], dtype=torch.int64, device=device)
+
+
+def _rows(
+    pages: torch.Tensor, page_stride: int, offsets: torch.Tensor, page_major: bool
+) -> torch.Tensor:
+    """``pages * page_stride + offsets`` for every page and offset as one flat list, layer-major
+    (all pages at the first offset first) or page-major; one broadcast add, no transpose."""
+    p = pages if page_stride == 1 else pages * page_stride
+    if page_major:
+        return (p[:, None] + offsets[None, :]).reshape(-1)
+    return (offsets[:, None] + p[None, :]).reshape(-1)
 
 
 def choose(
