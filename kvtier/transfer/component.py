@@ -23,6 +23,7 @@ from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import RowGeometry, staging_slices
 from kvtier.transfer.rows import ONE_BLOCK, PCIE_CTAS, STAGING_CTAS, TILE_WORDS, copy_rows
+from kvtier.transfer.streams import on
 
 
 @dataclass(slots=True)
@@ -206,7 +207,7 @@ class ComponentRows:
             sizes = np.full(k, page_bytes, dtype=np.uint64)
             lo += k
             if direction == "d2h":
-                with torch.cuda.stream(helper):
+                with on(helper):
                     if freed[b] is not None:
                         helper.wait_event(freed[b])
                     # The first gather runs alone: all programs, so the copy engine starts soon.
@@ -223,7 +224,7 @@ class ComponentRows:
                 yield k * page_bytes
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
                 arrived = _record(stream)
-                with torch.cuda.stream(helper):
+                with on(helper):
                     helper.wait_event(arrived)
                     queue_rows(buf, st_rows, self.device, dev_rows, op, STAGING_CTAS, TILE_WORDS)
                     freed[b] = _record(helper)
@@ -307,12 +308,12 @@ def interleave(jobs: list[tuple[Iterator[int], torch.cuda.Stream]]) -> None:
     # A chunk is queued at the resumption after the one yielding its size: resume each job
     # twice first, so that every direction's first copy is queued before the next one's set-up.
     for job in list(live):
-        with torch.cuda.stream(job[1]):
+        with on(job[1]):
             if next(job[0], None) is None or next(job[0], None) is None:
                 live.remove(job)
     while live:
         for job in list(live):
-            with torch.cuda.stream(job[1]):
+            with on(job[1]):
                 if next(job[0], None) is None:
                     live.remove(job)
 

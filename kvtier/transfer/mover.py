@@ -35,6 +35,7 @@ from kvtier.transfer.component import (
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
+from kvtier.transfer.streams import on
 from kvtier.transfer.translate import (
     MECHANISMS,
     ArenaTranslator,
@@ -241,7 +242,7 @@ class Mover:
     def _on_backup_stream(self) -> contextlib.ExitStack:
         ctx = contextlib.ExitStack()
         ctx.enter_context(torch.cuda.device(self.dev.device))
-        ctx.enter_context(torch.cuda.stream(self.backup_stream))
+        ctx.enter_context(on(self._stream(self.backup_stream)))
         return ctx
 
     def _mark(self) -> EventMark:
@@ -349,7 +350,7 @@ class Mover:
     def _load(self, pages: dict[str, PageLists], op: TransferOp, overlap: bool) -> None:
         with torch.cuda.device(self.dev.device):
             compute = torch.cuda.current_stream(self.dev.device)
-            with torch.cuda.stream(self.load_stream):
+            with on(self._stream(self.load_stream)):
                 queue_all(self._load_chunks(pages, op, overlap, compute))
 
     def _load_chunks(
