@@ -170,9 +170,10 @@ def choose(
     Under ``auto`` the larger blocks win: staged blocks are whole pages times the mean run of
     consecutive host pages, direct blocks rows times the mean run contiguous on both sides.
     Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
-    small), since it adds a gather or scatter on the device. Measured both ways at once on an
-    H200 (``results/h200-dma/both_ways_runs.json``, churned host pages): staged pairs reached
-    0.84-0.92 of two contiguous copies, direct pairs 0.01-0.92.
+    small), since it adds a gather or scatter on the device. Both ways at once on an H200, with
+    host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged copies
+    both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01 where
+    rows are small (MLA and DSA at page size 1).
     """
     stageable = not per_layer and geo.host_layout == "page_first" and not geo.envelope
     if mechanism == "copy_engine" and dma:
