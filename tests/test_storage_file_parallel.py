@@ -54,6 +54,7 @@ def files(be: FileBackend) -> set[str]:
 def be(tmp_path: Path) -> FileBackend:
     b = FileBackend(tmp_path, NS, budget_bytes=64 << 20, io_threads=4)
     yield b
+    b.check_integrity()
     b.close()
 
 
@@ -228,6 +229,7 @@ def test_parallel_set_larger_than_the_budget_evicts_its_own_oldest(tmp_path: Pat
     assert files(be) == set(be.keys())
     out = torch.zeros_like(src[3:])
     assert be.batch_get(keys()[3:], list(out)) == 5 and torch.equal(out, src[3:])
+    be.check_integrity()
     be.close()
 
 
@@ -241,6 +243,7 @@ def test_parallel_set_refuses_an_object_over_the_budget_after_the_ones_before(
     assert be.batch_set(ks, [*small, big, small[0]]) == 3
     assert be.errors == {"no_space": 1}
     assert be.keys() == ["a0", "a1", "a2"]
+    be.check_integrity()
     be.close()
 
 

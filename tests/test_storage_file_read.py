@@ -27,6 +27,7 @@ SIZES = (64, READ_CHUNK, READ_CHUNK + 1, 3 * READ_CHUNK + 5)
 def be(tmp_path: Path) -> FileBackend:
     b = FileBackend(tmp_path, NS, budget_bytes=64 << 20, io_threads=1)
     yield b
+    b.check_integrity()
     b.close()
 
 

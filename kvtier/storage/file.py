@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import ConfigError, RequestError, StorageError
+from kvtier.errors import ConfigError, IntegrityError, RequestError, StorageError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.base import (
@@ -36,6 +36,7 @@ from kvtier.storage.base import (
 from kvtier.storage.file_io import (
     TMP_SUFFIX,
     CorruptObject,
+    object_files,
     os_kind,
     read_object,
     unlink_quiet,
@@ -123,20 +124,9 @@ class FileBackend(StorageBackend):
         return f"{self.dir}/{key[:2]}/{key}"
 
     def _scan(self) -> None:
-        found: list[tuple[int, str, int]] = []
-        for sub in os.scandir(self.dir):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(TMP_SUFFIX):
-                    # Left by a write that died before os.replace: never a whole object.
-                    unlink_quiet(entry.path)
-                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+        found, temps = object_files(self.dir)
+        for path in temps:  # left by a write that died before publishing: never whole
+            unlink_quiet(path)
         found.sort()
         with self._lock:
             for _, key, size in found:
@@ -393,6 +383,24 @@ class FileBackend(StorageBackend):
                 "budget_bytes": self.budget_bytes,
                 "evictions": self._evictions,
             }
+
+    def check_integrity(self) -> None:
+        """Between batches: the bytes in use are the indexed objects' sizes and within the
+        budget, every indexed object is a file of its indexed size, and no named temp file is
+        left. (A file the index dropped may remain: one unreadable when read is left for the
+        next backup of its key to replace.) Raises ``IntegrityError``."""
+        with self._lock:
+            index, used = dict(self._index), self._used
+        if used != sum(index.values()) or used > self.budget_bytes:
+            raise IntegrityError(
+                f"file backend: {used} bytes in use, {sum(index.values())} indexed, "
+                f"budget {self.budget_bytes}"
+            )
+        found, temps = object_files(self.dir)
+        on_disk = {key: size for _, key, size in found}
+        odd = sorted(set(index.items()) - set(on_disk.items()))[:3] + sorted(temps)[:3]
+        if odd:
+            raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
 
     def keys(self) -> list[str]:
         """Stored keys, least recently used first (for inspection and tests)."""

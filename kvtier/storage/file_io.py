@@ -281,6 +281,26 @@ def _publish_unnamed(fd: int, path: str) -> bool:
     return True
 
 
+def object_files(directory: str) -> tuple[list[tuple[int, str, int]], list[str]]:
+    """The object files under a namespace ``directory``: ``(mtime_ns, key, size)`` of each
+    (a file that vanishes meanwhile is left out), and the paths of unpublished temp files."""
+    found: list[tuple[int, str, int]] = []
+    temps: list[str] = []
+    for sub in os.scandir(directory):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        for entry in os.scandir(sub.path):
+            if entry.name.endswith(TMP_SUFFIX):
+                temps.append(entry.path)
+            elif entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                found.append((st.st_mtime_ns, entry.name, st.st_size))
+    return found, temps
+
+
 def _tmp_name(path: str) -> str:
     d, base = path.rsplit("/", 1)
     return f"{d}/.{base}.{_tmp_tag()}{TMP_SUFFIX}"
