@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
@@ -40,6 +42,33 @@ def test_mean_run_counts_pages_contiguous_on_both_sides():
     assert g.mean_run(hp, torch.tensor([0, 1, 2, 3, 4])) == 2.5  # breaks at host 6 → 9
     assert g.mean_run(hp, torch.tensor([0, 1, 5, 6, 7])) == 5 / 3
     assert geo("page_first").mean_run(hp, torch.tensor([0, 1, 2, 3, 4])) == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    pages=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    layout=st.sampled_from(["page_first", "layer_first"]),
+    stride=st.sampled_from([0, 1]),
+    layer=st.none() | st.integers(0, 4),
+    page_major=st.booleans(),
+)
+def test_row_numbers_match_the_row_table(layers, pages, layout, stride, layer, page_major):
+    """Every row number against the table in ``kvtier.transfer.plan``, entry by entry."""
+    if layer is not None and layer >= layers:
+        layer = layers - 1
+    g = RowGeometry(layers, 64, 10, 10, layout, device_layer_stride=stride)
+    ls = range(layers) if layer is None else [layer]
+    pairs = (
+        [(p, ly) for p in pages for ly in ls]
+        if page_major
+        else [(p, ly) for ly in ls for p in pages]
+    )
+    dev = [ly * (stride or 10) + p for p, ly in pairs]
+    host = [p * layers + ly if layout == "page_first" else ly * 10 + p for p, ly in pairs]
+    t = torch.tensor(pages)
+    assert g.device_rows(t, layer, page_major).tolist() == dev
+    assert g.host_rows(t, layer, page_major).tolist() == host
 
 
 def test_host_run_counts_consecutive_host_pages_only():

@@ -52,7 +52,8 @@ def churned(
             _, pages = cached.popitem(last=False)
             alloc.free(pages)
         pages = alloc.alloc(n)
-        assert pages is not None  # evicted until it fits
+        if pages is None:  # cannot happen: evicted until it fits
+            raise RuntimeError(f"host_runs: {n} pages do not fit after eviction")
         return pages
 
     added = 0
