@@ -316,7 +316,8 @@ class Mover:
 
         Their chunks are queued in turn, so each direction's copies start once its first chunk
         is queued. Queued one after the other, the second waits for the first's whole CPU issue
-        (4-9 ms per GiB on an H200 for staged copies) and the link runs one way meanwhile.
+        (2-9 ms per GiB on an H200 for staged copies) and the link runs one way meanwhile. The
+        two share no host page and no device page: neither waits for the other's copies.
         """
         bpages, bop = self._begin("d2h", backup[0], backup[1])
         try:
