@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, RequestError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
 from kvtier.transfer import Mover, PermutationTranslator, plan
 from kvtier.transfer import mover as mover_mod
@@ -341,3 +341,15 @@ def test_exchange_moves_both_directions_byte_exact(monkeypatch, device, path):
     assert_same(dev, torch.tensor([13, 14, 15, 16]), host, hsrc)
     dev.check_integrity()
     host.check_integrity()
+
+
+def test_exchange_refuses_shared_pages_under_debug_checks():
+    dev, host = make_pools("page_first", "cpu")
+    mover = Mover(dev, host, debug_checks=True)
+    a, b = torch.tensor([1, 2]), torch.tensor([3, 4])
+    with pytest.raises(RequestError, match="share device pages"):
+        mover.exchange((a, b), (torch.tensor([5, 6]), torch.tensor([2, 7])))
+    with pytest.raises(RequestError, match="share host pages"):
+        mover.exchange((a, b), (torch.tensor([4, 6]), torch.tensor([8, 7])))
+    back, load = mover.exchange((a, b), (torch.tensor([5, 6]), torch.tensor([8, 7])))
+    assert back.done() and load.done()

@@ -319,6 +319,10 @@ class Mover:
         (2-9 ms per GiB on an H200 for staged copies) and the link runs one way meanwhile. The
         two share no host page and no device page: neither waits for the other's copies.
         """
+        if self.debug_checks:
+            for side, a, b in (("device", backup[0], load[1]), ("host", backup[1], load[0])):
+                if bool(torch.isin(a.reshape(-1).cpu(), b.reshape(-1).cpu()).any()):
+                    raise RequestError(f"exchange: the backup and the load share {side} pages")
         bpages, bop = self._begin("d2h", backup[0], backup[1])
         try:
             lpages, lop = self._begin("h2d", load[1], load[0])
