@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.transfer import Mover
-from kvtier.transfer import mover as mover_mod
+from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED
@@ -161,7 +161,7 @@ def test_budget_takes_medians_of_recent_rates_and_poll_intervals():
 def test_paced_backups_land_byte_exact(monkeypatch, path):
     from test_transfer import assert_same, make_pools
 
-    monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: path)
+    monkeypatch.setattr(mechanisms_mod, "choose", lambda *a, **k: path)
     dev, host = make_pools("page_first", "cuda")
     # One page per staging slice, one block per copy-engine chunk: many paced chunks.
     mover = Mover(dev, host, staging_bytes=1, backup_share=0.5)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvtier.errors import ConfigError, RequestError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
 from kvtier.transfer import Mover, PermutationTranslator, plan
-from kvtier.transfer import mover as mover_mod
+from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
@@ -197,7 +197,7 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap, tran
 
     # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).
 
-    monkeypatch.setattr(mover_mod, "choose", force)
+    monkeypatch.setattr(mechanisms_mod, "choose", force)
     dev, host = make_pools(layout, "cuda")
     t = PermutationTranslator(device=range(23, -1, -1), host=[3 * i % 20 for i in range(20)])
     pd, ph = (t.device_physical, t.host_physical) if translated else (lambda p: p, lambda p: p)
@@ -221,7 +221,7 @@ def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap, tran
 @cuda
 def test_cuda_staged_slices_of_every_size_are_byte_exact(monkeypatch):
     monkeypatch.setattr(plan, "FIRST_SLICE_BYTES", 1)
-    monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: STAGED)
+    monkeypatch.setattr(mechanisms_mod, "choose", lambda *a, **k: STAGED)
     dev, host = make_pools("page_first", "cuda")
     geos = [ComponentRows.of(dev, host, s.name, mapped=False).geo for s in dev.specs]
     big = max(g.layers * g.row_bytes for g in geos)
@@ -320,7 +320,7 @@ def test_exchange_moves_both_directions_byte_exact(monkeypatch, device, path):
     if path is not None:
         if device == "cpu":
             pytest.skip("CPU copies have one mechanism")
-        monkeypatch.setattr(mover_mod, "choose", lambda *a, **k: path)
+        monkeypatch.setattr(mechanisms_mod, "choose", lambda *a, **k: path)
     dev, host = make_pools("page_first", device)
     mover = Mover(dev, host, staging_bytes=1)  # staged: a page per slice, many chunks each way
     src, hsrc = torch.tensor([7, 2, 3, 19]), torch.tensor([0, 11, 12, 5])
@@ -353,3 +353,59 @@ def test_exchange_refuses_shared_pages_under_debug_checks():
         mover.exchange((a, b), (torch.tensor([4, 6]), torch.tensor([8, 7])))
     back, load = mover.exchange((a, b), (torch.tensor([5, 6]), torch.tensor([8, 7])))
     assert back.done() and load.done()
+
+
+class _FakeRows:
+    """A component's rows whose mechanisms only record that they ran (CPU stand-in)."""
+
+    def __init__(self, fail_direct: bool = False) -> None:
+        self.geo = geo("page_first", row_bytes=64 << 10, layers=4)
+        self.ran: list[str] = []
+        self.fail_direct = fail_direct
+
+    def direct(self, direction, pages, stream, layer=None, chunk=0):  # noqa: ANN001, ANN201
+        self.ran.append("direct")
+        yield 1
+        if self.fail_direct:
+            from kvtier.transfer import dma
+
+            raise dma.DmaError("refused")
+
+    def staged(self, direction, pages, stream, helper, staging_bytes, op):  # noqa: ANN001, ANN201
+        self.ran.append(f"staged {staging_bytes}")
+        yield 1
+
+    def kernel(self, direction, pages, op, chunk=0):  # noqa: ANN001, ANN201
+        self.ran.append("kernel")
+        yield 1
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_stream(self, other: object) -> None:
+        self.waited.append(other)
+
+
+@pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
+def test_mechanisms_dispatch_and_fall_back_to_kernels(monkeypatch, path):
+    from kvtier.transfer.component import PageLists, queue_all
+    from kvtier.transfer.mechanisms import Mechanisms
+    from kvtier.transfer.op import TransferOp
+
+    monkeypatch.setattr(mechanisms_mod, "choose", lambda *a, **k: path)
+    helper = _FakeStream()
+    m = Mechanisms(True, "auto", {"d2h": helper, "h2d": helper}, staging_bytes=7)
+    m.dma = True
+    pages = PageLists(torch.tensor([1, 2]), torch.tensor([3, 4]))
+    r, op = _FakeRows(), TransferOp("h2d", 2, 0)
+    queue_all(m.chunks("kv", r, "h2d", pages, _FakeStream(), op))
+    assert r.ran == [{DIRECT: "direct", STAGED: "staged 7", KERNEL: "kernel"}[path]]
+    assert op.paths == {"kv": path} and m.dma is True
+    if path != DIRECT:
+        return
+    r, op, stream = _FakeRows(fail_direct=True), TransferOp("h2d", 2, 0), _FakeStream()
+    queue_all(m.chunks("kv", r, "h2d", pages, stream, op))
+    assert r.ran == ["direct", "kernel"] and op.paths == {"kv": KERNEL}
+    assert m.dma is False and stream.waited == [helper]  # staging work queued before

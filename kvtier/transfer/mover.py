@@ -13,7 +13,6 @@ visibility rules are the same.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,6 @@ from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.transfer import dma
 from kvtier.transfer.component import (
     ComponentRows,
     PageLists,
@@ -32,9 +30,10 @@ from kvtier.transfer.component import (
     interleave,
     queue_all,
 )
+from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
-from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, STAGING_BYTES, choose
+from kvtier.transfer.plan import STAGING_BYTES
 from kvtier.transfer.streams import on
 from kvtier.transfer.translate import (
     MECHANISMS,
@@ -45,8 +44,6 @@ from kvtier.transfer.translate import (
 
 if TYPE_CHECKING:
     from kvtier.transfer.layers import Layered
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Mover", "TransferOp"]
 
@@ -97,13 +94,11 @@ class Mover:
         self.debug_checks = debug_checks
         if staging_bytes <= 0:
             raise ConfigError(f"staging_bytes={staging_bytes} must be positive")
-        self.staging_bytes = staging_bytes
-        """Device staging memory of one staged component copy (two buffers of half each)."""
         self.cuda = device_pool.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
         self.backup_stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
         # Staging gathers and scatters run beside the copy engines on streams of their own.
-        self.helpers = (
+        helpers = (
             {d: torch.cuda.Stream(device_pool.device) for d in ("d2h", "h2d")} if self.cuda else {}
         )
         self.pacer = (
@@ -114,7 +109,7 @@ class Mover:
         """Queues backups chunk by chunk at :meth:`pump` (``CacheConfig.backup_share``); without
         one a backup is queued whole by the call that makes it."""
         self.pinned = self.cuda and host_pool.pinned
-        self.dma = self.pinned and dma.available() and self.mechanism != "kernel"
+        self.mechanisms = Mechanisms(self.pinned, self.mechanism, helpers, staging_bytes)
         if self.mechanism == "copy_engine" and self.pinned and not self.dma:
             raise ConfigError(
                 "transfer_mechanism='copy_engine' but this CUDA driver has no batched "
@@ -124,6 +119,16 @@ class Mover:
             s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=self.pinned)
             for s in device_pool.specs
         }
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device staging memory of one staged component copy (two buffers of half each)."""
+        return self.mechanisms.staging_bytes
+
+    @property
+    def dma(self) -> bool:
+        """Copy engines may be used (off after the driver refused a list)."""
+        return self.mechanisms.dma
 
     def _begin(
         self,
@@ -259,7 +264,7 @@ class Mover:
         for name, part in pages.items():
             if not part.device.numel():
                 continue  # no page of the batch holds this (window) component
-            final = yield from self._component(
+            final = yield from self.mechanisms.chunks(
                 name, self.rows[name], "d2h", part, stream, op, chunk
             )
             if final is not None:
@@ -365,7 +370,7 @@ class Mover:
         overlap: bool,
         compute: torch.cuda.Stream,
     ) -> Iterator[int]:
-        """A load's chunks (see :meth:`_component`), each resumed on the load stream; the
+        """A load's chunks (see ``Mechanisms.chunks``), each resumed on the load stream; the
         copies follow the work queued on ``compute`` so far, and ``compute`` is made to wait
         for them at the end (unless ``overlap``)."""
         stream = self._stream(self.load_stream)
@@ -375,9 +380,11 @@ class Mover:
         overlap = overlap and anchor in pages
         for name, part in pages.items():
             if not (overlap and name == anchor) and part.device.numel():
-                yield from self._component(name, self.rows[name], "h2d", part, stream, op)
+                yield from self.mechanisms.chunks(name, self.rows[name], "h2d", part, stream, op)
         if overlap:
-            op.layer_events = self._load_layers(self.rows[anchor], pages[anchor], stream, op)
+            op.layer_events = self.mechanisms.load_layers(
+                anchor, self.rows[anchor], pages[anchor], stream, op
+            )
             op.paths[anchor] += " per layer"
         op.event = torch.cuda.Event()
         op.event.record(stream)
@@ -388,70 +395,3 @@ class Mover:
         if stream is None:
             raise IntegrityError(f"CUDA copy path taken by a mover on {self.dev.device}")
         return stream
-
-    def _load_layers(
-        self,
-        r: ComponentRows,
-        pages: PageLists,
-        stream: torch.cuda.Stream,
-        op: TransferOp,
-    ) -> list[torch.cuda.Event]:
-        """Copy one component layer by layer; one event per layer."""
-        path = choose(
-            r.geo, "h2d", pages.host, pages.device, True, self.dma, mechanism=self.mechanism
-        )
-        op.paths[self.dev.specs[0].name] = path
-        events: list[torch.cuda.Event] = []
-
-        def arrived() -> None:
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
-
-        if path == DIRECT:
-            for layer in range(r.geo.layers):
-                queue_all(r.direct("h2d", pages, stream, layer))
-                arrived()
-        else:
-            r.kernel_layers("h2d", pages, op, after_layer=arrived)
-        return events
-
-    def _component(
-        self,
-        name: str,
-        r: ComponentRows,
-        direction: str,
-        pages: PageLists,
-        stream: torch.cuda.Stream,
-        op: TransferOp,
-        chunk: int = 0,
-    ) -> Iterator[int]:
-        """One component's copy by its mechanism, as a generator of chunks of about ``chunk``
-        bytes (one chunk per slice or block list when 0; see ``kvtier.transfer.pacer``). Returns
-        the host-side finaliser a pageable host pool needs after a d2h copy, else ``None``.
-
-        Should the driver refuse a copy-engine list, copy engines are switched off for this mover
-        (with a warning) and the component is copied again by kernel: the rows already queued
-        are rewritten with the same bytes, so nothing is lost.
-        """
-        if not self.pinned:
-            op.paths[name] = "unpinned"
-            yield pages.host.numel() * r.geo.layers * r.geo.row_bytes
-            return r.unpinned(direction, pages, op)
-        path = choose(
-            r.geo, direction, pages.host, pages.device, False, self.dma, mechanism=self.mechanism
-        )
-        try:
-            if path == DIRECT:
-                yield from r.direct(direction, pages, stream, chunk=chunk)
-            elif path == STAGED:
-                helper = self.helpers[direction]
-                yield from r.staged(direction, pages, stream, helper, self.staging_bytes, op)
-        except dma.DmaError as e:
-            log.warning("copy engines disabled, transfers fall back to kernels: %s", e)
-            self.dma = False
-            path = KERNEL
-            stream.wait_stream(self.helpers[direction])  # staging work already queued
-        if path == KERNEL:
-            yield from r.kernel(direction, pages, op, chunk)
-        op.paths[name] = path
-        return None

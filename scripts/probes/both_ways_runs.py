@@ -25,7 +25,7 @@ from kvtier.bench.pool_sets import family_pool_set
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size
-from kvtier.transfer import mover as mover_mod
+from kvtier.transfer import mechanisms as mover_mod
 from kvtier.transfer import plan
 from kvtier.transfer.mover import Mover
 

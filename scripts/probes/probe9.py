@@ -9,7 +9,7 @@ import json
 import os
 
 from kvtier.bench.transfer import bench_transfer
-from kvtier.transfer import mover as mover_mod
+from kvtier.transfer import mechanisms as mover_mod
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED
 
 OUT = os.environ.get("OUT", "/tmp")
