@@ -15,10 +15,10 @@ import math
 import random
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 from kvtier.pools.allocator import PageAllocator
+from kvtier.transfer.plan import mean_run_length
 
 NODE_TOKENS_MEDIAN = 512
 """Median tokens of a tree node (a chat turn); lengths are log-normal around it."""
@@ -79,7 +79,4 @@ def churned(
 
 def mean_run(pages: torch.Tensor) -> float:
     """Mean length of the runs of consecutive page ids in ``pages``, in order."""
-    if pages.numel() == 0:
-        return 0.0
-    breaks = np.count_nonzero(np.diff(pages.numpy()) != 1)
-    return pages.numel() / (breaks + 1)
+    return mean_run_length(pages) if pages.numel() else 0.0

@@ -114,11 +114,13 @@ class RowGeometry:
 
     def host_run(self, host_pages: torch.Tensor) -> float:
         """Mean host pages per run of consecutive host pages: the whole pages a staged copy
-        moves per copy-engine block (its staging side is always contiguous)."""
-        n = host_pages.numel()
-        if n == 0:
-            return 1.0
-        return n / (np.count_nonzero(np.diff(host_pages.numpy()) != 1) + 1)
+        moves per copy-engine block (its staging side is always contiguous); 1 when empty."""
+        return mean_run_length(host_pages) if host_pages.numel() else 1.0
+
+
+def mean_run_length(ids: torch.Tensor) -> float:
+    """Mean length of the runs of consecutive ids in ``ids`` (CPU, in order, not empty)."""
+    return ids.numel() / (np.count_nonzero(np.diff(ids.numpy()) != 1) + 1)
 
 
 def _offsets(layers: int, layer: int | None, stride: int, device: torch.device) -> torch.Tensor:
