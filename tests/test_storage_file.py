@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import create_backend, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
@@ -374,28 +374,3 @@ def test_large_pages_checksummed_on_worker_threads(tmp_path: Path) -> None:
     assert be.errors == {"checksum": 1}
     assert not p.exists()
     be.close()
-
-
-def test_check_integrity_finds_files_and_index_apart(tmp_path: Path) -> None:
-    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
-    assert be.batch_set(keys("k0", "k1"), [page(0), page(1)]) == 2
-    be.check_integrity()
-    stray = obj_path(be, "k1").parent / f".k1.x{file_io.TMP_SUFFIX}"  # a write left behind
-    stray.write_bytes(b"x")
-    with pytest.raises(IntegrityError, match="files and index disagree"):
-        be.check_integrity()
-    stray.unlink()
-    obj_path(be, "k1").write_bytes(b"short")  # another size than indexed
-    with pytest.raises(IntegrityError, match="'k1'"):
-        be.check_integrity()
-    assert be.batch_get(keys("k1"), [torch.zeros(PAGE)]) == 0  # a short read: dropped
-    be.check_integrity()
-    obj_path(be, "k0").unlink()  # removed behind the index
-    with pytest.raises(IntegrityError, match="'k0'"):
-        be.check_integrity()
-    assert be.batch_get(keys("k0"), [torch.zeros(PAGE)]) == 0  # a miss, counted
-    assert be.errors["missing"] == 1
-    be.check_integrity()  # the miss dropped it from the index
-    be._used += 1
-    with pytest.raises(IntegrityError, match="bytes in use"):
-        be.check_integrity()

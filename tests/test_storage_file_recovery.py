@@ -1,5 +1,6 @@
 """File backend against a directory changed behind its index, and a disk that fills up before
-the budget: vanished objects leave the index and are written again, a full disk evicts."""
+the budget: vanished objects leave the index and are written again, a full disk evicts, and
+``check_integrity`` tells files and index apart."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey
+from kvtier.storage import file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
 from kvtier.storage.file_recency import JOURNAL
 
@@ -171,3 +174,28 @@ def test_touch_refreshes_recency_across_a_restart(tmp_path: Path) -> None:
     assert fresh.errors == {"missing": 1}
     assert fresh.keys() == ["k0", "k1", "k2"]
     assert fresh.touch(keys("zz", "k0")) == 0
+
+
+def test_check_integrity_finds_files_and_index_apart(tmp_path: Path) -> None:
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(keys("k0", "k1"), [page(0), page(1)]) == 2
+    be.check_integrity()
+    stray = obj_path(be, "k1").parent / f".k1.x{file_io.TMP_SUFFIX}"  # a write left behind
+    stray.write_bytes(b"x")
+    with pytest.raises(IntegrityError, match="files and index disagree"):
+        be.check_integrity()
+    stray.unlink()
+    obj_path(be, "k1").write_bytes(b"short")  # another size than indexed
+    with pytest.raises(IntegrityError, match="'k1'"):
+        be.check_integrity()
+    assert be.batch_get(keys("k1"), [torch.zeros(PAGE)]) == 0  # a short read: dropped
+    be.check_integrity()
+    obj_path(be, "k0").unlink()  # removed behind the index
+    with pytest.raises(IntegrityError, match="'k0'"):
+        be.check_integrity()
+    assert be.batch_get(keys("k0"), [torch.zeros(PAGE)]) == 0  # a miss, counted
+    assert be.errors["missing"] == 1
+    be.check_integrity()  # the miss dropped it from the index
+    be._used += 1
+    with pytest.raises(IntegrityError, match="bytes in use"):
+        be.check_integrity()
