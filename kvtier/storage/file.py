@@ -391,14 +391,12 @@ class FileBackend(StorageBackend):
         next backup of its key to replace.) Raises ``IntegrityError``."""
         with self._lock:
             index, used = dict(self._index), self._used
-        if used != sum(index.values()) or used > self.budget_bytes:
+        if used != (held := sum(index.values())) or used > self.budget_bytes:
             raise IntegrityError(
-                f"file backend: {used} bytes in use, {sum(index.values())} indexed, "
-                f"budget {self.budget_bytes}"
+                f"file backend: {used} bytes in use, {held} indexed, budget {self.budget_bytes}"
             )
         found, temps = object_files(self.dir)
-        on_disk = {key: size for _, key, size in found}
-        odd = sorted(set(index.items()) - set(on_disk.items()))[:3] + sorted(temps)[:3]
+        odd = sorted(index.items() - {(key, size) for _, key, size in found})[:3] + temps[:3]
         if odd:
             raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
 
