@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
+from pair_timing import ContiguousPair, best_of
 
 from kvtier.bench.host_runs import churned, mean_run
 from kvtier.bench.pool_sets import family_pool_set
@@ -71,34 +71,13 @@ def cell(page_size: int, layout: str, family: str | None) -> dict:
     patterns = {"random": (hperm[:n], hperm[n : 2 * n])}
     patterns["churned"] = tuple(churned(4 * n, [n, n], page_size, seed=1))
     total = n * page_bytes
-    cd, ch = (
-        torch.empty(total, dtype=torch.uint8, device=DEV),
-        torch.empty(total, dtype=torch.uint8, pin_memory=True),
-    )
-    cd2 = torch.empty_like(cd)
-    ch2 = torch.empty(total, dtype=torch.uint8, pin_memory=True)  # empty_like drops pinning
-    side = torch.cuda.Stream()
+    pair = ContiguousPair(total, DEV)
 
     def timed(fn) -> float:  # noqa: ANN001
-        fn()
-        best = []
-        for _ in range(REPEATS):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best.append(time.perf_counter() - t0)
-        return min(best)
+        return best_of(fn, REPEATS)
 
-    def contiguous_both() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        cd.copy_(ch, non_blocking=True)
-        with torch.cuda.stream(side):
-            ch2.copy_(cd2, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(side)
-
-    cb = 2 * total / timed(contiguous_both) / 1e9
-    c1 = total / timed(lambda: ch.copy_(cd, non_blocking=True)) / 1e9
+    cb = 2 * total / timed(pair.both) / 1e9
+    c1 = total / timed(pair.d2h) / 1e9
     out: dict = {"pages": n, "page_size": page_size, "page_bytes": page_bytes}
     out["contiguous_both_gbps"], out["contiguous_d2h_gbps"] = round(cb, 1), round(c1, 1)
     mover = Mover(dpool, hpool)

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from both_ways import interleaved  # noqa: E402
+from pair_timing import ContiguousPair, best_of  # noqa: E402
 
 from kvtier.bench.host_runs import churned, mean_run  # noqa: E402
 from kvtier.bench.pool_sets import family_pool_set  # noqa: E402
@@ -52,32 +53,13 @@ def cell(page_size: int, family: str | None) -> dict:
     src, dst = perm[:n], perm[n:]
     hpages, hother = churned(4 * n, [n, n], page_size, seed=1)
     total = n * page_bytes
-    cd = torch.empty(total, dtype=torch.uint8, device=DEV)
-    cd2 = torch.empty(total, dtype=torch.uint8, device=DEV)
-    ch = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    ch2 = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    side = torch.cuda.Stream()
+    pair = ContiguousPair(total, DEV)
 
     def timed(fn) -> float:  # noqa: ANN001
-        fn()
-        best = []
-        for _ in range(REPEATS):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best.append(time.perf_counter() - t0)
-        return min(best)
+        return best_of(fn, REPEATS)
 
-    def contiguous_both() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        ch2.copy_(cd2, non_blocking=True)
-        with torch.cuda.stream(side):
-            cd.copy_(ch, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(side)
-
-    cb = 2 * total / timed(contiguous_both) / 1e9
-    c1 = total / timed(lambda: ch.copy_(cd, non_blocking=True)) / 1e9
+    cb = 2 * total / timed(pair.both) / 1e9
+    c1 = total / timed(pair.d2h) / 1e9
     out: dict = {"pages": n, "page_size": page_size, "page_bytes": page_bytes}
     out["mean_run"] = [round(mean_run(hpages), 1), round(mean_run(hother), 1)]
     out["contiguous_both_gbps"], out["contiguous_d2h_gbps"] = round(cb, 1), round(c1, 1)
