@@ -86,10 +86,10 @@ class Mover:
                 "ArenaTranslator (pass translator=None)"
             )
         self.translator = translator or IdentityTranslator()
-        self.mechanism = mechanism or "auto"
-        if self.mechanism not in MECHANISMS:
+        mechanism = mechanism or "auto"
+        if mechanism not in MECHANISMS:
             raise ConfigError(
-                f"transfer_mechanism={self.mechanism!r} is not one of {', '.join(MECHANISMS)}"
+                f"transfer_mechanism={mechanism!r} is not one of {', '.join(MECHANISMS)}"
             )
         self.debug_checks = debug_checks
         if staging_bytes <= 0:
@@ -108,17 +108,22 @@ class Mover:
         )
         """Queues backups chunk by chunk at :meth:`pump` (``CacheConfig.backup_share``); without
         one a backup is queued whole by the call that makes it."""
-        self.pinned = self.cuda and host_pool.pinned
-        self.mechanisms = Mechanisms(self.pinned, self.mechanism, helpers, staging_bytes)
-        if self.mechanism == "copy_engine" and self.pinned and not self.dma:
+        pinned = self.cuda and host_pool.pinned
+        self.mechanisms = Mechanisms(pinned, mechanism, helpers, staging_bytes)
+        if mechanism == "copy_engine" and pinned and not self.dma:
             raise ConfigError(
                 "transfer_mechanism='copy_engine' but this CUDA driver has no batched "
                 "copy-engine transfers (cuMemcpyBatchAsync, driver 12.8+): use 'auto' or 'kernel'"
             )
         self.rows = {
-            s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=self.pinned)
+            s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=pinned)
             for s in device_pool.specs
         }
+
+    @property
+    def pinned(self) -> bool:
+        """A pinned host pool on CUDA (copy engines and row kernels reach it directly)."""
+        return self.mechanisms.pinned
 
     @property
     def staging_bytes(self) -> int:
