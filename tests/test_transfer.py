@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
-from kvtier.transfer import Mover, PermutationTranslator, plan
+from kvtier.transfer import Mover, PermutationTranslator, plan, rows
 from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
@@ -34,6 +34,25 @@ def test_row_numbers_are_layer_major_in_every_pool():
     assert geo("layer_first").host_rows(pages).tolist() == [4, 1, 11, 8, 18, 15]
     assert geo("layer_first").host_rows(pages, layer=2).tolist() == [18, 15]
     assert geo("page_first").device_rows(pages, layer=1).tolist() == [14, 11]
+
+
+@pytest.mark.parametrize("words", [3, 1024, 1500])
+@pytest.mark.parametrize("tile_words", [rows.ONE_BLOCK, rows.TILE_WORDS])
+def test_page_rows_gather_and_scatter_every_layer_page_major(words, tile_words):
+    # A [layers * pages, words] layer-first pool (row p + l * 5) and a staging buffer.
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    layers, npages = 3, 5
+    pool = torch.arange(layers * npages * words, dtype=torch.int64, device=dev)
+    pool = pool.reshape(layers * npages, words)
+    pages = torch.tensor([4, 1, 2], device=dev)
+    staged = torch.zeros(len(pages) * layers, words, dtype=torch.int64, device=dev)
+    rows.copy_page_rows(pool, staged, pages, layers, npages, True, ctas=2, tile_words=tile_words)
+    want = [4, 9, 14, 1, 6, 11, 2, 7, 12]  # page 4's layers, then page 1's, then page 2's
+    assert torch.equal(staged.cpu(), pool.cpu()[want])
+    back = torch.full_like(pool, -1)
+    rows.copy_page_rows(staged, back, pages, layers, npages, False, ctas=2, tile_words=tile_words)
+    assert torch.equal(back.cpu()[want], pool.cpu()[want])
+    assert bool((back.cpu()[[0, 3, 5, 8, 10, 13]] == -1).all())  # page 0 and 3 untouched
 
 
 def test_mean_run_counts_pages_contiguous_on_both_sides():

@@ -22,7 +22,14 @@ from kvtier.transfer import dma
 from kvtier.transfer.mapped import map_pinned
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import RowGeometry, staging_slices
-from kvtier.transfer.rows import ONE_BLOCK, PCIE_CTAS, STAGING_CTAS, TILE_WORDS, copy_rows
+from kvtier.transfer.rows import (
+    ONE_BLOCK,
+    PCIE_CTAS,
+    STAGING_CTAS,
+    TILE_WORDS,
+    copy_page_rows,
+    copy_rows,
+)
 from kvtier.transfer.streams import on
 
 
@@ -174,10 +181,10 @@ class ComponentRows:
         (``plan.staging_slices``). A generator of chunks (see :meth:`kernel`), one per slice.
 
         Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
-        ``i`` has the byte layout of a page-first host page and moves as one block, and a slice's
-        device rows are one range of the page-major row list. The rows are gathered (d2h) or
-        scattered (h2d) on ``helper``, so the copy engine moves one slice while the other buffer
-        is filled or emptied:
+        ``i`` has the byte layout of a page-first host page and moves as one block; the rows are
+        gathered (d2h) or scattered (h2d) on ``helper`` by one launch per slice that reads the
+        slice's device pages (``rows.copy_page_rows``), so the copy engine moves one slice while
+        the other buffer is filled or emptied:
 
             d2h   helper: gather k ──> stream: copy k ──> (buffer free) helper: gather k + 2
             h2d   stream: copy k ──> helper: scatter k ──> (buffer free) stream: copy k + 2
@@ -187,32 +194,31 @@ class ComponentRows:
         slices = staging_slices(pages.host.numel(), page_bytes, staging_bytes, direction)
         words, dtype, device = self.device.shape[1], self.device.dtype, self.device.device
         largest = max(slices)
-        rows = geo.device_rows(pages.on_gpu(device, op)[1], page_major=True)
-        stage_rows = torch.arange(largest * layers, device=device)
         bufs = [
             torch.empty((largest * layers, words), dtype=dtype, device=device)
             for _ in range(min(2, len(slices)))
         ]
-        op.keepalive += [rows, stage_rows, *bufs]
-        helper.wait_stream(stream)  # the page lists, and ``stream`` follows the compute stream
+        op.keepalive += bufs
+        # The device page list is uploaded before the first gather (d2h) or after the first
+        # copy is queued (h2d: its copy needs no device rows, so it starts at once).
+        dev_pages = pages.on_gpu(device, op)[1] if direction == "d2h" else None
+        helper.wait_stream(stream)  # ``stream`` follows the compute stream (and the page list)
         freed: list[torch.cuda.Event | None] = [None, None]
         lo = 0
         for j, k in enumerate(slices):
             buf, b = bufs[j % 2], j % 2
-            dev_rows, st_rows = rows[lo * layers : (lo + k) * layers], stage_rows[: k * layers]
             host_at = _addresses(self.host, pages.host[lo : lo + k], page_bytes)
             stage_at = np.uint64(buf.data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(
                 page_bytes
             )
             sizes = np.full(k, page_bytes, dtype=np.uint64)
-            lo += k
             if direction == "d2h":
                 with on(helper):
                     if freed[b] is not None:
                         helper.wait_event(freed[b])
                     # The first gather runs alone: all programs, so the copy engine starts soon.
                     ctas = PCIE_CTAS if j == 0 else STAGING_CTAS
-                    queue_rows(self.device, dev_rows, buf, st_rows, op, ctas)
+                    self._stage(buf, dev_pages[lo : lo + k], True, op, ctas, ONE_BLOCK)
                     ready = _record(helper)
                 stream.wait_event(ready)
                 yield k * page_bytes
@@ -223,13 +229,32 @@ class ComponentRows:
                     stream.wait_event(freed[b])
                 yield k * page_bytes
                 dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
+                if dev_pages is None:
+                    dev_pages = pages.on_gpu(device, op)[1]  # behind the first copy, on stream
                 arrived = _record(stream)
                 with on(helper):
                     helper.wait_event(arrived)
-                    queue_rows(buf, st_rows, self.device, dev_rows, op, STAGING_CTAS, TILE_WORDS)
+                    self._stage(buf, dev_pages[lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
                     freed[b] = _record(helper)
+            lo += k
         if direction == "h2d":
             stream.wait_stream(helper)
+
+    def _stage(
+        self,
+        buf: torch.Tensor,
+        dev_pages: torch.Tensor,
+        gather: bool,
+        op: TransferOp,
+        ctas: int,
+        tile_words: int,
+    ) -> None:
+        """Gather the rows of ``dev_pages`` into staging ``buf`` page-major, or scatter them
+        back, on the current stream."""
+        src, dst = (self.device, buf) if gather else (buf, self.device)
+        geo = self.geo
+        copy_page_rows(src, dst, dev_pages, geo.layers, geo.layer_stride, gather, ctas, tile_words)
+        op.keepalive.append(dev_pages)
 
     def unpinned(
         self, direction: str, pages: PageLists, op: TransferOp

@@ -345,13 +345,15 @@ class Mover:
             with torch.cuda.device(self.dev.device):
                 compute = torch.cuda.current_stream(self.dev.device)
                 jobs: list[tuple[Iterator[int], torch.cuda.Stream]] = []
+                # The load first: a staged load's first copy needs no device work before it,
+                # while a backup's waits for its first gather.
+                if lop.num_pages:
+                    chunks = self._load_chunks(lpages, lop, False, compute)
+                    jobs.append((chunks, self.load_stream))
                 if bop.num_pages:
                     start = torch.cuda.Event()
                     start.record(compute)
                     jobs.append((self._backup(bpages, bop, start, 0), self.backup_stream))
-                if lop.num_pages:
-                    chunks = self._load_chunks(lpages, lop, False, compute)
-                    jobs.append((chunks, self.load_stream))
                 interleave(jobs)
         except BaseException:
             bop.release()

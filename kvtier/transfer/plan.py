@@ -73,6 +73,11 @@ class RowGeometry:
         return self.device_layer_stride == 1
 
     @property
+    def layer_stride(self) -> int:
+        """Device rows from one layer of a page to the next."""
+        return self.device_layer_stride or self.device_pages
+
+    @property
     def whole_pages(self) -> bool:
         """All layers of a page are one block on both sides (an envelope, a page-first host):
         copy-engine blocks are whole pages, listed page-major, and staging would add nothing."""
@@ -84,8 +89,8 @@ class RowGeometry:
         """Device row numbers of ``pages`` (int64, on the pages' device), layer-major: all pages
         of the first layer, then the next layer's; one layer only when ``layer`` is given;
         ``page_major`` orders them all layers of the first page, then the next page's."""
-        stride = self.device_layer_stride or self.device_pages
-        return _rows(pages, 1, _offsets(self.layers, layer, stride, pages.device), page_major)
+        offsets = _offsets(self.layers, layer, self.layer_stride, pages.device)
+        return _rows(pages, 1, offsets, page_major)
 
     def host_rows(
         self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False

@@ -35,7 +35,8 @@ FALLBACK_TEMP_BYTES = 4 << 20
 
 @functools.cache
 def _kernels():  # noqa: ANN202
-    """``(row kernel, tile kernel, next_power_of_2)``, or ``None`` without Triton."""
+    """``(row kernel, tile kernel, page kernel, next_power_of_2)``, or ``None`` without
+    Triton."""
     try:
         import triton
         import triton.language as tl
@@ -85,7 +86,40 @@ def _kernels():  # noqa: ANN202
                 v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
                 tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
 
-    return copy_rows_kernel, copy_tiles_kernel, triton.next_power_of_2
+    @triton.jit
+    def copy_pages_kernel(
+        src,
+        dst,
+        pages,
+        n_rows,
+        stride,
+        LAYERS: tl.constexpr,  # noqa: N803
+        GATHER: tl.constexpr,  # noqa: N803
+        WORDS: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
+        ROWS: tl.constexpr,  # noqa: N803
+    ):
+        # Row numbers of the paged side come from the page list here, so no row list is built
+        # (and no kernel builds one) before the first copy of a staged transfer.
+        for t in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+            r = t * ROWS + tl.arange(0, ROWS)
+            live = r < n_rows
+            page = tl.load(pages + r // LAYERS, mask=live, other=0).to(tl.int64)
+            paged = (page + (r % LAYERS).to(tl.int64) * stride) * WORDS
+            flat = r.to(tl.int64) * WORDS
+            if GATHER:
+                s = paged
+                d = flat
+            else:
+                s = flat
+                d = paged
+            for o in tl.range(0, WORDS, BLOCK):
+                offs = o + tl.arange(0, BLOCK)
+                mask = live[:, None] & (offs < WORDS)[None, :]
+                v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
+                tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
+
+    return copy_rows_kernel, copy_tiles_kernel, copy_pages_kernel, triton.next_power_of_2
 
 
 def copy_rows(
@@ -113,7 +147,7 @@ def copy_rows(
                 0, dst_idx[lo : lo + step], src.index_select(0, src_idx[lo : lo + step])
             )
         return
-    rows_kernel, tiles_kernel, pow2 = kernels
+    rows_kernel, tiles_kernel, _, pow2 = kernels
     words = src.shape[1]
     block = min(BLOCK_WORDS, pow2(words))
     if ctas is None:
@@ -125,4 +159,55 @@ def copy_rows(
     tiles = -(-n // rows)
     tiles_kernel[(min(tiles, ctas),)](
         src, dst, src_idx, dst_idx, n, tiles, WORDS=words, BLOCK=block, ROWS=rows
+    )
+
+
+def copy_page_rows(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    pages: torch.Tensor,
+    layers: int,
+    stride: int,
+    gather: bool,
+    ctas: int,
+    tile_words: int = ONE_BLOCK,
+) -> None:
+    """Copy every layer of ``pages`` between a paged ``[rows, words]`` view, where layer ``l`` of
+    page ``p`` is row ``p + l * stride``, and a flat one holding them page-major:
+
+        gather    dst[i * layers + l] = src[pages[i] + l * stride]
+        scatter   dst[pages[i] + l * stride] = src[i * layers + l]
+
+    ``pages`` lives on the tensors' device. On CUDA one launch of at most ``ctas`` programs (see
+    :func:`copy_rows` for ``tile_words``) computes the paged rows itself; elsewhere the row lists
+    are built and :func:`copy_rows` copies them."""
+    n = pages.numel() * layers
+    if n == 0:
+        return
+    kernels = _kernels() if src.is_cuda else None
+    if kernels is None:
+        paged = (
+            pages.long()[:, None] + torch.arange(layers, device=pages.device) * stride
+        ).reshape(-1)
+        flat = torch.arange(n, device=pages.device)
+        if gather:
+            copy_rows(src, paged, dst, flat)
+        else:
+            copy_rows(src, flat, dst, paged)
+        return
+    words = src.shape[1]
+    block = min(BLOCK_WORDS, kernels[3](words))
+    rows = max(1, tile_words // block)
+    tiles = -(-n // rows)
+    kernels[2][(min(tiles, ctas),)](
+        src,
+        dst,
+        pages,
+        n,
+        stride,
+        LAYERS=layers,
+        GATHER=gather,
+        WORDS=words,
+        BLOCK=block,
+        ROWS=rows,
     )

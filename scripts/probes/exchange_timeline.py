@@ -24,6 +24,7 @@ OUT = os.environ.get("OUT", "/tmp")
 LOG: list[tuple[float, str, int]] = []
 T0 = [0.0]
 _copy_blocks, _queue_rows = dma.copy_blocks, component.queue_rows
+_copy_page_rows = component.copy_page_rows
 
 
 def logged_blocks(dst, src, size, stream):  # noqa: ANN001, ANN201
@@ -36,8 +37,14 @@ def logged_rows(src, si, dst, di, op, *a, **k):  # noqa: ANN001, ANN201
     LOG.append((time.perf_counter() - T0[0], f"rows s{torch.cuda.current_stream().stream_id}", 0))
 
 
+def logged_page_rows(*a, **k):  # noqa: ANN002, ANN003, ANN201
+    _copy_page_rows(*a, **k)
+    LOG.append((time.perf_counter() - T0[0], f"rows s{torch.cuda.current_stream().stream_id}", 0))
+
+
 component.dma.copy_blocks = logged_blocks
 component.queue_rows = logged_rows
+component.copy_page_rows = logged_page_rows
 
 
 def case(family: str, ps: int) -> dict:
