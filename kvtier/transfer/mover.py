@@ -345,15 +345,16 @@ class Mover:
             with torch.cuda.device(self.dev.device):
                 compute = torch.cuda.current_stream(self.dev.device)
                 jobs: list[tuple[Iterator[int], torch.cuda.Stream]] = []
-                # The load first: a staged load's first copy needs no device work before it,
-                # while a backup's waits for its first gather.
-                if lop.num_pages:
-                    chunks = self._load_chunks(lpages, lop, False, compute)
-                    jobs.append((chunks, self.load_stream))
+                # The backup first: queued load first, both ways moved 0.87-0.92 of two
+                # contiguous copies against 0.88-0.96 backup first, and 0.58 against 0.91 for
+                # DSA at page size 1 (results/h200-dma/run11/exchange_order.json).
                 if bop.num_pages:
                     start = torch.cuda.Event()
                     start.record(compute)
                     jobs.append((self._backup(bpages, bop, start, 0), self.backup_stream))
+                if lop.num_pages:
+                    chunks = self._load_chunks(lpages, lop, False, compute)
+                    jobs.append((chunks, self.load_stream))
                 interleave(jobs)
         except BaseException:
             bop.release()
