@@ -13,6 +13,7 @@ from kvtier.errors import RequestError
 from kvtier.transfer import Mover
 from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED
+from kvtier.transfer.uploads import Uploads
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)], ids=["cpu", "cuda"])
@@ -110,3 +111,21 @@ def test_mechanisms_dispatch_and_fall_back_to_kernels(monkeypatch, path):
     queue_all(m.chunks("kv", r, "h2d", pages, stream, op))
     assert r.ran == ["direct", "kernel"] and op.paths == {"kv": KERNEL}
     assert m.dma is False and stream.waited == [helper]  # staging work queued before
+
+
+@cuda
+def test_uploads_reuse_a_pinned_buffer_only_once_its_copy_ran():
+    dev = torch.device("cuda")
+    ups = Uploads()
+    torch.cuda._sleep(200_000_000)  # the stream is busy: the first copy stays in flight
+    a = ups.upload(torch.arange(6).reshape(2, 3), dev)
+    b = ups.upload(torch.arange(6, 12).reshape(2, 3), dev)
+    busy = [buf.data_ptr() for buf, _ in ups._bufs]
+    assert busy[0] != busy[1]
+    torch.cuda.synchronize()
+    c = ups.upload(torch.arange(12, 18).reshape(2, 3), dev)
+    assert ups._bufs[-1][0].data_ptr() == busy[0]  # done now: taken again
+    torch.cuda.synchronize()
+    assert a.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert b.tolist() == [[6, 7, 8], [9, 10, 11]]
+    assert c.tolist() == [[12, 13, 14], [15, 16, 17]]

@@ -31,6 +31,7 @@ from kvtier.transfer.rows import (
     copy_rows,
 )
 from kvtier.transfer.streams import on
+from kvtier.transfer.uploads import Uploads
 
 
 @dataclass(slots=True)
@@ -46,14 +47,19 @@ class PageLists:
 
     host: torch.Tensor
     device: torch.Tensor
+    uploads: Uploads | None = None
+    """Pinned buffers to upload through (a mover's); ``None`` pins a temporary."""
     _gpu: torch.Tensor | None = None
 
     def on_gpu(self, device: torch.device, op: TransferOp) -> tuple[torch.Tensor, torch.Tensor]:
         """``(host, device)`` page lists on ``device``. The first call queues the copy on the
         current stream, from pinned memory (the host never waits); ``op`` keeps it alive."""
         if self._gpu is None:
-            both = torch.stack([self.host, self.device]).pin_memory()
-            self._gpu = both.to(device, non_blocking=True)
+            both = torch.stack([self.host, self.device])
+            if self.uploads is not None:
+                self._gpu = self.uploads.upload(both, device)
+            else:
+                self._gpu = both.pin_memory().to(device, non_blocking=True)
             op.keepalive.append(self._gpu)
         return self._gpu[0], self._gpu[1]
 
@@ -290,6 +296,7 @@ def envelope_lists(
     device_pages: torch.Tensor,
     host: torch.Tensor,
     names: Sequence[str],
+    uploads: Uploads | None = None,
 ) -> tuple[dict[str, PageLists], TransferOp]:
     """The page lists of components ``names`` for a transfer of logical ``device_pages`` of
     ``arena`` (base units; only the pages with an envelope of the component, the matching
@@ -306,7 +313,9 @@ def envelope_lists(
         every = bool(have.all())
         if s.kind != "window" and not every:
             raise IntegrityError(f"{direction} transfer: a page has no {s.name!r} envelope")
-        lists[s.name] = PageLists(host, phys) if every else PageLists(host[have], phys[have])
+        lists[s.name] = (
+            PageLists(host, phys, uploads) if every else PageLists(host[have], phys[have], uploads)
+        )
         nbytes += lists[s.name].device.numel() * s.page_bytes(arena.page_size)
     op = TransferOp(direction, logical.numel(), nbytes)
     arena.lease(logical)

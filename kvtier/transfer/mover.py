@@ -41,6 +41,7 @@ from kvtier.transfer.translate import (
     IdentityTranslator,
     PageTranslator,
 )
+from kvtier.transfer.uploads import Uploads
 
 if TYPE_CHECKING:
     from kvtier.transfer.layers import Layered
@@ -109,6 +110,8 @@ class Mover:
         """Queues backups chunk by chunk at :meth:`pump` (``CacheConfig.backup_share``); without
         one a backup is queued whole by the call that makes it."""
         pinned = self.cuda and host_pool.pinned
+        self.uploads = Uploads() if self.cuda else None
+        """Pinned buffers the page lists go to the GPU through."""
         self.mechanisms = Mechanisms(pinned, mechanism, helpers, staging_bytes)
         if mechanism == "copy_engine" and pinned and not self.dma:
             raise ConfigError(
@@ -168,13 +171,15 @@ class Mover:
         host = self.translator.host_physical(host_pages).cpu().long()
         if self.arena is None:
             phys = self.translator.device_physical(device_pages).cpu().long()
-            lists = dict.fromkeys(names, PageLists(host, phys))
+            lists = dict.fromkeys(names, PageLists(host, phys, self.uploads))
             nbytes = sum(
                 s.page_bytes(self.dev.page_size) for s in self.dev.specs if s.name in lists
             )
             op = TransferOp(direction, phys.numel(), phys.numel() * nbytes)
         else:
-            lists, op = envelope_lists(self.arena, direction, device_pages, host, names)
+            lists, op = envelope_lists(
+                self.arena, direction, device_pages, host, names, self.uploads
+            )
         try:
             if not self.cuda and copy:
                 for name, pages in lists.items():
