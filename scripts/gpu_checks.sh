@@ -21,7 +21,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -W ignore \
       tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py \
       tests/test_pool_sets.py tests/test_family_oracle.py tests/test_transfer.py tests/test_overlap.py tests/test_pacer.py \
-      tests/test_translator.py tests/test_engine_attention.py \
+      tests/test_translator.py tests/test_engine_attention.py tests/test_transfer_exchange.py \
+      tests/test_layer_backup.py tests/test_arena_transfer.py \
       2>&1 | tail -3
 fi
 

@@ -129,3 +129,17 @@ def test_uploads_reuse_a_pinned_buffer_only_once_its_copy_ran():
     assert a.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert b.tolist() == [[6, 7, 8], [9, 10, 11]]
     assert c.tolist() == [[12, 13, 14], [15, 16, 17]]
+
+
+@cuda
+def test_uploads_serve_inference_tensors_in_and_out_of_inference_mode():
+    dev = torch.device("cuda")
+    ups = Uploads()
+    with torch.inference_mode():
+        a = ups.upload(torch.arange(4).reshape(2, 2), dev)
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        lists = torch.arange(4, 8).reshape(2, 2)
+    b = ups.upload(lists, dev)  # the buffer made under inference mode, reused outside it
+    torch.cuda.synchronize()
+    assert a.tolist() == [[0, 1], [2, 3]] and b.tolist() == [[4, 5], [6, 7]]

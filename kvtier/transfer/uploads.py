@@ -25,9 +25,10 @@ class Uploads:
         never waits for the GPU."""
         n = lists.numel()
         buf = self._take(n)
-        staged = buf[:n].view(lists.shape)
-        staged.copy_(lists)
-        out = staged.to(device, non_blocking=True)
+        # Through numpy: the lists may be inference tensors (made under ``inference_mode``)
+        # and the buffer not, or the other way round; neither may update the other in place.
+        buf.numpy()[:n] = lists.numpy().reshape(-1)
+        out = buf[:n].view(lists.shape).to(device, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self._bufs.append((buf, done))
@@ -41,4 +42,5 @@ class Uploads:
                 del self._bufs[i]
                 return buf
         size = 1 << max(12, (n - 1).bit_length())
-        return torch.empty(size, dtype=torch.int64, pin_memory=True)
+        with torch.inference_mode(False):  # reused outside inference mode too
+            return torch.empty(size, dtype=torch.int64, pin_memory=True)
