@@ -45,6 +45,10 @@ class _Attributes(ctypes.Structure):
 BATCH_BLOCKS = 512
 """Blocks per driver call. The driver spends about 0.7 µs per block before the copy engines
 start on a call, so long lists go in slices: the first copies run while later ones are queued."""
+FEW_BLOCKS = 16
+"""Lists this short are queued as one ``cuMemcpyAsync`` per block (a few µs of CPU each).
+Both directions at once, batched lists moved less than plain copies of the same blocks on an
+H200 (``scripts/probes/ce_sharing.py``, results/h200-dma/run11)."""
 _SRC_ACCESS_ORDER_STREAM = 1
 """The source is read in stream order (it may be written by earlier work on the stream)."""
 
@@ -90,13 +94,26 @@ def copy_blocks(
     """Queue ``size[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every ``i`` on
     ``stream`` (addresses are device pointers or pinned host pointers; unified addressing tells
     the driver which is which). Returns once queued; the arrays may be dropped then."""
+    if _entry() is None:
+        raise DmaError("cuMemcpyBatchAsync is not available in this CUDA driver")
+    n = int(size.size)
+    if n == 0:
+        return
+    if n <= FEW_BLOCKS:
+        _copy_each(dst, src, size, stream)
+    else:
+        _copy_batched(dst, src, size, stream)
+
+
+def _copy_batched(
+    dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: torch.cuda.Stream
+) -> None:
+    """The blocks by ``cuMemcpyBatchAsync``, ``BATCH_BLOCKS`` per call."""
     entry = _entry()
     if entry is None:
         raise DmaError("cuMemcpyBatchAsync is not available in this CUDA driver")
     fn, fail_index = entry
     n = int(size.size)
-    if n == 0:
-        return
     d, s, z = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, size))
     attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM)
     attr_index = (ctypes.c_size_t * 1)(0)
@@ -118,3 +135,24 @@ def copy_blocks(
         rc = fn(*args, handle)  # type: ignore[operator]
         if rc != 0:
             raise DmaError(f"cuMemcpyBatchAsync failed with CUresult {rc} ({k} blocks)")
+
+
+@functools.cache
+def _memcpy() -> object:
+    fn = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _copy_each(
+    dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: torch.cuda.Stream
+) -> None:
+    """One ``cuMemcpyAsync`` per block on ``stream`` (unified addressing: pinned host pointers
+    are device pointers)."""
+    fn = _memcpy()
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    for d, s, z in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
+        rc = fn(d, s, z, handle)  # type: ignore[operator]
+        if rc != 0:
+            raise DmaError(f"cuMemcpyAsync failed with CUresult {rc} ({z} bytes)")

@@ -33,6 +33,7 @@ MEMCPY = LIB.cuMemcpyAsync
 MEMCPY.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
 MEMCPY.restype = ctypes.c_int
 BATCHED = dma.copy_blocks
+RAW_BATCHED = dma._copy_batched
 
 
 def per_block(dst, src, size, stream):  # noqa: ANN001, ANN201
@@ -87,9 +88,10 @@ def case(family: str, ps: int) -> dict:
 
     fns = {
         "copy_": pair.both,
-        "pair_batched": raw_pair(BATCHED),
+        "pair_batched": raw_pair(RAW_BATCHED),
         "pair_memcpy": raw_pair(per_block),
-        "exchange_batched": ex(BATCHED),
+        "exchange_batched": ex(RAW_BATCHED),
+        "exchange_default": ex(BATCHED),
         "exchange_memcpy": ex(per_block),
     }
     times: dict[str, list[float]] = {k: [] for k in fns}
