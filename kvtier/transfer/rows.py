@@ -38,88 +38,10 @@ def _kernels():  # noqa: ANN202
     """``(row kernel, tile kernel, page kernel, next_power_of_2)``, or ``None`` without
     Triton."""
     try:
-        import triton
-        import triton.language as tl
+        from kvtier.transfer import rows_triton as k
     except ImportError:
         return None
-
-    @triton.jit
-    def copy_rows_kernel(
-        src,
-        dst,
-        src_idx,
-        dst_idx,
-        n_rows,
-        WORDS: tl.constexpr,  # noqa: N803
-        BLOCK: tl.constexpr,  # noqa: N803
-    ):
-        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            s = tl.load(src_idx + r).to(tl.int64) * WORDS
-            d = tl.load(dst_idx + r).to(tl.int64) * WORDS
-            for o in tl.range(0, WORDS, BLOCK):
-                offs = o + tl.arange(0, BLOCK)
-                mask = offs < WORDS
-                tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
-
-    @triton.jit
-    def copy_tiles_kernel(
-        src,
-        dst,
-        src_idx,
-        dst_idx,
-        n_rows,
-        n_tiles,
-        WORDS: tl.constexpr,  # noqa: N803
-        BLOCK: tl.constexpr,  # noqa: N803
-        ROWS: tl.constexpr,  # noqa: N803
-    ):
-        # Each iteration moves a ROWS x BLOCK tile: many independent loads in flight per
-        # program, which is what hides latency when rows are small.
-        for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            r = t * ROWS + tl.arange(0, ROWS)
-            live = r < n_rows
-            s = tl.load(src_idx + r, mask=live, other=0).to(tl.int64) * WORDS
-            d = tl.load(dst_idx + r, mask=live, other=0).to(tl.int64) * WORDS
-            for o in tl.range(0, WORDS, BLOCK):
-                offs = o + tl.arange(0, BLOCK)
-                mask = live[:, None] & (offs < WORDS)[None, :]
-                v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
-                tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
-
-    @triton.jit
-    def copy_pages_kernel(
-        src,
-        dst,
-        pages,
-        n_rows,
-        stride,
-        LAYERS: tl.constexpr,  # noqa: N803
-        GATHER: tl.constexpr,  # noqa: N803
-        WORDS: tl.constexpr,  # noqa: N803
-        BLOCK: tl.constexpr,  # noqa: N803
-        ROWS: tl.constexpr,  # noqa: N803
-    ):
-        # Row numbers of the paged side come from the page list here, so no row list is built
-        # (and no kernel builds one) before the first copy of a staged transfer.
-        for t in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-            r = t * ROWS + tl.arange(0, ROWS)
-            live = r < n_rows
-            page = tl.load(pages + r // LAYERS, mask=live, other=0).to(tl.int64)
-            paged = (page + (r % LAYERS).to(tl.int64) * stride) * WORDS
-            flat = r.to(tl.int64) * WORDS
-            if GATHER:
-                s = paged
-                d = flat
-            else:
-                s = flat
-                d = paged
-            for o in tl.range(0, WORDS, BLOCK):
-                offs = o + tl.arange(0, BLOCK)
-                mask = live[:, None] & (offs < WORDS)[None, :]
-                v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
-                tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
-
-    return copy_rows_kernel, copy_tiles_kernel, copy_pages_kernel, triton.next_power_of_2
+    return k.copy_rows_kernel, k.copy_tiles_kernel, k.copy_pages_kernel, k.next_power_of_2
 
 
 def copy_rows(

@@ -15,16 +15,10 @@ import time
 import numpy as np
 import torch
 
-from kvtier.bench.host_runs import churned
-from kvtier.bench.pool_sets import family_pool_set
-from kvtier.pools.device import DevicePool
-from kvtier.pools.host import HostPool
-from kvtier.pools.spec import tree_page_size
 from kvtier.transfer import dma
-from kvtier.transfer.mover import Mover
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pair_timing import ContiguousPair  # noqa: E402
+from pair_timing import ContiguousPair, ExchangeCase  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = os.environ.get("OUT", "/tmp")
@@ -45,27 +39,16 @@ def per_block(dst, src, size, stream):  # noqa: ANN001, ANN201
 
 
 def case(family: str, ps: int) -> dict:
-    specs = family_pool_set(family, torch.bfloat16)
-    ps = tree_page_size(ps, specs)
-    pb = sum(s.page_bytes(ps) for s in specs)
-    n = (1 << 30) // pb
-    dpool = DevicePool(specs, 2 * n, ps, DEV)
-    hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
-    perm = torch.randperm(2 * n)
-    src, dst = perm[:n], perm[n:]
-    hp, ho = churned(4 * n, [n, n], ps, seed=1)
-    mover = Mover(dpool, hpool)
-    pair = ContiguousPair(n * pb, DEV)
+    c = ExchangeCase(family, ps, DEV)
+    n, pb = c.pages, c.page_bytes
+    pair = ContiguousPair(c.nbytes, DEV)
     side = pair.side
 
     def ex(fn):  # noqa: ANN001, ANN202
         def run() -> None:
             dma.copy_blocks = fn
             try:
-                b, ld = mover.exchange((src, ho), (hp, dst))
-                b.wait()
-                ld.wait()
-                b.complete()
+                c.exchange()
             finally:
                 dma.copy_blocks = BATCHED
 

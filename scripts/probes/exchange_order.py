@@ -20,12 +20,11 @@ from kvtier.bench.host_runs import churned
 from kvtier.bench.pool_sets import FAMILIES, family_pool_set
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import tree_page_size
 from kvtier.transfer.component import interleave
 from kvtier.transfer.mover import Mover
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pair_timing import ContiguousPair  # noqa: E402
+from pair_timing import ContiguousPair, ExchangeCase  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = os.environ.get("OUT", "/tmp")
@@ -45,17 +44,10 @@ def exchange(mover: Mover, backup, load, load_first: bool):  # noqa: ANN001, ANN
 
 
 def case(family: str, ps: int, repeats: int = 7) -> dict:
-    specs = family_pool_set(family, torch.bfloat16)
-    ps = tree_page_size(ps, specs)
-    pb = sum(s.page_bytes(ps) for s in specs)
-    n = (1 << 30) // pb
-    dpool = DevicePool(specs, 2 * n, ps, DEV)
-    hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
-    perm = torch.randperm(2 * n)
-    src, dst = perm[:n], perm[n:]
-    hp, ho = churned(4 * n, [n, n], ps, seed=1)
-    mover = Mover(dpool, hpool)
-    pair = ContiguousPair(n * pb, DEV)
+    c = ExchangeCase(family, ps, DEV)
+    mover, src, dst, hp, ho = c.mover, c.src, c.dst, c.hp, c.ho
+    n, pb = c.pages, c.page_bytes
+    pair = ContiguousPair(c.nbytes, DEV)
 
     def run(load_first: bool) -> None:
         bop, lop = exchange(mover, (src, ho), (hp, dst), load_first)

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
-from kvtier.bench.host_runs import churned
-from kvtier.bench.pool_sets import family_pool_set
-from kvtier.pools.device import DevicePool
-from kvtier.pools.host import HostPool
-from kvtier.pools.spec import tree_page_size
 from kvtier.transfer import component, dma
-from kvtier.transfer.mover import Mover
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pair_timing import ExchangeCase  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = os.environ.get("OUT", "/tmp")
@@ -47,16 +45,8 @@ component.copy_page_rows = page_rows
 
 
 def case(family: str, ps: int) -> dict:
-    specs = family_pool_set(family, torch.bfloat16)
-    ps = tree_page_size(ps, specs)
-    pb = sum(s.page_bytes(ps) for s in specs)
-    n = (1 << 30) // pb
-    dpool = DevicePool(specs, 2 * n, ps, DEV)
-    hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
-    perm = torch.randperm(2 * n)
-    src, dst = perm[:n], perm[n:]
-    hp, ho = churned(4 * n, [n, n], ps, seed=1)
-    mover = Mover(dpool, hpool)
+    c = ExchangeCase(family, ps, DEV)
+    mover, src, dst, hp, ho = c.mover, c.src, c.dst, c.hp, c.ho
     out: dict = {}
     for rep in range(3):
         for name in ("d2h", "h2d", "exchange"):

@@ -42,3 +42,40 @@ class ContiguousPair:
         with torch.cuda.stream(self.side):
             self.dev[0].copy_(self.host[0], non_blocking=True)
         torch.cuda.current_stream().wait_stream(self.side)
+
+
+class ExchangeCase:
+    """A 1 GiB exchange of one family at one page size: pools (page-first pinned host of four
+    times the pages), a mover, device pages ``src`` (backed up into host pages ``ho``) and
+    ``dst`` (loaded from host pages ``hp``), host pages churned as a busy tier hands them out."""
+
+    def __init__(self, family: str, page_size: int, device: torch.device) -> None:
+        from kvtier.bench.host_runs import churned
+        from kvtier.bench.pool_sets import family_pool_set
+        from kvtier.pools.device import DevicePool
+        from kvtier.pools.host import HostPool
+        from kvtier.pools.spec import tree_page_size
+        from kvtier.transfer.mover import Mover
+
+        specs = family_pool_set(family, torch.bfloat16)
+        ps = tree_page_size(page_size, specs)
+        self.page_bytes = sum(s.page_bytes(ps) for s in specs)
+        self.pages = n = (1 << 30) // self.page_bytes
+        dpool = DevicePool(specs, 2 * n, ps, device)
+        hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
+        perm = torch.randperm(2 * n)
+        self.src, self.dst = perm[:n], perm[n:]
+        self.hp, self.ho = churned(4 * n, [n, n], ps, seed=1)
+        self.mover = Mover(dpool, hpool)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one direction."""
+        return self.pages * self.page_bytes
+
+    def exchange(self) -> None:
+        """Both directions by ``Mover.exchange``, waited for."""
+        back, load = self.mover.exchange((self.src, self.ho), (self.hp, self.dst))
+        back.wait()
+        load.wait()
+        back.complete()

@@ -1,0 +1,86 @@
+"""The Triton kernels of ``kvtier.transfer.rows`` (imported only where Triton is installed)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+next_power_of_2 = triton.next_power_of_2
+
+
+@triton.jit
+def copy_tile(src, dst, s, d, live, WORDS: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+    """Rows ``s`` of ``src`` into rows ``d`` of ``dst`` (word offsets; ``live`` masks)."""
+    for o in tl.range(0, WORDS, BLOCK):
+        offs = o + tl.arange(0, BLOCK)
+        mask = live[:, None] & (offs < WORDS)[None, :]
+        v = tl.load(src + s[:, None] + offs[None, :], mask=mask)
+        tl.store(dst + d[:, None] + offs[None, :], v, mask=mask)
+
+
+@triton.jit
+def copy_rows_kernel(
+    src,
+    dst,
+    src_idx,
+    dst_idx,
+    n_rows,
+    WORDS: tl.constexpr,  # noqa: N803
+    BLOCK: tl.constexpr,  # noqa: N803
+):
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        s = tl.load(src_idx + r).to(tl.int64) * WORDS
+        d = tl.load(dst_idx + r).to(tl.int64) * WORDS
+        for o in tl.range(0, WORDS, BLOCK):
+            offs = o + tl.arange(0, BLOCK)
+            mask = offs < WORDS
+            tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def copy_tiles_kernel(
+    src,
+    dst,
+    src_idx,
+    dst_idx,
+    n_rows,
+    n_tiles,
+    WORDS: tl.constexpr,  # noqa: N803
+    BLOCK: tl.constexpr,  # noqa: N803
+    ROWS: tl.constexpr,  # noqa: N803
+):
+    # Each iteration moves a ROWS x BLOCK tile: many independent loads in flight per
+    # program, which is what hides latency when rows are small.
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        r = t * ROWS + tl.arange(0, ROWS)
+        live = r < n_rows
+        s = tl.load(src_idx + r, mask=live, other=0).to(tl.int64) * WORDS
+        d = tl.load(dst_idx + r, mask=live, other=0).to(tl.int64) * WORDS
+        copy_tile(src, dst, s, d, live, WORDS, BLOCK)
+
+
+@triton.jit
+def copy_pages_kernel(
+    src,
+    dst,
+    pages,
+    n_rows,
+    stride,
+    LAYERS: tl.constexpr,  # noqa: N803
+    GATHER: tl.constexpr,  # noqa: N803
+    WORDS: tl.constexpr,  # noqa: N803
+    BLOCK: tl.constexpr,  # noqa: N803
+    ROWS: tl.constexpr,  # noqa: N803
+):
+    # Row numbers of the paged side come from the page list here, so no row list is built
+    # (and no kernel builds one) before the first copy of a staged transfer.
+    for t in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        r = t * ROWS + tl.arange(0, ROWS)
+        live = r < n_rows
+        page = tl.load(pages + r // LAYERS, mask=live, other=0).to(tl.int64)
+        paged = (page + (r % LAYERS).to(tl.int64) * stride) * WORDS
+        flat = r.to(tl.int64) * WORDS
+        if GATHER:
+            copy_tile(src, dst, paged, flat, live, WORDS, BLOCK)
+        else:
+            copy_tile(src, dst, flat, paged, live, WORDS, BLOCK)
