@@ -2,7 +2,10 @@
 (churned host pages) with staged slices queued by ``cuMemcpyBatchAsync`` (as shipped) and by one
 ``cuMemcpyAsync`` per block; two contiguous copies at once by ``Tensor.copy_``, by one-block
 batch lists and by ``cuMemcpyAsync``. Interleaved, best of 5, ratios to ``Tensor.copy_``. Dense
-and hybrid at page size 1; ``$OUT/ce_sharing.json``."""
+and hybrid at page size 1; ``$OUT/ce_sharing.json``.
+
+Its one run (run 11) stopped at the first one-block batch list: the driver refused a single
+1 GiB block (``CUresult`` 1, invalid value), so it gave no figure."""
 
 from __future__ import annotations
 
