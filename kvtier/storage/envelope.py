@@ -118,6 +118,16 @@ def fast_payload_digest(header: bytearray, fields: memoryview, prefix: bytes) ->
     return None
 
 
+def header_key(header: bytes) -> str:
+    """The key a whole header names (unverified: ``unpack`` checks it)."""
+    key_len, k = _KEY.unpack_from(header, _KEY_AT)
+    return k[: min(key_len, 48)].decode(errors="replace")
+
+
+_KEY = struct.Struct("<H8x32x48s")
+_KEY_AT = 6
+
+
 def unpack(header: bytes | memoryview, namespace: str, key: str) -> tuple[int, int]:
     """Verify ``header`` for ``key`` in ``namespace``; returns ``(payload_len, payload_digest)``.
 

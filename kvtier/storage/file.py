@@ -18,14 +18,14 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.errors import ConfigError, IntegrityError, RequestError, StorageError
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import envelope
+from kvtier.storage import envelope, file_layout
 from kvtier.storage.base import (
     StorageBackend,
     StorageCapabilities,
@@ -36,13 +36,28 @@ from kvtier.storage.base import (
 from kvtier.storage.file_io import (
     TMP_SUFFIX,
     CorruptObject,
-    object_files,
     os_kind,
+    publish,
     read_object,
     unlink_quiet,
     write_object,
 )
-from kvtier.storage.file_pool import NOT_RUN, BatchProgress, OrderedIO, leading
+from kvtier.storage.file_pack import (
+    PACK_HEAD,
+    PACK_MIN_OBJECTS,
+    PACKS_DIR,
+    Packed,
+    object_sizes,
+    read_run,
+    write_pack,
+)
+from kvtier.storage.file_pool import (
+    NOT_RUN,
+    POOL_MIN_OBJECT_BYTES,
+    BatchProgress,
+    OrderedIO,
+    leading,
+)
 from kvtier.storage.file_recency import RecencyJournal
 
 if TYPE_CHECKING:
@@ -92,6 +107,10 @@ class FileBackend(StorageBackend):
         self.fsync = fsync
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
+        self._where: dict[str, Packed] = {}
+        """Where each packed key is (``kvtier.storage.file_pack``); other keys are files."""
+        self._packs: dict[str, list[str]] = {}
+        """The keys of each pack, all indexed: a pack leaves the tier whole."""
         self._used = 0
         self._evictions = 0
         self._shrunk = False
@@ -107,7 +126,7 @@ class FileBackend(StorageBackend):
             raise ConfigError(
                 f"storage_dir={self.root!r}: cannot create or write {self.dir!r}: {e.strerror or e}"
             ) from e
-        self._recency = RecencyJournal(self.dir, self._path)
+        self._recency = RecencyJournal(self.dir, self._file_of)
         self._recency.apply()
         self._scan()
 
@@ -123,32 +142,47 @@ class FileBackend(StorageBackend):
             raise RequestError(f"invalid storage key {key!r}: empty, hidden or a path")
         return f"{self.dir}/{key[:2]}/{key}"
 
+    def _file_of(self, key: str) -> str:
+        """The file holding ``key``'s object: its pack, or its own file (``_path``)."""
+        w = self._where.get(key)
+        return w.pack if w is not None else self._path(key)
+
     def _scan(self) -> None:
-        found, temps = object_files(self.dir)
-        for path in temps:  # left by a write that died before publishing: never whole
-            unlink_quiet(path)
-        found.sort()
         with self._lock:
-            for _, key, size in found:
+            for key, size, where in file_layout.scan(self.dir, self.namespace):
                 self._index[key] = size
                 self._used += size
+                if where is not None:
+                    self._where[key] = where
+                    self._packs.setdefault(where.pack, []).append(key)
             self._evict_locked(0)
 
     def _evict_locked(self, incoming: int) -> None:
         """Drop LRU objects until ``incoming`` more bytes fit. Unlinks under the lock so a
         concurrent re-store of a victim key cannot lose its fresh file."""
         while self._index and self._used + incoming > self.budget_bytes:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
-            self._evictions += 1
-            unlink_quiet(self._path(key))
+            key = next(iter(self._index))
+            self._evictions += self._drop_locked(key, True)
+
+    def _drop_locked(self, key: str, delete: bool) -> int:
+        """Take indexed ``key`` out of the index, with every key of its pack if packed (a pack
+        leaves whole, and is deleted); its own file is deleted with ``delete``. Returns the
+        keys taken out."""
+        w = self._where.get(key)
+        path = self._path(key) if w is None else w.pack
+        keys = [key] if w is None else self._packs.pop(w.pack)
+        for k in keys:
+            self._used -= self._index.pop(k)
+            self._where.pop(k, None)
+        if w is not None or delete:
+            unlink_quiet(path)
+        return len(keys)
 
     def _forget(self, key: str, delete: bool) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-            if delete:
+            if key in self._index:
+                self._drop_locked(key, delete)
+            elif delete:
                 unlink_quiet(self._path(key))
 
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
@@ -183,14 +217,19 @@ class FileBackend(StorageBackend):
                     break
                 self._index.move_to_end(key)
                 run += 1
-        paths = [self._path(k) for k in keys[:run]]
+            paths, runs = file_layout.reads(keys[:run], self._where, self._path)
         ns = self.namespace
         prefixes = [envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(run)]
 
-        def read(i: int) -> None:
-            read_object(paths[i], ns, keys[i], prefixes[i], dests[i])
+        def read(j: int) -> None:
+            lo, hi, first = runs[j]
+            if first is None:
+                read_object(paths[lo], ns, keys[lo], prefixes[lo], dests[lo])
+            else:
+                read_run(first, ns, keys[lo:hi], prefixes[lo:hi], dests[lo:hi])
 
-        outcomes = self._io.run_ordered(read, run, sum(d.nbytes for d in dests[:run]))
+        by_run = self._io.run_ordered(read, len(runs), sum(d.nbytes for d in dests[:run]))
+        outcomes = file_layout.per_key(runs, by_run, run)
         n = leading(outcomes)
         # Persists recency so a restart rebuilds the LRU order (one append per batch).
         self._recency.record(keys[:n])
@@ -274,26 +313,24 @@ class FileBackend(StorageBackend):
         return plan, None
 
     def _write_round(self, plan: list[_Planned], state: BatchProgress) -> None:
-        """Write the reserved objects of ``plan``, index those written, return the
-        reservations of the rest, and count the first fault."""
+        """Write the reserved objects of ``plan`` (as one pack when there are many small
+        ones), index those written, return the reservations of the rest, and count the first
+        fault."""
 
         def write(i: int) -> None:
             key, path, size, payload = plan[i]
             if payload is not None:
                 self._write_reserved(path, key, payload, size)
 
-        nbytes = sum(0 if p is None else p.nbytes for *_, p in plan)
-        outcomes = self._io.run_ordered(write, len(plan), nbytes)
-        for (key, path, size, payload), outcome in zip(plan, outcomes, strict=True):
-            if outcome is None and payload is not None:
-                with self._lock:
-                    if key in self._index:
-                        self._used -= size
-                    else:
-                        self._index[key] = size
-            elif outcome is NOT_RUN:
-                with self._lock:
-                    self._used -= size
+        fresh = [i for i, (*_, p) in enumerate(plan) if p is not None]
+        nbytes = sum(plan[i][3].nbytes for i in fresh)  # type: ignore[union-attr]
+        outcomes = None
+        if len(fresh) >= PACK_MIN_OBJECTS and nbytes < len(fresh) * POOL_MIN_OBJECT_BYTES:
+            outcomes = self._write_pack(plan, fresh)
+        if outcomes is None:
+            outcomes = self._io.run_ordered(write, len(plan), nbytes)
+            self._index_written(plan, outcomes)
+        for (_, path, _, _), outcome in zip(plan, outcomes, strict=True):
             if outcome is None:
                 state.done += 0 if state.failed else 1
             elif not state.failed:
@@ -302,24 +339,99 @@ class FileBackend(StorageBackend):
                     raise outcome
                 self.fault(os_kind(outcome), f"write {path}: {outcome}")
 
+    def _index_written(self, plan: list[_Planned], outcomes: list[BaseException | None]) -> None:
+        """Index the objects of ``plan`` written to their own files; return the reservations
+        of those not written and of keys indexed meanwhile (or twice in the round)."""
+        with self._lock:
+            for (key, _, size, payload), outcome in zip(plan, outcomes, strict=True):
+                if outcome is None and payload is not None:
+                    if key in self._index:
+                        self._used -= size
+                    else:
+                        self._index[key] = size
+                elif outcome is NOT_RUN:
+                    self._used -= size
+
+    def _write_pack(
+        self, plan: list[_Planned], fresh: list[int]
+    ) -> list[BaseException | None] | None:
+        """Write the reserved objects ``fresh`` of ``plan`` as one pack and index them; returns
+        each object's outcome. A key twice in the round is packed once; the pack header's
+        bytes are reserved here; a full disk shrinks the budget and evicts before each retry,
+        as for single objects. ``None`` (nothing written) when the budget has no room for the
+        pack header."""
+        seen: set[str] = set()
+        packed: list[int] = []
+        for i in fresh:
+            if plan[i][0] not in seen:
+                seen.add(plan[i][0])
+                packed.append(i)
+        keys = [plan[i][0] for i in packed]
+        payloads: list[memoryview] = [plan[i][3] for i in packed]  # type: ignore[misc]
+        sizes = object_sizes([p.nbytes for p in payloads])
+        path = f"{self.dir}/{PACKS_DIR}/{uuid.uuid4().hex}.pack"
+        total = sum(sizes)
+        with self._lock:
+            # The round reserved every fresh object's size; the pack's is ``total``.
+            self._used -= sum(plan[i][2] for i in fresh)
+            self._evict_locked(total)
+            if self._used + total > self.budget_bytes:  # no room for the pack header
+                self._used += sum(plan[i][2] for i in fresh)
+                return None
+            self._used += total
+        outcomes: list[BaseException | None] = [None] * len(plan)
+        try:
+            self._write_reserved(
+                path,
+                keys[0],
+                payloads[0],
+                total,
+                lambda fd: write_pack(fd, self.namespace, keys, payloads),
+            )
+        except OSError as e:
+            for i in fresh:
+                outcomes[i] = e
+            return outcomes
+        at = PACK_HEAD + len(keys) * HEADER_BYTES
+        with self._lock:
+            for n, (key, payload, size) in enumerate(zip(keys, payloads, sizes, strict=True)):
+                self._index[key] = size
+                self._where[key] = Packed(path, n, at)
+                at += payload.nbytes
+            self._packs[path] = keys
+        return outcomes
+
     def _drop_vanished(self, key: str, path: str) -> bool:
         """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
         the index, count it ``missing`` and return True. Checked under the lock, which eviction
         also unlinks under, so an object evicted meanwhile is not taken for a vanished one."""
         with self._lock:
-            if key not in self._index or os.path.exists(path):
+            if key not in self._index:
                 return False
-            self._used -= self._index.pop(key)
+            path = self._file_of(key)
+            if os.path.exists(path):
+                return False
+            self._drop_locked(key, False)
         self.fault("missing", f"{path}: indexed object file is gone")
         return True
 
-    def _write_reserved(self, path: str, key: str, payload: memoryview, size: int) -> None:
-        """Write one object whose ``size`` bytes are reserved in ``_used``; on failure the
-        reservation is returned and the ``OSError`` raised. A full disk shrinks the budget and
-        evicts before each retry."""
+    def _write_reserved(
+        self,
+        path: str,
+        key: str,
+        payload: memoryview,
+        size: int,
+        contents: Callable[[int], None] | None = None,
+    ) -> None:
+        """Write one object (or, given ``contents``, the file ``contents(fd)`` writes) whose
+        ``size`` bytes are reserved in ``_used``; on failure the reservation is returned and
+        the ``OSError`` raised. A full disk shrinks the budget and evicts before each retry."""
         while True:
             try:
-                self._write(path, key, payload)
+                if contents is None:
+                    self._write(path, key, payload)
+                else:
+                    publish(path, contents, self.fsync)
                 return
             except OSError as e:
                 with self._lock:
@@ -359,7 +471,7 @@ class FileBackend(StorageBackend):
                 if key not in self._index:
                     break
                 self._index.move_to_end(key)
-            path = self._path(key)
+                path = self._file_of(key)
             try:
                 os.utime(path)
             except FileNotFoundError:
@@ -386,17 +498,17 @@ class FileBackend(StorageBackend):
 
     def check_integrity(self) -> None:
         """Between batches: the bytes in use are the indexed objects' sizes and within the
-        budget, every indexed object is a file of its indexed size, and no named temp file is
-        left. (A file the index dropped may remain: one unreadable when read is left for the
-        next backup of its key to replace.) Raises ``IntegrityError``."""
+        budget, and disk and index agree (``file_layout.disagreements``). (A file the index
+        dropped may remain: one unreadable when read is left for the next backup of its key to
+        replace.) Raises ``IntegrityError``."""
         with self._lock:
             index, used = dict(self._index), self._used
+            where, packs = dict(self._where), {p: list(k) for p, k in self._packs.items()}
         if used != (held := sum(index.values())) or used > self.budget_bytes:
             raise IntegrityError(
                 f"file backend: {used} bytes in use, {held} indexed, budget {self.budget_bytes}"
             )
-        found, temps = object_files(self.dir)
-        odd = sorted(index.items() - {(key, size) for _, key, size in found})[:3] + temps[:3]
+        odd = file_layout.disagreements(self.dir, index, where, packs)
         if odd:
             raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
 

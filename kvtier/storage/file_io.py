@@ -10,6 +10,7 @@ import itertools
 import os
 import threading
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -287,8 +288,8 @@ def object_files(directory: str) -> tuple[list[tuple[int, str, int]], list[str]]
     found: list[tuple[int, str, int]] = []
     temps: list[str] = []
     for sub in os.scandir(directory):
-        if not sub.is_dir(follow_symlinks=False):
-            continue
+        if sub.name.startswith(".") or not sub.is_dir(follow_symlinks=False):
+            continue  # hidden directories (packs) hold no object named by its key
         for entry in os.scandir(sub.path):
             if entry.name.endswith(TMP_SUFFIX):
                 temps.append(entry.path)
@@ -309,12 +310,19 @@ def _tmp_name(path: str) -> str:
 def write_object(
     path: str, namespace: str, key: str, payload: memoryview | np.ndarray, fsync: bool
 ) -> None:
-    """Publish the object of ``key`` holding ``payload`` as the file ``path`` so readers only
-    ever see it whole: written (``_write_payload``) to an unnamed file in the same directory
+    """Publish the object of ``key`` holding ``payload`` as the file ``path`` (``publish``,
+    contents by ``_write_payload``)."""
+    view = memoryview(payload)
+    publish(path, lambda fd: _write_payload(fd, namespace, key, view), fsync)
+
+
+def publish(path: str, write: Callable[[int], None], fsync: bool) -> None:
+    """Publish the file ``path`` with the contents ``write(fd)`` puts in an empty file, so
+    readers only ever see it whole: written to an unnamed file in the same directory
     (``O_TMPFILE``, created if missing), then linked as ``path``; where the file system has no
     unnamed files, to a named temp file then ``os.replace``d. An existing ``path`` is replaced
     atomically either way. With ``fsync`` the file and the directory are synced. On any
-    failure nothing of it is left behind (the caller has not indexed the key yet).
+    failure nothing of it is left behind (the caller has not indexed it yet).
 
     An unnamed file costs no rename: 1-5 µs over a plain create-and-write of a 64 KiB file
     against 8-17 µs for temp file plus rename, measured interleaved on ext4 here."""
@@ -333,14 +341,14 @@ def write_object(
             tmp = _tmp_name(path)
             fd = _open_in(d, tmp)
         try:
-            _write_payload(fd, namespace, key, memoryview(payload))
+            write(fd)
             if fsync:
                 os.fsync(fd)
             if tmp is None and not _publish_unnamed(fd, path):
                 _tmpfile_ok[0] = False
                 os.close(fd)
                 fd = -1
-                write_object(path, namespace, key, payload, fsync)
+                publish(path, write, fsync)
                 return
         finally:
             if fd >= 0:

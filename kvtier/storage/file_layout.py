@@ -1,0 +1,133 @@
+"""Where the local-file L3 backend's objects are on disk: its restart scan, the reads a
+``batch_get`` makes, and the check of disk against index (``FileBackend.check_integrity``).
+
+An object is either a file of its own, ``<namespace>/<key[:2]>/<key>``, or one object of a
+pack (``kvtier.storage.file_pack``) under ``<namespace>/.packs/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from kvtier.storage.base import log
+from kvtier.storage.file_io import TMP_SUFFIX, CorruptObject, object_files, unlink_quiet
+from kvtier.storage.file_pack import PACKS_DIR, Packed, RunFault, scan_pack
+from kvtier.storage.file_pool import NOT_RUN
+
+Run = tuple[int, int, "Packed | None"]
+"""Keys ``lo:hi`` of a ``batch_get``, read from one object file (``None``) or from
+consecutive objects of one pack, the first of them given."""
+
+
+def scan(directory: str, namespace: str) -> list[tuple[str, int, Packed | None]]:
+    """``(key, size, where)`` of every stored object under a namespace ``directory``, oldest
+    mtime first (a pack's objects in their order), ``where`` ``None`` for a file of its own.
+
+    Deletes what can never be read as written: temp files of writes that died before
+    publishing, packs that are not whole and intact, and packs holding a key stored elsewhere
+    (or twice). Unreadable packs are left alone and not indexed."""
+    found, temps = object_files(directory)
+    for path in temps:
+        unlink_quiet(path)
+    stored = {key for _, key, _ in found}
+    items: list[tuple[int, str, str, int, Packed | None]] = [
+        (mtime, key, key, size, None) for mtime, key, size in found
+    ]
+    for mtime, pack, objects in _packs(directory, namespace):
+        keys = [k for k, _, _ in objects]
+        if stored.intersection(keys) or len(set(keys)) < len(keys):
+            log.warning("L3 file backend: deleting pack %s: it holds keys stored elsewhere", pack)
+            unlink_quiet(pack)
+            continue
+        stored.update(keys)
+        items += [(mtime, f"{pack}/{w.number:09d}", k, z, w) for k, z, w in objects]
+    items.sort()
+    return [(key, size, where) for _, _, key, size, where in items]
+
+
+def _packs(directory: str, namespace: str) -> list[tuple[int, str, list[tuple[str, int, Packed]]]]:
+    out: list[tuple[int, str, list[tuple[str, int, Packed]]]] = []
+    try:
+        entries = list(os.scandir(f"{directory}/{PACKS_DIR}"))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        if entry.name.endswith(TMP_SUFFIX):
+            unlink_quiet(entry.path)
+            continue
+        try:
+            out.append((entry.stat().st_mtime_ns, entry.path, scan_pack(entry.path, namespace)))
+        except CorruptObject as e:
+            log.warning("L3 file backend: deleting pack %s: %s", entry.path, e)
+            unlink_quiet(entry.path)
+        except OSError:
+            continue
+    return out
+
+
+def reads(
+    keys: Sequence[str], where: Mapping[str, Packed], path_of: Callable[[str], str]
+) -> tuple[list[str], list[Run]]:
+    """The file holding each of ``keys`` and the reads that fetch them in order: one per
+    object file, one per run of consecutive objects of a pack."""
+    paths: list[str] = []
+    runs: list[Run] = []
+    last: Packed | None = None
+    for i, key in enumerate(keys):
+        w = where.get(key)
+        paths.append(path_of(key) if w is None else w.pack)
+        if (
+            w is not None
+            and last is not None
+            and (w.pack, w.number) == (last.pack, last.number + 1)
+        ):
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, w))
+        last = w
+    return paths, runs
+
+
+def per_key(
+    runs: Sequence[Run], outcomes: Sequence[BaseException | None], n: int
+) -> list[BaseException | None]:
+    """Each of ``n`` keys' outcome from its read's: a pack run that stopped at its ``i``-th
+    key (``RunFault``) read the keys before it; keys after a failure did not run."""
+    out: list[BaseException | None] = [NOT_RUN] * n
+    for (lo, hi, _), outcome in zip(runs, outcomes, strict=True):
+        if outcome is None:
+            out[lo:hi] = [None] * (hi - lo)
+        elif isinstance(outcome, RunFault):
+            out[lo : lo + outcome.at] = [None] * outcome.at
+            out[lo + outcome.at] = outcome.cause
+        else:
+            out[lo] = outcome
+    return out
+
+
+def disagreements(
+    directory: str,
+    index: Mapping[str, int],
+    where: Mapping[str, Packed],
+    packs: Mapping[str, Sequence[str]],
+) -> list[object]:
+    """What disk and index disagree on (empty when they agree): every indexed key not in a
+    pack is a file of its indexed size; the packs' keys are exactly the packed keys; every
+    pack file on disk is indexed and its size is its objects' sizes; no temp file is left."""
+    found, temps = object_files(directory)
+    singles = {(k, z) for k, z in index.items() if k not in where}
+    odd: list[object] = [*sorted(singles - {(key, size) for _, key, size in found})[:3], *temps[:3]]
+    if sorted(k for ks in packs.values() for k in ks) != sorted(where) or any(
+        where[k].pack != p for p, ks in packs.items() for k in ks
+    ):
+        odd.append("packed keys and packs disagree")
+    on_disk: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for e in os.scandir(f"{directory}/{PACKS_DIR}"):
+            on_disk[e.path] = e.stat().st_size
+    want = {p: sum(index.get(k, -1) for k in ks) for p, ks in packs.items()}
+    if on_disk != want:
+        odd.append(f"pack files {sorted(on_disk.items())[:2]}, indexed {sorted(want.items())[:2]}")
+    return odd

@@ -1,0 +1,228 @@
+"""Packs: the objects of one large ``batch_set`` round of small objects in one file.
+
+A file per object costs a create and a link per write and an open and a close per read, which
+bounded 64 KiB objects near 25 µs a read on one thread (``results/file-tier/README.md``, run
+r). A pack holds many objects under ``<namespace>/.packs/<name>.pack``::
+
+    pack header: magic "KVTP" | version u16 | count u32 | header XXH3-64 u64     (PACK_HEAD)
+    count x object envelope header (``kvtier.storage.envelope``, HEADER_BYTES each)
+    the payloads, in the same order, back to back
+
+Object ``i``'s envelope header sits at ``PACK_HEAD + i * HEADER_BYTES``; its payload after the
+headers and the payloads before it. The envelope headers name namespace, key, length and
+payload digest exactly as a single-object file's does, and are all verified before a payload
+byte is read into a caller's buffer: a run of objects read back costs one header read and one
+payload read per ``READ_CHUNK``, whatever the number of objects. Packs are published whole
+(``file_io.publish``) and never modified; they leave the tier whole.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import StorageError
+from kvtier.storage import envelope
+from kvtier.storage.envelope import HEADER_BYTES
+from kvtier.storage.file_io import READ_CHUNK, CorruptObject, writev_all
+
+_HEAD = struct.Struct("<4sHI")
+_DIGEST = struct.Struct("<Q")
+MAGIC = b"KVTP"
+VERSION = 1
+PACK_HEAD = _HEAD.size + _DIGEST.size
+"""Bytes of a pack's own header."""
+PACK_MIN_OBJECTS = 16
+"""Rounds of at least this many objects to write are packed (when their objects are small)."""
+IOV_MAX = 1024
+"""Buffers one ``preadv``/``writev`` takes (Linux)."""
+PACKS_DIR = ".packs"
+"""Where packs live in a namespace directory (hidden: never an object's directory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Where one packed object is."""
+
+    pack: str
+    """Path of its pack."""
+    number: int
+    """Its place in the pack (0 first)."""
+    payload_at: int
+    """File offset of its payload."""
+
+
+class RunFault(Exception):
+    """A read of a run of packed objects stopped at object ``at`` of the run, for ``cause``
+    (what a single-object read of it would have raised)."""
+
+    def __init__(self, at: int, cause: BaseException) -> None:
+        super().__init__(at, cause)
+        self.at = at
+        self.cause = cause
+
+
+def _pack_head(count: int) -> bytes:
+    head = _HEAD.pack(MAGIC, VERSION, count)
+    return head + _DIGEST.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def write_pack(
+    fd: int, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]
+) -> None:
+    """Write the pack of ``payloads`` under ``keys`` to the empty file ``fd``: the payloads
+    first, after the headers' place, digested piece by piece just before they are written (so
+    the write copies them from the cache), then the headers."""
+    count = len(keys)
+    start = PACK_HEAD + count * HEADER_BYTES
+    os.lseek(fd, start, os.SEEK_SET)
+    digests: list[int] = []
+    batch: list[memoryview] = []
+    held = 0
+    for payload in payloads:
+        digests.append(envelope.digest(payload))
+        batch.append(payload)
+        held += len(payload)
+        if held >= READ_CHUNK or len(batch) == IOV_MAX:
+            writev_all(fd, batch)
+            batch, held = [], 0
+    if batch:
+        writev_all(fd, batch)
+    heads = [_pack_head(count)]
+    for key, payload, d in zip(keys, payloads, digests, strict=True):
+        heads.append(envelope.pack(namespace, key, len(payload), d))
+    blob = b"".join(heads)
+    if os.pwrite(fd, blob, 0) != len(blob):
+        raise OSError(5, "short pack header write")
+
+
+def object_sizes(payload_bytes: Sequence[int]) -> list[int]:
+    """Bytes each object of a pack is charged: its envelope header and payload, and the first
+    also the pack header (so a pack's file size is the sum)."""
+    sizes = [HEADER_BYTES + n for n in payload_bytes]
+    if sizes:
+        sizes[0] += PACK_HEAD
+    return sizes
+
+
+def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
+    """``(key, size charged, where)`` of every object of the pack ``path``, verified header by
+    header and against the file size; raises ``CorruptObject`` for a pack that is not whole
+    and intact, and ``OSError`` when it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, PACK_HEAD, 0)
+        if len(head) < PACK_HEAD:
+            raise CorruptObject("short_read", f"{len(head)}-byte pack header")
+        magic, version, count = _HEAD.unpack_from(head)
+        if (magic, version) != (MAGIC, VERSION):
+            raise CorruptObject("format", f"pack magic/version {magic!r}/{version}")
+        if xxhash.xxh3_64_intdigest(head[: _HEAD.size]) != _DIGEST.unpack_from(head, _HEAD.size)[0]:
+            raise CorruptObject("checksum", "pack header checksum mismatch")
+        heads = os.pread(fd, count * HEADER_BYTES, PACK_HEAD)
+    finally:
+        os.close(fd)
+    if len(heads) < count * HEADER_BYTES:
+        raise CorruptObject(
+            "short_read", f"pack of {count} objects holds {len(heads)} header bytes"
+        )
+    found: list[tuple[str, int, Packed]] = []
+    at = PACK_HEAD + count * HEADER_BYTES
+    lengths: list[int] = []
+    for i in range(count):
+        h = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+        key = envelope.header_key(h)
+        try:
+            length, _ = envelope.unpack(h, namespace, key)
+        except StorageError as e:
+            raise CorruptObject(e.kind, f"object {i}: {e.detail}") from None
+        found.append((key, 0, Packed(path, i, at)))
+        lengths.append(length)
+        at += length
+    if at != size:
+        raise CorruptObject("short_read", f"pack file has {size} bytes, its objects {at}")
+    sizes = object_sizes(lengths)
+    return [(k, z, w) for (k, _, w), z in zip(found, sizes, strict=True)]
+
+
+class _Scratch:
+    __slots__ = ("head", "fields")
+
+    def __init__(self) -> None:
+        self.head = bytearray(HEADER_BYTES)
+        self.fields = memoryview(self.head)[: envelope.FIELDS_BYTES]
+
+
+def read_run(
+    first: Packed,
+    namespace: str,
+    keys: Sequence[str],
+    prefixes: Sequence[bytes],
+    dests: Sequence[memoryview | np.ndarray],
+) -> None:
+    """Fill ``dests`` with the payloads of ``keys``, consecutive objects of one pack starting
+    at ``first``, verifying every header before any payload is read and every payload as it
+    lands (``prefixes[i]`` is ``envelope.expected_prefix`` of key ``i`` and its buffer size).
+
+    Raises ``RunFault`` at the first object that is not a whole, intact object of its key
+    (``cause``: ``CorruptObject``, or ``StorageError`` ``checksum`` for a buffer of another
+    size); the objects before it are filled and verified. ``OSError`` when the pack cannot be
+    opened or read."""
+    m = len(keys)
+    s = _Scratch()
+    fd = os.open(first.pack, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        heads = os.pread(fd, m * HEADER_BYTES, PACK_HEAD + first.number * HEADER_BYTES)
+        wants: list[int] = []
+        fault: tuple[int, BaseException] | None = None
+        for i in range(m):
+            if len(heads) < (i + 1) * HEADER_BYTES:
+                fault = (i, CorruptObject("short_read", "pack holds fewer headers"))
+                break
+            s.head[:] = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            want = envelope.fast_payload_digest(s.head, s.fields, prefixes[i])
+            if want is None:
+                fault = (i, _header_fault(bytes(s.head), namespace, keys[i], dests[i]))
+                break
+            wants.append(want)
+        good = len(wants)
+        at = first.payload_at
+        i = 0
+        while i < good:
+            j, nbytes = i, 0
+            while (
+                j < good and j - i < IOV_MAX and (j == i or nbytes + dests[j].nbytes <= READ_CHUNK)
+            ):
+                nbytes += dests[j].nbytes
+                j += 1
+            got = os.preadv(fd, list(dests[i:j]), at)
+            for k in range(i, j):
+                n = dests[k].nbytes
+                if got < n:
+                    raise RunFault(k, CorruptObject("short_read", "pack ends inside the object"))
+                got -= n
+                if envelope.digest(dests[k]) != wants[k]:
+                    raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
+            at += nbytes
+            i = j
+    finally:
+        os.close(fd)
+    if fault is not None:
+        raise RunFault(*fault)
+
+
+def _header_fault(
+    head: bytes, namespace: str, key: str, dest: memoryview | np.ndarray
+) -> BaseException:
+    """Why the header of ``key``'s object did not match what ``dest`` expects."""
+    try:
+        length, _ = envelope.unpack(head, namespace, key)
+    except StorageError as e:
+        return CorruptObject(e.kind, e.detail)
+    return StorageError("checksum", f"stored payload is {length} bytes, buffer {dest.nbytes}")

@@ -1,0 +1,169 @@
+"""Packs: a large round of small objects written as one file, read back by runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.keys import Namespace, PageKey
+from kvtier.storage import envelope
+from kvtier.storage.file import HEADER_BYTES, FileBackend
+from kvtier.storage.file_pack import PACK_HEAD, PACK_MIN_OBJECTS, PACKS_DIR
+
+NS = Namespace("ns0")
+N = PACK_MIN_OBJECTS + 4
+PAGE = 256  # bytes per test page
+
+
+def names(lo: int, hi: int) -> list[PageKey]:
+    return [PageKey(f"k{i:03d}") for i in range(lo, hi)]
+
+
+def pages(n: int, seed: int = 0, nbytes: int = PAGE) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, 256, (n, nbytes), generator=g, dtype=torch.uint8))
+
+
+def packs(be: FileBackend) -> list[Path]:
+    return sorted((Path(be.dir) / PACKS_DIR).glob("*.pack"))
+
+
+def object_files(be: FileBackend) -> list[Path]:
+    return [p for p in Path(be.dir).glob("*/*") if not p.parent.name.startswith(".")]
+
+
+def empty(n: int, nbytes: int = PAGE) -> list[torch.Tensor]:
+    return list(torch.zeros(n, nbytes, dtype=torch.uint8))
+
+
+def test_a_large_round_of_small_objects_is_one_pack_read_back_byte_exact(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    [pack] = packs(be)
+    assert object_files(be) == []
+    assert pack.stat().st_size == PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    assert be.stats()["bytes_used"] == pack.stat().st_size
+    out = empty(N)
+    assert be.batch_get(names(0, N), out) == N
+    assert all(torch.equal(a, b) for a, b in zip(out, src, strict=True))
+    # a run starting inside the pack, and one object alone
+    out = empty(3)
+    assert be.batch_get(names(5, 8), out) == 3
+    assert all(torch.equal(a, b) for a, b in zip(out, src[5:8], strict=True))
+    be.check_integrity()
+
+
+def test_small_rounds_and_large_objects_stay_one_file_each(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=64 << 20)
+    assert be.batch_set(names(0, PACK_MIN_OBJECTS - 1), pages(PACK_MIN_OBJECTS - 1)) == 15
+    big = pages(N, nbytes=256 << 10)
+    assert be.batch_set(names(100, 100 + N), big) == N
+    assert packs(be) == []
+    assert len(object_files(be)) == PACK_MIN_OBJECTS - 1 + N
+    be.check_integrity()
+
+
+def test_packs_survive_a_restart_in_write_order(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    first, second = pages(N, 1), pages(N, 2)
+    assert be.batch_set(names(0, N), first) == N
+    assert be.batch_set(names(N, 2 * N), second) == N
+    be.close()
+    again = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert again.keys() == names(0, 2 * N)
+    out = empty(2 * N)
+    assert again.batch_get(names(0, 2 * N), out) == 2 * N  # two runs, one per pack
+    assert all(torch.equal(a, b) for a, b in zip(out, first + second, strict=True))
+    again.check_integrity()
+
+
+def test_a_corrupt_payload_stops_the_run_there_and_the_pack_leaves(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    [pack] = packs(be)
+    raw = bytearray(pack.read_bytes())
+    raw[PACK_HEAD + N * HEADER_BYTES + 7 * PAGE + 3] ^= 0xFF  # object 7's payload
+    pack.write_bytes(bytes(raw))
+    out = empty(N)
+    assert be.batch_get(names(0, N), out) == 7
+    assert all(torch.equal(a, b) for a, b in zip(out[:7], src[:7], strict=True))
+    assert be.errors == {"checksum": 1}
+    assert packs(be) == [] and be.stats()["objects"] == 0 and be.stats()["bytes_used"] == 0
+    be.check_integrity()
+
+
+def test_a_foreign_header_in_a_pack_never_lands_in_the_buffer(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N)) == N
+    [pack] = packs(be)
+    raw = bytearray(pack.read_bytes())
+    at = PACK_HEAD + 4 * HEADER_BYTES  # object 4's header, rewritten for another namespace
+    head = envelope.pack("other", "k004", PAGE, envelope.digest(bytes(PAGE)))
+    raw[at : at + HEADER_BYTES] = head
+    pack.write_bytes(bytes(raw))
+    out = empty(N)
+    assert be.batch_get(names(0, N), out) == 4
+    assert not any(o.any() for o in out[4:])  # nothing of object 4 on was copied
+    assert be.errors == {"foreign": 1}
+    assert packs(be) == []
+    be.check_integrity()
+
+
+def test_a_restart_deletes_a_damaged_pack_and_keeps_the_rest(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N, 1)) == N
+    assert be.batch_set(names(N, 2 * N), pages(N, 2)) == N
+    be.close()
+    a, b = packs(be)
+    a.write_bytes(a.read_bytes()[:-1])  # truncated
+    again = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert len(packs(again)) == 1 and again.stats()["objects"] == N
+    again.check_integrity()
+
+
+def test_eviction_takes_a_pack_whole_and_keeps_the_budget(tmp_path: Path):
+    size = PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    be = FileBackend(tmp_path, NS, budget_bytes=size + size // 2)
+    assert be.batch_set(names(0, N), pages(N, 1)) == N
+    assert be.batch_exists(names(0, 1)) == 1  # k000 is the most recent now; its pack still goes
+    assert be.batch_set(names(N, 2 * N), pages(N, 2)) == N
+    assert be.keys() == names(N, 2 * N)
+    assert len(packs(be)) == 1 and be.stats()["evictions"] == N
+    assert be.stats()["bytes_used"] == size <= be.budget_bytes
+    be.check_integrity()
+
+
+def test_a_key_twice_in_a_round_is_packed_once_and_stored_keys_are_not_rewritten(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, 2), pages(2, 9)) == 2  # two single files
+    ks = names(0, N) + names(3, 4)
+    assert be.batch_set(ks, pages(N + 1)) == N + 1
+    [pack] = packs(be)
+    assert pack.stat().st_size == PACK_HEAD + (N - 2) * (HEADER_BYTES + PAGE)
+    out = empty(2)
+    assert be.batch_get(names(0, 2), out) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out, pages(2, 9), strict=True))
+    be.check_integrity()
+
+
+def test_a_removed_pack_is_a_missing_miss_for_all_its_keys(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N)) == N
+    packs(be)[0].unlink()
+    assert be.batch_get(names(0, N), empty(N)) == 0
+    assert be.errors == {"missing": 1} and be.stats()["objects"] == 0
+    be.check_integrity()
+
+
+@pytest.mark.parametrize("wrong", [PAGE // 2, PAGE * 2])
+def test_a_buffer_of_another_size_is_a_checksum_miss_and_keeps_the_pack(tmp_path: Path, wrong: int):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N)) == N
+    out = empty(2) + empty(1, wrong)
+    assert be.batch_get(names(0, 3), out) == 2
+    assert be.errors == {"checksum": 1} and len(packs(be)) == 1
+    be.check_integrity()
