@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
@@ -167,3 +169,50 @@ def test_a_buffer_of_another_size_is_a_checksum_miss_and_keeps_the_pack(tmp_path
     assert be.batch_get(names(0, 3), out) == 2
     assert be.errors == {"checksum": 1} and len(packs(be)) == 1
     be.check_integrity()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "get", "restart"]),
+            st.integers(0, 60),  # first key
+            st.integers(1, 40),  # keys in the batch
+            st.sampled_from([64, 256, 4096]),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_reads_return_what_was_stored_through_packs_eviction_and_restarts(ops, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packs")
+    budget = 40 * (HEADER_BYTES + 4096)
+    be = FileBackend(root, NS, budget_bytes=budget)
+    stored: dict[str, torch.Tensor] = {}  # content is a function of the key: any copy is right
+    sizes: dict[str, int] = {}
+    for op, lo, n, nbytes in ops:
+        ks = names(lo, lo + n)
+        if op == "set":
+            data = [_content(k, sizes.get(k, nbytes)) for k in ks]
+            done = be.batch_set(ks, data)
+            assert done == n  # every object fits the budget alone; eviction makes room
+            for k, d in zip(ks, data, strict=True):
+                stored[k] = d
+                sizes[k] = d.numel()
+        elif op == "get":
+            ks = [k for k in ks if k in stored]
+            out = [torch.zeros(sizes[k], dtype=torch.uint8) for k in ks]
+            got = be.batch_get(ks, out)
+            for k, o in zip(ks[:got], out[:got], strict=True):
+                assert torch.equal(o, stored[k])
+        else:
+            be.close()
+            be = FileBackend(root, NS, budget_bytes=budget)
+        be.check_integrity()
+        assert be.errors == {}
+    be.close()
+
+
+def _content(key: str, nbytes: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(key[1:]))
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)

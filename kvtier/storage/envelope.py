@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -116,6 +117,23 @@ def fast_payload_digest(header: bytearray, fields: memoryview, prefix: bytes) ->
         if xxhash.xxh3_64_intdigest(fields) == head_digest:
             return payload_digest
     return None
+
+
+def payload_digests(heads: bytes, prefixes: Sequence[bytes]) -> list[int]:
+    """The payload digests of consecutive whole headers in ``heads``, the ``i``-th starting
+    with ``prefixes[i]`` (``expected_prefix``), as far as they are whole, start so and their
+    own digests match (``fast_payload_digest`` for many headers at once, no copy of each)."""
+    view = memoryview(heads)
+    out: list[int] = []
+    for i, prefix in enumerate(prefixes):
+        at = i * HEADER_BYTES
+        if len(heads) < at + HEADER_BYTES or not heads.startswith(prefix, at):
+            break
+        payload_digest, head_digest = _DIGESTS.unpack_from(heads, at + _DIGEST_AT)
+        if xxhash.xxh3_64_intdigest(view[at : at + FIELDS_BYTES]) != head_digest:
+            break
+        out.append(payload_digest)
+    return out
 
 
 def header_key(header: bytes) -> str:

@@ -1,14 +1,16 @@
-"""Local-file L3 backend: one file per object under ``root/<namespace>/<key[:2]>/<key>``.
+"""Local-file L3 backend: an object is a file of its own, ``root/<namespace>/<key[:2]>/<key>``,
+or, written in a round of many small objects, one object of a pack (``kvtier.storage.file_pack``,
+under ``root/<namespace>/.packs/``), which is written, read back by runs and evicted whole.
 
-Each file is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
-with checksums of header and payload) followed by the payload bytes. Writes go to an unnamed
-file in the same directory, then linked under the object's name (where the file system refuses
-that, a named temp file and ``os.replace``), so readers only ever see whole objects. A byte
-budget with LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the
-index is rebuilt from the directory (oldest mtime first, after applying the read-recency
-journal, ``kvtier.storage.file_recency``) on start-up. One process owns a namespace directory
-at a time; files removed behind its back leave the index when a read, touch or backup finds
-them gone.
+Each object is an envelope (``kvtier.storage.envelope``: a header naming the namespace and key,
+with checksums of header and payload) and its payload bytes. Writes go to an unnamed file in
+the same directory, then linked under the file's name (where the file system refuses that, a
+named temp file and ``os.replace``), so readers only ever see whole files. A byte budget with
+LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the index is
+rebuilt from the directory (oldest mtime first, after applying the read-recency journal,
+``kvtier.storage.file_recency``; a pack's objects take its mtime) on start-up
+(``kvtier.storage.file_layout``). One process owns a namespace directory at a time; files
+removed behind its back leave the index when a read, touch or backup finds them gone.
 """
 
 from __future__ import annotations
@@ -217,7 +219,8 @@ class FileBackend(StorageBackend):
                     break
                 self._index.move_to_end(key)
                 run += 1
-            paths, runs = file_layout.reads(keys[:run], self._where, self._path)
+            sizes = [d.nbytes for d in dests[:run]]
+            paths, runs = file_layout.reads(keys[:run], self._where, self._path, sizes)
         ns = self.namespace
         prefixes = [envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(run)]
 
@@ -228,7 +231,7 @@ class FileBackend(StorageBackend):
             else:
                 read_run(first, ns, keys[lo:hi], prefixes[lo:hi], dests[lo:hi])
 
-        by_run = self._io.run_ordered(read, len(runs), sum(d.nbytes for d in dests[:run]))
+        by_run = self._io.run_ordered(read, len(runs), sum(sizes))
         outcomes = file_layout.per_key(runs, by_run, run)
         n = leading(outcomes)
         # Persists recency so a restart rebuilds the LRU order (one append per batch).
@@ -395,6 +398,8 @@ class FileBackend(StorageBackend):
         at = PACK_HEAD + len(keys) * HEADER_BYTES
         with self._lock:
             for n, (key, payload, size) in enumerate(zip(keys, payloads, sizes, strict=True)):
+                if key in self._index:  # stored meanwhile by another batch: the pack's copy wins
+                    self._drop_locked(key, True)
                 self._index[key] = size
                 self._where[key] = Packed(path, n, at)
                 at += payload.nbytes

@@ -67,14 +67,24 @@ def _packs(directory: str, namespace: str) -> list[tuple[int, str, list[tuple[st
     return out
 
 
+RUN_BYTES = 4 << 20
+"""Most bytes one read of a pack run fetches: a longer run is several reads, which the I/O
+threads share."""
+
+
 def reads(
-    keys: Sequence[str], where: Mapping[str, Packed], path_of: Callable[[str], str]
+    keys: Sequence[str],
+    where: Mapping[str, Packed],
+    path_of: Callable[[str], str],
+    sizes: Sequence[int],
 ) -> tuple[list[str], list[Run]]:
     """The file holding each of ``keys`` and the reads that fetch them in order: one per
-    object file, one per run of consecutive objects of a pack."""
+    object file, one per run of consecutive objects of a pack (of at most ``RUN_BYTES`` of
+    buffers, ``sizes``, unless one object is larger)."""
     paths: list[str] = []
     runs: list[Run] = []
     last: Packed | None = None
+    held = 0
     for i, key in enumerate(keys):
         w = where.get(key)
         paths.append(path_of(key) if w is None else w.pack)
@@ -82,10 +92,13 @@ def reads(
             w is not None
             and last is not None
             and (w.pack, w.number) == (last.pack, last.number + 1)
+            and held + sizes[i] <= RUN_BYTES
         ):
             runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+            held += sizes[i]
         else:
             runs.append((i, i + 1, w))
+            held = sizes[i]
         last = w
     return paths, runs
 

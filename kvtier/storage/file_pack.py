@@ -151,14 +151,6 @@ def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
     return [(k, z, w) for (k, _, w), z in zip(found, sizes, strict=True)]
 
 
-class _Scratch:
-    __slots__ = ("head", "fields")
-
-    def __init__(self) -> None:
-        self.head = bytearray(HEADER_BYTES)
-        self.fields = memoryview(self.head)[: envelope.FIELDS_BYTES]
-
-
 def read_run(
     first: Packed,
     namespace: str,
@@ -175,46 +167,34 @@ def read_run(
     size); the objects before it are filled and verified. ``OSError`` when the pack cannot be
     opened or read."""
     m = len(keys)
-    s = _Scratch()
+    sizes = [d.nbytes for d in dests]
     fd = os.open(first.pack, os.O_RDONLY | os.O_CLOEXEC)
     try:
         heads = os.pread(fd, m * HEADER_BYTES, PACK_HEAD + first.number * HEADER_BYTES)
-        wants: list[int] = []
-        fault: tuple[int, BaseException] | None = None
-        for i in range(m):
-            if len(heads) < (i + 1) * HEADER_BYTES:
-                fault = (i, CorruptObject("short_read", "pack holds fewer headers"))
-                break
-            s.head[:] = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            want = envelope.fast_payload_digest(s.head, s.fields, prefixes[i])
-            if want is None:
-                fault = (i, _header_fault(bytes(s.head), namespace, keys[i], dests[i]))
-                break
-            wants.append(want)
+        wants = envelope.payload_digests(heads, prefixes)
         good = len(wants)
         at = first.payload_at
         i = 0
         while i < good:
-            j, nbytes = i, 0
-            while (
-                j < good and j - i < IOV_MAX and (j == i or nbytes + dests[j].nbytes <= READ_CHUNK)
-            ):
-                nbytes += dests[j].nbytes
+            # Pieces of about READ_CHUNK: each is digested while it is still in the cache.
+            j, nbytes = i + 1, sizes[i]
+            while j < good and j - i < IOV_MAX and nbytes + sizes[j] <= READ_CHUNK:
+                nbytes += sizes[j]
                 j += 1
-            got = os.preadv(fd, list(dests[i:j]), at)
+            got = os.preadv(fd, dests[i:j], at)
             for k in range(i, j):
-                n = dests[k].nbytes
-                if got < n:
+                if got < sizes[k]:
                     raise RunFault(k, CorruptObject("short_read", "pack ends inside the object"))
-                got -= n
+                got -= sizes[k]
                 if envelope.digest(dests[k]) != wants[k]:
                     raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
             at += nbytes
             i = j
     finally:
         os.close(fd)
-    if fault is not None:
-        raise RunFault(*fault)
+    if good < m:
+        head = heads[good * HEADER_BYTES : (good + 1) * HEADER_BYTES]
+        raise RunFault(good, _header_fault(head, namespace, keys[good], dests[good]))
 
 
 def _header_fault(
