@@ -47,9 +47,9 @@ from kvtier.storage.file_io import (
 from kvtier.storage.file_pack import (
     PACK_HEAD,
     PACK_MIN_OBJECTS,
-    PACKS_DIR,
     Packed,
     object_sizes,
+    pack_name,
     read_run,
     write_pack,
 )
@@ -372,7 +372,7 @@ class FileBackend(StorageBackend):
         keys = [plan[i][0] for i in packed]
         payloads: list[memoryview] = [plan[i][3] for i in packed]  # type: ignore[misc]
         sizes = object_sizes([p.nbytes for p in payloads])
-        path = f"{self.dir}/{PACKS_DIR}/{uuid.uuid4().hex}.pack"
+        path = pack_name(self.dir)
         total = sum(sizes)
         with self._lock:
             # The round reserved every fresh object's size; the pack's is ``total``.

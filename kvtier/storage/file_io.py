@@ -208,7 +208,7 @@ _tag = ["", 0]  # process-unique prefix, pid it was made in
 _tmp_seq = itertools.count()
 
 
-def _tmp_tag() -> str:
+def unique_tag() -> str:
     """A temp-name part no other write in this or another process uses: a random tag made
     once per process plus a counter (``next`` is atomic under the GIL), so a write costs no
     ``getrandom`` call."""
@@ -304,7 +304,7 @@ def object_files(directory: str) -> tuple[list[tuple[int, str, int]], list[str]]
 
 def _tmp_name(path: str) -> str:
     d, base = path.rsplit("/", 1)
-    return f"{d}/.{base}.{_tmp_tag()}{TMP_SUFFIX}"
+    return f"{d}/.{base}.{unique_tag()}{TMP_SUFFIX}"
 
 
 def write_object(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import StorageError
-from kvtier.storage import envelope
+from kvtier.storage import envelope, file_io
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file_io import READ_CHUNK, CorruptObject, writev_all
 
@@ -65,6 +66,12 @@ class RunFault(Exception):
         super().__init__(at, cause)
         self.at = at
         self.cause = cause
+
+
+def pack_name(directory: str) -> str:
+    """A new pack's path under a namespace ``directory``. Names sort in write order (time,
+    then this process's counter), which orders packs whose mtimes tie at a restart."""
+    return f"{directory}/{PACKS_DIR}/{time.time_ns():020d}-{file_io.unique_tag()}.pack"
 
 
 def _pack_head(count: int) -> bytes:
