@@ -240,7 +240,7 @@ class FileBackend(StorageBackend):
             return n
         key, path, failure = keys[n], paths[n], outcomes[n]
         if isinstance(failure, FileNotFoundError):
-            self._drop_vanished(key, path)  # or evicted meanwhile: a plain miss
+            self._drop_vanished(key)  # or evicted meanwhile: a plain miss
         elif isinstance(failure, StorageError):
             self.fault(failure.kind, f"{path}: {failure.detail}")
             if isinstance(failure, CorruptObject):
@@ -263,7 +263,9 @@ class FileBackend(StorageBackend):
         """Store ``buffers`` under ``keys``, evicting LRU objects to fit the budget; returns
         the leading count stored, stopping at the first fault (``no_space``, ``permission``,
         ``io``). Rounds: objects are reserved in key order while they fit beside the round's
-        own writes, written (large rounds on the I/O threads), indexed.
+        own writes, written (large rounds on the I/O threads; a round of at least
+        ``file_pack.PACK_MIN_OBJECTS`` objects under 128 KiB on average as one pack, stored
+        or failed whole), indexed.
 
         Only the first fault in key order counts; objects past it already written stay stored
         (not counted). Stored keys are not rewritten and count as stored (and become most
@@ -295,7 +297,7 @@ class FileBackend(StorageBackend):
         for key, payload in zip(keys[start:], payloads[start:], strict=True):
             size = HEADER_BYTES + payload.nbytes
             path = self._path(key)
-            self._drop_vanished(key, path)
+            self._drop_vanished(key)
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -406,7 +408,7 @@ class FileBackend(StorageBackend):
             self._packs[path] = keys
         return outcomes
 
-    def _drop_vanished(self, key: str, path: str) -> bool:
+    def _drop_vanished(self, key: str) -> bool:
         """If ``key`` is indexed but its file is gone (removed behind the index), drop it from
         the index, count it ``missing`` and return True. Checked under the lock, which eviction
         also unlinks under, so an object evicted meanwhile is not taken for a vanished one."""
@@ -480,7 +482,7 @@ class FileBackend(StorageBackend):
             try:
                 os.utime(path)
             except FileNotFoundError:
-                self._drop_vanished(key, path)
+                self._drop_vanished(key)
                 break
             except OSError as e:
                 # mtime is only the restart order; the object itself is still readable.
