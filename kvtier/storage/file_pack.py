@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvtier.errors import StorageError
+from kvtier.errors import KvtierError, StorageError
 from kvtier.storage import envelope, file_io
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file_io import READ_CHUNK, CorruptObject, writev_all
@@ -58,7 +58,7 @@ class Packed:
     """File offset of its payload."""
 
 
-class RunFault(Exception):
+class RunFault(KvtierError):
     """A read of a run of packed objects stopped at object ``at`` of the run, for ``cause``
     (what a single-object read of it would have raised)."""
 
