@@ -216,3 +216,25 @@ def test_reads_return_what_was_stored_through_packs_eviction_and_restarts(ops, t
 def _content(key: str, nbytes: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(key[1:]))
     return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+
+
+def test_a_key_stored_by_another_batch_while_its_pack_is_written_ends_in_the_pack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from kvtier.storage import file as file_mod
+
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    real = file_mod.write_pack
+    src = pages(N)
+
+    def meanwhile(fd, namespace, keys, payloads):  # noqa: ANN001, ANN202
+        assert be.batch_set(names(3, 4), [src[3]]) == 1  # a single file of a packed key
+        real(fd, namespace, keys, payloads)
+
+    monkeypatch.setattr(file_mod, "write_pack", meanwhile)
+    assert be.batch_set(names(0, N), src) == N
+    assert object_files(be) == [] and len(packs(be)) == 1
+    out = empty(N)
+    assert be.batch_get(names(0, N), out) == N
+    assert all(torch.equal(a, b) for a, b in zip(out, src, strict=True))
+    be.check_integrity()

@@ -399,9 +399,10 @@ class FileBackend(StorageBackend):
             return outcomes
         at = PACK_HEAD + len(keys) * HEADER_BYTES
         with self._lock:
-            for n, (key, payload, size) in enumerate(zip(keys, payloads, sizes, strict=True)):
+            for key in keys:
                 if key in self._index:  # stored meanwhile by another batch: the pack's copy wins
                     self._drop_locked(key, True)
+            for n, (key, payload, size) in enumerate(zip(keys, payloads, sizes, strict=True)):
                 self._index[key] = size
                 self._where[key] = Packed(path, n, at)
                 at += payload.nbytes
