@@ -134,3 +134,35 @@ def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
     # earlier prompt restored it), and together the prompts fetched every base page.
     assert result["cached"] == [(len(p) - 1) // PS * PS for p in prompts()]
     assert sum(result["storage_tokens"]) >= BASE_LEN
+
+
+def test_a_storage_restore_through_a_pack_equals_a_cold_run(tmp_path: Path) -> None:
+    # Page size 4: the 32 whole pages of the prompt are one round of small objects, one pack.
+    def llm_with(storage: str | None) -> LLM:
+        cfg = CacheConfig(
+            page_size=4,
+            device_pages=256,
+            device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
+            storage="file" if storage else None,
+            storage_dir=storage or "unused",
+            prefetch_policy="wait_complete",
+            debug_checks=True,
+        )
+        return LLM(MODEL, cfg, max_running=1)
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(MODEL.vocab_size) for _ in range(130)]
+    cold_llm = llm_with(None)
+    cold = cold_llm.generate([prompt], GREEDY)[0]
+    cold_llm.close()
+    storage = str(tmp_path / "l3")
+    writer = llm_with(storage)
+    writer.generate([prompt], GREEDY)
+    writer.close()
+    assert len(list(Path(storage).glob("*/.packs/*.pack"))) == 1
+    reader = llm_with(storage)  # a fresh index, scanned from the directory
+    out = reader.generate([prompt], GREEDY)[0]
+    reader.close()
+    assert (out.cached_device, out.cached_host, out.cached_storage) == (0, 0, 128)
+    same, diff = compare(out.output_ids, out.logits, Expected(list(cold.output_ids), cold.logits))
+    assert same and diff <= TOL
