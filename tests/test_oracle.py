@@ -24,10 +24,12 @@ BASE_LEN = 6 * PS
 DEPTHS = [1, PS - 1, PS, PS + 1, 2 * PS - 1, 2 * PS, 2 * PS + 1, 3 * PS + 7, 5 * PS, BASE_LEN]
 
 
-def make_llm(storage_dir: str | None = None, **kw) -> LLM:
+def make_llm(
+    storage_dir: str | None = None, page_size: int = PS, device_pages: int = 64, **kw
+) -> LLM:
     cfg = CacheConfig(
-        page_size=PS,
-        device_pages=64,
+        page_size=page_size,
+        device_pages=device_pages,
         device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
         storage="file" if storage_dir else None,
         storage_dir=storage_dir or "unused",
@@ -139,16 +141,7 @@ def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
 def test_a_storage_restore_through_a_pack_equals_a_cold_run(tmp_path: Path) -> None:
     # Page size 4: the 32 whole pages of the prompt are one round of small objects, one pack.
     def llm_with(storage: str | None) -> LLM:
-        cfg = CacheConfig(
-            page_size=4,
-            device_pages=256,
-            device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
-            storage="file" if storage else None,
-            storage_dir=storage or "unused",
-            prefetch_policy="wait_complete",
-            debug_checks=True,
-        )
-        return LLM(MODEL, cfg, max_running=1)
+        return make_llm(storage, page_size=4, device_pages=256)
 
     rng = random.Random(3)
     prompt = [rng.randrange(MODEL.vocab_size) for _ in range(130)]

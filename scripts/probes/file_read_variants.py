@@ -48,29 +48,23 @@ def current():
         read_object(paths[i], ns, keys[i], prefixes[i], dests[i])
 
 
-def one_preadv():
-    for i in range(n):
-        fd = os.open(paths[i], flags)
-        try:
-            got = os.preadv(fd, [head, dests[i], spare], 0)
-        finally:
-            os.close(fd)
-        want = envelope.fast_payload_digest(head, fields, prefixes[i])
-        if got != HEADER_BYTES + pb or want != envelope.digest(dests[i]):
-            raise RuntimeError("bad")
+def _one_preadv(open_object):  # noqa: ANN001, ANN202
+    def run():  # noqa: ANN202
+        for i in range(n):
+            fd = open_object(i)
+            try:
+                got = os.preadv(fd, [head, dests[i], spare], 0)
+            finally:
+                os.close(fd)
+            want = envelope.fast_payload_digest(head, fields, prefixes[i])
+            if got != HEADER_BYTES + pb or want != envelope.digest(dests[i]):
+                raise RuntimeError("bad")
+
+    return run
 
 
-def one_preadv_dirfd():
-    for i in range(n):
-        dfd, name = rel[i]
-        fd = os.open(name, flags, dir_fd=dfd)
-        try:
-            got = os.preadv(fd, [head, dests[i], spare], 0)
-        finally:
-            os.close(fd)
-        want = envelope.fast_payload_digest(head, fields, prefixes[i])
-        if got != HEADER_BYTES + pb or want != envelope.digest(dests[i]):
-            raise RuntimeError("bad")
+one_preadv = _one_preadv(lambda i: os.open(paths[i], flags))
+one_preadv_dirfd = _one_preadv(lambda i: os.open(rel[i][1], flags, dir_fd=rel[i][0]))
 
 
 def plain():
