@@ -6,6 +6,8 @@ skipped without a GPU; ``scripts/gpu_checks.sh`` runs them on one.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from kvtier.transfer import Mover, PermutationTranslator, plan, rows
 from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
+from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,7 +41,8 @@ def test_row_numbers_are_layer_major_in_every_pool():
 
 @pytest.mark.parametrize("words", [3, 1024, 1500])
 @pytest.mark.parametrize("tile_words", [rows.ONE_BLOCK, rows.TILE_WORDS])
-def test_page_rows_gather_and_scatter_every_layer_page_major(words, tile_words):
+@pytest.mark.parametrize("layer_major", [False, True])
+def test_page_rows_gather_and_scatter_every_layer(words, tile_words, layer_major):
     # A [layers * pages, words] layer-first pool (row p + l * 5) and a staging buffer.
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     layers, npages = 3, 5
@@ -46,11 +50,13 @@ def test_page_rows_gather_and_scatter_every_layer_page_major(words, tile_words):
     pool = pool.reshape(layers * npages, words)
     pages = torch.tensor([4, 1, 2], device=dev)
     staged = torch.zeros(len(pages) * layers, words, dtype=torch.int64, device=dev)
-    rows.copy_page_rows(pool, staged, pages, layers, npages, True, ctas=2, tile_words=tile_words)
-    want = [4, 9, 14, 1, 6, 11, 2, 7, 12]  # page 4's layers, then page 1's, then page 2's
+    kw = {"ctas": 2, "tile_words": tile_words, "layer_major": layer_major}
+    rows.copy_page_rows(pool, staged, pages, layers, npages, True, **kw)
+    # Layer-major: layer 0 of pages 4, 1, 2, then layer 1's; page-major: page 4's layers first.
+    want = [4, 1, 2, 9, 6, 7, 14, 11, 12] if layer_major else [4, 9, 14, 1, 6, 11, 2, 7, 12]
     assert torch.equal(staged.cpu(), pool.cpu()[want])
     back = torch.full_like(pool, -1)
-    rows.copy_page_rows(staged, back, pages, layers, npages, False, ctas=2, tile_words=tile_words)
+    rows.copy_page_rows(staged, back, pages, layers, npages, False, **kw)
     assert torch.equal(back.cpu()[want], pool.cpu()[want])
     assert bool((back.cpu()[[0, 3, 5, 8, 10, 13]] == -1).all())  # page 0 and 3 untouched
 
@@ -112,9 +118,12 @@ def test_choice_follows_block_size_and_direction():
     assert choose(small, "d2h", one, one) == KERNEL  # one 128 KiB block per page
     assert choose(small, "d2h", runs, one.repeat(4)) == STAGED  # runs of 8 host pages: 1 MiB
     lf = geo("layer_first", row_bytes=16 << 10, layers=32)
-    assert choose(lf, "h2d", one, one) == KERNEL  # layer-first is never staged
-    assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs: 128 KiB blocks
-    assert choose(lf, "d2h", runs, one.repeat(4)) == KERNEL  # host runs alone: 16 KiB blocks
+    assert choose(lf, "h2d", one, one) == KERNEL  # 16 KiB blocks, staged or not
+    assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs on both sides: 128 KiB blocks
+    scattered = torch.tensor([9, 2, 5, 0, 7, 1, 3, 6])
+    assert choose(lf, "h2d", runs, scattered) == STAGED  # 8-page host runs: 128 KiB per layer
+    assert choose(lf, "d2h", runs, scattered) == KERNEL  # 128 KiB is small for d2h
+    assert choose(lf, "d2h", torch.arange(16), scattered.repeat(2)) == STAGED  # 256 KiB
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
 
 
@@ -126,7 +135,7 @@ def test_forced_mechanisms():
     assert choose(kv16, "h2d", one, one, mechanism="kernel") == KERNEL
     assert choose(small, "d2h", one, one, mechanism="copy_engine") == STAGED
     assert choose(small, "h2d", one, one, per_layer=True, mechanism="copy_engine") == DIRECT
-    assert choose(lf, "d2h", one, one, mechanism="copy_engine") == DIRECT
+    assert choose(lf, "d2h", one, one, mechanism="copy_engine") == STAGED
     assert choose(geo("page_first", layers=1), "d2h", one, one, mechanism="copy_engine") == DIRECT
     assert choose(small, "h2d", one, one, dma=False, mechanism="copy_engine") == KERNEL
 
@@ -201,14 +210,37 @@ def test_cpu_roundtrip_is_byte_exact(layout):
     assert_same(dev, back, host, hp)
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_staging_blocks_hold_every_row_where_the_host_layout_has_it(layout):
+    # Copy engines emulated by memmove over CPU pools: a slice staged and copied as the staged
+    # path queues it on CUDA lands every row where the host layout keeps it, and back.
+    dev, host = make_pools(layout, "cpu")
+    dp, hp = torch.tensor([7, 2, 3, 4, 19]), torch.tensor([0, 11, 12, 13, 5])  # host runs: 3
+    back = torch.tensor([1, 23, 8, 9, 10])
+    op = TransferOp("d2h", 5, 0)
+    for s in dev.specs:
+        r = ComponentRows.of(dev, host, s.name, mapped=False)
+        buf = torch.zeros((5 * r.geo.layers, r.device.shape[1]), dtype=r.device.dtype)
+        r.stage(buf, dp, True, op, ctas=1, tile_words=rows.ONE_BLOCK)
+        host_at, stage_at, sizes = r.stage_blocks(hp, buf)
+        assert sizes.size == (3 * r.geo.layers if layout == "layer_first" else 3)
+        assert int(sizes.sum()) == buf.numel() * buf.element_size()
+        for h, b, n in zip(host_at.tolist(), stage_at.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(h, b, n)
+        buf.zero_()
+        for h, b, n in zip(host_at.tolist(), stage_at.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(b, h, n)
+        r.stage(buf, back, False, op, ctas=1, tile_words=rows.ONE_BLOCK)
+    assert_same(dev, dp, host, hp)
+    assert_same(dev, back, host, hp)
+
+
 @cuda
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("translated", [False, True])
 def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap, translated):
-    if path == STAGED and layout == "layer_first":
-        pytest.skip("staging is for page-first host pools")
     forced = path
 
     def force(geo, direction, hp, dp, per_layer=False, dma=True, mechanism="auto"):  # noqa: ANN001, ANN202

@@ -64,7 +64,7 @@ def host_page(cache: TieredCache, physical: int) -> torch.Tensor:
     return cache.host_pool.read_pages("kv", torch.tensor([physical]))[0]
 
 
-# On CUDA each forced mechanism (kernel; copy engines: staged page-first, direct layer-first).
+# On CUDA each forced mechanism (kernel; copy engines: staged in either host layout).
 MECHANISMS = ["auto", "kernel", "copy_engine"] if DEVICE.startswith("cuda") else ["auto"]
 
 

@@ -183,14 +183,19 @@ class ComponentRows:
         staging_bytes: int,
         op: TransferOp,
     ) -> Iterator[int]:
-        """Whole host pages by copy engine through two device staging buffers, in slices
+        """Host pages by copy engine through two device staging buffers, in slices
         (``plan.staging_slices``). A generator of chunks (see :meth:`kernel`), one per slice.
 
-        Staging row ``i * layers + l`` holds layer ``l`` of the slice's page ``i``, so staging page
-        ``i`` has the byte layout of a page-first host page and moves as one block; the rows are
-        gathered (d2h) or scattered (h2d) on ``helper`` by one launch per slice that reads the
-        slice's device pages (``rows.copy_page_rows``), so the copy engine moves one slice while
-        the other buffer is filled or emptied:
+        A slice's staging buffer has the byte layout of its ``k`` host pages laid side by side,
+        so a run of consecutive host pages is one copy-engine block per host layout block:
+
+            host layout   staging row of (layer l, slice page i)   one block per
+            page_first    i * layers + l                           run (all layers)
+            layer_first   l * k + i                                run and layer
+
+        The rows are gathered (d2h) or scattered (h2d) on ``helper`` by one launch per slice
+        that reads the slice's device pages (``rows.copy_page_rows``), so the copy engine moves
+        one slice while the other buffer is filled or emptied:
 
             d2h   helper: gather k ──> stream: copy k ──> (buffer free) helper: gather k + 2
             h2d   stream: copy k ──> helper: scatter k ──> (buffer free) stream: copy k + 2
@@ -213,18 +218,14 @@ class ComponentRows:
         lo = 0
         for j, k in enumerate(slices):
             buf, b = bufs[j % 2], j % 2
-            host_at = _addresses(self.host, pages.host[lo : lo + k], page_bytes)
-            stage_at = np.uint64(buf.data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(
-                page_bytes
-            )
-            sizes = np.full(k, page_bytes, dtype=np.uint64)
+            host_at, stage_at, sizes = self.stage_blocks(pages.host[lo : lo + k], buf)
             if direction == "d2h":
                 with on(helper):
                     if freed[b] is not None:
                         helper.wait_event(freed[b])
                     # The first gather runs alone: all programs, so the copy engine starts soon.
                     ctas = PCIE_CTAS if j == 0 else STAGING_CTAS
-                    self._stage(buf, dev_pages[lo : lo + k], True, op, ctas, ONE_BLOCK)
+                    self.stage(buf, dev_pages[lo : lo + k], True, op, ctas, ONE_BLOCK)
                     ready = _record(helper)
                 stream.wait_event(ready)
                 yield k * page_bytes
@@ -240,13 +241,13 @@ class ComponentRows:
                 arrived = _record(stream)
                 with on(helper):
                     helper.wait_event(arrived)
-                    self._stage(buf, dev_pages[lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
+                    self.stage(buf, dev_pages[lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
                     freed[b] = _record(helper)
             lo += k
         if direction == "h2d":
             stream.wait_stream(helper)
 
-    def _stage(
+    def stage(
         self,
         buf: torch.Tensor,
         dev_pages: torch.Tensor,
@@ -259,8 +260,45 @@ class ComponentRows:
         back, on the current stream."""
         src, dst = (self.device, buf) if gather else (buf, self.device)
         geo = self.geo
-        copy_page_rows(src, dst, dev_pages, geo.layers, geo.layer_stride, gather, ctas, tile_words)
+        copy_page_rows(
+            src,
+            dst,
+            dev_pages,
+            geo.layers,
+            geo.layer_stride,
+            gather,
+            ctas,
+            tile_words,
+            layer_major=geo.host_layout == "layer_first",
+        )
         op.keepalive.append(dev_pages)
+
+    def stage_blocks(
+        self, host_pages: torch.Tensor, buf: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(host, staging, sizes)`` of the copy-engine blocks between a slice's ``host_pages``
+        and staging ``buf`` (see :meth:`staged`): one per run of consecutive host pages, times
+        the layers for a layer-first host."""
+        geo, rb = self.geo, self.geo.row_bytes
+        h = host_pages.numpy()
+        k = h.size
+        starts = np.flatnonzero(np.diff(h, prepend=h[0] - 2) != 1)
+        runs = np.diff(starts, append=k).astype(np.uint64)
+        stage_base, host_base = np.uint64(buf.data_ptr()), np.uint64(self.host.data_ptr())
+        first = h[starts].astype(np.uint64)
+        if geo.host_layout == "page_first":
+            page = np.uint64(geo.layers * rb)
+            host_at = host_base + first * np.uint64(geo.layers) * np.uint64(rb)
+            return host_at, stage_base + starts.astype(np.uint64) * page, runs * page
+        layer = np.arange(geo.layers, dtype=np.uint64)[:, None]
+        host_rows = layer * np.uint64(geo.host_pages) + first[None, :]
+        stage_rows = layer * np.uint64(k) + starts.astype(np.uint64)[None, :]
+        sizes = np.broadcast_to(runs * np.uint64(rb), host_rows.shape)
+        return (
+            (host_base + host_rows * np.uint64(rb)).reshape(-1),
+            (stage_base + stage_rows * np.uint64(rb)).reshape(-1),
+            sizes.reshape(-1),
+        )
 
     def unpinned(
         self, direction: str, pages: PageLists, op: TransferOp

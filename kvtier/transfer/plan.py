@@ -12,9 +12,10 @@ Row numbers in each pool's flat ``[rows, words]`` view:
 Mechanisms, by measurement on an H200 (see ``kvtier.transfer.dma`` and ``kvtier.transfer.rows``):
 
     direct   one copy-engine block per row (or run of rows contiguous on both sides)
-    staged   page_first host only: whole host pages (all layers) by copy engine into / out of a
-             device staging buffer, rows gathered / scattered on the device; a run of
-             consecutive host pages (one tree node's backup) is one block
+    staged   host pages by copy engine into / out of a device staging buffer laid out as they
+             are on the host, rows gathered / scattered on the device; a run of consecutive host
+             pages (one tree node's backup) is one block, of all layers (page_first) or per
+             layer (layer_first)
     kernel   rows copied by a kernel through a device view of pinned host memory
 
 Copy engines use no SMs (nothing the transfer overlaps slows down), so they win whenever their
@@ -170,19 +171,20 @@ def choose(
     ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
     layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
     (no pinned host pool, no driver support). ``mechanism`` (``CacheConfig.transfer_mechanism``)
-    forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer page-first
-    hosts, else direct blocks; direct blocks per layer) whatever the block size. Envelope rows
-    (a unified arena) are never staged: with a page-first host their pages already are blocks.
+    forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer components,
+    else direct blocks; direct blocks per layer) whatever the block size. Envelope rows (a
+    unified arena) are never staged: with a page-first host their pages already are blocks.
 
-    Under ``auto`` the larger blocks win: staged blocks are whole pages times the mean run of
-    consecutive host pages, direct blocks rows times the mean run contiguous on both sides.
+    Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
+    pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
+    times the mean run contiguous on both sides.
     Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
     small), since it adds a gather or scatter on the device. Both ways at once on an H200, with
     host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged copies
     both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01 where
     rows are small (MLA and DSA at page size 1).
     """
-    stageable = not per_layer and geo.host_layout == "page_first" and not geo.envelope
+    stageable = not per_layer and not geo.envelope
     if mechanism == "copy_engine" and dma:
         if stageable and geo.layers > 1:
             return STAGED
@@ -195,7 +197,8 @@ def choose(
         return KERNEL
     least = H2D_DMA_MIN_BYTES if direction == "h2d" else D2H_DMA_MIN_BYTES
     direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)
-    staged = geo.layers * geo.row_bytes * geo.host_run(host_pages) if stageable else 0.0
+    host_block = geo.row_bytes * (geo.layers if geo.host_layout == "page_first" else 1)
+    staged = host_block * geo.host_run(host_pages) if stageable else 0.0
     if staged >= least and staged >= STAGE_GAIN * direct:
         return STAGED
     if direct >= least:

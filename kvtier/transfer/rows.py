@@ -93,12 +93,15 @@ def copy_page_rows(
     gather: bool,
     ctas: int,
     tile_words: int = ONE_BLOCK,
+    layer_major: bool = False,
 ) -> None:
-    """Copy every layer of ``pages`` between a paged ``[rows, words]`` view, where layer ``l`` of
-    page ``p`` is row ``p + l * stride``, and a flat one holding them page-major:
+    """Copy every layer of ``pages`` (``k`` of them) between a paged ``[rows, words]`` view,
+    where layer ``l`` of page ``p`` is row ``p + l * stride``, and a flat one holding them
+    page-major (flat row ``f = i * layers + l``) or, with ``layer_major``, layer-major
+    (``f = l * k + i``):
 
-        gather    dst[i * layers + l] = src[pages[i] + l * stride]
-        scatter   dst[pages[i] + l * stride] = src[i * layers + l]
+        gather    dst[f] = src[pages[i] + l * stride]
+        scatter   dst[pages[i] + l * stride] = src[f]
 
     ``pages`` lives on the tensors' device. On CUDA one launch of at most ``ctas`` programs (see
     :func:`copy_rows` for ``tile_words``) computes the paged rows itself; elsewhere the row lists
@@ -108,9 +111,9 @@ def copy_page_rows(
         return
     kernels = _kernels() if src.is_cuda else None
     if kernels is None:
-        paged = (
-            pages.long()[:, None] + torch.arange(layers, device=pages.device) * stride
-        ).reshape(-1)
+        offsets = torch.arange(layers, device=pages.device) * stride
+        p = pages.long()
+        paged = (offsets[:, None] + p[None, :] if layer_major else p[:, None] + offsets).reshape(-1)
         flat = torch.arange(n, device=pages.device)
         if gather:
             copy_rows(src, paged, dst, flat)
@@ -126,9 +129,11 @@ def copy_page_rows(
         dst,
         pages,
         n,
+        pages.numel(),
         stride,
         LAYERS=layers,
         GATHER=gather,
+        LAYER_MAJOR=layer_major,
         WORDS=words,
         BLOCK=block,
         ROWS=rows,

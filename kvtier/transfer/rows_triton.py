@@ -65,9 +65,11 @@ def copy_pages_kernel(
     dst,
     pages,
     n_rows,
+    n_pages,
     stride,
     LAYERS: tl.constexpr,  # noqa: N803
     GATHER: tl.constexpr,  # noqa: N803
+    LAYER_MAJOR: tl.constexpr,  # noqa: N803
     WORDS: tl.constexpr,  # noqa: N803
     BLOCK: tl.constexpr,  # noqa: N803
     ROWS: tl.constexpr,  # noqa: N803
@@ -77,8 +79,12 @@ def copy_pages_kernel(
     for t in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         r = t * ROWS + tl.arange(0, ROWS)
         live = r < n_rows
-        page = tl.load(pages + r // LAYERS, mask=live, other=0).to(tl.int64)
-        paged = (page + (r % LAYERS).to(tl.int64) * stride) * WORDS
+        if LAYER_MAJOR:
+            i, layer = r % n_pages, r // n_pages
+        else:
+            i, layer = r // LAYERS, r % LAYERS
+        page = tl.load(pages + i, mask=live, other=0).to(tl.int64)
+        paged = (page + layer.to(tl.int64) * stride) * WORDS
         flat = r.to(tl.int64) * WORDS
         if GATHER:
             copy_tile(src, dst, paged, flat, live, WORDS, BLOCK)
