@@ -4,7 +4,8 @@
 # written to $OUT/json and bundled into $OUT/gpu_results.tgz (one file to bring back).
 #   SWEEP=1    every family's pool set and the single GQA pool (both host layouts) at page
 #              sizes 1, 16 and 64 (PAGE_SIZES), about 1 GiB per copy, host pages churned or
-#              random (HOST_PAGES, default churned) (default: families at page size 16)
+#              random (HOST_PAGES, default churned) (default: families at page size 16);
+#              FAMILY_LAYOUT picks the families' host layout, SINGLE_LAYOUTS the single pool's
 #   STAGING=1  staging-memory sweep (16, 64, 256 MiB) for the staged families
 #   TTFT=1     time to first token of a 32K-token prompt on a Llama-8B-sized model
 #   COMPUTE=1  that model's cold 32K prefill and 32-request decode step against the device's
@@ -40,10 +41,12 @@ PY
 if [ "${SWEEP:-0}" = 1 ]; then
   HP=${HOST_PAGES:-churned}
   for ps in ${PAGE_SIZES:-1 16 64}; do
+    FL=${FAMILY_LAYOUT:-page_first}
     python3 -m kvtier.cli bench transfer --family all --page-size "$ps" --target-mib 1024 \
-        --host-pages "$HP" --json "$J/transfer_families_${HP}_ps$ps.json" > /dev/null 2>&1
-    summary "$J/transfer_families_${HP}_ps$ps.json"
-    for layout in page_first layer_first; do
+        --host-pages "$HP" --host-layout "$FL" --json "$J/transfer_families_${FL}_${HP}_ps$ps.json" \
+        > /dev/null 2>&1
+    summary "$J/transfer_families_${FL}_${HP}_ps$ps.json"
+    for layout in ${SINGLE_LAYOUTS:-page_first layer_first}; do
       python3 -m kvtier.cli bench transfer --page-size "$ps" --host-layout "$layout" \
           --host-pages "$HP" --target-mib 1024 --json "$J/transfer_${layout}_${HP}_ps$ps.json" \
           > /dev/null 2>&1
