@@ -1,10 +1,22 @@
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
 import pytest
 
-from kvtier.bench.storage import bench_storage
+from kvtier.bench.storage import _on_threads, bench_storage
+from kvtier.keys import Namespace
+from kvtier.storage.file import FileBackend
+
+
+def _backend_threads(tmp_path: Path) -> int:
+    be = FileBackend(tmp_path / "probe", Namespace("probe"), 1 << 20)
+    try:
+        return be._io.threads
+    finally:
+        be.close()
 
 
 def test_bench_storage_tiny(tmp_path: Path) -> None:
@@ -15,20 +27,93 @@ def test_bench_storage_tiny(tmp_path: Path) -> None:
     assert out["page_bytes"] == 64 << 10
     assert out["num_pages"] == 8
     assert out["total_bytes"] == 8 * (64 << 10)
-    for part in ("file_backend", "plain_io"):
+    for part in ("file_backend", "plain_io", "parallel_plain_io"):
         assert set(out[part]) == {"write_gbps", "read_gbps"}
         assert all(v > 0 for v in out[part].values())
     assert set(out["ratio"]) == {"write", "read"}
     assert out["ratio"]["write"] > 0 and out["ratio"]["read"] > 0
-    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io"}
+    assert out["ratio_vs_parallel_plain"] == {
+        d: out["file_backend"][f"{d}_gbps"] / out["parallel_plain_io"][f"{d}_gbps"]
+        for d in ("write", "read")
+    }
+    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io", "parallel_plain_io"}
     for part in out["gb_per_cpu_s"].values():
         assert set(part) == {"write", "read"} and all(v > 0 for v in part.values())
     per_cpu = out["gb_per_cpu_s"]
     assert out["cpu_ratio"] == {
         d: per_cpu["file_backend"][d] / per_cpu["plain_io"][d] for d in ("write", "read")
     }
-    assert "cpu_ratio_vs_sglang" not in out
+    assert "cpu_ratio_vs_sglang" not in out and "parallel_plain_vs_sglang" not in out
     assert list(tmp_path.iterdir()) == []  # the bench removed what it wrote
+
+
+def test_bench_storage_parallel_plain_uses_the_backends_threads(tmp_path: Path) -> None:
+    threads = _backend_threads(tmp_path / "probe")
+    (tmp_path / "work").mkdir()
+    out = bench_storage(str(tmp_path / "work"), page_bytes=4096, num_pages=4, repeats=1)["runs"][0]
+    assert out["io_threads"] == threads >= 1
+
+
+def test_bench_storage_against_a_peer(tmp_path: Path) -> None:
+    # A stand-in for the SGLang peer's interpreter: it prints the peer's JSON line.
+    line = {
+        "sglang": "stub",
+        "write_s": 0.5,
+        "read_s": 0.25,
+        "write_cpu_s": 0.5,
+        "read_cpu_s": 0.25,
+    }
+    stub = tmp_path / "peer-python"
+    stub.write_text(f"#!/bin/sh\necho '{json.dumps(line)}'\n")
+    stub.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    top = bench_storage(str(work), page_bytes=4096, num_pages=4, repeats=1, peer_python=str(stub))
+    out = top["runs"][0]
+    peer = out["sglang_hicache_file"]
+    assert peer == {
+        "version": "stub",
+        "write_gbps": 4 * 4096 / 0.5 / 1e9,
+        "read_gbps": 4 * 4096 / 0.25 / 1e9,
+    }
+    assert out["parallel_plain_vs_sglang"] == {
+        d: out["parallel_plain_io"][f"{d}_gbps"] / peer[f"{d}_gbps"] for d in ("write", "read")
+    }
+    assert out["ratio_vs_sglang"] == {
+        d: out["file_backend"][f"{d}_gbps"] / peer[f"{d}_gbps"] for d in ("write", "read")
+    }
+    assert set(out["gb_per_cpu_s"]) == {
+        "file_backend",
+        "plain_io",
+        "parallel_plain_io",
+        "sglang_hicache_file",
+    }
+    assert all(v > 0 for v in out["parallel_plain_vs_sglang"].values())
+    assert list(work.iterdir()) == []
+
+
+def test_on_threads_runs_each_index_once_and_raises_a_threads_error() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        with lock:
+            seen.append(i)
+
+    with ThreadPoolExecutor(1) as pool:
+        _on_threads(pool, 2, 64, job)
+        assert sorted(seen) == list(range(64))
+
+        def fail(i: int) -> None:
+            if i == 3:
+                raise OSError("disk gone")
+
+        with pytest.raises(OSError, match="disk gone"):
+            _on_threads(pool, 2, 8, fail)
+    _on_threads(None, 1, 5, job)
+    assert sorted(seen) == sorted([*range(64), *range(5)])
 
 
 def test_bench_storage_missing_peer_is_reported(tmp_path: Path) -> None:
@@ -37,7 +122,8 @@ def test_bench_storage_missing_peer_is_reported(tmp_path: Path) -> None:
     out = top["runs"][0]
     assert missing in out["sglang_hicache_file"]["error"]
     assert "ratio_vs_sglang" not in out and "cpu_ratio_vs_sglang" not in out
-    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io"}
+    assert "parallel_plain_vs_sglang" not in out
+    assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io", "parallel_plain_io"}
     assert list(tmp_path.iterdir()) == []
 
 

@@ -145,6 +145,18 @@ def test_storage_without_peer_or_with_a_failed_one_and_mooncake(tmp_path) -> Non
     assert _texts(root).count("0.9 raw client") == 2
 
 
+def test_storage_draws_parallel_plain_when_the_run_has_it(tmp_path) -> None:
+    run = _run(1 << 20, 64, None)
+    run["io_threads"] = 2
+    run["parallel_plain_io"] = {"write_gbps": 7.5, "read_gbps": 11.5}
+    r = {"bench": "storage", "backend": "file", "runs": [run]}
+    root = _draw(tmp_path, _write(tmp_path, "p.json", r))
+    texts = _texts(root)
+    assert {"plain I/O on 2 threads", "7.5", "11.5"} <= set(texts)
+    assert len(_bars(root)) == 6
+    assert texts.count("0.9 plain I/O") == 2
+
+
 COMPUTE = {
     "bench": "compute",
     "device": "cuda",

@@ -11,7 +11,8 @@
   µs per op of kvtier and SGLang's ``RadixCache``, the speedup with its target ticked (5x for
   the ``long_*`` ops, 2x for ``chat_*``), and the tree against the flat hash table when present;
 - ``bench storage`` (file or mooncake; several files): GB/s of set and get for kvtier, the plain
-  peer and SGLang's ``HiCacheFile`` when it ran, 0.9 of the plain peer ticked per group;
+  peer, plain I/O on the backend's thread count and SGLang's ``HiCacheFile`` when they ran, 0.9
+  of the plain peer ticked per group;
 - ``bench compute`` (several files): cold prefill TFLOP/s as a fraction of the matmul rate
   against the 0.40 target, and the decode step against its bound with 2x the bound ticked.
 """
@@ -174,6 +175,9 @@ def _storage(results: Sequence[tuple[str, dict]]) -> list[Panel]:
             label = f"{name}{run['num_pages']} x {_size(run['page_bytes'])}"
             for d, op in (("write", "set"), ("read", "get")):
                 vals = {"kvtier": run[ours][f"{d}_gbps"], plain_name: run[plain][f"{d}_gbps"]}
+                if "parallel_plain_io" in run:
+                    side = f"{plain_name} on {run['io_threads']} threads"
+                    vals[side] = run["parallel_plain_io"][f"{d}_gbps"]
                 if peer is not None:
                     vals["SGLang HiCacheFile"] = peer[f"{d}_gbps"]
                 groups.append((f"{label} {op}", vals))

@@ -1,7 +1,9 @@
 """L3 backend throughput against the same storage used plainly, measured in one run.
 
 ``file``: ``FileBackend`` against plain sequential file I/O of the same bytes on the same
-directory, and optionally against SGLang's ``HiCacheFile`` in its own process.
+directory, against the same plain I/O on the backend's I/O thread count (the rate a reader or
+writer on that many threads reaches on the host), and optionally against SGLang's
+``HiCacheFile`` in its own process.
 ``mooncake``: ``MooncakeBackend`` against the raw Mooncake client (``batch_put_from`` /
 ``batch_get_into`` on the same registered bytes, no envelope or checksums) on the same cluster.
 """
@@ -9,6 +11,7 @@ directory, and optionally against SGLang's ``HiCacheFile`` in its own process.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -19,6 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -48,6 +52,51 @@ def _check(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
 
 def _log(msg: str) -> None:
     print(f"[bench storage] {msg}", file=sys.stderr, flush=True)
+
+
+def _on_threads(
+    pool: ThreadPoolExecutor | None, threads: int, n: int, job: Callable[[int], None]
+) -> None:
+    """Run ``job(i)`` for ``i`` in ``range(n)`` on ``threads`` threads, the caller's among them
+    (the others from ``pool``), each claiming the next ``i`` in order until none is left;
+    returns when all have ended, raising the first exception a thread raised."""
+    claim = itertools.count()
+
+    def run() -> None:
+        while (i := next(claim)) < n:
+            job(i)
+
+    futures = [pool.submit(run) for _ in range(1, min(threads, n))] if pool is not None else []
+    try:
+        run()
+    finally:
+        for f in futures:
+            f.exception()
+    for f in futures:
+        f.result()
+
+
+def _write_file(path: str, data: memoryview) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str, dest: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < len(dest):
+            got = os.preadv(fd, [dest[done:]], done)
+            if got == 0:
+                raise RuntimeError(f"{path}: {done} of {len(dest)} bytes, then end of file")
+            done += got
+    finally:
+        os.close(fd)
 
 
 SIZES = ((1 << 20, 64), (2 << 20, 256), (64 << 10, 1024))
@@ -119,15 +168,23 @@ def bench_file(
     """Write ``num_pages`` random pages of ``page_bytes`` through ``FileBackend`` (one
     ``batch_set``) and read them back into preallocated buffers (one ``batch_get``, every
     object verified); do the same with one plain file per page, written and read
-    sequentially, as the peer. With ``peer_python``, SGLang's ``HiCacheFile`` does the same in
-    its own process (``kvtier.bench.storage_peer``).
+    sequentially, as the peer (``plain_io``). ``parallel_plain_io`` is that plain I/O on the
+    backend's I/O thread count (returned as ``io_threads``), whatever the batch size: the
+    plain side's files read with ``os.preadv`` straight into the destination rows, and the
+    pages written to files of their own, by threads each claiming the next page in order, no
+    checksum.
+    With ``peer_python``, SGLang's ``HiCacheFile`` does the same in its own process
+    (``kvtier.bench.storage_peer``).
 
     Each repeat runs every side once, interleaved, in a fresh namespace/directory; figures are
     medians over ``repeats``. Raises ``RuntimeError`` if any read-back differs. Files go to a
     temp dir under ``directory`` (default: cwd) that is removed afterwards. Returns GB/s for
-    each side and the ratios kvtier / plain and kvtier / SGLang; also GB per second of process
-    CPU time (``gb_per_cpu_s``: kvtier's counts all its I/O threads; steadier than wall time on
-    a shared host) and its ratios (``cpu_ratio``, ``cpu_ratio_vs_sglang``).
+    each side and the ratios kvtier / plain (``ratio``), kvtier / parallel plain
+    (``ratio_vs_parallel_plain``), kvtier / SGLang (``ratio_vs_sglang``) and parallel plain /
+    SGLang (``parallel_plain_vs_sglang``), the last two when SGLang ran; also GB per second of
+    process CPU time (``gb_per_cpu_s``: kvtier's and parallel plain's count all their threads;
+    steadier than wall time on a shared host) and its ratios (``cpu_ratio``,
+    ``cpu_ratio_vs_sglang``).
     """
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -139,9 +196,14 @@ def bench_file(
     cpus: dict[str, list[float]] = {}
     peer_error: str | None = None
     peer_version = None
+    pool: ThreadPoolExecutor | None = None
 
     try:
         backends = [FileBackend(work, Namespace(f"ns{r}"), budget) for r in range(repeats)]
+        threads = backends[0]._io.threads
+        if threads > 1:
+            # Started outside the timed phases: thread start-up is not what the side measures.
+            pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="bench-parallel-plain")
 
         def be_write(r: int) -> tuple[float, float]:
             t0 = _clock()
@@ -179,11 +241,38 @@ def bench_file(
             _check(src, dst, "plain I/O")
             return dt
 
+        parallel_dirs = [os.path.join(work, f"parallel{r}") for r in range(repeats)]
+
+        def parallel_write(r: int) -> tuple[float, float]:
+            os.makedirs(parallel_dirs[r])
+            t0 = _clock()
+            _on_threads(
+                pool,
+                threads,
+                num_pages,
+                lambda i: _write_file(os.path.join(parallel_dirs[r], str(i)), src[i].numpy().data),
+            )
+            return _since(t0)
+
+        def parallel_read(r: int) -> tuple[float, float]:
+            t0 = _clock()
+            _on_threads(
+                pool,
+                threads,
+                num_pages,
+                lambda i: _read_file(os.path.join(plain_dirs[r], str(i)), dst[i].numpy().data),
+            )
+            dt = _since(t0)
+            _check(src, dst, "parallel plain I/O")
+            return dt
+
         phases: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
             ("file_write", be_write),
             ("plain_write", plain_write),
+            ("parallel_plain_write", parallel_write),
             ("file_read", be_read),
             ("plain_read", plain_read),
+            ("parallel_plain_read", parallel_read),
         ]
         for r in range(repeats):
             # Interleaved so every side sees the same page-cache and writeback state.
@@ -206,6 +295,7 @@ def bench_file(
             backends[r].close()
             shutil.rmtree(backends[r].dir)
             shutil.rmtree(plain_dirs[r])
+            shutil.rmtree(parallel_dirs[r])
             if peer_python is not None and peer_error is None:
                 peer_dir = os.path.join(work, f"sglang{r}")
                 got = _peer_run(peer_python, peer_dir, page_bytes, num_pages)
@@ -222,6 +312,8 @@ def bench_file(
         gbps = {name: _gbps(total, statistics.median(dts)) for name, dts in times.items()}
         per_cpu = {name: _gbps(total, statistics.median(dts)) for name, dts in cpus.items()}
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
         shutil.rmtree(work, ignore_errors=True)
 
     out: dict = {
@@ -232,12 +324,20 @@ def bench_file(
         "statistic": "median",
         "file_backend": {"write_gbps": gbps["file_write"], "read_gbps": gbps["file_read"]},
         "plain_io": {"write_gbps": gbps["plain_write"], "read_gbps": gbps["plain_read"]},
+        "io_threads": threads,
+        "parallel_plain_io": {
+            "write_gbps": gbps["parallel_plain_write"],
+            "read_gbps": gbps["parallel_plain_read"],
+        },
         "ratio": {
             "write": gbps["file_write"] / gbps["plain_write"],
             "read": gbps["file_read"] / gbps["plain_read"],
         },
+        "ratio_vs_parallel_plain": {
+            d: gbps[f"file_{d}"] / gbps[f"parallel_plain_{d}"] for d in ("write", "read")
+        },
     }
-    sides = {"file_backend": "file", "plain_io": "plain"}
+    sides = {"file_backend": "file", "plain_io": "plain", "parallel_plain_io": "parallel_plain"}
     if "sglang_write" in per_cpu:
         sides["sglang_hicache_file"] = "sglang"
     out["gb_per_cpu_s"] = {
@@ -259,11 +359,16 @@ def bench_file(
                 "write": gbps["file_write"] / gbps["sglang_write"],
                 "read": gbps["file_read"] / gbps["sglang_read"],
             }
+            out["parallel_plain_vs_sglang"] = {
+                d: gbps[f"parallel_plain_{d}"] / gbps[f"sglang_{d}"] for d in ("write", "read")
+            }
         else:
             out["sglang_hicache_file"] = {"error": peer_error}
     _log(
         f"{num_pages} x {page_bytes} B: ratio backend/plain write {out['ratio']['write']:.2f}, "
-        f"read {out['ratio']['read']:.2f}"
+        f"read {out['ratio']['read']:.2f}; backend/parallel plain ({threads} threads) write "
+        f"{out['ratio_vs_parallel_plain']['write']:.2f}, "
+        f"read {out['ratio_vs_parallel_plain']['read']:.2f}"
     )
     return out
 
