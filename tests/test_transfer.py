@@ -119,7 +119,10 @@ def test_choice_follows_block_size_and_direction():
     assert choose(small, "d2h", runs, one.repeat(4)) == STAGED  # runs of 8 host pages: 1 MiB
     lf = geo("layer_first", row_bytes=16 << 10, layers=32)
     assert choose(lf, "h2d", one, one) == KERNEL  # 16 KiB blocks, staged or not
-    assert choose(lf, "h2d", runs, runs) == DIRECT  # 8-page runs on both sides: 128 KiB blocks
+    assert choose(lf, "h2d", runs, runs) == STAGED  # 128 KiB blocks either way: staged
+    assert choose(lf, "h2d", runs, runs, per_layer=True) == KERNEL
+    lf_one = geo("layer_first", row_bytes=128 << 10, layers=1)
+    assert choose(lf_one, "h2d", runs, runs) == DIRECT  # one layer: either layout, 1 MiB
     scattered = torch.tensor([9, 2, 5, 0, 7, 1, 3, 6])
     assert choose(lf, "h2d", runs, scattered) == STAGED  # 8-page host runs: 128 KiB per layer
     assert choose(lf, "d2h", runs, scattered) == KERNEL  # 128 KiB is small for d2h

@@ -45,7 +45,9 @@ left the copy engine waiting for the CPU), small enough to gather in tens of mic
 ``rows.PCIE_CTAS`` programs."""
 
 STAGE_GAIN = 8
-"""Staging is chosen over direct blocks when its blocks are this many times larger."""
+"""Staging is chosen over direct blocks when its blocks are this many times larger (page-first
+host; a multi-layer layer-first host stages whenever its blocks are no smaller, see
+:func:`choose`)."""
 
 KERNEL, DIRECT, STAGED = "kernel", "direct", "staged"
 
@@ -179,7 +181,11 @@ def choose(
     pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
     times the mean run contiguous on both sides.
     Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
-    small), since it adds a gather or scatter on the device. Both ways at once on an H200, with
+    small), since it adds a gather or scatter on the device. A layer-first host (of more than one
+    layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its direct loads beside staged
+    backups moved 0.57-0.74 of two contiguous copies where staged ones moved 0.88-0.95
+    (``results/h200-dma/run12/layer_first_choice.json``: DSA-compressed and hybrid at page
+    size 64; one way, both moved 0.92-0.97). Both ways at once on an H200, with
     host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged copies
     both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01 where
     rows are small (MLA and DSA at page size 1).
@@ -199,7 +205,8 @@ def choose(
     direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)
     host_block = geo.row_bytes * (geo.layers if geo.host_layout == "page_first" else 1)
     staged = host_block * geo.host_run(host_pages) if stageable else 0.0
-    if staged >= least and staged >= STAGE_GAIN * direct:
+    gain = 1 if geo.host_layout == "layer_first" and geo.layers > 1 else STAGE_GAIN
+    if staged >= least and staged >= gain * direct:
         return STAGED
     if direct >= least:
         return DIRECT
