@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool, PoolSpec
-from kvtier.transfer import Mover, PermutationTranslator, plan, rows
+from kvtier.transfer import Mover, PermutationTranslator, dma, plan, rows
 from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
@@ -301,8 +301,19 @@ def test_cuda_default_choice_uses_copy_engines_for_large_pages_unless_per_layer(
     assert op.paths == {"kv": "direct"}
 
 
+def test_copy_blocks_queues_single_copies_only_up_to_single_upto(monkeypatch):
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(dma, "_entry", lambda: (None, False))
+    monkeypatch.setattr(dma, "_copy_each", lambda d, s, z, st: calls.append(("each", z.size)))
+    monkeypatch.setattr(dma, "_copy_batched", lambda d, s, z, st: calls.append(("list", z.size)))
+    z = np.ones(3, dtype=np.uint64)
+    dma.copy_blocks(z, z, z, None)  # type: ignore[arg-type]
+    dma.copy_blocks(z, z, z, None, single_upto=3)  # type: ignore[arg-type]
+    dma.copy_blocks(z, z, z, None, single_upto=2)  # type: ignore[arg-type]
+    assert calls == [("list", 3), ("each", 3), ("list", 3)]
+
+
 def test_copy_blocks_without_driver_support_raises_dma_error(monkeypatch):
-    from kvtier.transfer import dma
 
     monkeypatch.setattr(dma, "_entry", lambda: None)
     assert not dma.available()
@@ -313,7 +324,6 @@ def test_copy_blocks_without_driver_support_raises_dma_error(monkeypatch):
 
 @cuda
 def test_refused_copy_engine_list_falls_back_to_kernels(monkeypatch):
-    from kvtier.transfer import dma
 
     def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise dma.DmaError("refused")

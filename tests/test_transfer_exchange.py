@@ -33,6 +33,8 @@ def test_exchange_moves_both_directions_byte_exact(monkeypatch, device, path):
     load.wait()
     back.complete()
     assert back.direction == "d2h" and load.direction == "h2d"
+    assert back.shared_link and load.shared_link  # staged slices may go as single copies
+    assert not mover.device_to_host(src, hdst).shared_link  # alone (beside decode): batched
     assert_same(dev, src, host, hdst)  # the backup
     for s in dev.specs:  # the load, of the host pages as they were
         assert torch.equal(dev.page_bytes_view(s.name)[:, dst].cpu(), before[s.name]), s.name

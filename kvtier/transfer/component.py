@@ -213,6 +213,7 @@ class ComponentRows:
         # The device page list is uploaded before the first gather (d2h) or after the first
         # copy is queued (h2d: its copy needs no device rows, so it starts at once).
         dev_pages = pages.on_gpu(device, op)[1] if direction == "d2h" else None
+        single_upto = dma.FEW_BLOCKS if op.shared_link else 0
         helper.wait_stream(stream)  # ``stream`` follows the compute stream (and the page list)
         freed: list[torch.cuda.Event | None] = [None, None]
         lo = 0
@@ -229,13 +230,13 @@ class ComponentRows:
                     ready = _record(helper)
                 stream.wait_event(ready)
                 yield k * page_bytes
-                dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)
+                dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream, single_upto)
                 freed[b] = _record(stream)
             else:
                 if freed[b] is not None:
                     stream.wait_event(freed[b])
                 yield k * page_bytes
-                dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream)
+                dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream, single_upto)
                 if dev_pages is None:
                     dev_pages = pages.on_gpu(device, op)[1]  # behind the first copy, on stream
                 arrived = _record(stream)

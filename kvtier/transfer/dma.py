@@ -46,10 +46,13 @@ BATCH_BLOCKS = 512
 """Blocks per driver call. The driver spends about 0.7 µs per block before the copy engines
 start on a call, so long lists go in slices: the first copies run while later ones are queued."""
 FEW_BLOCKS = 16
-"""Lists this short are queued as one ``cuMemcpyAsync`` per block (a few µs of CPU each). A
-staged slice with host pages in node runs is a handful of blocks; both directions at once, those
-slices moved 0.88-0.95 of two contiguous copies as batched lists and 0.90-0.97 as single copies
-on an H200, in every family at page sizes 1, 16 and 64 (results/h200-dma/run11)."""
+"""Lists this short may be queued as one ``cuMemcpyAsync`` per block (a few µs of CPU each),
+where a copy shares the link with one the other way. A staged slice with host pages in node runs
+is a handful of blocks; both directions at once, those slices moved 0.88-0.95 of two contiguous
+copies as batched lists and 0.90-0.97 as single copies on an H200, in every family at page sizes
+1, 16 and 64 (results/h200-dma/run11). Beside decode they cost it: paced backups as single
+copies stalled a decode step 1.055-1.129x, as batched lists 0.997-1.018x, alternated on one
+machine (results/h200-dma/run12/stall_few_blocks.json)."""
 _SRC_ACCESS_ORDER_STREAM = 1
 """The source is read in stream order (it may be written by earlier work on the stream)."""
 
@@ -90,17 +93,22 @@ def coalesce(
 
 
 def copy_blocks(
-    dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: torch.cuda.Stream
+    dst: np.ndarray,
+    src: np.ndarray,
+    size: np.ndarray,
+    stream: torch.cuda.Stream,
+    single_upto: int = 0,
 ) -> None:
     """Queue ``size[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every ``i`` on
     ``stream`` (addresses are device pointers or pinned host pointers; unified addressing tells
-    the driver which is which). Returns once queued; the arrays may be dropped then."""
+    the driver which is which): as batched lists, or one copy per block when there are at most
+    ``single_upto`` blocks. Returns once queued; the arrays may be dropped then."""
     if _entry() is None:
         raise DmaError("cuMemcpyBatchAsync is not available in this CUDA driver")
     n = int(size.size)
     if n == 0:
         return
-    if n <= FEW_BLOCKS:
+    if n <= single_upto:
         _copy_each(dst, src, size, stream)
     else:
         _copy_batched(dst, src, size, stream)

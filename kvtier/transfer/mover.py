@@ -344,6 +344,7 @@ class Mover:
         except BaseException:
             bop.release()
             raise
+        bop.shared_link = lop.shared_link = True
         if not self.cuda:
             return bop, lop
         try:

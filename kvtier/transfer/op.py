@@ -32,6 +32,9 @@ class TransferOp:
     on_release: Callable[[], None] | None = None
     """Gives back what the op holds while bytes are in flight (a unified pool's leases on its
     device pages); run once, by :meth:`release`."""
+    shared_link: bool = False
+    """Queued beside a copy the other way (``Mover.exchange``): its staged slices' short
+    copy-engine lists go as single copies (``dma.FEW_BLOCKS``)."""
 
     def done(self) -> bool:
         """True once the copy completed (never blocks)."""
