@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvtier.storage.file_pack import PACK_HEAD, PACK_MIN_OBJECTS, PACKS_DIR
 NS = Namespace("ns0")
 N = PACK_MIN_OBJECTS + 4
 PAGE = 256  # bytes per test page
+OLD = 10**18  # ns: older than any read, whatever the clock's resolution
 
 
 def names(lo: int, hi: int) -> list[PageKey]:
@@ -79,6 +81,23 @@ def test_packs_survive_a_restart_in_write_order(tmp_path: Path):
     out = empty(2 * N)
     assert again.batch_get(names(0, 2 * N), out) == 2 * N  # two runs, one per pack
     assert all(torch.equal(a, b) for a, b in zip(out, first + second, strict=True))
+    again.check_integrity()
+
+
+def test_reads_of_packed_keys_order_the_restart_and_move_the_packs_mtime(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N, 1)) == N  # pack one
+    assert be.batch_set(names(N, 2 * N), pages(N, 2)) == N  # pack two, newer
+    first = packs(be)[0]
+    for i, p in enumerate(packs(be)):
+        os.utime(p, ns=(OLD + i, OLD + i))
+    assert be.batch_get(names(3, 4), empty(1)) == 1  # a read of one key of pack one
+    be.close()
+    size = PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    again = FileBackend(tmp_path, NS, budget_bytes=size + size // 2)  # room for one pack
+    assert again.keys() == names(0, N)  # pack one was read last: pack two went
+    assert packs(again) == [first] and first.stat().st_mtime_ns > OLD + 1
+    assert again.batch_get(names(0, N), empty(N)) == N
     again.check_integrity()
 
 

@@ -129,8 +129,11 @@ class FileBackend(StorageBackend):
                 f"storage_dir={self.root!r}: cannot create or write {self.dir!r}: {e.strerror or e}"
             ) from e
         self._recency = RecencyJournal(self.dir, self._file_of)
-        self._recency.apply()
-        self._scan()
+        # The journal orders the scan, and is applied after it: only then does a packed
+        # key resolve to its pack, whose mtime its reads must move.
+        read_ns = self._recency.read_times()
+        self._scan(read_ns)
+        self._recency.apply(read_ns)
 
     @classmethod
     def from_config(cls, config: CacheConfig, namespace: Namespace) -> FileBackend:
@@ -149,9 +152,9 @@ class FileBackend(StorageBackend):
         w = self._where.get(key)
         return w.pack if w is not None else self._path(key)
 
-    def _scan(self) -> None:
+    def _scan(self, read_ns: dict[str, int]) -> None:
         with self._lock:
-            for key, size, where in file_layout.scan(self.dir, self.namespace):
+            for key, size, where in file_layout.scan(self.dir, self.namespace, read_ns):
                 self._index[key] = size
                 self._used += size
                 if where is not None:

@@ -21,9 +21,14 @@ Run = tuple[int, int, "Packed | None"]
 consecutive objects of one pack, the first of them given."""
 
 
-def scan(directory: str, namespace: str) -> list[tuple[str, int, Packed | None]]:
-    """``(key, size, where)`` of every stored object under a namespace ``directory``, oldest
-    mtime first (a pack's objects in their order), ``where`` ``None`` for a file of its own.
+def scan(
+    directory: str, namespace: str, read_ns: Mapping[str, int] | None = None
+) -> list[tuple[str, int, Packed | None]]:
+    """``(key, size, where)`` of every stored object under a namespace ``directory``, least
+    recent first (a pack's objects in their order), ``where`` ``None`` for a file of its own.
+    An object's recency is its file's mtime or, when later, its last read in ``read_ns`` (key
+    → time in ns: the recency journal not yet applied); a pack's is the latest of its own and
+    its keys' (it is evicted whole).
 
     Deletes what can never be read as written: temp files of writes that died before
     publishing, packs that are not whole and intact, and packs holding a key stored elsewhere
@@ -31,9 +36,10 @@ def scan(directory: str, namespace: str) -> list[tuple[str, int, Packed | None]]
     found, temps = object_files(directory)
     for path in temps:
         unlink_quiet(path)
+    reads = read_ns or {}
     stored = {key for _, key, _ in found}
     items: list[tuple[int, str, str, int, Packed | None]] = [
-        (mtime, key, key, size, None) for mtime, key, size in found
+        (max(mtime, reads.get(key, 0)), key, key, size, None) for mtime, key, size in found
     ]
     for mtime, pack, objects in _packs(directory, namespace):
         keys = [k for k, _, _ in objects]
@@ -42,7 +48,8 @@ def scan(directory: str, namespace: str) -> list[tuple[str, int, Packed | None]]
             unlink_quiet(pack)
             continue
         stored.update(keys)
-        items += [(mtime, f"{pack}/{w.number:09d}", k, z, w) for k, z, w in objects]
+        t = max([mtime, *(reads.get(k, 0) for k in keys)])
+        items += [(t, f"{pack}/{w.number:09d}", k, z, w) for k, z, w in objects]
     items.sort()
     return [(key, size, where) for _, _, key, size, where in items]
 

@@ -3,9 +3,11 @@
 A restart rebuilds the LRU order from file mtimes. Writes set them; reads would need a
 ``utime`` per object (a tenth of a 64 KiB read here), so instead each ``batch_get`` appends
 one record to a journal in the namespace directory: a timestamp and the keys it read. When
-the journal grows past ``COMPACT_BYTES``, and on start-up before the directory is scanned, it
-is applied: every key it names gets the latest time it was read as its mtime (unless the file
-is newer: rewritten or touched since), then the journal is emptied.
+the journal grows past ``COMPACT_BYTES``, and on start-up, it is applied: every key it names
+gets the latest time it was read as its object file's mtime (unless the file is newer:
+rewritten or touched since; a packed key's file is its pack), then the journal is emptied. On
+start-up the restart scan is ordered by its read times too (``read_times``) and it is applied
+after the scan, once packed keys resolve to their packs.
 
 Record: ``u64 time_ns | u32 count | count x (u8 length | key bytes)``, the ``i``-th key read
 at ``time_ns + i``. A crash can tear the
@@ -91,18 +93,29 @@ class RecencyJournal:
             if self._bytes > COMPACT_BYTES:
                 self._apply_locked()
 
-    def apply(self) -> None:
-        """Set the mtimes the journal names and empty it (start-up, before the scan)."""
-        with self._lock:
-            self._apply_locked()
-
-    def _apply_locked(self) -> None:
+    def read_times(self) -> dict[str, int]:
+        """The latest read time (ns) of every key the journal names (empty when it cannot be
+        read); changes nothing."""
         try:
             with open(self.path, "rb") as f:
-                raw = f.read()
+                return parse(f.read())
         except OSError:
-            return
-        for key, ts in parse(raw).items():
+            return {}
+
+    def apply(self, times: dict[str, int] | None = None) -> None:
+        """Set the mtimes the journal names (``times``: its :meth:`read_times`, read again
+        when ``None``) and empty it (start-up, after the scan)."""
+        with self._lock:
+            self._apply_locked(times)
+
+    def _apply_locked(self, times: dict[str, int] | None = None) -> None:
+        if times is None:
+            try:
+                with open(self.path, "rb") as f:
+                    times = parse(f.read())
+            except OSError:
+                return
+        for key, ts in times.items():
             with contextlib.suppress(OSError, RequestError):
                 path = self._path_of(key)
                 if os.stat(path).st_mtime_ns < ts:
