@@ -7,9 +7,9 @@ with checksums of header and payload) and its payload bytes. Writes go to an unn
 the same directory, then linked under the file's name (where the file system refuses that, a
 named temp file and ``os.replace``), so readers only ever see whole files. A byte budget with
 LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the index is
-rebuilt from the directory (oldest mtime first, after applying the read-recency journal,
-``kvtier.storage.file_recency``; a pack's objects take its mtime) on start-up
-(``kvtier.storage.file_layout``). One process owns a namespace directory at a time; files
+rebuilt from the directory on start-up (``kvtier.storage.file_layout``), least recent first
+by mtime or a later read in the read-recency journal (``kvtier.storage.file_recency``); a
+pack's objects take the pack's recency. One process owns a namespace directory at a time; files
 removed behind its back leave the index when a read, touch or backup finds them gone.
 """
 
