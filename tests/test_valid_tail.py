@@ -1,7 +1,7 @@
 """Padded valid tails: the valid tail of a request's last, partial page is cached; lengths count
 valid tokens; a served tail is handed out as a fresh copy page; extending it replaces it; host
 and storage restores of a tail are byte-exact; the engine's outputs equal cold ones while it
-recomputes fewer tokens."""
+recomputes fewer tokens (``test_valid_tail_engine``)."""
 
 from __future__ import annotations
 
@@ -308,71 +308,6 @@ def test_storage_restore_of_a_tail_is_byte_exact(tmp_path, specs):
     c.check_integrity()
     assert node.in_storage
     c.close()
-
-
-# ---- the engine: outputs equal cold ones, fewer tokens recomputed ----------------------------
-def _llm(storage_dir: str | None, **kw):
-    from kvtier.engine import LLM, ModelConfig
-
-    cfg = CacheConfig(
-        page_size=16,
-        device_pages=64,
-        device=DEVICE,
-        storage="file" if storage_dir else None,
-        storage_dir=storage_dir or "unused",
-        prefetch_policy="wait_complete",
-        debug_checks=True,
-        **kw,
-    )
-    return LLM(ModelConfig(num_layers=3, max_position=1024, seed=7), cfg, max_running=1)
-
-
-@pytest.mark.parametrize("where", ["device", "host", "storage"])
-def test_engine_outputs_equal_cold_and_recompute_less(tmp_path, where):
-    import random
-
-    from kvtier.engine import SamplingParams
-    from kvtier.oracle import Expected, compare, default_tolerance
-
-    greedy = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
-    rng = random.Random(3)
-    lengths = (17, 30, 37, 47)  # tails of 6, 3, 10 and 4 tokens after the first request
-    prompts = [[rng.randrange(200) for _ in range(n)] for n in lengths]
-    recomputed = {}
-    for tails in (True, False):
-        store = str(tmp_path / f"l3-{tails}")
-        llm = _llm(store, cache_partial_pages=tails)
-        tol = default_tolerance(llm.model_config.dtype)
-        got, cold, saved = [], [], []
-        for prompt in prompts:
-            first = llm.generate([prompt], greedy)[0]
-            # The follow-up continues the first request's whole sequence: its cached prefix
-            # is the first request's computed tokens, n + 5 (the last output was not computed).
-            follow = prompt + list(first.output_ids) + [7, 9]
-            if where == "host":
-                llm.cache.flush(host=False)
-            elif where == "storage":
-                llm.cache.drain()
-                llm.close()
-                llm = _llm(store, cache_partial_pages=tails)
-            out = llm.generate([follow], greedy)[0]
-            got.append(out)
-            saved.append(out.cached_tokens)
-            ref = _llm(None)
-            c = ref.generate([follow], greedy)[0]
-            cold.append(Expected(list(c.output_ids), c.logits))
-            ref.close()
-        for o, want in zip(got, cold, strict=True):
-            ok, diff = compare(o.output_ids, o.logits, want)
-            assert ok and diff <= tol
-        recomputed[tails] = [o.recomputed for o in got]
-        if tails:
-            assert saved == [n + 5 for n in lengths]
-        llm.cache.check_integrity()
-        llm.close()
-    # Each follow-up recomputes its tail fewer tokens: (n + 5) % 16.
-    drop = [a - b for a, b in zip(recomputed[False], recomputed[True], strict=True)]
-    assert drop == [(n + 5) % 16 for n in lengths]
 
 
 def test_context_parallel_keeps_the_page_aligned_behaviour(tmp_path):
