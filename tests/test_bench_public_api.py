@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.ttft import _backup_during_decode
+from kvtier.bench.decode_stall import backup_during_decode
 from kvtier.config import CacheConfig
 from kvtier.engine import ModelConfig
 from kvtier.engine.families import build_model
@@ -55,7 +55,10 @@ def test_backup_during_decode_runs_through_the_public_api_on_cpu(tmp_path):
     )
     model = build_model(cfg)
     base = CacheConfig(page_size=16, device="cpu", debug_checks=True)
-    out = _backup_during_decode(model, base, random.Random(0), 256, 4, batch=2, num_steps=3)
+    lines: list[str] = []
+    out = backup_during_decode(
+        model, base, random.Random(0), 256, 4, batch=2, num_steps=3, rounds=2, log=lines.append
+    )
     page_bytes = 2 * 16 * 2 * 1 * 16 * 4  # layers x tokens x (k, v) x heads x head_dim x fp32
     assert out["backup_bytes"] == 4 * page_bytes
     assert (out["batch"], out["steps"]) == (2, 3) and out["backups_in_flight"] >= 2
@@ -65,6 +68,14 @@ def test_backup_during_decode_runs_through_the_public_api_on_cpu(tmp_path):
         "unpaced": "auto",
     }
     assert out["unpaced"]["backup_share"] == 0.0 and out["paced"]["backup_share"] == 0.8
+    # Paced: the median of two alternating (alone, paced) pairs; the others against their median.
+    alone = out["decode_step_ms_rounds"]
+    assert len(alone) == 2 and out["decode_step_ms"] == pytest.approx(sum(alone) / 2)
+    ratios = out["paced"]["stall_rounds"]
+    assert len(ratios) == 2 and out["paced"]["stall"] == pytest.approx(sum(ratios) / 2)
+    kernels = out["paced_kernels"]
+    assert kernels["stall"] == pytest.approx(kernels["decode_step_ms"] / out["decode_step_ms"])
+    assert len(lines) == 1 and "paced stall" in lines[0]
     for run in ("paced", "paced_kernels", "unpaced"):
         # On CPU backups complete at the poll that follows them: every step completes some.
         assert out[run]["backup_gbps_while_decoding"] > 0

@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from kvtier.bench.ttft import _DeviceInitLM, _release_pools
+from kvtier.bench.decode_stall import release_pools
+from kvtier.bench.ttft import _DeviceInitLM
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 
@@ -155,7 +156,7 @@ def bench_compute(
 
     prompt_pages = -(-prompt_tokens // page_size)
     decode_pages = batch * -(-(decode_context + decode_steps + 2) // page_size)
-    _release_pools()
+    release_pools()
     cache = CacheConfig(
         page_size=page_size,
         device_pages=max(prompt_pages, decode_pages) + 8,

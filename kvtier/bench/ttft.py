@@ -12,18 +12,13 @@ The prompt computed whole, untimed (``reference_token``, ``reference_matches``),
 differently in bf16, so its argmax may differ; ``tests/test_oracle.py`` checks exactness.
 
 On CUDA ``backup_during_decode`` then times decode steps of a batch of short requests alone and
-while device → host backups of prompt-sized prefixes (inserted through the cache's public API,
-backed up by its write-through policy) are kept waiting, more than the link moves in a step:
-paced (``CacheConfig.backup_share``, the default) with the chosen mechanisms (copy engines for
-these page sizes) and with row kernels forced (``transfer_mechanism="kernel"``), and queued whole
-(``unpaced``: ``backup_share=0``), each a cache option on a warmed engine of its own. The stall
-is the step-time ratio; ``backup_gbps_while_decoding``, backup bytes completed per timed second.
+while device → host backups are kept waiting (``kvtier.bench.decode_stall``): the stall is the
+step-time ratio; ``backup_gbps_while_decoding``, backup bytes completed per timed second.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import random
 import sys
@@ -32,6 +27,12 @@ import time
 
 import torch
 
+from kvtier.bench.decode_stall import (
+    DECODE_BATCH,
+    DECODE_PAGES,
+    backup_during_decode,
+    release_pools,
+)
 from kvtier.bench.raw_read import read_dir
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -127,7 +128,7 @@ def bench_ttft(
         params = SamplingParams(max_tokens=1, ignore_eos=True)
 
         def engine(overlap: bool, mechanism: str = "auto") -> LLM:
-            _release_pools()
+            release_pools()
             cache = dataclasses.replace(base, transfer_mechanism=mechanism)
             return LLM(
                 model,
@@ -198,7 +199,7 @@ def bench_ttft(
         link = _link_gbps(kv_bytes, dev)
         stall = None
         if dev.type == "cuda":
-            stall = _backup_during_decode(model, base, rng, vocab_size, pages - 8)
+            stall = backup_during_decode(model, base, rng, vocab_size, pages - 8, log=_log)
     transfer_s = kv_bytes / (link * 1e9) if link else 0.0
     raw_gbps = raw_bytes / raw_s / 1e9  # every object of the run: the restore read a part
     bound = max(transfer_s, res["device_hit"]["ttft_s"])
@@ -231,156 +232,6 @@ def bench_ttft(
     }
     _log(f"overlap ratio (vs max(transfer, device hit)): {out['overlap_ratio']:.2f}")
     return out
-
-
-DECODE_BATCH = 32
-"""Requests decoding together while backups run."""
-DECODE_PAGES = 512
-"""Device pages beyond the prompt's, for the decoding batch."""
-DECODE_STEPS = 24
-"""Decode steps timed per measurement."""
-
-
-def _release_pools() -> None:
-    """Give back the pools of engines already closed before the next one allocates its own:
-    an engine's objects form reference cycles (split hooks), and torch keeps freed pinned
-    blocks cached, so without this every engine's pinned host pool stays resident."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        host_empty = getattr(torch._C, "_host_emptyCache", None)
-        if host_empty is not None:
-            host_empty()
-
-
-def _backup_during_decode(
-    model: CausalLM,
-    base: CacheConfig,
-    rng: random.Random,
-    vocab: int,
-    num_pages: int,
-    batch: int = DECODE_BATCH,
-    num_steps: int = DECODE_STEPS,
-) -> dict:
-    """Mean decode step time of ``batch`` requests alone and under back-to-back backups of
-    ``num_pages`` pages each, on engines of their own (``base`` without storage; pools sized
-    for the backups kept waiting).
-
-    The backups come through the public API: a prefix of fresh tokens is allocated and
-    inserted, and the write-through policy backs it up (its bytes are whatever the pages
-    hold). Completed backup bytes are the cache's ``backup_bytes`` counter.
-    """
-    ps = base.page_size
-
-    def engine(in_flight: int, **options: object) -> LLM:
-        _release_pools()
-        cfg = dataclasses.replace(
-            base,
-            storage=None,
-            write_policy="write_through",
-            device_pages=(in_flight + 1) * num_pages + DECODE_PAGES,
-            host_pages=(in_flight + 2) * num_pages,
-            **options,
-        )
-        return LLM(model, cfg, max_running=batch, max_prefill_tokens=batch * 128)
-
-    def queue_backup(llm: LLM) -> None:
-        tokens = [rng.randrange(vocab) for _ in range(num_pages * ps)]
-        locs = llm.cache.alloc(len(tokens))
-        cached = llm.cache.insert(tokens, locs).cached_len
-        if cached:  # a page that happened to be cached already: ours is a duplicate
-            llm.cache.free(locs[:cached])
-
-    def backed_up(llm: LLM) -> tuple[int, int]:
-        """Backup bytes completed and dropped (host tier full) so far."""
-        s = llm.cache.stats()
-        page_bytes = sum(sp.page_bytes(ps) for sp in llm.cache.specs)
-        return s["backup_bytes"], s["dropped_host_backups"] * page_bytes
-
-    def steps(llm: LLM, n: int, in_flight: int = 0) -> tuple[float, int]:
-        """Mean step time over ``n`` decode steps, and the bytes of the backups (``in_flight``
-        of them kept waiting) that completed during them."""
-        # Requests decode through every timed step; what runs after them is not timed.
-        params = SamplingParams(max_tokens=n + 2, ignore_eos=True)
-        for _ in range(batch):
-            llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
-        llm.step()  # the batch's prefill
-        done0, _ = backed_up(llm)
-        queued = 0
-        total = 0.0
-        for _ in range(n):
-            done, dropped = backed_up(llm)
-            while queued - (done - done0) - dropped < in_flight * nbytes:
-                queue_backup(llm)
-                queued += nbytes
-            t0 = time.perf_counter()
-            llm.step()
-            total += time.perf_counter() - t0
-        done = backed_up(llm)[0] - done0
-        while llm.has_unfinished():
-            llm.step()
-        llm.cache.drain()
-        llm.cache.check_integrity()
-        return total / n, done
-
-    def timed_backup(llm: LLM) -> float:
-        """Seconds of one whole backup (after a warm-up one), insert to visible."""
-        queue_backup(llm)
-        llm.cache.drain()
-        t0 = time.perf_counter()
-        queue_backup(llm)
-        llm.cache.drain()
-        return time.perf_counter() - t0
-
-    def under_backups(in_flight: int, mechanism: str, paced: bool) -> dict:
-        share = base.backup_share if paced else 0.0
-        llm = engine(in_flight, transfer_mechanism=mechanism, backup_share=share)
-        try:
-            backup_s = timed_backup(llm)
-            steps(llm, 4, in_flight)  # warm-up, as alone: a fresh engine records CUDA graphs
-            step_s, done = steps(llm, num_steps, in_flight)
-        finally:
-            llm.close()
-        return {
-            "transfer_mechanism": mechanism,
-            "backup_share": share,
-            "backup_gbps_alone": nbytes / backup_s / 1e9,
-            "decode_step_ms": step_s * 1e3,
-            "stall": step_s / alone,
-            "backup_gbps_while_decoding": done / (step_s * num_steps) / 1e9,
-        }
-
-    nbytes = num_pages * sum(s.page_bytes(ps) for s in model.pool_specs())
-    llm = engine(1)
-    try:
-        steps(llm, 4)  # warm-up
-        alone = steps(llm, num_steps)[0]
-        one = timed_backup(llm)
-    finally:
-        llm.close()
-    del llm
-    # More backup work waiting before each step than the link moves in it.
-    in_flight = math.ceil(alone / one) + 1
-    runs = {
-        "paced": under_backups(in_flight, "auto", paced=True),
-        "paced_kernels": under_backups(in_flight, "kernel", paced=True),
-        "unpaced": under_backups(in_flight, "auto", paced=False),
-    }
-    _log(
-        f"decode step {alone * 1e3:.2f} ms alone; {in_flight} backups waiting: "
-        + ", ".join(
-            f"{k} {r['decode_step_ms']:.2f} ms ({r['backup_gbps_while_decoding']:.1f} GB/s)"
-            for k, r in runs.items()
-        )
-    )
-    return {
-        "batch": batch,
-        "steps": num_steps,
-        "backups_in_flight": in_flight,
-        "backup_bytes": nbytes,
-        "decode_step_ms": alone * 1e3,
-        **runs,
-    }
 
 
 def _link_gbps(nbytes: int, dev: torch.device) -> float:

@@ -10,7 +10,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvtier.bench.compute import _DeviceInitLM, _release_pools
+from kvtier.bench.decode_stall import release_pools as _release_pools
+from kvtier.bench.ttft import _DeviceInitLM
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 

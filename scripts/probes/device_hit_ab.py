@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from kvtier.bench.ttft import _DeviceInitLM, _release_pools
+from kvtier.bench.decode_stall import release_pools as _release_pools
+from kvtier.bench.ttft import _DeviceInitLM
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine import runner as runner_mod

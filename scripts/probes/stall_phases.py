@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 
 from kvtier.bench import ttft as bt
+from kvtier.bench.decode_stall import release_pools
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, graphs, llm as llm_mod, runner
 
@@ -67,7 +68,7 @@ def main() -> None:
     res = {}
     rng = random.Random(0)
     for label, share, in_flight in (("alone", 0.8, 0), ("paced", float(os.environ.get("SHARE", "0.8")), 2)):
-        bt._release_pools()
+        release_pools()
         c = CacheConfig(
             page_size=PS, device_pages=(in_flight + 1) * PAGES + 512,
             host_pages=(in_flight + 2) * PAGES, device="cuda", write_policy="write_through",

@@ -25,6 +25,7 @@ import time
 import torch
 
 from kvtier.bench import ttft as bt
+from kvtier.bench.decode_stall import backup_during_decode, release_pools
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.transfer import component, mover, plan
@@ -61,7 +62,7 @@ def ttft_part(model) -> None:  # noqa: ANN001
         rng = random.Random(0)
         prompt = [rng.randrange(32000) for _ in range(TOKENS)]
         params = SamplingParams(max_tokens=1, ignore_eos=True)
-        bt._release_pools()
+        release_pools()
         llm = LLM(model, cfg, max_running=32, max_prefill_tokens=TOKENS + 1, overlap_loads=True)
         llm.generate([prompt], params)
         llm.cache.drain()
@@ -134,7 +135,7 @@ def stall_part(model) -> None:  # noqa: ANN001
     for v in os.environ.get("VARIANTS", "auto,direct,ctas4").split(","):
         mover.choose = direct if v == "direct" else chosen
         component.STAGING_CTAS = 4 if v == "ctas4" else ctas
-        r = bt._backup_during_decode(model, base, random.Random(1), 32000, TOKENS // PS)
+        r = backup_during_decode(model, base, random.Random(1), 32000, TOKENS // PS)
         out[v] = r
         print(v, {k: r[k] for k in ("decode_step_ms",)}, r["paced"], r["unpaced"], flush=True)
         res["stall"] = out
