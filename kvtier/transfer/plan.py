@@ -182,13 +182,14 @@ def choose(
     times the mean run contiguous on both sides.
     Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
     small), since it adds a gather or scatter on the device. A layer-first host (of more than one
-    layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its direct loads beside staged
-    backups moved 0.57-0.74 of two contiguous copies where staged ones moved 0.88-0.95
-    (``results/h200-dma/run12/layer_first_choice.json``: DSA-compressed and hybrid at page
-    size 64; one way, both moved 0.92-0.97). Both ways at once on an H200, with
-    host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged copies
-    both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01 where
-    rows are small (MLA and DSA at page size 1).
+    layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its
+    direct loads beside staged backups moved 0.57-0.89 of two contiguous copies where staged
+    loads moved 0.77-0.95, and 0.57-0.74 against 0.77-0.95 for DSA-compressed and hybrid;
+    one way, 0.90-0.95 direct against 0.92-0.97 staged (``results/h200-dma/run12/
+    layer_first_choice.json``, the six cells whose loads went direct). Both ways at once on an
+    H200, with host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged
+    copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
+    where rows are small (MLA and DSA at page size 1).
     """
     stageable = not per_layer and not geo.envelope
     if mechanism == "copy_engine" and dma:
