@@ -52,7 +52,7 @@ is a handful of blocks; both directions at once, those slices moved 0.88-0.95 of
 copies as batched lists and 0.90-0.97 as single copies on an H200, in every family at page sizes
 1, 16 and 64 (results/h200-dma/run11). Beside decode they cost it: paced backups as single
 copies stalled a decode step 1.055-1.129x, as batched lists 0.997-1.018x, alternated on one
-machine (results/h200-dma/run12/stall_few_blocks.json)."""
+machine (results/h200-dma/run12/stall_few_blocks.json; batched lists on another: 1.054-1.076x)."""
 _SRC_ACCESS_ORDER_STREAM = 1
 """The source is read in stream order (it may be written by earlier work on the stream)."""
 
