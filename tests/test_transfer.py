@@ -130,6 +130,16 @@ def test_choice_follows_block_size_and_direction():
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
 
 
+def test_backups_beside_a_load_take_copy_engines_from_smaller_blocks():
+    one = torch.tensor([3, 0])
+    page = geo("page_first", row_bytes=4 << 10, layers=32)  # 128 KiB pages, no host runs
+    assert choose(page, "d2h", one, one) == KERNEL  # alone: under 256 KiB
+    assert choose(page, "d2h", one, one, shared_link=True) == STAGED  # beside a load: 128 KiB
+    assert choose(page, "h2d", one, one, shared_link=True) == STAGED  # loads as alone
+    small = geo("page_first", row_bytes=2 << 10, layers=32)  # 64 KiB pages
+    assert choose(small, "d2h", one, one, shared_link=True) == KERNEL
+
+
 def test_forced_mechanisms():
     one = torch.tensor([3, 0])
     kv16 = geo("page_first", row_bytes=64 << 10, layers=32)
@@ -246,7 +256,7 @@ def test_staging_blocks_hold_every_row_where_the_host_layout_has_it(layout):
 def test_cuda_mechanisms_are_byte_exact(monkeypatch, layout, path, overlap, translated):
     forced = path
 
-    def force(geo, direction, hp, dp, per_layer=False, dma=True, mechanism="auto"):  # noqa: ANN001, ANN202
+    def force(geo, direction, hp, dp, per_layer=False, dma=True, **kw):  # noqa: ANN001, ANN003, ANN202
         return KERNEL if per_layer and forced == STAGED else forced
 
     # Per layer the mover asks for kernels; forcing DIRECT there still works (copy engines).

@@ -63,7 +63,14 @@ class Mechanisms:
             yield pages.host.numel() * r.geo.layers * r.geo.row_bytes
             return r.unpinned(direction, pages, op)
         path = choose(
-            r.geo, direction, pages.host, pages.device, False, self.dma, mechanism=self.mechanism
+            r.geo,
+            direction,
+            pages.host,
+            pages.device,
+            False,
+            self.dma,
+            mechanism=self.mechanism,
+            shared_link=op.shared_link,
         )
         try:
             if path == DIRECT:

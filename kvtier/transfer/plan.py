@@ -36,6 +36,12 @@ H2D_DMA_MIN_BYTES = 64 << 10
 D2H_DMA_MIN_BYTES = 256 << 10
 """Smallest mean copy-engine block for device → host: 0.97 at 256 KiB, 0.88 at 64 KiB
 (kernels: 0.91-0.95)."""
+SHARED_D2H_DMA_MIN_BYTES = 128 << 10
+"""The same beside a host → device copy (``Mover.exchange``), where a row kernel shares the link
+with the other direction's copy engine: with random host pages at page size 1, backups staged
+in page-sized blocks beside staged loads moved 1.31-1.33x what row-kernel backups did with
+128 KiB pages (dense, SWA, the GQA pool) and 0.71-0.84x with 70-86 KiB pages (MLA, DSA)
+(``results/h200-dma/both_ways_runs.json``, ``both_staged/staged`` against ``both_auto``)."""
 STAGING_BYTES = 256 << 20
 """Device staging per staged transfer; larger batches go through it in slices."""
 FIRST_SLICE_BYTES = 16 << 20
@@ -167,12 +173,14 @@ def choose(
     per_layer: bool = False,
     dma: bool = True,
     mechanism: str = "auto",
+    shared_link: bool = False,
 ) -> str:
     """The mechanism for moving ``host_pages`` ↔ ``device_pages`` of one component.
 
     ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
     layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
-    (no pinned host pool, no driver support). ``mechanism`` (``CacheConfig.transfer_mechanism``)
+    (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
+    (``SHARED_D2H_DMA_MIN_BYTES``). ``mechanism`` (``CacheConfig.transfer_mechanism``)
     forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer components,
     else direct blocks; direct blocks per layer) whatever the block size. Envelope rows (a
     unified arena) are never staged: with a page-first host their pages already are blocks.
@@ -202,7 +210,10 @@ def choose(
         # 32K-token Llama-8B prefix), which would delay the forward, while a kernel launch per
         # layer costs microseconds. Measured: 87.9 ms TTFT with kernels, 123.8 ms with blocks.
         return KERNEL
-    least = H2D_DMA_MIN_BYTES if direction == "h2d" else D2H_DMA_MIN_BYTES
+    if direction == "h2d":
+        least = H2D_DMA_MIN_BYTES
+    else:
+        least = SHARED_D2H_DMA_MIN_BYTES if shared_link else D2H_DMA_MIN_BYTES
     direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)
     host_block = geo.row_bytes * (geo.layers if geo.host_layout == "page_first" else 1)
     staged = host_block * geo.host_run(host_pages) if stageable else 0.0

@@ -37,7 +37,7 @@ FORCED: dict[str, str] = {}
 original_choose = plan.choose
 
 
-def forced_choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto"):  # noqa: ANN001, ANN201, E501
+def forced_choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN201, E501
     want = FORCED.get(direction)
     if want is None or per_layer:
         return original_choose(geo, direction, host_pages, device_pages, per_layer, dma, mechanism)
