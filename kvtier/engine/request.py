@@ -127,7 +127,7 @@ class Request:
     prefetch_epoch: int = -1
     """The scheduler's release count at the last prefetch attempt."""
     prefetch_tries: int = 0
-    """Prefetch attempts so far."""
+    """Prefetch attempts in a row that found no host room."""
     first_token_time: float | None = None
     admitted: bool = False
     cached_device: int = 0

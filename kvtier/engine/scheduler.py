@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.engine")
 
 MAX_PREFETCH_TRIES = 4
-"""Fetch attempts after which a request whose stored prefix finds no host room stops waiting."""
+"""Fetch attempts in a row that found no host room, after which a request whose stored prefix
+finds none stops waiting (a fetch that took pages starts the count again)."""
 
 
 @dataclass(slots=True)
@@ -89,10 +90,11 @@ class Scheduler:
         requests released pages (``_epoch``)."""
         m = self.cache.match(req.tokens[:-1])
         req.prefetch_epoch = self._epoch
-        req.prefetch_tries += 1
         req.storage_wanted = m.storage_len
         if m.storage_len > 0:
             req.prefetch = self.cache.prefetch(m)
+        # Only fruitless tries count: a fetch that took pages brought the request closer.
+        req.prefetch_tries = 0 if req.prefetch is not None else req.prefetch_tries + 1
 
     def schedule(self) -> list[Work]:
         """This step's batch: one decode token per running request, then admitted prefills.
@@ -111,6 +113,7 @@ class Scheduler:
             # start more (write-back eviction copies first), each giving some page a host copy.
             for _ in range(self.cache.kv_buffers.num_pages + 1):
                 self.cache.drain()
+                self._epoch += 1  # what landed may have freed host room: fetches try again
                 work = self._admit()
                 if work or self.prefetching() or not self.cache.in_flight():
                     break
@@ -177,10 +180,13 @@ class Scheduler:
 
     def _wait_for_host(self, req: Request) -> bool:
         """Whether ``req``, whose stored prefix found no host room, waits for some rather than
-        recomputing it: not under ``best_effort``, only while running requests or fetches can
-        still free room, and under ``timeout`` until ``prefetch_timeout_s`` after arrival."""
+        recomputing it: not under ``best_effort``, only while running requests, fetches or
+        transfers in flight (backups whose host pages are pinned until they land) can still
+        free room, and under ``timeout`` until ``prefetch_timeout_s`` after arrival."""
         policy = self.cache.config.prefetch_policy
-        if policy == "best_effort" or not (self.running or self.prefetching()):
+        if policy == "best_effort" or not (
+            self.running or self.prefetching() or self.cache.in_flight()
+        ):
             return False
         if req.prefetch_tries > MAX_PREFETCH_TRIES:
             return False  # the host tier keeps being too full: recompute rather than starve
