@@ -230,3 +230,50 @@ def test_a_burst_retries_its_fetches_as_host_room_frees(tmp_path: Path) -> None:
     assert [o.cached_storage for o in outs] == [stored] * len(prompts)
     assert burst.stats()["storage_hit_tokens"] == stored * len(prompts)
     burst.close()
+
+
+class _StubCache:
+    """What ``Scheduler._try_prefetch`` and ``_wait_for_host`` read of the cache: each
+    ``prefetch`` answers the next of ``fetches`` (``None``: no host room)."""
+
+    page_size = 4
+
+    def __init__(self, fetches: list[object | None], in_flight: bool = False) -> None:
+        self.config = CacheConfig(page_size=4, prefetch_policy="wait_complete")
+        self.fetches = fetches
+        self.transfers = in_flight
+
+    def match(self, tokens: object) -> object:
+        return type("M", (), {"storage_len": 8})()
+
+    def prefetch(self, m: object) -> object | None:
+        return self.fetches.pop(0)
+
+    def in_flight(self) -> bool:
+        return self.transfers
+
+
+def test_only_fruitless_fetch_tries_count_and_transfers_in_flight_keep_a_request_waiting():
+    from kvtier.engine.request import Request
+    from kvtier.engine.scheduler import MAX_PREFETCH_TRIES, Scheduler
+
+    got = object()  # a fetch that took pages
+    fetches = [None] * MAX_PREFETCH_TRIES + [got] + [None] * MAX_PREFETCH_TRIES + [None]
+    cache = _StubCache(fetches)
+    sched = Scheduler(cache, max_running=1, max_prefill_tokens=64)  # type: ignore[arg-type]
+    req = Request(0, [1, 2, 3], SamplingParams(), arrival=0.0, generator=None)
+    sched.running.append(req)  # something runs: room can still free
+    tries = []
+    for _ in range(2 * MAX_PREFETCH_TRIES + 2):
+        req.prefetch = None
+        sched._try_prefetch(req)
+        tries.append(req.prefetch_tries)
+    # Four fruitless tries, one that took pages (the count starts again), four more, one more.
+    assert tries == [1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    assert not sched._wait_for_host(req)  # five fruitless tries in a row: recompute
+    req.prefetch_tries = 1
+    assert sched._wait_for_host(req)
+    sched.running.clear()
+    assert not sched._wait_for_host(req)  # nothing runs, fetches or lands: room cannot free
+    cache.transfers = True
+    assert sched._wait_for_host(req)  # backups in flight pin host pages until they land
