@@ -181,8 +181,12 @@ def test_buffer_only_host_smaller_than_a_request(tmp_path: Path) -> None:
     fresh = make(**opts)
     restored = [fresh.generate([p], GREEDY)[0] for p in prompts]
     same(restored, expected)
-    # the host stages 4 pages: storage serves the first 64 tokens of the base
-    assert [o.cached_storage for o in restored] == [0, 0, 64, 0]
+    # The host stages 4 pages a round: storage serves the first 64 tokens of the base, or a
+    # round more when host room freed before admission (as the previous request's backups
+    # land: a matter of timing, seen under CPU load).
+    got = [o.cached_storage for o in restored]
+    assert got[:2] == [0, 0] and got[3] == 0
+    assert got[2] >= 64 and got[2] % 64 == 0
     fresh.close()
 
 
