@@ -112,6 +112,17 @@ def cold(family: str, ps: list[list[int]]) -> list[Expected]:
     return outs
 
 
+def host_restores(llm: LLM, ps: list[list[int]]) -> list:
+    """Each prompt's output with the device tier emptied before it: restored from the host."""
+    outs = []
+    for p in ps:
+        llm.cache.flush(host=False)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_device == 0
+        outs.append(out)
+    return outs
+
+
 def max_logit_diff(outs, expected: list[Expected]) -> float:
     """The largest |logit difference| of ``outs`` to their cold runs; tokens must be equal."""
     checks = [compare(o.output_ids, o.logits, e) for o, e in zip(outs, expected, strict=True)]
@@ -175,12 +186,7 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     else:
         assert [o.cached_device for o in device] == whole
 
-    host = []
-    for p in ps_:
-        llm.cache.flush(host=False)
-        out = llm.generate([p], GREEDY)[0]
-        assert out.cached_device == 0
-        host.append(out)
+    host = host_restores(llm, ps_)
     assert max_logit_diff(host, expected) <= tol
     assert sum(o.cached_host for o in host) > 0
     llm.cache.flush(host=False)
@@ -222,12 +228,7 @@ def test_family_host_restore_through_a_layer_first_host(family: str) -> None:
     rows = snapshot(llm, base)
     if llm.cache.window:  # a finished request keeps window rows near its end only (above)
         llm.generate(ps_, GREEDY)
-    host = []
-    for p in ps_:
-        llm.cache.flush(host=False)
-        out = llm.generate([p], GREEDY)[0]
-        assert out.cached_device == 0
-        host.append(out)
+    host = host_restores(llm, ps_)
     assert max_logit_diff(host, expected) <= default_tolerance(llm.model_config.dtype)
     assert sum(o.cached_host for o in host) > 0
     llm.cache.flush(host=False)
