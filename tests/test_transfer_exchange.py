@@ -94,7 +94,8 @@ class _FakeStream:
 
 @pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
 def test_mechanisms_dispatch_and_fall_back_to_kernels(monkeypatch, path):
-    from kvtier.transfer.component import PageLists, queue_all
+    from kvtier.transfer.chunks import queue_all
+    from kvtier.transfer.component import PageLists
     from kvtier.transfer.mechanisms import Mechanisms
     from kvtier.transfer.op import TransferOp
 

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from kvtier.transfer import dma
-from kvtier.transfer.component import ComponentRows, PageLists, queue_all
+from kvtier.transfer.chunks import queue_all
+from kvtier.transfer.component import ComponentRows, PageLists
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, choose
 

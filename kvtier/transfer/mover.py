@@ -23,13 +23,8 @@ from kvtier.paging import check_whole_pages, pages_to_locs
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.transfer.component import (
-    ComponentRows,
-    PageLists,
-    envelope_lists,
-    interleave,
-    queue_all,
-)
+from kvtier.transfer.chunks import interleave, queue_all
+from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer

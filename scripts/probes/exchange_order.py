@@ -20,7 +20,7 @@ from kvtier.bench.host_runs import churned
 from kvtier.bench.pool_sets import FAMILIES, family_pool_set
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.transfer.component import interleave
+from kvtier.transfer.chunks import interleave
 from kvtier.transfer.mover import Mover
 
 sys.path.insert(0, os.path.dirname(__file__))
