@@ -138,10 +138,10 @@ def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
 
     forward = llm.runner.forward
 
-    def failing_forward(work, *rest):
+    def failing_forward(work, *rest, **options):
         if any(w.req.id == 5 for w in work):  # the second prompt of the next batch
             raise RuntimeError("kernel fault")
-        return forward(work, *rest)
+        return forward(work, *rest, **options)
 
     monkeypatch.setattr(llm.runner, "forward", failing_forward)
     outs = llm.generate(prompts, params)

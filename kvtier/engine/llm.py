@@ -309,7 +309,7 @@ class LLM:
         failed: list[tuple[Request, Exception]] = []
         for w in work:
             try:
-                rows.append(self.runner.forward([w]))
+                rows.append(self.runner.forward([w], full=True))  # concatenated below
                 ok.append(w)
             except Exception as e:  # noqa: BLE001
                 failed.append((w.req, e))

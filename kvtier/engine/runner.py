@@ -58,17 +58,25 @@ class ModelRunner:
         work: list[Work],
         layered: Layered | None = None,
         while_running: Callable[[], None] | None = None,
+        full: bool | None = None,
     ) -> torch.Tensor:
         """One forward over ``work``; returns each item's last logits, read back to the CPU
         (the step's one device → host read): one row per item, ``1 + len(draft)`` rows (its
         last token's and every draft token's) for an item verifying a draft. ``layered``
         (``cache.backup_layers``) is told of each anchor layer the forward finished.
         ``while_running`` is called once the forward and its read are queued, before the host
-        waits for them (CPU work that then overlaps the GPU's)."""
+        waits for them (CPU work that then overlaps the GPU's).
+
+        ``full``: whether the rows' logits come back; ``None`` asks :meth:`needs_logits`. On
+        CUDA a forward whose logits stay behind reads only each row's argmax (for
+        :meth:`sample`) and returns a ``(rows, 0)`` tensor; on the CPU the logits are there
+        already and always come back."""
+        if full is None:
+            full = self.needs_logits(work)
         if self.graphs is not None and layered is None and self._replayable(work):
             ctx = [self.kv.slots(w.req.locs[: w.req.num_computed + 1]) for w in work]
             ids = [w.req.tokens[w.req.num_computed] for w in work]
-            return self._to_host(self.graphs.forward(ctx, ids), while_running)
+            return self._to_host(self.graphs.forward(ctx, ids), while_running, full)
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlots] = []
@@ -106,19 +114,37 @@ class ModelRunner:
             last_logits=[1 + len(w.draft) for w in work],
             after_layer=layered.layer_done if layered is not None else None,
         )
-        return self._to_host(logits, while_running)
+        return self._to_host(logits, while_running, full)
+
+    @staticmethod
+    def needs_logits(work: list[Work]) -> bool:
+        """Whether any item of ``work`` needs its logit rows on the host: one that samples
+        (not greedy), verifies a draft, or keeps its logits (``return_logits``). A greedy
+        batch needs only each row's argmax: a decode step of 32 requests would otherwise
+        move 32 x vocabulary logits over the link every step, beside the backups."""
+        return any(w.draft or w.req.logit_rows is not None or not _greedy(w) for w in work)
 
     def _to_host(
-        self, logits: torch.Tensor, while_running: Callable[[], None] | None
+        self,
+        logits: torch.Tensor,
+        while_running: Callable[[], None] | None,
+        full: bool = True,
     ) -> torch.Tensor:
         """``logits`` on the CPU (``_to_host``); on CUDA each row's argmax is read with them,
-        for :meth:`sample`'s greedy rows (kept in :attr:`_argmax` with the rows they are of)."""
+        for :meth:`sample`'s greedy rows (kept in :attr:`_argmax` with the rows they are of),
+        and without ``full`` only the argmax is read: the rows come back as ``(rows, 0)``."""
         self._argmax = None
         if logits.device.type != "cuda" or logits.dim() != 2:
             return _to_host(logits, while_running)
         best = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
         torch.argmax(logits, dim=-1, out=map_pinned(best, logits.device))
-        host = _to_host(logits, while_running)
+        if full:
+            host = _to_host(logits, while_running)
+        else:
+            host = torch.empty((logits.shape[0], 0), dtype=logits.dtype)
+            if while_running is not None:
+                while_running()
+            torch.cuda.current_stream(logits.device).synchronize()
         self._argmax = (host, best)
         return host
 
@@ -135,7 +161,7 @@ class ModelRunner:
         sampling it raised (which ends only that item). Greedy rows share one ``argmax``
         (one per row cost more than a decode step's forward on a large GPU). A request that
         asked for its logits keeps the row of every token sampled for it."""
-        greedy = [i for i, w in enumerate(work) if w.req.params.greedy or w.req.generator is None]
+        greedy = [i for i, w in enumerate(work) if _greedy(w)]
         best: dict[int, int] = {}
         if greedy:
             read = self._argmax
@@ -185,6 +211,11 @@ class ModelRunner:
             if (page + 1) % self.checkpoint_every == 0:
                 seq.state_out.append((p - start, int(locs[p]) // ps))
                 req.checkpoints.add(page)
+
+
+def _greedy(w: Work) -> bool:
+    """The item's next token is its row's argmax."""
+    return w.req.params.greedy or w.req.generator is None
 
 
 def _to_host(logits: torch.Tensor, while_running: Callable[[], None] | None) -> torch.Tensor:
