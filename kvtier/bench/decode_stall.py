@@ -60,11 +60,13 @@ def backup_during_decode(
     num_steps: int = DECODE_STEPS,
     rounds: int = STALL_ROUNDS,
     log: Callable[[str], None] | None = None,
+    others: bool = True,
 ) -> dict:
     """Mean decode step time of ``batch`` requests alone and under back-to-back backups of
     ``num_pages`` pages each, on engines of their own (``base`` without storage; pools sized
     for the backups kept waiting); see the module docstring. Completed backup bytes are the
-    cache's ``backup_bytes`` counter. ``log``, when given, is called with a summary line."""
+    cache's ``backup_bytes`` counter. ``log``, when given, is called with a summary line.
+    ``others=False`` leaves out the variants other than ``paced`` (for probes)."""
     ps = base.page_size
 
     def engine(in_flight: int, **options: object) -> LLM:
@@ -178,8 +180,7 @@ def backup_during_decode(
     paced["stall_rounds"] = ratios
     runs = {"paced": paced}
     for name, mechanism, is_paced in (
-        ("paced_kernels", "kernel", True),
-        ("unpaced", "auto", False),
+        (("paced_kernels", "kernel", True), ("unpaced", "auto", False)) if others else ()
     ):
         runs[name] = under_backups(in_flight, mechanism, is_paced)
         runs[name]["stall"] = runs[name]["decode_step_ms"] / (alone * 1e3)
