@@ -19,7 +19,6 @@ import errno
 import os
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -33,8 +32,8 @@ from kvtier.storage.base import (
     StorageCapabilities,
     check_lengths,
     cpu_byte_views,
-    log,
 )
+from kvtier.storage.file_index import FileIndex
 from kvtier.storage.file_io import (
     TMP_SUFFIX,
     CorruptObject,
@@ -75,7 +74,8 @@ _Planned = tuple[str, str, int, "memoryview | None"]
 class FileBackend(StorageBackend):
     """Objects as files in a local directory, bounded by ``budget_bytes`` (file sizes including
     headers) with LRU eviction; persistent across restarts on the same dir. Thread-safe: one
-    lock guards the index; reads and writes of object files happen outside it."""
+    lock guards the index (``FileIndex``); reads and writes of object files happen outside
+    it."""
 
     name = "file"
     capabilities = StorageCapabilities(
@@ -105,17 +105,9 @@ class FileBackend(StorageBackend):
         self.root = os.path.abspath(os.fspath(root))
         self.namespace = namespace
         self.dir = os.path.join(self.root, namespace)
-        self.budget_bytes = budget_bytes
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()
-        self._where: dict[str, Packed] = {}
-        """Where each packed key is (``kvtier.storage.file_pack``); other keys are files."""
-        self._packs: dict[str, list[str]] = {}
-        """The keys of each pack, all indexed: a pack leaves the tier whole."""
-        self._used = 0
-        self._evictions = 0
-        self._shrunk = False
+        self._index = FileIndex(budget_bytes, self._path, self.dir)
         threads = min(4, os.cpu_count() or 1) if io_threads is None else io_threads
         self._io = OrderedIO(threads, "kvtier-file")
         probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{TMP_SUFFIX}")
@@ -128,7 +120,7 @@ class FileBackend(StorageBackend):
             raise ConfigError(
                 f"storage_dir={self.root!r}: cannot create or write {self.dir!r}: {e.strerror or e}"
             ) from e
-        self._recency = RecencyJournal(self.dir, self._file_of)
+        self._recency = RecencyJournal(self.dir, self._index.file_of)
         # The journal orders the scan, and is applied after it: only then does a packed
         # key resolve to its pack, whose mtime its reads must move.
         read_ns = self._recency.read_times()
@@ -147,59 +139,28 @@ class FileBackend(StorageBackend):
             raise RequestError(f"invalid storage key {key!r}: empty, hidden or a path")
         return f"{self.dir}/{key[:2]}/{key}"
 
-    def _file_of(self, key: str) -> str:
-        """The file holding ``key``'s object: its pack, or its own file (``_path``)."""
-        w = self._where.get(key)
-        return w.pack if w is not None else self._path(key)
+    @property
+    def budget_bytes(self) -> int:
+        """The byte budget (lowered to what the disk held when it fills up)."""
+        return self._index.budget_bytes
 
     def _scan(self, read_ns: dict[str, int]) -> None:
         with self._lock:
             for key, size, where in file_layout.scan(self.dir, self.namespace, read_ns):
-                self._index[key] = size
-                self._used += size
-                if where is not None:
-                    self._where[key] = where
-                    self._packs.setdefault(where.pack, []).append(key)
-            self._evict_locked(0)
-
-    def _evict_locked(self, incoming: int) -> None:
-        """Drop LRU objects until ``incoming`` more bytes fit. Unlinks under the lock so a
-        concurrent re-store of a victim key cannot lose its fresh file."""
-        while self._index and self._used + incoming > self.budget_bytes:
-            key = next(iter(self._index))
-            self._evictions += self._drop_locked(key, True)
-
-    def _drop_locked(self, key: str, delete: bool) -> int:
-        """Take indexed ``key`` out of the index, with every key of its pack if packed (a pack
-        leaves whole, and is deleted); its own file is deleted with ``delete``. Returns the
-        keys taken out."""
-        w = self._where.get(key)
-        path = self._path(key) if w is None else w.pack
-        keys = [key] if w is None else self._packs.pop(w.pack)
-        for k in keys:
-            self._used -= self._index.pop(k)
-            self._where.pop(k, None)
-        if w is not None or delete:
-            unlink_quiet(path)
-        return len(keys)
+                self._index.add(key, size, where)
+            self._index.evict(0)
 
     def _forget(self, key: str, delete: bool) -> None:
         with self._lock:
             if key in self._index:
-                self._drop_locked(key, delete)
+                self._index.drop(key, delete)
             elif delete:
                 unlink_quiet(self._path(key))
 
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Length of the leading run of ``keys`` in the index; hits become most recent."""
-        n = 0
         with self._lock:
-            for key in keys:
-                if key not in self._index:
-                    break
-                self._index.move_to_end(key)
-                n += 1
-        return n
+            return self._index.leading(keys)
 
     def batch_get(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Read and verify objects into ``buffers``; returns the leading count read and
@@ -216,14 +177,9 @@ class FileBackend(StorageBackend):
         check_lengths(keys, buffers)
         dests = cpu_byte_views(buffers)
         with self._lock:
-            run = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                self._index.move_to_end(key)
-                run += 1
+            run = self._index.leading(keys)
             sizes = [d.nbytes for d in dests[:run]]
-            paths, runs = file_layout.reads(keys[:run], self._where, self._path, sizes)
+            paths, runs = file_layout.reads(keys[:run], self._index.where, self._path, sizes)
         ns = self.namespace
         prefixes = [envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(run)]
 
@@ -302,20 +258,20 @@ class FileBackend(StorageBackend):
             path = self._path(key)
             self._drop_vanished(key)
             with self._lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
+                index = self._index
+                if index.hit(key):
                     plan.append((key, path, size, None))
                     continue
-                if size > self.budget_bytes:
+                if size > index.budget_bytes:
                     return plan, StorageError(
-                        "no_space", f"{size}-byte object exceeds budget {self.budget_bytes}"
+                        "no_space", f"{size}-byte object exceeds budget {index.budget_bytes}"
                     )
-                self._evict_locked(size)
-                if writes and self._used + size > self.budget_bytes:
+                index.evict(size)
+                if writes and index.used + size > index.budget_bytes:
                     # This round's own writes hold the space: once indexed they can be evicted.
                     return plan, None
                 # Reserved now so concurrent writers cannot overshoot the budget.
-                self._used += size
+                index.used += size
             plan.append((key, path, size, payload))
             writes += 1
         return plan, None
@@ -353,12 +309,9 @@ class FileBackend(StorageBackend):
         with self._lock:
             for (key, _, size, payload), outcome in zip(plan, outcomes, strict=True):
                 if outcome is None and payload is not None:
-                    if key in self._index:
-                        self._used -= size
-                    else:
-                        self._index[key] = size
+                    self._index.settle(key, size)
                 elif outcome is NOT_RUN:
-                    self._used -= size
+                    self._index.used -= size
 
     def _write_pack(
         self, plan: list[_Planned], fresh: list[int]
@@ -379,14 +332,16 @@ class FileBackend(StorageBackend):
         sizes = object_sizes([p.nbytes for p in payloads])
         path = pack_name(self.dir)
         total = sum(sizes)
+        reserved = sum(plan[i][2] for i in fresh)
         with self._lock:
+            index = self._index
             # The round reserved every fresh object's size; the pack's is ``total``.
-            self._used -= sum(plan[i][2] for i in fresh)
-            self._evict_locked(total)
-            if self._used + total > self.budget_bytes:  # no room for the pack header
-                self._used += sum(plan[i][2] for i in fresh)
+            index.used -= reserved
+            index.evict(total)
+            if index.used + total > index.budget_bytes:  # no room for the pack header
+                index.used += reserved
                 return None
-            self._used += total
+            index.used += total
         outcomes: list[BaseException | None] = [None] * len(plan)
         try:
             self._write_reserved(
@@ -401,15 +356,12 @@ class FileBackend(StorageBackend):
                 outcomes[i] = e
             return outcomes
         at = PACK_HEAD + len(keys) * HEADER_BYTES
+        places = []
+        for n, payload in enumerate(payloads):
+            places.append(Packed(path, n, at))
+            at += payload.nbytes
         with self._lock:
-            for key in keys:
-                if key in self._index:  # stored meanwhile by another batch: the pack's copy wins
-                    self._drop_locked(key, True)
-            for n, (key, payload, size) in enumerate(zip(keys, payloads, sizes, strict=True)):
-                self._index[key] = size
-                self._where[key] = Packed(path, n, at)
-                at += payload.nbytes
-            self._packs[path] = keys
+            self._index.add_pack(path, keys, sizes, places)
         return outcomes
 
     def _drop_vanished(self, key: str) -> bool:
@@ -419,10 +371,10 @@ class FileBackend(StorageBackend):
         with self._lock:
             if key not in self._index:
                 return False
-            path = self._file_of(key)
+            path = self._index.file_of(key)
             if os.path.exists(path):
                 return False
-            self._drop_locked(key, False)
+            self._index.drop(key, False)
         self.fault("missing", f"{path}: indexed object file is gone")
         return True
 
@@ -435,7 +387,7 @@ class FileBackend(StorageBackend):
         contents: Callable[[int], None] | None = None,
     ) -> None:
         """Write one object (or, given ``contents``, the file ``contents(fd)`` writes) whose
-        ``size`` bytes are reserved in ``_used``; on failure the reservation is returned and
+        ``size`` bytes are reserved in the index; on failure the reservation is returned and
         the ``OSError`` raised. A full disk shrinks the budget and evicts before each retry."""
         while True:
             try:
@@ -446,31 +398,12 @@ class FileBackend(StorageBackend):
                 return
             except OSError as e:
                 with self._lock:
-                    self._used -= size
-                    retry = e.errno in (errno.ENOSPC, errno.EDQUOT) and self._shrink_locked(size)
+                    self._index.used -= size
+                    retry = e.errno in (errno.ENOSPC, errno.EDQUOT) and self._index.shrink(size)
                     if retry:
-                        self._used += size
+                        self._index.used += size
                 if not retry:
                     raise
-
-    def _shrink_locked(self, incoming: int) -> bool:
-        """The disk is full: make what it holds now the budget and evict LRU objects so
-        ``incoming`` more bytes fit; ``False`` when nothing is left to evict."""
-        if not self._index:
-            return False
-        budget = max(self._used, incoming)
-        if budget < self.budget_bytes:
-            if not self._shrunk:
-                log.warning(
-                    "L3 file backend: %s is full; storage budget lowered from %d to %d bytes",
-                    self.dir,
-                    self.budget_bytes,
-                    budget,
-                )
-            self._shrunk = True
-            self.budget_bytes = budget
-        self._evict_locked(incoming)
-        return True
 
     def touch(self, keys: Sequence[PageKey]) -> int:
         """Mark the leading run of ``keys`` whose objects exist as most recently used, in the
@@ -479,10 +412,9 @@ class FileBackend(StorageBackend):
         n = 0
         for key in keys:
             with self._lock:
-                if key not in self._index:
+                if not self._index.hit(key):
                     break
-                self._index.move_to_end(key)
-                path = self._file_of(key)
+                path = self._index.file_of(key)
             try:
                 os.utime(path)
             except FileNotFoundError:
@@ -501,24 +433,21 @@ class FileBackend(StorageBackend):
         """``bytes_used``, ``objects``, ``budget_bytes`` and ``evictions`` so far."""
         with self._lock:
             return {
-                "bytes_used": self._used,
+                "bytes_used": self._index.used,
                 "objects": len(self._index),
-                "budget_bytes": self.budget_bytes,
-                "evictions": self._evictions,
+                "budget_bytes": self._index.budget_bytes,
+                "evictions": self._index.evictions,
             }
 
     def check_integrity(self) -> None:
         """Between batches: the bytes in use are the indexed objects' sizes and within the
-        budget, and disk and index agree (``file_layout.disagreements``). (A file the index
-        dropped may remain: one unreadable when read is left for the next backup of its key to
-        replace.) Raises ``IntegrityError``."""
+        budget (``FileIndex.check_integrity``), and disk and index agree
+        (``file_layout.disagreements``). (A file the index dropped may remain: one unreadable
+        when read is left for the next backup of its key to replace.) Raises
+        ``IntegrityError``."""
         with self._lock:
-            index, used = dict(self._index), self._used
-            where, packs = dict(self._where), {p: list(k) for p, k in self._packs.items()}
-        if used != (held := sum(index.values())) or used > self.budget_bytes:
-            raise IntegrityError(
-                f"file backend: {used} bytes in use, {held} indexed, budget {self.budget_bytes}"
-            )
+            self._index.check_integrity()
+            index, where, packs = self._index.snapshot()
         odd = file_layout.disagreements(self.dir, index, where, packs)
         if odd:
             raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
@@ -526,4 +455,4 @@ class FileBackend(StorageBackend):
     def keys(self) -> list[str]:
         """Stored keys, least recently used first (for inspection and tests)."""
         with self._lock:
-            return list(self._index)
+            return self._index.keys()

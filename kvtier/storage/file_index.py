@@ -1,0 +1,163 @@
+"""The local-file L3 backend's index (``kvtier.storage.file``): which keys are stored, their
+sizes in LRU order, where packed keys live, and the bytes held against the budget.
+
+Not thread-safe: the backend holds its lock around every call, and eviction unlinks victim
+files under that lock, so a concurrent re-store of a victim key cannot lose its fresh file.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvtier.errors import IntegrityError
+from kvtier.storage.base import log
+from kvtier.storage.file_io import unlink_quiet
+from kvtier.storage.file_pack import Packed
+
+
+class FileIndex:
+    """Stored keys and their sizes (envelope header included), least recently used first;
+    ``used`` is their sum plus the reservations of writes in flight, kept within
+    ``budget_bytes`` by evicting from the front. A pack (``kvtier.storage.file_pack``) enters
+    and leaves whole: evicting or dropping any of its keys drops them all and deletes it."""
+
+    def __init__(self, budget_bytes: int, path_of: Callable[[str], str], where: str) -> None:
+        """``path_of(key)``: the file of a key stored on its own; ``where``: the directory,
+        for the warning when a full disk lowers the budget."""
+        self.budget_bytes = budget_bytes
+        self.used = 0
+        """Bytes of indexed objects plus reservations of writes in flight."""
+        self.evictions = 0
+        """Keys evicted to make room, in total."""
+        self._path_of = path_of
+        self._dir = where
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._where: dict[str, Packed] = {}
+        """Where each packed key is; other keys are files of their own."""
+        self._packs: dict[str, list[str]] = {}
+        """The keys of each pack, all indexed."""
+        self._shrunk = False
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def where(self) -> dict[str, Packed]:
+        """Packed keys and where they are (read-only use: ``file_layout.reads``)."""
+        return self._where
+
+    def file_of(self, key: str) -> str:
+        """The file holding ``key``'s object: its pack, or its own file."""
+        w = self._where.get(key)
+        return w.pack if w is not None else self._path_of(key)
+
+    def add(self, key: str, size: int, where: Packed | None = None) -> None:
+        """Index an object found on disk (the restart scan), as most recent."""
+        self._sizes[key] = size
+        self.used += size
+        if where is not None:
+            self._where[key] = where
+            self._packs.setdefault(where.pack, []).append(key)
+
+    def hit(self, key: str) -> bool:
+        """Make ``key`` most recent; ``False`` when it is not indexed."""
+        if key not in self._sizes:
+            return False
+        self._sizes.move_to_end(key)
+        return True
+
+    def leading(self, keys: Sequence[str]) -> int:
+        """Length of the leading run of indexed ``keys``, each made most recent."""
+        n = 0
+        for key in keys:
+            if not self.hit(key):
+                break
+            n += 1
+        return n
+
+    def evict(self, incoming: int) -> None:
+        """Drop least recent objects (deleting their files) until ``incoming`` more bytes
+        fit."""
+        while self._sizes and self.used + incoming > self.budget_bytes:
+            self.evictions += self.drop(next(iter(self._sizes)), True)
+
+    def drop(self, key: str, delete: bool) -> int:
+        """Take indexed ``key`` out, with every key of its pack if packed (the pack is
+        deleted); its own file is deleted with ``delete``. Returns the keys taken out."""
+        w = self._where.get(key)
+        path = self._path_of(key) if w is None else w.pack
+        keys = [key] if w is None else self._packs.pop(w.pack)
+        for k in keys:
+            self.used -= self._sizes.pop(k)
+            self._where.pop(k, None)
+        if w is not None or delete:
+            unlink_quiet(path)
+        return len(keys)
+
+    def settle(self, key: str, size: int) -> None:
+        """An object written to its own file with ``size`` bytes reserved: index it, or, when
+        the key was indexed meanwhile (or twice in one round), give the reservation back."""
+        if key in self._sizes:
+            self.used -= size
+        else:
+            self._sizes[key] = size
+
+    def add_pack(
+        self, path: str, keys: Sequence[str], sizes: Sequence[int], places: Sequence[Packed]
+    ) -> None:
+        """Index the pack at ``path``, whose bytes are reserved: its ``keys`` with their object
+        ``sizes`` and ``places``, in pack order. A key indexed meanwhile elsewhere is dropped
+        first (the pack's copy wins)."""
+        for key in keys:
+            if key in self._sizes:
+                self.drop(key, True)
+        for key, size, place in zip(keys, sizes, places, strict=True):
+            self._sizes[key] = size
+            self._where[key] = place
+        self._packs[path] = list(keys)
+
+    def shrink(self, incoming: int) -> bool:
+        """The disk is full: make what it holds now the budget and evict least recent
+        objects so ``incoming`` more bytes fit; ``False`` when nothing is left to evict."""
+        if not self._sizes:
+            return False
+        budget = max(self.used, incoming)
+        if budget < self.budget_bytes:
+            if not self._shrunk:
+                log.warning(
+                    "L3 file backend: %s is full; storage budget lowered from %d to %d bytes",
+                    self._dir,
+                    self.budget_bytes,
+                    budget,
+                )
+            self._shrunk = True
+            self.budget_bytes = budget
+        self.evict(incoming)
+        return True
+
+    def keys(self) -> list[str]:
+        """Indexed keys, least recently used first."""
+        return list(self._sizes)
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, Packed], dict[str, list[str]]]:
+        """Copies of the sizes, the packed keys' places and each pack's keys."""
+        return (
+            dict(self._sizes),
+            dict(self._where),
+            {p: list(k) for p, k in self._packs.items()},
+        )
+
+    def check_integrity(self) -> None:
+        """``used`` is the indexed sizes (call it with no write in flight) and within the
+        budget. Raises ``IntegrityError``. (Disk against index: ``file_layout.disagreements``
+        of a ``snapshot``.)"""
+        held = sum(self._sizes.values())
+        if self.used != held or self.used > self.budget_bytes:
+            raise IntegrityError(
+                f"file backend: {self.used} bytes in use, {held} indexed, "
+                f"budget {self.budget_bytes}"
+            )
