@@ -196,8 +196,8 @@ def test_parallel_set_stops_at_a_failed_write(
     bad = f"k{k}".encode()
 
     def failing(fd: int, views: list[memoryview]) -> None:
-        # An object up to READ_CHUNK goes out in one writev, header first: its key field.
-        assert BIG <= file_io.READ_CHUNK
+        # An object up to WRITE_CHUNK goes out in one writev, header first: its key field.
+        assert BIG <= file_io.WRITE_CHUNK
         if bytes(views[0][48:96]).rstrip(b"\0") == bad:
             raise OSError(errno.EIO, "Input/output error")
         real(fd, views)

@@ -69,12 +69,20 @@ def os_kind(exc: OSError) -> str:
     return "io"
 
 
-READ_CHUNK = 1 << 20
-"""Payload bytes per read or write syscall: each piece is digested while it is still in the
-core's cache (for writes the digest pulls it into the cache the write then copies it from).
-Pieces fit the 2 MiB per-core L2 here; against 256 KiB pieces they measured reads of 0.94
-against 0.74 of plain I/O for 1 MiB objects and 0.76 against 0.66 for 2 MiB ones, writes 1.01
-against 0.94 and 0.99 against 0.75 (``scripts/probes/file_tier_ab.py``, CHUNK=...)."""
+WRITE_CHUNK = 1 << 20
+"""Payload bytes per write syscall: each piece is digested just before it is written, so the
+write copies it from the core's cache. Against 256 KiB pieces, 1 MiB pieces measured writes
+of 1.01 against 0.94 of plain I/O for 1 MiB objects and 0.99 against 0.75 for 2 MiB ones
+(``scripts/probes/file_tier_ab.py``, CHUNK=...); a single write of 2 MiB or more into a new
+file ran at times ten times slower than 1 MiB pieces here (``results/file-tier/``, run w)."""
+
+READ_CHUNK = 2 << 20
+"""Payload bytes per read syscall of an object of its own, digested right after it lands
+(one ``preadv`` and one digest for objects up to this size). Reading 2 MiB objects in one
+piece instead of two 1 MiB pieces measured 6.96-7.36 against 6.65-6.85 GB/s on two I/O
+threads in four runs, and 4 MiB objects in 2 MiB pieces 7.14 against 6.84 (1 MiB pieces;
+``scripts/probes/file_read_ceiling.py``, ``results/file-tier/`` run x); 256 KiB pieces were
+slower at both sizes."""
 
 
 class _Scratch(threading.local):
@@ -185,18 +193,18 @@ def read_object(
 
 def _write_payload(fd: int, namespace: str, key: str, payload: memoryview) -> None:
     """Write the object (header, then ``payload``) to the empty file ``fd``. Up to
-    ``READ_CHUNK`` it is digested, then written in one ``writev``; larger payloads are
-    written after the header's place in ``READ_CHUNK`` pieces, each digested just before
+    ``WRITE_CHUNK`` it is digested, then written in one ``writev``; larger payloads are
+    written after the header's place in ``WRITE_CHUNK`` pieces, each digested just before
     (so the write copies it from the cache), and the header lands last."""
     n = len(payload)
-    if n <= READ_CHUNK:
+    if n <= WRITE_CHUNK:
         header = envelope.pack(namespace, key, n, envelope.digest(payload))
         writev_all(fd, [memoryview(header), payload])
         return
     h = envelope.hasher()
     os.lseek(fd, HEADER_BYTES, os.SEEK_SET)
-    for off in range(0, n, READ_CHUNK):
-        piece = payload[off : off + READ_CHUNK]
+    for off in range(0, n, WRITE_CHUNK):
+        piece = payload[off : off + WRITE_CHUNK]
         h.update(piece)
         writev_all(fd, [piece])
     header = envelope.pack(namespace, key, n, h.intdigest())

@@ -1,5 +1,6 @@
 """Verified reads against their ceiling, one process, interleaved, medians: ``batch_get`` (two
-I/O threads) at each payload piece size in CHUNKS (``file_io.READ_CHUNK``), plain sequential
+I/O threads) at each payload piece size in CHUNKS (``file_io.READ_CHUNK``, and the pieces of
+pack runs), plain sequential
 ``readinto`` on one thread (``plain1``), on two threads (``plain2``) and on two threads each
 digesting what it read with XXH3 (``plain2h``: the ceiling of a verified read that copies,
 then digests). Every side reads files written before the first repeat, from the page cache;
@@ -11,6 +12,7 @@ a 256 MiB sweep runs before each side.
 import os, sys, time, statistics, shutil, threading
 import torch, xxhash
 import kvtier.storage.file_io as fio
+import kvtier.storage.file_pack as fpack
 from kvtier.storage.file import FileBackend
 from kvtier.keys import Namespace
 pb, n, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -43,7 +45,7 @@ for r in range(reps):
         if c is None:
             plain(range(n)) if name == "plain1" else par(name == "plain2h")
         else:
-            fio.READ_CHUNK = c
+            fio.READ_CHUNK = fpack.RUN_READ_CHUNK = c
             assert be.batch_get(keys, list(dst)) == n
         T.setdefault(name, []).append(time.perf_counter() - t0)
     assert torch.equal(src, dst)
