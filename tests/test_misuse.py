@@ -3,6 +3,8 @@ and one failing request does not take the engine down."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -114,7 +116,7 @@ def test_a_closed_cache_and_engine_refuse_calls() -> None:
         llm.generate([[1, 2, 3]])
 
 
-def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
+def test_a_request_failing_in_a_step_ends_alone(monkeypatch, caplog) -> None:
     model = ModelConfig(num_layers=1, max_position=256)
     cfg = CacheConfig(page_size=PS, device_pages=64, device="cpu", debug_checks=True)
     prompts = [[i + 1] * (5 + i) for i in range(4)]
@@ -144,9 +146,16 @@ def test_a_request_failing_in_a_step_ends_alone(monkeypatch) -> None:
         return forward(work, *rest, **options)
 
     monkeypatch.setattr(llm.runner, "forward", failing_forward)
-    outs = llm.generate(prompts, params)
+    assert llm.stats()["split_forwards"] == 0
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+        outs = llm.generate(prompts, params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert outs[1].error == "RuntimeError: kernel fault"
+    # the one batched forward holding request 5 (the prefill of all four), said and counted
+    assert llm.stats()["split_forwards"] == 1
+    assert "a forward of 4 requests failed, running them one at a time: RuntimeError" in (
+        caplog.text
+    )
     assert [outs[i].output_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
     monkeypatch.setattr(llm.runner, "forward", forward)
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected

@@ -74,6 +74,8 @@ class LLM:
         cp_size = (cache_config or CacheConfig()).cp_size
         self.speculative_tokens = spec.check_option(speculative_tokens, model, cp_size)
         self._drafts = {"spec_draft_proposed": 0, "spec_draft_accepted": 0}
+        self._split_forwards = 0
+        """Batched forwards that raised and were run again one request at a time."""
         cache_config = dataclasses.replace(
             cache_config or CacheConfig(), model_fingerprint=self.model_config.fingerprint()
         )
@@ -304,6 +306,15 @@ class LLM:
                 self.cache.end_backup_layers(layered, ok=False)
             if len(work) == 1 or self.runner.stateful:
                 return [], torch.empty(0), [(w.req, e) for w in work]
+            # Said out loud: a failure that no single request reproduces would otherwise only
+            # show as steps many times slower.
+            self._split_forwards += 1
+            log.warning(
+                "a forward of %d requests failed, running them one at a time: %s: %s",
+                len(work),
+                type(e).__name__,
+                e,
+            )
         ok: list[Work] = []
         rows: list[torch.Tensor] = []
         failed: list[tuple[Request, Exception]] = []
@@ -347,9 +358,12 @@ class LLM:
         return [done[i] for i in ids]
 
     def stats(self) -> dict:
-        """The cache's counters, and with speculative decoding the draft tokens proposed and
-        accepted (``spec_draft_proposed``/``spec_draft_accepted``) over every request."""
+        """The cache's counters, ``split_forwards`` (batched forwards that raised and were run
+        again one request at a time, to end only the requests that fail), and with
+        speculative decoding the draft tokens proposed and accepted
+        (``spec_draft_proposed``/``spec_draft_accepted``) over every request."""
         st = self.cache.stats()
+        st["split_forwards"] = self._split_forwards
         if self.speculative_tokens:
             st.update(self._drafts)
         return st
