@@ -13,7 +13,7 @@ import torch
 from kvtier.cache import resolve_device
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
-from kvtier.engine.request import Request, token_ids
+from kvtier.engine.request import Request, checked_tokens, token_ids
 from kvtier.errors import ConfigError, RequestError
 
 MODEL = ModelConfig(num_layers=2, max_position=512)
@@ -69,6 +69,16 @@ def test_a_list_of_plain_ints_is_copied_and_a_late_bad_token_still_named() -> No
     assert got == prompt and got is not prompt
     with pytest.raises(RequestError, match=r"prompt token 999 is True \(bool\)"):
         token_ids([*range(999), True])
+
+
+@pytest.mark.parametrize(
+    "prompt", [[5, 6, 7], (5, 6, 7), torch.tensor([5, 6, 7]), [5, np.int64(6), torch.tensor(7)]]
+)
+def test_checked_tokens_hand_back_the_int32_container_with_the_ids(prompt) -> None:
+    ids, held = checked_tokens(prompt)
+    assert ids == [5, 6, 7] and held.typecode == "i" and held.tolist() == ids
+    with pytest.raises(RequestError, match=r"prompt token 1 is 4294967296: token ids must fit"):
+        checked_tokens([1, 1 << 32])
 
 
 def test_the_engine_refuses_a_float_prompt_token_before_queueing() -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from kvtier.engine import spec
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
-from kvtier.engine.request import Request, RequestOutput, int32_tokens, token_ids
+from kvtier.engine.request import Request, RequestOutput, checked_tokens, int32_tokens
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
@@ -145,12 +146,11 @@ class LLM:
         return req
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
-        tokens = self._tokens(prompt)
+        tokens, held = self._tokens(prompt)  # ``held``: the request's own container
         cfg = self.model_config
         if not tokens:
             raise RequestError("empty prompt: a request needs at least one token")
-        held = int32_tokens(tokens)  # the request's own container, checked as numpy: no loop
-        ids = np.frombuffer(held, dtype=np.int32)
+        ids = np.frombuffer(held, dtype=np.int32)  # checked as numpy: no loop
         outside = (ids < 0) | (ids >= cfg.vocab_size)
         if outside.any():
             bad = int(ids[outside.argmax()])
@@ -177,12 +177,14 @@ class LLM:
             generator=params.make_generator(),
         )
 
-    def _tokens(self, prompt: Prompt) -> list[int]:
+    def _tokens(self, prompt: Prompt) -> tuple[list[int], array[int]]:
+        """The prompt's ids (``checked_tokens``; a text prompt through the tokenizer)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("text prompt given but the model has no tokenizer")
-            return self.tokenizer.encode(prompt)
-        return token_ids(prompt)
+            ids = self.tokenizer.encode(prompt)
+            return ids, int32_tokens(ids)
+        return checked_tokens(prompt)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step (at most one forward); returns the requests that finished.

@@ -29,6 +29,12 @@ def token_ids(prompt: Any) -> list[int]:
     and the value: ``int(1.7)`` or ``int('5')`` would silently serve another prompt, bools are
     no ids, and an id past int32 cannot be held (wrapping it would serve another prompt).
     """
+    return checked_tokens(prompt)[0]
+
+
+def checked_tokens(prompt: Any) -> tuple[list[int], array[int]]:
+    """``token_ids(prompt)`` and the same ids as an ``array('i')`` (``int32_tokens``), packed
+    once: the range check packs them anyway (about 0.3 ms for a 32K-token prompt)."""
     if isinstance(prompt, bytes | bytearray | set | frozenset | dict) or not isinstance(
         prompt, Iterable
     ):
@@ -40,13 +46,11 @@ def token_ids(prompt: Any) -> list[int]:
             raise RequestError(f"a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
         if _integer_dtype(prompt.dtype):
             ids = prompt.tolist()
-            int32_tokens(ids)
-            return ids
+            return ids, int32_tokens(ids)
     if type(prompt) is list and set(map(type, prompt)) <= _PLAIN_INT:
         # The common case at C speed: one ABC check per token cost ~1 µs, 30 ms for a 32K
         # prompt, ahead of everything its TTFT waits for.
-        int32_tokens(prompt)
-        return list(prompt)
+        return list(prompt), int32_tokens(prompt)
     ids: list[int] = []
     for i, t in enumerate(prompt):
         if isinstance(t, torch.Tensor):
@@ -61,7 +65,7 @@ def token_ids(prompt: Any) -> list[int]:
         if not TOKEN_MIN <= t <= TOKEN_MAX:
             raise _out_of_range(i, t)
         ids.append(t)
-    return ids
+    return ids, int32_tokens(ids)
 
 
 def int32_tokens(ids: Sequence[int]) -> array[int]:
