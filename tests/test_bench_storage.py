@@ -36,6 +36,9 @@ def test_bench_storage_tiny(tmp_path: Path) -> None:
         d: out["file_backend"][f"{d}_gbps"] / out["parallel_plain_io"][f"{d}_gbps"]
         for d in ("write", "read")
     }
+    ceiling = out["verified_read_ceiling"]["read_gbps"]
+    assert ceiling > 0
+    assert out["ratio_vs_verified_ceiling"] == {"read": out["file_backend"]["read_gbps"] / ceiling}
     assert set(out["gb_per_cpu_s"]) == {"file_backend", "plain_io", "parallel_plain_io"}
     for part in out["gb_per_cpu_s"].values():
         assert set(part) == {"write", "read"} and all(v > 0 for v in part.values())

@@ -178,6 +178,9 @@ def _storage(results: Sequence[tuple[str, dict]]) -> list[Panel]:
                 if "parallel_plain_io" in run:
                     side = f"{plain_name} on {run['io_threads']} threads"
                     vals[side] = run["parallel_plain_io"][f"{d}_gbps"]
+                if d == "read" and "verified_read_ceiling" in run:
+                    side = f"{plain_name} on {run['io_threads']} threads, digested"
+                    vals[side] = run["verified_read_ceiling"]["read_gbps"]
                 if peer is not None:
                     vals["SGLang HiCacheFile"] = peer[f"{d}_gbps"]
                 groups.append((f"{label} {op}", vals))

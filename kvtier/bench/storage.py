@@ -2,8 +2,10 @@
 
 ``file``: ``FileBackend`` against plain sequential file I/O of the same bytes on the same
 directory, against the same plain I/O on the backend's I/O thread count (the rate a reader or
-writer on that many threads reaches on the host), and optionally against SGLang's
-``HiCacheFile`` in its own process.
+writer on that many threads reaches on the host) and, for reads, against those threads each
+digesting what it read with the backend's checksum (the ceiling of a verified read that
+copies the bytes out, then checks them), and optionally against SGLang's ``HiCacheFile`` in
+its own process.
 ``mooncake`` (``kvtier.bench.storage_mooncake``): ``MooncakeBackend`` against the raw Mooncake
 client on the same cluster.
 """
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.keys import Namespace, PageKey
+from kvtier.storage import envelope
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file import FileBackend
 
@@ -172,7 +175,8 @@ def bench_file(
     backend's I/O thread count (returned as ``io_threads``), whatever the batch size: the
     plain side's files read with ``os.preadv`` straight into the destination rows, and the
     pages written to files of their own, by threads each claiming the next page in order, no
-    checksum.
+    checksum. ``verified_read_ceiling`` is that parallel plain read with each page digested
+    (``envelope.digest``) right after it lands.
     With ``peer_python``, SGLang's ``HiCacheFile`` does the same in its own process
     (``kvtier.bench.storage_peer``).
 
@@ -266,6 +270,18 @@ def bench_file(
             _check(src, dst, "parallel plain I/O")
             return dt
 
+        def digest_read(r: int) -> tuple[float, float]:
+            def job(i: int) -> None:
+                dest = dst[i].numpy().data
+                _read_file(os.path.join(plain_dirs[r], str(i)), dest)
+                envelope.digest(dest)
+
+            t0 = _clock()
+            _on_threads(pool, threads, num_pages, job)
+            dt = _since(t0)
+            _check(src, dst, "parallel plain I/O with digests")
+            return dt
+
         phases: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
             ("file_write", be_write),
             ("plain_write", plain_write),
@@ -273,6 +289,7 @@ def bench_file(
             ("file_read", be_read),
             ("plain_read", plain_read),
             ("parallel_plain_read", parallel_read),
+            ("verified_read_ceiling", digest_read),
         ]
         for r in range(repeats):
             # Interleaved so every side sees the same page-cache and writeback state.
@@ -336,6 +353,8 @@ def bench_file(
         "ratio_vs_parallel_plain": {
             d: gbps[f"file_{d}"] / gbps[f"parallel_plain_{d}"] for d in ("write", "read")
         },
+        "verified_read_ceiling": {"read_gbps": gbps["verified_read_ceiling"]},
+        "ratio_vs_verified_ceiling": {"read": gbps["file_read"] / gbps["verified_read_ceiling"]},
     }
     sides = {"file_backend": "file", "plain_io": "plain", "parallel_plain_io": "parallel_plain"}
     if "sglang_write" in per_cpu:
@@ -368,6 +387,7 @@ def bench_file(
         f"{num_pages} x {page_bytes} B: ratio backend/plain write {out['ratio']['write']:.2f}, "
         f"read {out['ratio']['read']:.2f}; backend/parallel plain ({threads} threads) write "
         f"{out['ratio_vs_parallel_plain']['write']:.2f}, "
-        f"read {out['ratio_vs_parallel_plain']['read']:.2f}"
+        f"read {out['ratio_vs_parallel_plain']['read']:.2f}; backend/verified ceiling read "
+        f"{out['ratio_vs_verified_ceiling']['read']:.2f}"
     )
     return out
