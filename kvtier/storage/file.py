@@ -9,8 +9,14 @@ named temp file and ``os.replace``), so readers only ever see whole files. A byt
 LRU eviction bounds the disk use (a full disk lowers it to what the disk held); the index is
 rebuilt from the directory on start-up (``kvtier.storage.file_layout``), least recent first
 by mtime or a later read in the read-recency journal (``kvtier.storage.file_recency``); a
-pack's objects take the pack's recency. One process owns a namespace directory at a time; files
-removed behind its back leave the index when a read, touch or backup finds them gone.
+pack's objects take the pack's recency. Files removed behind the index's back (another
+process, an operator) leave it when a read, touch or backup finds them gone.
+
+The budget is one process's: under context parallelism every rank's backend opens the same
+namespace directory and charges only its own writes, so the directory may hold up to
+``cp_size`` budgets while the ranks run, and a restart's scan indexes every rank's objects
+and evicts the least recent of them, whoever wrote them, down to one budget (the others' reads
+of an object evicted that way are counted misses).
 """
 
 from __future__ import annotations
