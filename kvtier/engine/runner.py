@@ -138,13 +138,7 @@ class ModelRunner:
             return _to_host(logits, while_running)
         best = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
         torch.argmax(logits, dim=-1, out=map_pinned(best, logits.device))
-        if full:
-            host = _to_host(logits, while_running)
-        else:
-            host = torch.empty((logits.shape[0], 0), dtype=logits.dtype)
-            if while_running is not None:
-                while_running()
-            torch.cuda.current_stream(logits.device).synchronize()
+        host = _to_host(logits, while_running, full)
         self._argmax = (host, best)
         return host
 
@@ -218,19 +212,26 @@ def _greedy(w: Work) -> bool:
     return w.req.params.greedy or w.req.generator is None
 
 
-def _to_host(logits: torch.Tensor, while_running: Callable[[], None] | None) -> torch.Tensor:
+def _to_host(
+    logits: torch.Tensor, while_running: Callable[[], None] | None, full: bool = True
+) -> torch.Tensor:
     """``logits`` on the CPU; ``while_running()`` is called before the host waits for them.
     On CUDA a kernel writes them into pinned memory through its device mapping: the copy
     engines serve copies in the order queued, so a copy would wait behind every backup chunk
     queued before it (a step's worth, by the pacer's budget), and a pageable copy cost over a
-    millisecond on its own. Backups queued by ``while_running`` therefore cannot delay it."""
+    millisecond on its own. Backups queued by ``while_running`` therefore cannot delay it.
+    Without ``full`` a CUDA forward's rows stay behind (``(rows, 0)`` comes back) and the host
+    only waits for the work queued before."""
     if logits.device.type != "cuda":
         host = logits.cpu()
         if while_running is not None:
             while_running()
         return host
-    host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-    torch.mul(logits, 1, out=map_pinned(host, logits.device))  # SM stores, not a copy engine
+    if full:
+        host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        torch.mul(logits, 1, out=map_pinned(host, logits.device))  # SM stores, not a copy engine
+    else:
+        host = torch.empty((logits.shape[0], 0), dtype=logits.dtype)
     if while_running is not None:
         while_running()
     torch.cuda.current_stream(logits.device).synchronize()
