@@ -7,6 +7,7 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, decode_kernel, graphs
+from kvtier.engine.model import SeqSlots
 
 cuda = pytest.mark.skipif(
     decode_kernel.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton"
@@ -43,7 +44,9 @@ def _run(cuda_graphs: bool):  # noqa: ANN202
     llm = _llm(cuda_graphs)
     outs = llm.generate(prompts, params)
     g = llm.runner.graphs
-    counts = None if g is None else (g.captures, g.replays)
+    counts = None if g is None else (g.captures, g.replays, g.padded)
+    # only the pad page is left held by the engine once every request finished
+    assert llm.cache.stats()["device_pages_engine"] == (0 if g is None else 1)
     llm.cache.check_integrity()
     llm.close()
     return outs, counts
@@ -54,14 +57,62 @@ def test_graph_replays_equal_eager_steps() -> None:
     eager, none = _run(False)
     replayed, counts = _run(True)
     assert none is None
-    captures, replays = counts
-    # batch sizes 4, 3, 2, 1 and the crossing of 256 columns: several graphs, mostly replays
-    assert captures >= 4 and replays > captures
+    captures, replays, padded = counts
+    # batch sizes 4, 3 (padded to 4), 2, 1 and contexts of 256 to 768 columns: several
+    # graphs, mostly replays
+    assert captures >= 3 and replays > captures and padded >= 1
     for a, b in zip(eager, replayed, strict=True):
         assert a.output_ids == b.output_ids
         assert len(a.logits) == len(b.logits)
         for x, y in zip(a.logits, b.logits, strict=True):
             torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
+
+
+@cuda
+def test_a_padded_batch_replays_the_graph_of_its_bucket() -> None:
+    llm = _llm(True)
+    g = llm.runner.graphs
+    kv = llm.cache.kv_buffers
+    pad = g.pad_slot
+    gen = torch.Generator().manual_seed(5)
+    locs = [llm.cache.alloc(n) for n in (40, 100, 300)]
+    ctx = [kv.slots(loc) for loc in locs]
+    assert all(pad not in c.tolist() for c in ctx)
+    ids = torch.randint(0, 512, (3,), generator=gen).tolist()
+    eager = llm.model(
+        torch.tensor(ids, device="cuda"),
+        torch.tensor([c.numel() - 1 for c in ctx], device="cuda"),
+        [SeqSlots(1, c[-1:].cuda(), c.cuda()) for c in ctx],
+        kv,
+        all_logits=True,
+    )
+    first = g.forward(ctx, ids).clone()  # recorded for (4, 512): eager on its buffers
+    again = g.forward(ctx, ids)  # replayed with one padding row
+    assert (g.captures, g.replays, g.padded) == (1, 1, 1)
+    assert first.shape == again.shape == (3, 512)
+    torch.testing.assert_close(first, eager.float(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(again, first, atol=1e-3, rtol=1e-3)
+    g.forward(ctx[:2] + [ctx[2][:200]], ids)  # 4 rows again, contexts within 256: a new graph
+    assert (g.captures, g.replays) == (2, 1)
+    for loc in locs:
+        llm.cache.free(loc)
+    llm.cache.check_integrity()
+    llm.close()
+
+
+def test_batch_and_context_buckets() -> None:
+    assert [graphs.batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 128)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 24, 40, 128,
+    ]  # fmt: skip
+    sizes = [(c, graphs.context_bucket(c)) for c in (1, 256, 257, 513, 769, 1025, 1537, 2049)]
+    assert sizes == [
+        (1, 256), (256, 256), (257, 512), (513, 768), (769, 1024), (1025, 1536), (1537, 2048),
+        (2049, 3072),
+    ]  # fmt: skip
+    # a decode from 2K to 32K context crosses 8 buckets (120 at a flat 256 columns)
+    assert len({graphs.context_bucket(c) for c in range(2049, 32769)}) == 8
+    # past 512 columns a bucket is under 1.5x the context it serves
+    assert all(graphs.context_bucket(c) < 1.5 * c for c in range(513, 40000, 7))
 
 
 @cuda

@@ -248,8 +248,9 @@ def _decode(
         times.append(time.perf_counter() - t0)
     while llm.has_unfinished():
         llm.step()
-    # The median: a step that records a CUDA graph (once per batch size and 256 context
-    # columns) weighs in the mean of a few steps far more than in a long decode.
+    # The median: a step that records a CUDA graph (once per batch and context bucket,
+    # ``kvtier.engine.graphs``) weighs in the mean of a few steps far more than in a long
+    # decode.
     step_s = statistics.median(times)
     graphs = llm.runner.graphs
     mean_ctx = context + (steps - 1) / 2
@@ -269,6 +270,7 @@ def _decode(
         "max_step_s": max(times),
         "graph_captures": None if graphs is None else graphs.captures,
         "graph_replays": None if graphs is None else graphs.replays,
+        "graph_padded": None if graphs is None else graphs.padded,
         **read,
         "bound_s": bound_s,
         "ratio_to_bound": step_s / bound_s,

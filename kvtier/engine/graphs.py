@@ -6,12 +6,25 @@ A graph's inputs are static device buffers the step fills from one pinned host b
 
     ids [B] | positions [B] | out slots [B] | context slots [B, C] | context lengths [B]
 
+Both sizes are buckets, so that a serving engine whose batch and contexts keep changing records
+few graphs (each recording costs a step's eager run plus the capture, and a new split count
+compiles the kernel):
+
+    real batch b     graph batch B (``batch_bucket``)     rows b .. B-1
+    1, 2, 3-4, 5-8   1, 2, 4, 8                           padding: token 0 at position 0,
+    9-16, 17-24 ...  multiples of 8 up to ``MAX_BATCH``     context and out slot the pad slot
+
+    longest context  graph columns C (``context_bucket``)
+    up to 256        256
+    then             256 x 2^k or 256 x 3 x 2^k (past 512, at most 1.5x the one before)
+
 Context slots past a sequence's length are never read (the decode kernel masks by length), so
-``C`` is a bucket (a multiple of ``CONTEXT_BUCKET``) and contexts grow into it without a new
-graph. Only forwards of the dense model whose every item decodes one token qualify; everything
-else runs eagerly. A new ``(B, C)`` runs its step eagerly on the static buffers (which also
-compiles the kernels) and records the graph after it, so no step waits for a capture it does
-not use.
+contexts grow into ``C`` without a new graph. Padding rows write their K/V into the pad slot, a
+page the engine holds for the purpose and no request ever reads; without one, graphs are
+recorded per exact batch size. Only forwards of the dense model whose every item decodes one
+token qualify; everything else runs eagerly. A new ``(B, C)`` runs its step eagerly on the
+static buffers (which also compiles the kernels) and records the graph after it, so no step
+waits for a capture it does not use.
 """
 
 from __future__ import annotations
@@ -27,11 +40,31 @@ from kvtier.engine.model import Attention, CausalLM, SeqSlots
 from kvtier.transfer import DeviceKV
 
 CONTEXT_BUCKET = 256
-"""Context columns of a graph are a multiple of this."""
+"""Context columns of the smallest graphs; larger ones are this times 2^k or 3 x 2^k."""
 MAX_GRAPHS = 12
 """Recorded graphs kept (least recently used go first)."""
 MAX_BATCH = 128
 """Larger decode batches run eagerly."""
+
+
+def batch_bucket(b: int) -> int:
+    """Rows of the graph that serves a batch of ``b`` (``1 <= b <= MAX_BATCH``): the next power
+    of two up to 8, then the next multiple of 8."""
+    if b <= 8:
+        return 1 << (b - 1).bit_length()
+    return -(-b // 8) * 8
+
+
+def context_bucket(c: int) -> int:
+    """Context columns of the graph that serves a longest context of ``c`` tokens: the least
+    ``CONTEXT_BUCKET x {1, 2, 3, 4, 6, 8, 12, ...}`` that holds it. Past 512 columns a bucket is
+    at most 1.5x the one before, so the columns a step fills and the splits the kernel launches
+    stay under 1.5x what the context needs; a decode from 2K to 32K tokens records 8 graphs per
+    batch size, not 120."""
+    units = max(1, -(-c // CONTEXT_BUCKET))
+    power = 1 << (units - 1).bit_length()  # least power of two >= units
+    three = 3 * power // 4  # 3 x 2^k just below it (0 when power < 4)
+    return CONTEXT_BUCKET * (three if three >= units else power)
 
 
 @dataclass(slots=True)
@@ -79,24 +112,34 @@ def supported(model: torch.nn.Module, kv: DeviceKV) -> bool:
 class DecodeGraphs:
     """Recorded decode forwards of one model over one pool, keyed by ``(B, C)``."""
 
-    def __init__(self, model: CausalLM, kv: DeviceKV) -> None:
+    def __init__(self, model: CausalLM, kv: DeviceKV, pad_slot: int | None = None) -> None:
+        """``pad_slot``: a device slot of ``kv`` that no request holds, for padding rows (see
+        the module docstring); ``None`` records a graph per exact batch size."""
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.pad_slot = pad_slot
+        self._pad_ctx = None if pad_slot is None else torch.tensor([pad_slot], dtype=torch.int64)
         self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         """Steps served by a recorded graph."""
         self.captures = 0
         """Graphs recorded."""
+        self.padded = 0
+        """Replayed steps whose batch was padded to their graph's size."""
 
     def forward(self, ctx_slots: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (float32, on the device) of ``B`` sequences decoding one token
+        """Logits ``[b, vocab]`` (float32, on the device) of ``b`` sequences decoding one token
         each: sequence ``i`` reads the physical slots ``ctx_slots[i]`` (CPU int64, its whole
         context, the new token's slot last) and feeds token ``ids[i]``."""
-        b = len(ctx_slots)
+        n = len(ctx_slots)
+        b = n if self._pad_ctx is None else batch_bucket(n)
+        if b > n:
+            ctx_slots = [*ctx_slots, *([self._pad_ctx] * (b - n))]
+            ids = [*ids, *([0] * (b - n))]
         lens = [int(s.shape[0]) for s in ctx_slots]
-        c = -(-max(lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+        c = context_bucket(max(lens))
         key = (b, c)
         g = self._graphs.get(key)
         if g is None:
@@ -107,10 +150,11 @@ class DecodeGraphs:
         if g.graph is not None:
             g.graph.replay()
             self.replays += 1
-            return g.logits
+            self.padded += b > n
+            return g.logits[:n]
         logits = self._run(g, b, c)  # this step's forward, eagerly: kernels compile here
         self._record(g, b, c)
-        return logits
+        return logits[:n]
 
     def _new(self, b: int, c: int) -> _Graph:
         while len(self._graphs) >= MAX_GRAPHS:

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
-from kvtier.engine import spec
+from kvtier.engine import graphs, spec
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
@@ -97,7 +97,15 @@ class LLM:
             overlap_loads,
             self.speculative_tokens,
         )
-        self.runner = ModelRunner(self.model, kv, self.cache.page_size, cuda_graphs)
+        pad_slot = None
+        self._held_pages = 0
+        """Device pages the engine holds for good (never a request's)."""
+        if cuda_graphs and graphs.supported(self.model, kv):
+            # Padding rows of replayed decode steps write their K/V into this page, so that a
+            # batch replays the graph of the next bucket size.
+            pad_slot = int(kv.slots(self.cache.alloc(1))[0])
+            self._held_pages = 1
+        self.runner = ModelRunner(self.model, kv, self.cache.page_size, cuda_graphs, pad_slot)
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
         # that when load-back kernels and the forward overlap, the forward's blocks go first.
         self._compute_stream = None
@@ -163,10 +171,11 @@ class LLM:
             )
         pool = self.cache.kv_buffers
         pages = -(-total // pool.page_size)
-        if pages > pool.num_pages:
+        if pages > pool.num_pages - self._held_pages:
+            held = f", {self._held_pages} of them held for CUDA graphs" if self._held_pages else ""
             raise RequestError(
                 f"prompt + max_tokens needs {pages} pages but the device pool has only "
-                f"{pool.num_pages} (device_pages)"
+                f"{pool.num_pages} (device_pages{held})"
             )
         return Request(
             id=next(self._ids),

@@ -22,9 +22,16 @@ class ModelRunner:
     logical slots; every slot and state row handed to the model is ``kv.slots`` of them."""
 
     def __init__(
-        self, model: CausalLM, kv: DeviceKV, page_size: int, cuda_graphs: bool = True
+        self,
+        model: CausalLM,
+        kv: DeviceKV,
+        page_size: int,
+        cuda_graphs: bool = True,
+        pad_slot: int | None = None,
     ) -> None:
-        """``cuda_graphs``: replay recorded decode steps where ``graphs.supported``."""
+        """``cuda_graphs``: replay recorded decode steps where ``graphs.supported``;
+        ``pad_slot``: a device slot no request holds, where padding rows of a replayed step
+        write (``graphs.DecodeGraphs``)."""
         self.model = model
         self.kv = kv
         self.page_size = page_size
@@ -39,7 +46,9 @@ class ModelRunner:
         """The CP group this rank runs in (``None`` without context parallelism)."""
         cp.check_supported(model, self.group)
         self.graphs = (
-            graphs.DecodeGraphs(model, kv) if cuda_graphs and graphs.supported(model, kv) else None
+            graphs.DecodeGraphs(model, kv, pad_slot)
+            if cuda_graphs and graphs.supported(model, kv)
+            else None
         )
         """Recorded decode steps (``None``: every forward runs eagerly)."""
         self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
