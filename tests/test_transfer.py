@@ -130,13 +130,18 @@ def test_choice_follows_block_size_and_direction():
     assert choose(kv16, "h2d", one, one, dma=False) == KERNEL
 
 
-def test_backups_beside_a_load_take_copy_engines_from_smaller_blocks():
+def test_beside_each_other_small_blocks_back_up_by_copy_engine_and_load_by_kernel():
     one = torch.tensor([3, 0])
     page = geo("page_first", row_bytes=4 << 10, layers=32)  # 128 KiB pages, no host runs
     assert choose(page, "d2h", one, one) == KERNEL  # alone: under 256 KiB
-    assert choose(page, "d2h", one, one, shared_link=True) == STAGED  # beside a load: 128 KiB
-    assert choose(page, "h2d", one, one, shared_link=True) == STAGED  # loads as alone
-    small = geo("page_first", row_bytes=2 << 10, layers=32)  # 64 KiB pages
+    assert choose(page, "d2h", one, one, shared_link=True) == STAGED  # beside a load
+    assert choose(page, "h2d", one, one, shared_link=True) == STAGED  # 128 KiB: copy engine
+    mla = geo("page_first", row_bytes=1152, layers=61)  # 70,272-byte pages (MLA, page 1)
+    assert choose(mla, "h2d", one, one) == STAGED  # alone: from 64 KiB
+    assert choose(mla, "d2h", one, one) == KERNEL
+    assert choose(mla, "d2h", one, one, shared_link=True) == STAGED  # the copy engine backs up
+    assert choose(mla, "h2d", one, one, shared_link=True) == KERNEL  # and a kernel loads
+    small = geo("page_first", row_bytes=1 << 10, layers=32)  # 32 KiB pages
     assert choose(small, "d2h", one, one, shared_link=True) == KERNEL
 
 

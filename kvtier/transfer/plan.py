@@ -36,12 +36,20 @@ H2D_DMA_MIN_BYTES = 64 << 10
 D2H_DMA_MIN_BYTES = 256 << 10
 """Smallest mean copy-engine block for device → host: 0.97 at 256 KiB, 0.88 at 64 KiB
 (kernels: 0.91-0.95)."""
-SHARED_D2H_DMA_MIN_BYTES = 128 << 10
-"""The same beside a host → device copy (``Mover.exchange``), where a row kernel shares the link
-with the other direction's copy engine: with random host pages at page size 1, backups staged
-in page-sized blocks beside staged loads moved 1.31-1.33x what row-kernel backups did with
-128 KiB pages (dense, SWA, the GQA pool) and 0.71-0.84x with 70-86 KiB pages (MLA, DSA)
-(``results/h200-dma/both_ways_runs.json``, ``both_staged/staged`` against ``both_auto``)."""
+SHARED_D2H_DMA_MIN_BYTES = 64 << 10
+"""The same beside a host → device copy (``Mover.exchange``). Both ways at once through
+``exchange`` with random host pages at page size 1 on an H200 (``results/h200-dma/run14/``,
+``scripts/probes/mix_page1.py``, two machines), as fractions of two contiguous copies:
+
+    pages                    d2h staged + h2d kernel   d2h kernel + h2d staged   staged both
+    70-86 KiB (MLA, DSA)     0.65-0.79                 0.54-0.68                 0.41-0.54
+    128 KiB (dense, SWA)     0.72-0.82                 0.58-0.65                 0.70-0.88
+
+Where blocks are small, the copy engine takes the backup and a row kernel the load
+(``SHARED_H2D_DMA_MIN_BYTES``); from 128 KiB both directions go by copy engine."""
+SHARED_H2D_DMA_MIN_BYTES = 128 << 10
+"""Smallest mean copy-engine block for host → device beside a device → host copy: under it the
+load goes by row kernel and leaves the copy engines to the backup (see above)."""
 STAGING_BYTES = 256 << 20
 """Device staging per staged transfer; larger batches go through it in slices."""
 FIRST_SLICE_BYTES = 16 << 20
@@ -180,7 +188,7 @@ def choose(
     ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
     layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
     (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
-    (``SHARED_D2H_DMA_MIN_BYTES``). ``mechanism`` (``CacheConfig.transfer_mechanism``)
+    (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``). ``mechanism`` (``CacheConfig.transfer_mechanism``)
     forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer components,
     else direct blocks; direct blocks per layer) whatever the block size. Envelope rows (a
     unified arena) are never staged: with a page-first host their pages already are blocks.
@@ -211,7 +219,7 @@ def choose(
         # layer costs microseconds. Measured: 87.9 ms TTFT with kernels, 123.8 ms with blocks.
         return KERNEL
     if direction == "h2d":
-        least = H2D_DMA_MIN_BYTES
+        least = SHARED_H2D_DMA_MIN_BYTES if shared_link else H2D_DMA_MIN_BYTES
     else:
         least = SHARED_D2H_DMA_MIN_BYTES if shared_link else D2H_DMA_MIN_BYTES
     direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)

@@ -1,0 +1,89 @@
+"""Both directions at once through ``Mover.exchange`` at page size 1 with random host pages,
+under ``auto`` and with each direction's mechanism forced (``d2h/h2d`` pairs of kernel and
+staged), for FAMILIES; against two contiguous copies at once. Writes $OUT/mix_page1.json
+after every cell.
+
+    FAMILIES=mla,dense,dsa,swa python3 scripts/probes/mix_page1.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pair_timing import ContiguousPair, best_of  # noqa: E402
+
+from kvtier.bench.pool_sets import family_pool_set  # noqa: E402
+from kvtier.pools.device import DevicePool  # noqa: E402
+from kvtier.pools.host import HostPool  # noqa: E402
+from kvtier.pools.spec import tree_page_size  # noqa: E402
+from kvtier.transfer import mechanisms as mech  # noqa: E402
+from kvtier.transfer import plan  # noqa: E402
+from kvtier.transfer.mover import Mover  # noqa: E402
+
+OUT = os.environ.get("OUT", "/tmp")
+DEV = torch.device("cuda")
+PAIRS = [("staged", "kernel"), ("kernel", "staged"), ("staged", "staged"), ("kernel", "kernel")]
+FORCED: dict[str, str] = {}
+original = plan.choose
+
+
+def forced(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN201, E501
+    want = FORCED.get(direction)
+    if want is None or per_layer:
+        return original(geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link)
+    if want == plan.STAGED and (geo.envelope or geo.layers == 1):
+        return plan.KERNEL
+    return want
+
+
+mech.choose = forced
+res: dict = {"cells": {}}
+for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
+    specs = family_pool_set(fam, torch.bfloat16)
+    ps = tree_page_size(1, specs)
+    pb = sum(s.page_bytes(ps) for s in specs)
+    n = max(1, (1 << 30) // pb)
+    dpool = DevicePool(specs, 2 * n, ps, DEV)
+    hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
+    for b in dpool.buffers.values():
+        b.view(-1).view(torch.uint8).random_()
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(2 * n, generator=g)
+    src, dst = perm[:n], perm[n:]
+    hperm = torch.randperm(4 * n, generator=g)
+    hload, hback = hperm[:n], hperm[n : 2 * n]
+    mover = Mover(dpool, hpool)
+    # the load's host pages hold a backup of src first, so the roundtrip can be checked
+    op = mover.device_to_host(src, hload)
+    op.wait(), op.complete()
+    pair = ContiguousPair(n * pb, DEV)
+    cb = 2 * n * pb / best_of(pair.both, 3) / 1e9
+    cell: dict = {"page_bytes": pb, "contiguous_both_gbps": round(cb, 1)}
+    for d2h, h2d in [("auto", "auto"), *PAIRS]:
+        FORCED.clear()
+        if d2h != "auto":
+            FORCED.update(d2h=d2h, h2d=h2d)
+        paths: dict = {}
+
+        def both() -> None:
+            b, ld = mover.exchange((src, hback), (hload, dst))
+            b.wait(), ld.wait(), b.complete()
+            paths.update(d2h=b.paths, h2d=ld.paths)
+
+        cell[f"{d2h}/{h2d}"] = {"ratio": round(2 * n * pb / best_of(both, 3) / 1e9 / cb, 3), **paths}
+        torch.cuda.synchronize()
+        cell[f"{d2h}/{h2d}"]["verified"] = all(
+            torch.equal(dpool.page_bytes_view(s.name)[:, dst.to(DEV)], dpool.page_bytes_view(s.name)[:, src.to(DEV)])
+            for s in specs
+        )
+        print(fam, d2h, h2d, cell[f"{d2h}/{h2d}"], flush=True)
+        res["cells"][fam] = cell
+        with open(f"{OUT}/mix_page1.json", "w") as f:
+            json.dump(res, f, indent=1)
+    del mover, dpool, hpool, pair
+    torch.cuda.empty_cache()
