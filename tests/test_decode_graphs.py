@@ -45,6 +45,10 @@ def _run(cuda_graphs: bool):  # noqa: ANN202
     outs = llm.generate(prompts, params)
     g = llm.runner.graphs
     counts = None if g is None else (g.captures, g.replays, g.padded)
+    st = llm.stats()
+    assert (st.get("graph_captures"), st.get("graph_replays"), st.get("graph_padded")) == (
+        counts or (None, None, None)
+    )
     # only the pad page is left held by the engine once every request finished
     assert llm.cache.stats()["device_pages_engine"] == (0 if g is None else 1)
     llm.cache.check_integrity()
@@ -141,4 +145,17 @@ def test_the_argmax_read_with_the_logits_is_the_hosts() -> None:
     assert runner._argmax is not None and runner._argmax[0] is host
     assert runner._argmax[1].tolist() == host.argmax(dim=-1).tolist()
     assert runner._argmax[1][3].item() == 7
+    llm.close()
+
+
+def test_without_graphs_no_page_is_held_and_no_graph_counters() -> None:
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position=64)  # fmt: skip
+    llm = LLM(cfg, CacheConfig(page_size=4, device_pages=8, device="cpu", enable_host=False))
+    st = llm.stats()
+    assert llm.runner.graphs is None and "graph_captures" not in st
+    assert st["device_pages_engine"] == 0
+    # every page of the pool is a request's to use: 8 pages of 4 tokens
+    out = llm.generate([[1] * 30], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].output_ids) == 2
     llm.close()

@@ -370,11 +370,16 @@ class LLM:
 
     def stats(self) -> dict:
         """The cache's counters, ``split_forwards`` (batched forwards that raised and were run
-        again one request at a time, to end only the requests that fail), and with
-        speculative decoding the draft tokens proposed and accepted
-        (``spec_draft_proposed``/``spec_draft_accepted``) over every request."""
+        again one request at a time, to end only the requests that fail), with CUDA graphs
+        the decode graphs recorded, the steps replayed and those padded to their graph's batch
+        (``graph_captures``/``graph_replays``/``graph_padded``), and with speculative decoding
+        the draft tokens proposed and accepted (``spec_draft_proposed``/
+        ``spec_draft_accepted``) over every request."""
         st = self.cache.stats()
         st["split_forwards"] = self._split_forwards
+        g = self.runner.graphs
+        if g is not None:
+            st.update(graph_captures=g.captures, graph_replays=g.replays, graph_padded=g.padded)
         if self.speculative_tokens:
             st.update(self._drafts)
         return st
