@@ -188,9 +188,10 @@ def choose(
     ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
     layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
     (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
-    (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``). ``mechanism`` (``CacheConfig.transfer_mechanism``)
-    forces ``kernel`` (row kernels only) or ``copy_engine`` (staged for multi-layer components,
-    else direct blocks; direct blocks per layer) whatever the block size. Envelope rows (a
+    (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``). ``mechanism``
+    (``CacheConfig.transfer_mechanism``) forces ``kernel`` (row kernels only) or ``copy_engine``
+    (staged for multi-layer components, else direct blocks; direct blocks per layer) whatever
+    the block size. Envelope rows (a
     unified arena) are never staged: with a page-first host their pages already are blocks.
 
     Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
