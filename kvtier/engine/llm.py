@@ -37,8 +37,9 @@ class LLM:
     """Offline engine over a ``TieredCache``.
 
     ``model`` is a model config of any family (seeded random weights; see
-    ``kvtier.engine.families.preset``), a HF checkpoint directory, or an already built model. The cache namespace gets the model's fingerprint, so L3 objects
-    written by one model are never read by another.
+    ``kvtier.engine.families.preset``), a HF checkpoint directory, or an already built model.
+    The cache namespace gets the model's fingerprint, so L3 objects written by one model are
+    never read by another.
     """
 
     def __init__(
