@@ -129,7 +129,8 @@ class Scheduler:
             f"needs {-(-len(head.tokens) // self.page_size)} device pages; the pool has "
             f"{st['device_pages_total'] - st['device_pages_used']} free, "
             f"{st['device_pages_cached']} cached (locked or in flight), "
-            f"{st['device_pages_engine']} held by running requests"
+            f"{st['device_pages_engine']} held by the engine (running requests, and with CUDA "
+            "graphs one padding page)"
         )
 
     def spec_k(self, req: Request) -> int:
