@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvtier.errors import CapacityError, IntegrityError, RequestError
@@ -86,6 +87,9 @@ class EnginePages:
         self._release = release
         self._copy_page = copy_page
         self._owned = torch.zeros(pool.logical_pages, dtype=torch.bool)
+        self._owned_np = self._owned.numpy()
+        """The same flags as a numpy view: the checks run on every ``finish``, and a numpy
+        operation on a few hundred slots costs a fraction of a torch one's dispatch."""
         self.windowed = any(s.kind == "window" for s in pool.specs)
         self._on_windows = on_windows
         """A window pool (``UnifiedPool``): a page's flag is whether it has window rows."""
@@ -139,14 +143,14 @@ class EnginePages:
                 f"device pool: {n} pages requested, {self.pool.allocator.available} free of "
                 f"{self.pool.logical_pages} after evicting every unlocked cached page"
             )
-        self._owned[pages.cpu()] = True
+        self._owned_np[pages.cpu().numpy()] = True
         return pages_to_locs(pages, self.page_size)
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the pages containing ``locs``, which must all be the engine's."""
-        pages = torch.unique(self._pages_of(locs, "free"))
+        pages = np.unique(self._slots(locs, "free") // self.page_size)
         self._require_owned(pages, "free")
-        self._free(pages)
+        self._free(torch.from_numpy(pages))
 
     def tail_copy(self, src: int, at: int) -> int | None:
         """A fresh engine page (for the sequence page holding position ``at``) holding a copy
@@ -206,10 +210,10 @@ class EnginePages:
         if unlock is not None:
             unlock()
         self._insert(tokens[:n], pages, checkpoints)
-        rest = torch.unique(all_pages)
-        rest = rest[self._owned[rest]]
-        if rest.numel():
-            self._free(rest)
+        rest = np.unique(all_pages)
+        rest = rest[self._owned_np[rest]]
+        if rest.size:
+            self._free(torch.from_numpy(rest))
         return n
 
     def _insert(
@@ -223,13 +227,14 @@ class EnginePages:
             flags = torch.zeros(k, dtype=torch.bool)
             if checkpoints is not None:
                 flags[: min(k, checkpoints.numel())] = checkpoints[:k].to(torch.bool).cpu()
-        mine = pages[self._owned[pages]]
         out = self.tree.insert(tokens, pages, tier="device", checkpoints=flags)
-        # Every page is the tree's now except the duplicates, which stay with their owner.
-        self._owned[pages] = False
-        dups = out.duplicates
-        self._owned[dups[torch.isin(dups, mine)]] = True
-        if self.windowed and dups.numel():
+        # Every page is the tree's now except the duplicates, which stay with their owner:
+        # the engine's duplicates are those still flagged (the flags change only below).
+        dups = out.duplicates.numpy()
+        mine = dups[self._owned_np[dups]]
+        self._owned_np[pages.numpy()] = False
+        self._owned_np[mine] = True
+        if self.windowed and dups.size:
             took = hand_over_windows(self.tree, self.pool, self._owned, tokens, pages)
             if took and self._on_windows is not None:
                 self._on_windows(took)
@@ -252,7 +257,7 @@ class EnginePages:
     def _free(self, pages: torch.Tensor) -> None:
         if self._on_free is not None:
             self._on_free(pages)
-        self._owned[pages] = False
+        self._owned_np[pages.numpy()] = False
         self.pool.free_pages(pages)
 
     def layer_backup_pages(
@@ -287,29 +292,37 @@ class EnginePages:
 
         Raises ``RequestError`` naming the first slot outside ``[0, logical_pages * page_size)``.
         """
-        locs = locs.reshape(-1).cpu()
-        if locs.dtype.is_floating_point or locs.dtype == torch.bool:
-            raise RequestError(f"{what}: slots must be an integer tensor, got {locs.dtype}")
-        locs = locs.to(torch.int64)
+        return torch.from_numpy(self._slots(locs, what) // self.page_size)
+
+    def _slots(self, locs: torch.Tensor, what: str) -> np.ndarray:
+        """``locs`` as a flat int64 numpy array (a view where it can be), checked to lie in the
+        pool (``RequestError`` naming the first slot outside it)."""
+        t = locs.reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise RequestError(f"{what}: slots must be an integer tensor, got {t.dtype}")
+        a = t.numpy().astype(np.int64, copy=False)
         limit = self.pool.logical_pages * self.page_size
-        bad = (locs < 0) | (locs >= limit)
-        if bool(bad.any()):
-            slot = int(locs[bad][0])
+        if a.size and (a.min() < 0 or a.max() >= limit):
+            slot = int(a[(a < 0) | (a >= limit)][0])
             raise RequestError(f"{what}: slot {slot} lies outside the device pool [0, {limit})")
-        return locs // self.page_size
+        return a
 
     def _whole_pages(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page ids of ``locs``, whole pages of consecutive, aligned slots (checked: the tree
         records a page by its id, so a rotated or gapped page would map tokens to wrong
         slots)."""
-        pages = self._pages_of(locs, what)
+        return torch.from_numpy(self._whole_pages_np(self._slots(locs, what), what))
+
+    def _whole_pages_np(self, slots: np.ndarray, what: str) -> np.ndarray:
         ps = self.page_size
-        if ps == 1 or pages.numel() == 0:
-            return pages
-        rows = locs.reshape(-1, ps).cpu().to(torch.int64)
-        bad = (rows != rows[:, :1] + torch.arange(ps)).any(1) | (rows[:, 0] % ps != 0)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+        if ps == 1 or slots.size == 0:
+            return slots // ps
+        rows = slots.reshape(-1, ps)
+        bad = (rows != rows[:, :1] + np.arange(ps)).any(1) | (rows[:, 0] % ps != 0)
+        if bad.any():
+            i = int(bad.nonzero()[0][0])
             raise RequestError(
                 f"{what}: page {i} of the slots ({rows[i].tolist()}) is not {ps} consecutive "
                 f"slots starting at a multiple of page_size={ps}"
@@ -320,23 +333,25 @@ class EnginePages:
         """Page ids of ``locs``: whole pages as for ``_whole_pages``, then a trailing run of
         consecutive slots from the start of one more page (a partial tail)."""
         ps = self.page_size
-        full = align_down(locs.numel(), ps)
-        pages = self._whole_pages(locs[:full], what)
-        if full == locs.numel():
-            return pages
-        tail = locs[full:].reshape(-1).cpu().to(torch.int64)
-        page = int(self._pages_of(tail[:1], what)[0])
-        if not torch.equal(tail, page * ps + torch.arange(tail.numel())):
+        slots = self._slots(locs, what)
+        full = align_down(slots.size, ps)
+        pages = self._whole_pages_np(slots[:full], what)
+        if full == slots.size:
+            return torch.from_numpy(pages)
+        tail = slots[full:]
+        page = int(tail[0]) // ps
+        if not np.array_equal(tail, page * ps + np.arange(tail.size)):
             raise RequestError(
                 f"{what}: the last, partial page of the slots ({tail.tolist()}) does not run "
                 f"from the start of one page (page_size={ps})"
             )
-        return torch.cat((pages, torch.tensor([page], dtype=torch.int64)))
+        return torch.from_numpy(np.append(pages, page))
 
-    def _require_owned(self, pages: torch.Tensor, what: str) -> None:
-        mine = self._owned[pages]
-        if not bool(mine.all()):
-            bad = torch.unique(pages[~mine]).tolist()[:8]
+    def _require_owned(self, pages: torch.Tensor | np.ndarray, what: str) -> None:
+        idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages
+        mine = self._owned_np[idx]
+        if not mine.all():
+            bad = np.unique(idx[~mine]).tolist()[:8]
             raise RequestError(
                 f"{what}: device page(s) {bad} are not the engine's (already cached, freed or "
                 "never allocated)"
@@ -346,24 +361,26 @@ class EnginePages:
         """Refuse pages the tree would take that are not the engine's. Where the tree already
         caches a page on device the caller may pass that very page (it came from ``load``) or
         a page of its own (a duplicate it frees); everywhere else only its own pages."""
-        if torch.unique(pages).numel() != pages.numel():
+        p = pages.numpy()
+        if np.unique(p).size != p.size:
             raise RequestError(f"{what}: a device page appears twice in the slots")
         m = self.tree.match(tokens)
-        held = [n.device for n in m.path if n.device is not None]
-        have = torch.cat(held)[: m.device_len // self.page_size] if held else pages[:0]
-        ok = self._owned[pages]
-        k = have.numel()
-        ok[:k] |= pages[:k] == have
-        if not bool(ok.all()):
-            i = int((~ok).nonzero()[0])
+        ok = self._owned_np[p]
+        k = min(m.device_len // self.page_size, p.size)
+        if k:
+            held = [n.device.numpy() for n in m.path if n.device is not None]
+            have = np.concatenate(held)[:k]
+            ok[: have.size] |= p[: have.size] == have
+        if not ok.all():
+            i = int((~ok).nonzero()[0][0])
             raise RequestError(
-                f"{what}: device page {int(pages[i])} (tokens from {i * self.page_size}) is "
+                f"{what}: device page {int(p[i])} (tokens from {i * self.page_size}) is "
                 "neither the engine's nor the page the cache holds there"
             )
 
     def _check_finish(
         self, locs: torch.Tensor, prefix_len: int, handle: Handle | None
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """``handle`` still locked, ``prefix_len`` the length ``load`` returned for it (0
         without a handle), ``locs`` starting with those slots and the engine's after them.
         Returns the page of every slot in ``locs``."""
@@ -377,12 +394,14 @@ class EnginePages:
             raise RequestError(
                 f"finish: prefix_len={prefix_len} but load() returned {expect} cached slots"
             )
-        if prefix_len > locs.numel() or (
-            loaded is not None and not torch.equal(locs[:prefix_len].cpu(), loaded.cpu())
+        slots = self._slots(locs, "finish")
+        if prefix_len > slots.size or (
+            loaded is not None
+            and not np.array_equal(slots[:prefix_len], loaded.reshape(-1).cpu().numpy())
         ):
             raise RequestError("finish: locs do not start with the slots load() returned")
-        pages = self._pages_of(locs, "finish")
-        self._require_owned(torch.unique(pages[prefix_len:]), "finish")
+        pages = slots // self.page_size
+        self._require_owned(pages[prefix_len:], "finish")
         return pages
 
     def check_integrity(self) -> None:
