@@ -6,6 +6,9 @@ A page holds ``page_size`` consecutive token slots; page ``p`` owns slots
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
@@ -22,11 +25,21 @@ def align_down(num_tokens: int, page_size: int) -> int:
 
 
 def pages_to_locs(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Expand page ids to the token slots they own, in order."""
+    """Expand page ids (1-D) to the token slots they own, in order (int64, on their device)."""
     if page_size == 1:
         return pages.to(torch.int64)
+    if pages.device.type == "cpu":
+        # numpy: this runs on every allocation and load, where a chain of torch CPU ops on a
+        # few pages costs about three times as much (11 against 3.5 µs for one page).
+        a = pages.numpy().astype(np.int64, copy=False)
+        return torch.from_numpy((a[:, None] * page_size + _offsets(page_size)).reshape(-1))
     offs = torch.arange(page_size, dtype=torch.int64, device=pages.device)
     return (pages.to(torch.int64).unsqueeze(1) * page_size + offs).reshape(-1)
+
+
+@functools.cache
+def _offsets(page_size: int) -> np.ndarray:
+    return np.arange(page_size, dtype=np.int64)
 
 
 def locs_to_pages(locs: torch.Tensor, page_size: int) -> torch.Tensor:

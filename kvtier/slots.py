@@ -201,16 +201,16 @@ class EnginePages:
         refused pages, and the partial tail when tails are off). All checks run first, then
         ``unlock`` (the request's own lock must not keep the tail it extends from being
         replaced). Returns the tokens inserted."""
-        all_pages = self._check_finish(locs, prefix_len, handle)
-        n = min(len(tokens), locs.numel())
+        slots = self._check_finish(locs, prefix_len, handle)
+        n = min(len(tokens), slots.size)
         if not self.tails:
             n = align_down(n, self.page_size)
-        pages = self._pages_with_tail(locs[:n], "finish")
+        pages = self._tail_pages_np(slots[:n], "finish")
         self._check_insert(tokens[:n], pages, "finish")
         if unlock is not None:
             unlock()
-        self._insert(tokens[:n], pages, checkpoints)
-        rest = np.unique(all_pages)
+        self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
+        rest = np.unique(slots // self.page_size)
         rest = rest[self._owned_np[rest]]
         if rest.size:
             self._free(torch.from_numpy(rest))
@@ -332,12 +332,14 @@ class EnginePages:
     def _pages_with_tail(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page ids of ``locs``: whole pages as for ``_whole_pages``, then a trailing run of
         consecutive slots from the start of one more page (a partial tail)."""
+        return torch.from_numpy(self._tail_pages_np(self._slots(locs, what), what))
+
+    def _tail_pages_np(self, slots: np.ndarray, what: str) -> np.ndarray:
         ps = self.page_size
-        slots = self._slots(locs, what)
         full = align_down(slots.size, ps)
         pages = self._whole_pages_np(slots[:full], what)
         if full == slots.size:
-            return torch.from_numpy(pages)
+            return pages
         tail = slots[full:]
         page = int(tail[0]) // ps
         if not np.array_equal(tail, page * ps + np.arange(tail.size)):
@@ -345,7 +347,7 @@ class EnginePages:
                 f"{what}: the last, partial page of the slots ({tail.tolist()}) does not run "
                 f"from the start of one page (page_size={ps})"
             )
-        return torch.from_numpy(np.append(pages, page))
+        return np.append(pages, page)
 
     def _require_owned(self, pages: torch.Tensor | np.ndarray, what: str) -> None:
         idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages
@@ -357,11 +359,13 @@ class EnginePages:
                 "never allocated)"
             )
 
-    def _check_insert(self, tokens: Sequence[int], pages: torch.Tensor, what: str) -> None:
+    def _check_insert(
+        self, tokens: Sequence[int], pages: torch.Tensor | np.ndarray, what: str
+    ) -> None:
         """Refuse pages the tree would take that are not the engine's. Where the tree already
         caches a page on device the caller may pass that very page (it came from ``load``) or
         a page of its own (a duplicate it frees); everywhere else only its own pages."""
-        p = pages.numpy()
+        p = pages.numpy() if isinstance(pages, torch.Tensor) else pages
         if np.unique(p).size != p.size:
             raise RequestError(f"{what}: a device page appears twice in the slots")
         m = self.tree.match(tokens)
@@ -383,7 +387,7 @@ class EnginePages:
     ) -> np.ndarray:
         """``handle`` still locked, ``prefix_len`` the length ``load`` returned for it (0
         without a handle), ``locs`` starting with those slots and the engine's after them.
-        Returns the page of every slot in ``locs``."""
+        Returns ``locs`` as checked slots (``_slots``)."""
         loaded = None
         if handle is not None:
             if handle.node is None:
@@ -400,9 +404,8 @@ class EnginePages:
             and not np.array_equal(slots[:prefix_len], loaded.reshape(-1).cpu().numpy())
         ):
             raise RequestError("finish: locs do not start with the slots load() returned")
-        pages = slots // self.page_size
-        self._require_owned(pages[prefix_len:], "finish")
-        return pages
+        self._require_owned(slots[prefix_len:] // self.page_size, "finish")
+        return slots
 
     def check_integrity(self) -> None:
         """Cached pages are never also engine-owned; every owned page is allocated."""
