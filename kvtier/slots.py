@@ -148,7 +148,7 @@ class EnginePages:
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the pages containing ``locs``, which must all be the engine's."""
-        pages = np.unique(self._slots(locs, "free") // self.page_size)
+        pages = self._distinct_pages(self._slots(locs, "free"))
         self._require_owned(pages, "free")
         self._free(torch.from_numpy(pages))
 
@@ -210,7 +210,7 @@ class EnginePages:
         if unlock is not None:
             unlock()
         self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
-        rest = np.unique(slots // self.page_size)
+        rest = self._distinct_pages(slots)
         rest = rest[self._owned_np[rest]]
         if rest.size:
             self._free(torch.from_numpy(rest))
@@ -308,6 +308,14 @@ class EnginePages:
             slot = int(a[(a < 0) | (a >= limit)][0])
             raise RequestError(f"{what}: slot {slot} lies outside the device pool [0, {limit})")
         return a
+
+    def _distinct_pages(self, slots: np.ndarray) -> np.ndarray:
+        """The distinct pages of ``slots``, ascending. Slots come in runs of one page, so
+        runs collapse first: sorting a few pages, not every slot (22 µs for 768 slots)."""
+        p = slots // self.page_size
+        if p.size > 1:
+            p = p[np.concatenate(([True], p[1:] != p[:-1]))]
+        return np.unique(p)
 
     def _whole_pages(self, locs: torch.Tensor, what: str) -> torch.Tensor:
         """Page ids of ``locs``, whole pages of consecutive, aligned slots (checked: the tree
