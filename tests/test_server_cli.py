@@ -115,8 +115,8 @@ def test_kvtier_serve_runs_and_shuts_down_cleanly(tmp_path) -> None:
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()  # the first thing it says is where it listens
-        m = re.search(r"listening on (http://\S+)", line)
-        assert m, line
+        m = re.search(r"listening on (http://\S+) \((\d+) start-up objects kept out", line)
+        assert m and int(m.group(2)) > 10_000, line  # modules, weights, pools: all frozen
         url = m.group(1)
         wait_ready(url)
         body = {"model": "tiny", "prompt": list(range(1, 30)), "max_tokens": 3}

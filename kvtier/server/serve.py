@@ -15,6 +15,7 @@ answers ``ok`` once the engine thread runs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -165,7 +166,12 @@ class Server:
         self._sock = self._bind()
         self.loop.start()
         self._uvicorn = self._make_uvicorn()
-        log.warning("kvtier serve: listening on %s", self.url)
+        frozen = freeze_startup_objects()
+        log.warning(
+            "kvtier serve: listening on %s (%d start-up objects kept out of garbage collection)",
+            self.url,
+            frozen,
+        )
         try:
             self._uvicorn.run(sockets=[self._sock])
         finally:
@@ -191,3 +197,14 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def freeze_startup_objects() -> int:
+    """Collect, then move every object alive now (modules, weights, pools) out of the cyclic
+    garbage collector's reach for the rest of the process; returns how many. Its full
+    collections otherwise walk them all: in ``kvtier bench step`` one took 150-160 ms against
+    19-22 ms with them frozen, a pause that lands inside some decode step. Objects made later
+    are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
