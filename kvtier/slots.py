@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier import slot_lists
 from kvtier.errors import CapacityError, IntegrityError, RequestError
 from kvtier.paging import align_down, pages_to_locs
 from kvtier.windows import give_back_windows, hand_over_windows
@@ -148,7 +149,7 @@ class EnginePages:
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the pages containing ``locs``, which must all be the engine's."""
-        pages = self._distinct_pages(self._slots(locs, "free"))
+        pages = slot_lists.distinct_pages(self._slots(locs, "free"), self.page_size)
         self._require_owned(pages, "free")
         self._free(torch.from_numpy(pages))
 
@@ -205,12 +206,12 @@ class EnginePages:
         n = min(len(tokens), slots.size)
         if not self.tails:
             n = align_down(n, self.page_size)
-        pages = self._tail_pages_np(slots[:n], "finish")
+        pages = slot_lists.pages_with_tail(slots[:n], self.page_size, "finish")
         self._check_insert(tokens[:n], pages, "finish")
         if unlock is not None:
             unlock()
         self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
-        rest = self._distinct_pages(slots)
+        rest = slot_lists.distinct_pages(slots, self.page_size)
         rest = rest[self._owned_np[rest]]
         if rest.size:
             self._free(torch.from_numpy(rest))
@@ -295,67 +296,11 @@ class EnginePages:
         return torch.from_numpy(self._slots(locs, what) // self.page_size)
 
     def _slots(self, locs: torch.Tensor, what: str) -> np.ndarray:
-        """``locs`` as a flat int64 numpy array (a view where it can be), checked to lie in the
-        pool (``RequestError`` naming the first slot outside it)."""
-        t = locs.reshape(-1)
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise RequestError(f"{what}: slots must be an integer tensor, got {t.dtype}")
-        a = t.numpy().astype(np.int64, copy=False)
-        limit = self.pool.logical_pages * self.page_size
-        if a.size and (a.min() < 0 or a.max() >= limit):
-            slot = int(a[(a < 0) | (a >= limit)][0])
-            raise RequestError(f"{what}: slot {slot} lies outside the device pool [0, {limit})")
-        return a
-
-    def _distinct_pages(self, slots: np.ndarray) -> np.ndarray:
-        """The distinct pages of ``slots``, ascending. Slots come in runs of one page, so
-        runs collapse first: sorting a few pages, not every slot (22 µs for 768 slots)."""
-        p = slots // self.page_size
-        if p.size > 1:
-            p = p[np.concatenate(([True], p[1:] != p[:-1]))]
-        return np.unique(p)
+        return slot_lists.checked(locs, self.pool.logical_pages * self.page_size, what)
 
     def _whole_pages(self, locs: torch.Tensor, what: str) -> torch.Tensor:
-        """Page ids of ``locs``, whole pages of consecutive, aligned slots (checked: the tree
-        records a page by its id, so a rotated or gapped page would map tokens to wrong
-        slots)."""
-        return torch.from_numpy(self._whole_pages_np(self._slots(locs, what), what))
-
-    def _whole_pages_np(self, slots: np.ndarray, what: str) -> np.ndarray:
-        ps = self.page_size
-        if ps == 1 or slots.size == 0:
-            return slots // ps
-        rows = slots.reshape(-1, ps)
-        bad = (rows != rows[:, :1] + np.arange(ps)).any(1) | (rows[:, 0] % ps != 0)
-        if bad.any():
-            i = int(bad.nonzero()[0][0])
-            raise RequestError(
-                f"{what}: page {i} of the slots ({rows[i].tolist()}) is not {ps} consecutive "
-                f"slots starting at a multiple of page_size={ps}"
-            )
-        return rows[:, 0] // ps
-
-    def _pages_with_tail(self, locs: torch.Tensor, what: str) -> torch.Tensor:
-        """Page ids of ``locs``: whole pages as for ``_whole_pages``, then a trailing run of
-        consecutive slots from the start of one more page (a partial tail)."""
-        return torch.from_numpy(self._tail_pages_np(self._slots(locs, what), what))
-
-    def _tail_pages_np(self, slots: np.ndarray, what: str) -> np.ndarray:
-        ps = self.page_size
-        full = align_down(slots.size, ps)
-        pages = self._whole_pages_np(slots[:full], what)
-        if full == slots.size:
-            return pages
-        tail = slots[full:]
-        page = int(tail[0]) // ps
-        if not np.array_equal(tail, page * ps + np.arange(tail.size)):
-            raise RequestError(
-                f"{what}: the last, partial page of the slots ({tail.tolist()}) does not run "
-                f"from the start of one page (page_size={ps})"
-            )
-        return np.append(pages, page)
+        pages = slot_lists.whole_pages(self._slots(locs, what), self.page_size, what)
+        return torch.from_numpy(pages)
 
     def _require_owned(self, pages: torch.Tensor | np.ndarray, what: str) -> None:
         idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages

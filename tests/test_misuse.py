@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from kvtier import slot_lists
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -193,9 +194,8 @@ def test_a_failing_poll_is_raised_as_itself_not_as_a_failed_forward(monkeypatch)
 def test_free_takes_each_page_once_in_any_slot_order() -> None:
     c = make()
     a, b = c.alloc(2 * PS), c.alloc(PS)  # pages 0-1 and 2
-    ep = c.engine_pages
     slots = torch.cat((b[:2], a[PS:], a[:1], b[2:], a[1:PS])).numpy()
-    assert ep._distinct_pages(slots).tolist() == [0, 1, 2]
+    assert slot_lists.distinct_pages(slots, PS).tolist() == [0, 1, 2]
     before = c.device_pool.allocator.available
     c.free(torch.cat((b, a[PS:], a[:PS], b[:1])))  # page 2 named twice, apart
     assert c.device_pool.allocator.available == before + 3
