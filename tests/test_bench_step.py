@@ -16,6 +16,8 @@ def test_bench_step_tiny():
     )
     assert r["mean_running"] > 15
     assert r["calls"]["poll"] == 48 and r["calls"]["finish"] > 0
+    assert r["us_per_call"].keys() == r["calls"].keys()
+    assert all(v > 0 for v in r["us_per_call"].values())
     assert 0 < r["cache_share_of_step"] <= 1
     full = r["under_eviction"]
     assert full["device_pages"] < r["device_pages"] and full["mean_running"] > 15

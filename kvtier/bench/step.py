@@ -5,7 +5,8 @@ system prompt, distinct user turns, output lengths spread up to ``output_tokens`
 every step decodes one token per running request, finished requests leave and new ones arrive.
 Every public call into the cache is timed (a ``TieredCache`` subclass that wraps its public
 methods, ``TIMED``); the result is kvtier's CPU time per step and per request-step, next to the
-scheduler's total step time measured in the same run (the peer).
+scheduler's total step time measured in the same run (the peer), and each method's mean time
+per call (``us_per_call``), which says where a change of the per-step figure lies.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _TimedCache(TieredCache):
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
         self.calls: Counter[str] = Counter()
+        self.call_seconds: Counter[str] = Counter()
 
 
 def _timed(name: str) -> Callable[..., Any]:
@@ -66,8 +68,10 @@ def _timed(name: str) -> Callable[..., Any]:
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.seconds += dt
             self.calls[name] += 1
+            self.call_seconds[name] += dt
 
     timed.__name__ = name
     timed.__doc__ = method.__doc__
@@ -176,6 +180,8 @@ def _run(
         "scheduler_ms_per_step": 1e3 * statistics.mean(step_s[warm]),
         "cache_share_of_step": sum(kv) / sum(step_s[warm]),
         "calls": dict(cache.calls),
+        # Over the whole run: which call a regression of the per-step figure is in.
+        "us_per_call": {k: 1e6 * cache.call_seconds[k] / n for k, n in cache.calls.items()},
         "evicted_pages": {t: cache.stats()[f"evicted_{t}_pages"] for t in ("device", "host")},
     }
     cache.check_integrity()
