@@ -51,7 +51,7 @@ def _run(cuda_graphs: bool):  # noqa: ANN202
     )
     # only the pad page is left held by the engine once every request finished
     assert llm.cache.stats()["device_pages_engine"] == (0 if g is None else 1)
-    llm.cache.check_integrity()
+    llm.check_integrity()
     llm.close()
     return outs, counts
 
@@ -100,7 +100,7 @@ def test_a_padded_batch_replays_the_graph_of_its_bucket() -> None:
     assert (g.captures, g.replays) == (2, 1)
     for loc in locs:
         llm.cache.free(loc)
-    llm.cache.check_integrity()
+    llm.check_integrity()
     llm.close()
 
 
@@ -158,4 +158,24 @@ def test_without_graphs_no_page_is_held_and_no_graph_counters() -> None:
     # every page of the pool is a request's to use: 8 pages of 4 tokens
     out = llm.generate([[1] * 30], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].output_ids) == 2
+    llm.close()
+
+
+def test_the_held_padding_page_is_checked() -> None:
+    from kvtier.errors import IntegrityError
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position=64)  # fmt: skip
+    llm = LLM(cfg, CacheConfig(page_size=4, device_pages=8, device="cpu", enable_host=False))
+    llm._held = llm.cache.alloc(1)  # as on CUDA with graphs: one page held for padding
+    llm._held_pages = 1
+    llm.check_integrity()
+    llm.cache.free(llm._held)  # a bug giving it back: the allocator may hand it to a request
+    with pytest.raises(IntegrityError, match="no longer the engine's"):
+        llm.check_integrity()
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()  # prefilled, still running
+    llm._held = llm._live[rid].locs[:4].clone()  # the engine's page, but a request's too
+    with pytest.raises(IntegrityError, match=f"request {rid} holds the engine's padding page"):
+        llm.check_integrity()
     llm.close()

@@ -26,7 +26,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
-from kvtier.errors import ConfigError, RequestError
+from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.parallel.group import Group
 
 Prompt = Sequence[int] | str
@@ -99,13 +99,14 @@ class LLM:
             self.speculative_tokens,
         )
         pad_slot = None
-        self._held_pages = 0
-        """Device pages the engine holds for good (never a request's)."""
+        self._held = torch.empty(0, dtype=torch.int64)
+        """Slots of the device pages the engine holds for good (never a request's)."""
         if cuda_graphs and graphs.supported(self.model, kv):
             # Padding rows of replayed decode steps write their K/V into this page, so that a
             # batch replays the graph of the next bucket size.
-            pad_slot = int(kv.slots(self.cache.alloc(1))[0])
-            self._held_pages = 1
+            self._held = self.cache.alloc(1)
+            pad_slot = int(kv.slots(self._held)[0])
+        self._held_pages = self._held.numel() // self.cache.page_size
         self.runner = ModelRunner(self.model, kv, self.cache.page_size, cuda_graphs, pad_slot)
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
         # that when load-back kernels and the forward overlap, the forward's blocks go first.
@@ -384,6 +385,19 @@ class LLM:
         if self.speculative_tokens:
             st.update(self._drafts)
         return st
+
+    def check_integrity(self) -> None:
+        """The cache's invariants (``TieredCache.check_integrity``), and the pages the engine
+        holds for good still its own and in no unfinished request's slots (padding rows write
+        there: a request holding one would read another's K/V). Raises ``IntegrityError``."""
+        self.cache.check_integrity()
+        if not self._held.numel():
+            return
+        if self.cache.engine_pages.owned_pages(self._held).numel() != self._held_pages:
+            raise IntegrityError("the engine's held device page is no longer the engine's")
+        for req in self._live.values():
+            if req.locs is not None and bool(torch.isin(req.locs.cpu(), self._held).any()):
+                raise IntegrityError(f"request {req.id} holds the engine's padding page")
 
     def close(self) -> None:
         """Let in-flight cache transfers land (storage writes included) and release L3."""
