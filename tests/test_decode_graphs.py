@@ -167,15 +167,16 @@ def test_the_held_padding_page_is_checked() -> None:
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, max_position=64)  # fmt: skip
     llm = LLM(cfg, CacheConfig(page_size=4, device_pages=8, device="cpu", enable_host=False))
-    llm._held = llm.cache.alloc(1)  # as on CUDA with graphs: one page held for padding
-    llm._held_pages = 1
+    pad = llm._padding
+    assert (pad.slot, pad.pages) == (None, 0)  # no graphs on the CPU: nothing held
+    pad.locs, pad.pages = llm.cache.alloc(1), 1  # as on CUDA with graphs
     llm.check_integrity()
-    llm.cache.free(llm._held)  # a bug giving it back: the allocator may hand it to a request
+    llm.cache.free(pad.locs)  # a bug giving it back: the allocator may hand it to a request
     with pytest.raises(IntegrityError, match="no longer the engine's"):
         llm.check_integrity()
     rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.step()  # prefilled, still running
-    llm._held = llm._live[rid].locs[:4].clone()  # the engine's page, but a request's too
+    pad.locs = llm._live[rid].locs[:4].clone()  # the engine's page, but a request's too
     with pytest.raises(IntegrityError, match=f"request {rid} holds the engine's padding page"):
         llm.check_integrity()
     llm.close()

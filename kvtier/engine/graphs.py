@@ -30,14 +30,20 @@ waits for a capture it does not use.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.engine import attention, cp, decode_kernel
 from kvtier.engine.model import Attention, CausalLM, SeqSlots
+from kvtier.errors import IntegrityError
 from kvtier.transfer import DeviceKV
+
+if TYPE_CHECKING:
+    from kvtier.cache import TieredCache
+    from kvtier.engine.request import Request
 
 CONTEXT_BUCKET = 256
 """Context columns of the smallest graphs; larger ones are this times 2^k or 3 x 2^k."""
@@ -65,6 +71,36 @@ def context_bucket(c: int) -> int:
     power = 1 << (units - 1).bit_length()  # least power of two >= units
     three = 3 * power // 4  # 3 x 2^k just below it (0 when power < 4)
     return CONTEXT_BUCKET * (three if three >= units else power)
+
+
+class PaddingPage:
+    """The device page padding rows write into (see the module docstring): taken from the
+    cache once, held by the engine for as long as it runs, never a request's. Empty (no
+    page, ``slot`` ``None``) where decode steps do not replay graphs."""
+
+    def __init__(self, cache: TieredCache, model: torch.nn.Module, enabled: bool) -> None:
+        """Take the page from ``cache`` when ``enabled`` (``LLM(cuda_graphs=...)``) and
+        :func:`supported` says ``model``'s decode steps replay graphs."""
+        self.locs = torch.empty(0, dtype=torch.int64)
+        """The page's slots (logical, as ``cache.alloc`` gave them)."""
+        self.slot: int | None = None
+        """Its first physical slot, where every padding row writes."""
+        if enabled and supported(model, cache.kv_buffers):
+            self.locs = cache.alloc(1)
+            self.slot = int(cache.kv_buffers.slots(self.locs)[0])
+        self.pages = self.locs.numel() // cache.page_size
+        """Device pages held: 1 or 0."""
+
+    def check(self, cache: TieredCache, requests: Iterable[Request]) -> None:
+        """The page is still the engine's and in none of ``requests``' slots (a request
+        holding it would read the padding rows' K/V). Raises ``IntegrityError``."""
+        if not self.pages:
+            return
+        if cache.engine_pages.owned_pages(self.locs).numel() != self.pages:
+            raise IntegrityError("the engine's padding page is no longer the engine's")
+        for req in requests:
+            if req.locs is not None and bool(torch.isin(req.locs.cpu(), self.locs).any()):
+                raise IntegrityError(f"request {req.id} holds the engine's padding page")
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
-from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.errors import ConfigError, RequestError
 from kvtier.parallel.group import Group
 
 Prompt = Sequence[int] | str
@@ -98,16 +98,10 @@ class LLM:
             overlap_loads,
             self.speculative_tokens,
         )
-        pad_slot = None
-        self._held = torch.empty(0, dtype=torch.int64)
-        """Slots of the device pages the engine holds for good (never a request's)."""
-        if cuda_graphs and graphs.supported(self.model, kv):
-            # Padding rows of replayed decode steps write their K/V into this page, so that a
-            # batch replays the graph of the next bucket size.
-            self._held = self.cache.alloc(1)
-            pad_slot = int(kv.slots(self._held)[0])
-        self._held_pages = self._held.numel() // self.cache.page_size
-        self.runner = ModelRunner(self.model, kv, self.cache.page_size, cuda_graphs, pad_slot)
+        self._padding = graphs.PaddingPage(self.cache, self.model, cuda_graphs)
+        self.runner = ModelRunner(
+            self.model, kv, self.cache.page_size, cuda_graphs, self._padding.slot
+        )
         # On CUDA every step (cache calls and forward) runs on one high-priority stream, so
         # that when load-back kernels and the forward overlap, the forward's blocks go first.
         self._compute_stream = None
@@ -173,11 +167,12 @@ class LLM:
             )
         pool = self.cache.kv_buffers
         pages = -(-total // pool.page_size)
-        if pages > pool.num_pages - self._held_pages:
-            held = f", {self._held_pages} of them held for CUDA graphs" if self._held_pages else ""
+        padding = self._padding.pages
+        if pages > pool.num_pages - padding:
+            note = f", {padding} of them held for CUDA graphs" if padding else ""
             raise RequestError(
                 f"prompt + max_tokens needs {pages} pages but the device pool has only "
-                f"{pool.num_pages} (device_pages{held})"
+                f"{pool.num_pages} (device_pages{note})"
             )
         return Request(
             id=next(self._ids),
@@ -387,17 +382,10 @@ class LLM:
         return st
 
     def check_integrity(self) -> None:
-        """The cache's invariants (``TieredCache.check_integrity``), and the pages the engine
-        holds for good still its own and in no unfinished request's slots (padding rows write
-        there: a request holding one would read another's K/V). Raises ``IntegrityError``."""
+        """The cache's invariants (``TieredCache.check_integrity``) and the padding page's
+        (``graphs.PaddingPage.check``). Raises ``IntegrityError``."""
         self.cache.check_integrity()
-        if not self._held.numel():
-            return
-        if self.cache.engine_pages.owned_pages(self._held).numel() != self._held_pages:
-            raise IntegrityError("the engine's held device page is no longer the engine's")
-        for req in self._live.values():
-            if req.locs is not None and bool(torch.isin(req.locs.cpu(), self._held).any()):
-                raise IntegrityError(f"request {req.id} holds the engine's padding page")
+        self._padding.check(self.cache, self._live.values())
 
     def close(self) -> None:
         """Let in-flight cache transfers land (storage writes included) and release L3."""
