@@ -4,6 +4,7 @@ counted."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -62,6 +63,8 @@ def test_bench_serve_in_process_two_clients_two_turns(tmp_path) -> None:
     assert (
         st["recomputed_tokens"] == r["prefill_tokens"] >= r["prompt_tokens_by_source"]["recomputed"]
     )
+    # start-up objects were frozen for the run, as ``kvtier serve`` does, and given back
+    assert st["frozen_startup_objects"] > 10_000 and gc.get_freeze_count() == 0
 
 
 def test_bench_serve_against_a_running_server() -> None:

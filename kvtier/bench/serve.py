@@ -22,6 +22,7 @@ benchmark's figures are compared across commits and configurations, per tier.
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import random
@@ -344,6 +345,12 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
         server = None if cfg.url else _start_server(cfg, tmp)
         url = cfg.url or server.url
+        if server is not None:
+            # As ``kvtier serve`` does before it listens; given back after the run, so that a
+            # caller's later garbage is collected as before.
+            from kvtier.server.serve import freeze_startup_objects
+
+            frozen = freeze_startup_objects()
         try:
             _wait_health(url)
             vocab = _vocab(server)
@@ -369,9 +376,11 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             result = summarize(cfg, samples, wall)
             if server is not None:
                 result["server_stats"] = server.loop.call(_tier_stats).result(timeout=60)
+                result["server_stats"]["frozen_startup_objects"] = frozen
         finally:
             if server is not None:
                 server.stop()
+                gc.unfreeze()
     return result
 
 
