@@ -15,13 +15,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pair_timing import ContiguousPair, best_of  # noqa: E402
+from pair_timing import ContiguousPair, best_of, force_mechanisms, random_pools  # noqa: E402
 
 from kvtier.bench.pool_sets import family_pool_set  # noqa: E402
-from kvtier.pools.device import DevicePool  # noqa: E402
-from kvtier.pools.host import HostPool  # noqa: E402
 from kvtier.pools.spec import tree_page_size  # noqa: E402
-from kvtier.transfer import mechanisms as mech  # noqa: E402
 from kvtier.transfer import plan  # noqa: E402
 from kvtier.transfer.mover import Mover  # noqa: E402
 
@@ -29,29 +26,14 @@ OUT = os.environ.get("OUT", "/tmp")
 DEV = torch.device("cuda")
 PAIRS = [("staged", "kernel"), ("kernel", "staged"), ("staged", "staged"), ("kernel", "kernel")]
 FORCED: dict[str, str] = {}
-original = plan.choose
-
-
-def forced(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN201, E501
-    want = FORCED.get(direction)
-    if want is None or per_layer:
-        return original(geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link)
-    if want == plan.STAGED and (geo.envelope or geo.layers == 1):
-        return plan.KERNEL
-    return want
-
-
-mech.choose = forced
+force_mechanisms(FORCED, plan.KERNEL)
 res: dict = {"cells": {}}
 for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
     specs = family_pool_set(fam, torch.bfloat16)
     ps = tree_page_size(1, specs)
     pb = sum(s.page_bytes(ps) for s in specs)
     n = max(1, (1 << 30) // pb)
-    dpool = DevicePool(specs, 2 * n, ps, DEV)
-    hpool = HostPool(specs, 4 * n, ps, layout="page_first", pin=True)
-    for b in dpool.buffers.values():
-        b.view(-1).view(torch.uint8).random_()
+    dpool, hpool = random_pools(specs, n, ps, DEV)
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(2 * n, generator=g)
     src, dst = perm[:n], perm[n:]

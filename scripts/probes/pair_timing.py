@@ -79,3 +79,38 @@ class ExchangeCase:
         back.wait()
         load.wait()
         back.complete()
+
+
+def force_mechanisms(forced: dict[str, str], unstageable: str) -> None:
+    """Route the mover's choice of mechanism through ``forced`` (direction -> a ``plan``
+    mechanism, read at every choice; a direction absent from it, and per-layer copies, keep
+    ``plan.choose``). A forced ``staged`` for a component that cannot be staged (one layer or
+    envelope rows) becomes ``unstageable``."""
+    from kvtier.transfer import mechanisms, plan
+
+    original = plan.choose
+
+    def choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN202, E501
+        want = forced.get(direction)
+        if want is None or per_layer:
+            return original(
+                geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link
+            )
+        if want == plan.STAGED and (geo.envelope or geo.layers == 1):
+            return unstageable
+        return want
+
+    mechanisms.choose = choose
+
+
+def random_pools(specs: list, pages: int, page_size: int, device: torch.device) -> tuple:
+    """``(device pool, host pool)``: ``2 x pages`` device pages of random bytes and a pinned
+    page-first host pool of ``4 x pages``."""
+    from kvtier.pools.device import DevicePool
+    from kvtier.pools.host import HostPool
+
+    dpool = DevicePool(specs, 2 * pages, page_size, device)
+    hpool = HostPool(specs, 4 * pages, page_size, layout="page_first", pin=True)
+    for b in dpool.buffers.values():
+        b.view(-1).view(torch.uint8).random_()
+    return dpool, hpool
