@@ -169,7 +169,7 @@ def test_the_held_padding_page_is_checked() -> None:
     llm = LLM(cfg, CacheConfig(page_size=4, device_pages=8, device="cpu", enable_host=False))
     pad = llm._padding
     assert (pad.slot, pad.pages) == (None, 0)  # no graphs on the CPU: nothing held
-    pad.locs, pad.pages = llm.cache.alloc(1), 1  # as on CUDA with graphs
+    pad.locs = llm.cache.alloc(1)  # as on CUDA with graphs
     llm.check_integrity()
     llm.cache.free(pad.locs)  # a bug giving it back: the allocator may hand it to a request
     with pytest.raises(IntegrityError, match="no longer the engine's"):

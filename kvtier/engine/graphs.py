@@ -85,11 +85,15 @@ class PaddingPage:
         """The page's slots (logical, as ``cache.alloc`` gave them)."""
         self.slot: int | None = None
         """Its first physical slot, where every padding row writes."""
+        self._page_size = cache.page_size
         if enabled and supported(model, cache.kv_buffers):
             self.locs = cache.alloc(1)
             self.slot = int(cache.kv_buffers.slots(self.locs)[0])
-        self.pages = self.locs.numel() // cache.page_size
+
+    @property
+    def pages(self) -> int:
         """Device pages held: 1 or 0."""
+        return self.locs.numel() // self._page_size
 
     def check(self, cache: TieredCache, requests: Iterable[Request]) -> None:
         """The page is still the engine's and in none of ``requests``' slots (a request
