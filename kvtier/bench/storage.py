@@ -123,13 +123,15 @@ def bench_storage(
 ) -> dict:
     """Benchmark L3 ``backend`` (``file`` or ``mooncake``) against its plain peer.
 
-    ``file`` uses ``directory`` and runs every size of ``SIZES`` unless ``page_bytes`` and
+    ``file`` uses ``directory`` (created when missing) and runs every size of ``SIZES`` unless ``page_bytes`` and
     ``num_pages`` name one, with SGLang's ``HiCacheFile`` as a second peer when
     ``peer_python`` is given (see ``bench_file``); ``mooncake`` uses the cluster at ``url``
     (a ``storage_url``), or starts a local one for the run when ``url`` is ``None``. Raises
     ``ValueError`` for another backend name.
     """
     if backend == "file":
+        if directory:
+            os.makedirs(directory, exist_ok=True)
         sizes = SIZES if page_bytes is None else ((page_bytes, num_pages or 256),)
         runs = [bench_file(directory, pb, n, repeats, peer_python) for pb, n in sizes]
         return {"bench": "storage", "backend": "file", "page_cache": PAGE_CACHE, "runs": runs}

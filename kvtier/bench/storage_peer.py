@@ -63,8 +63,19 @@ def main(argv: list[str]) -> int:
         print("HiCacheFile fell short or read back other bytes", file=sys.stderr)
         return 1
     times = {"write_s": write_s, "read_s": read_s, "write_cpu_s": write_cpu_s}
-    print(json.dumps({**times, "read_cpu_s": read_cpu_s, "sglang": sglang.__version__}))
+    print(json.dumps({**times, "read_cpu_s": read_cpu_s, "sglang": _version(sglang)}))
     return 0
+
+
+def _version(sglang: object) -> str:
+    """SGLang's version; from its dist-info where it loads without its ``__init__`` (a copy of
+    the modules ``HiCacheFile`` needs, ``scripts/peer_file_only.sh``)."""
+    found = getattr(sglang, "__version__", None)
+    if found is None:
+        from importlib.metadata import version
+
+        found = version("sglang")
+    return str(found)
 
 
 if __name__ == "__main__":
