@@ -187,14 +187,18 @@ class FileBackend(StorageBackend):
             sizes = [d.nbytes for d in dests[:run]]
             paths, runs = file_layout.reads(keys[:run], self._index.where, self._path, sizes)
         ns = self.namespace
-        prefixes = [envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(run)]
 
         def read(j: int) -> None:
             lo, hi, first = runs[j]
+            # Each read builds its own expected headers: built up front, they were serial work
+            # on the calling thread before any I/O thread started.
+            prefixes = [
+                envelope.expected_prefix(ns, keys[i], dests[i].nbytes) for i in range(lo, hi)
+            ]
             if first is None:
-                read_object(paths[lo], ns, keys[lo], prefixes[lo], dests[lo])
+                read_object(paths[lo], ns, keys[lo], prefixes[0], dests[lo])
             else:
-                read_run(first, ns, keys[lo:hi], prefixes[lo:hi], dests[lo:hi])
+                read_run(first, ns, keys[lo:hi], prefixes, dests[lo:hi])
 
         by_run = self._io.run_ordered(read, len(runs), sum(sizes))
         outcomes = file_layout.per_key(runs, by_run, run)
