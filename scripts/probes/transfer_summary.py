@@ -10,11 +10,12 @@ import json
 import sys
 
 for path in sys.argv[1:]:
-    r = json.load(open(path))
+    with open(path) as f:
+        r = json.load(f)
     runs = r["families"].items() if "families" in r else [(path.rsplit("/", 1)[-1], r)]
     for name, run in runs:
         cells = [
-            "%s %.1f (%.2f) %s" % (d, run[d]["gbps"], run[d]["ratio"], run[d]["paths"])
+            f"{d} {run[d]['gbps']:.1f} ({run[d]['ratio']:.2f}) {run[d]['paths']}"
             for d in ("d2h", "h2d", "both")
             if run.get(d)
         ]
