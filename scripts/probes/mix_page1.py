@@ -15,10 +15,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pair_timing import ContiguousPair, best_of, force_mechanisms, random_pools  # noqa: E402
+from pair_timing import ContiguousPair, best_of, force_mechanisms, random_case  # noqa: E402
 
-from kvtier.bench.pool_sets import family_pool_set  # noqa: E402
-from kvtier.pools.spec import tree_page_size  # noqa: E402
 from kvtier.transfer import plan  # noqa: E402
 from kvtier.transfer.mover import Mover  # noqa: E402
 
@@ -29,16 +27,7 @@ FORCED: dict[str, str] = {}
 force_mechanisms(FORCED, plan.KERNEL)
 res: dict = {"cells": {}}
 for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
-    specs = family_pool_set(fam, torch.bfloat16)
-    ps = tree_page_size(1, specs)
-    pb = sum(s.page_bytes(ps) for s in specs)
-    n = max(1, (1 << 30) // pb)
-    dpool, hpool = random_pools(specs, n, ps, DEV)
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(2 * n, generator=g)
-    src, dst = perm[:n], perm[n:]
-    hperm = torch.randperm(4 * n, generator=g)
-    hload, hback = hperm[:n], hperm[n : 2 * n]
+    specs, pb, n, dpool, hpool, src, dst, hload, hback = random_case(fam, DEV)
     mover = Mover(dpool, hpool)
     # the load's host pages hold a backup of src first, so the roundtrip can be checked
     op = mover.device_to_host(src, hload)
@@ -57,10 +46,16 @@ for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
             b.wait(), ld.wait(), b.complete()
             paths.update(d2h=b.paths, h2d=ld.paths)
 
-        cell[f"{d2h}/{h2d}"] = {"ratio": round(2 * n * pb / best_of(both, 3) / 1e9 / cb, 3), **paths}
+        cell[f"{d2h}/{h2d}"] = {
+            "ratio": round(2 * n * pb / best_of(both, 3) / 1e9 / cb, 3),
+            **paths,
+        }
         torch.cuda.synchronize()
         cell[f"{d2h}/{h2d}"]["verified"] = all(
-            torch.equal(dpool.page_bytes_view(s.name)[:, dst.to(DEV)], dpool.page_bytes_view(s.name)[:, src.to(DEV)])
+            torch.equal(
+                dpool.page_bytes_view(s.name)[:, dst.to(DEV)],
+                dpool.page_bytes_view(s.name)[:, src.to(DEV)],
+            )
             for s in specs
         )
         print(fam, d2h, h2d, cell[f"{d2h}/{h2d}"], flush=True)

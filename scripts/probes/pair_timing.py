@@ -81,17 +81,29 @@ class ExchangeCase:
         back.complete()
 
 
-def force_mechanisms(forced: dict[str, str], unstageable: str) -> None:
+def force_mechanisms(
+    forced: dict[str, str] | Callable[[], dict[str, str]], unstageable: str
+) -> None:
     """Route the mover's choice of mechanism through ``forced`` (direction -> a ``plan``
-    mechanism, read at every choice; a direction absent from it, and per-layer copies, keep
-    ``plan.choose``). A forced ``staged`` for a component that cannot be staged (one layer or
-    envelope rows) becomes ``unstageable``."""
+    mechanism, read at every choice; or a function returning such a dict, called at every
+    choice; a direction absent from it, and per-layer copies, keep ``plan.choose``). A forced
+    ``staged`` for a component that cannot be staged (one layer or envelope rows) becomes
+    ``unstageable``."""
     from kvtier.transfer import mechanisms, plan
 
     original = plan.choose
 
-    def choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN202, E501
-        want = forced.get(direction)
+    def choose(
+        geo,
+        direction,
+        host_pages,
+        device_pages,
+        per_layer=False,
+        dma=True,
+        mechanism="auto",
+        shared_link=False,
+    ):  # noqa: ANN001, ANN202, E501
+        want = (forced() if callable(forced) else forced).get(direction)
         if want is None or per_layer:
             return original(
                 geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link
@@ -114,3 +126,22 @@ def random_pools(specs: list, pages: int, page_size: int, device: torch.device) 
     for b in dpool.buffers.values():
         b.view(-1).view(torch.uint8).random_()
     return dpool, hpool
+
+
+def random_case(family: str, device: torch.device) -> tuple:
+    """A 1 GiB page-size-1 case of ``family`` over :func:`random_pools`: ``(specs, page_bytes,
+    pages, device pool, host pool, src, dst, hload, hback)``, where device pages ``src`` are
+    backed up into host pages ``hback`` and ``hload`` loaded into device pages ``dst``, all
+    random (seed 0), as ``mix_page1.py`` and ``split_directions.py`` use them."""
+    from kvtier.bench.pool_sets import family_pool_set
+    from kvtier.pools.spec import tree_page_size
+
+    specs = family_pool_set(family, torch.bfloat16)
+    ps = tree_page_size(1, specs)
+    pb = sum(s.page_bytes(ps) for s in specs)
+    n = max(1, (1 << 30) // pb)
+    dpool, hpool = random_pools(specs, n, ps, device)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(2 * n, generator=g)
+    hperm = torch.randperm(4 * n, generator=g)
+    return specs, pb, n, dpool, hpool, perm[:n], perm[n:], hperm[:n], hperm[n : 2 * n]

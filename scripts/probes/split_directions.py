@@ -21,45 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pair_timing import ContiguousPair, best_of, random_pools  # noqa: E402
+from pair_timing import ContiguousPair, best_of, force_mechanisms, random_case  # noqa: E402
 
-from kvtier.bench.pool_sets import family_pool_set  # noqa: E402
-from kvtier.pools.spec import tree_page_size  # noqa: E402
-from kvtier.transfer import mechanisms, plan  # noqa: E402
+from kvtier.transfer import plan  # noqa: E402
 from kvtier.transfer.mover import Mover  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = torch.device("cuda")
-SPLITS = [tuple(float(x) for x in s.split(":")) for s in os.environ.get("SPLITS", "0:1 0:0.8 0:0.6 0.2:1 0.2:0.8").split()]
+SPLITS = [
+    tuple(float(x) for x in s.split(":"))
+    for s in os.environ.get("SPLITS", "0:1 0:0.8 0:0.6 0.2:1 0.2:0.8").split()
+]
 local = threading.local()
-original = plan.choose
-
-
-def choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN202, E501
-    """The calling thread's forced mechanism for ``direction`` (``local.forced``), staged
-    falling back to kernel where a component cannot be staged."""
-    want = getattr(local, "forced", {}).get(direction)
-    if want is None or per_layer:
-        return original(geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link)
-    if want == plan.STAGED and (geo.envelope or geo.layers == 1):
-        return plan.KERNEL
-    return want
-
-
-mechanisms.choose = choose
+# Each issuing thread forces its own mechanisms (``local.forced``).
+force_mechanisms(lambda: getattr(local, "forced", {}), plan.KERNEL)
 pool = ThreadPoolExecutor(1)
 res: dict = {"splits": SPLITS, "cells": {}}
 for fam in os.environ.get("FAMILIES", "mla,dense").split(","):
-    specs = family_pool_set(fam, torch.bfloat16)
-    ps = tree_page_size(1, specs)
-    pb = sum(s.page_bytes(ps) for s in specs)
-    n = max(1, (1 << 30) // pb)
-    dpool, hpool = random_pools(specs, n, ps, DEV)
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(2 * n, generator=g)
-    src, dst = perm[:n], perm[n:]
-    hperm = torch.randperm(4 * n, generator=g)
-    hload, hback = hperm[:n], hperm[n : 2 * n]
+    specs, pb, n, dpool, hpool, src, dst, hload, hback = random_case(fam, DEV)
     x, y = Mover(dpool, hpool), Mover(dpool, hpool)
     op = x.device_to_host(src, hload)
     op.wait(), op.complete()
@@ -78,15 +57,31 @@ for fam in os.environ.get("FAMILIES", "mla,dense").split(","):
 
         def both() -> None:
             # Y (kernel backup, staged load) from the worker; X (staged backup, kernel load) here.
-            fy = pool.submit(half, y, {"d2h": plan.KERNEL, "h2d": plan.STAGED}, (src[j:], hback[j:]), (hload[k:], dst[k:]), "y")
-            half(x, {"d2h": plan.STAGED, "h2d": plan.KERNEL}, (src[:j], hback[:j]), (hload[:k], dst[:k]), "x")
+            fy = pool.submit(
+                half,
+                y,
+                {"d2h": plan.KERNEL, "h2d": plan.STAGED},
+                (src[j:], hback[j:]),
+                (hload[k:], dst[k:]),
+                "y",
+            )
+            half(
+                x,
+                {"d2h": plan.STAGED, "h2d": plan.KERNEL},
+                (src[:j], hback[:j]),
+                (hload[:k], dst[:k]),
+                "x",
+            )
             fy.result()
 
         key = f"kd{kd}:kh{kh}"
         cell[key] = {"ratio": round(2 * n * pb / best_of(both, 3) / 1e9 / cb, 3), **paths}
         torch.cuda.synchronize()
         cell[key]["verified"] = all(
-            torch.equal(dpool.page_bytes_view(s.name)[:, dst.to(DEV)], dpool.page_bytes_view(s.name)[:, src.to(DEV)])
+            torch.equal(
+                dpool.page_bytes_view(s.name)[:, dst.to(DEV)],
+                dpool.page_bytes_view(s.name)[:, src.to(DEV)],
+            )
             for s in specs
         )
         print(fam, key, cell[key], flush=True)
