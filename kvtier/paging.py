@@ -49,25 +49,19 @@ def locs_to_pages(locs: torch.Tensor, page_size: int) -> torch.Tensor:
     return locs.reshape(-1, page_size)[:, 0].to(torch.int64) // page_size
 
 
-def check_whole_pages(locs: torch.Tensor, page_size: int, what: str = "indices") -> None:
-    """Validate that ``locs`` form whole, aligned pages of consecutive slots.
-
-    Debug-mode helper for transfer paths. It only inspects CPU tensors, so the GPU hot path never
-    synchronises: device tensors are skipped.
-    """
-    if locs.device.type != "cpu":
+def check_page_ids(pages: torch.Tensor, num_pages: int, what: str, distinct: bool) -> None:
+    """Debug check of a copy's physical page ids (a CPU tensor): one dimension, each in
+    ``[0, num_pages)``, and with ``distinct`` (a copy's destination) each page at most once,
+    since two copies into one page race. Raises ``IntegrityError`` naming ``what``."""
+    if pages.dim() != 1:
+        raise IntegrityError(f"{what}: expected 1-D page ids, got shape {tuple(pages.shape)}")
+    a = pages.numpy()
+    if a.size == 0:
         return
-    if locs.dim() != 1:
-        raise IntegrityError(f"{what}: expected a 1-D index tensor, got shape {tuple(locs.shape)}")
-    n = locs.numel()
-    if n % page_size:
-        raise IntegrityError(f"{what}: {n} slots is not a multiple of page_size={page_size}")
-    if n == 0 or page_size == 1:
-        return
-    rows = locs.reshape(-1, page_size).to(torch.int64)
-    if bool((rows[:, 0] % page_size != 0).any()):
-        bad = int(rows[:, 0][rows[:, 0] % page_size != 0][0])
-        raise IntegrityError(f"{what}: page starting at slot {bad} is not aligned to {page_size}")
-    expect = rows[:, :1] + torch.arange(page_size, dtype=torch.int64)
-    if not torch.equal(rows, expect):
-        raise IntegrityError(f"{what}: a page's slots are not consecutive")
+    out = (a < 0) | (a >= num_pages)
+    if out.any():
+        raise IntegrityError(f"{what}: page {int(a[out][0])} is not in [0, {num_pages})")
+    if distinct:
+        ids, counts = np.unique(a, return_counts=True)
+        if (counts > 1).any():
+            raise IntegrityError(f"{what}: page {int(ids[counts > 1][0])} is a destination twice")

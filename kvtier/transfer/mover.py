@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import ConfigError, IntegrityError, RequestError
-from kvtier.paging import check_whole_pages, pages_to_locs
+from kvtier.paging import check_page_ids
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -146,11 +146,6 @@ class Mover:
         a unified arena) and the op; on CPU the copy is done here (unless ``copy`` is off) and
         the op is born done."""
         names = self._names(components)
-        if self.debug_checks:
-            what = "device_to_host source" if direction == "d2h" else "host_to_device destination"
-            check_whole_pages(
-                pages_to_locs(device_pages, self.dev.page_size), self.dev.page_size, what
-            )
         if device_pages.numel() != host_pages.numel():
             raise IntegrityError(
                 f"{direction} transfer of {device_pages.numel()} device pages into "
@@ -164,8 +159,13 @@ class Mover:
             device_pages = device_pages.reshape(-1).cpu()[owned]
             host_pages = host_pages.reshape(-1).cpu()[owned]
         host = self.translator.host_physical(host_pages).cpu().long()
+        if self.debug_checks:
+            check_page_ids(host, self.host.num_pages, f"{direction} host pages", direction == "d2h")
         if self.arena is None:
             phys = self.translator.device_physical(device_pages).cpu().long()
+            if self.debug_checks:
+                what = f"{direction} device pages"
+                check_page_ids(phys, self.dev.num_pages, what, direction == "h2d")
             lists = dict.fromkeys(names, PageLists(host, phys, self.uploads))
             nbytes = sum(
                 s.page_bytes(self.dev.page_size) for s in self.dev.specs if s.name in lists
