@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvtier-installed
 PEER_VENV ?= .peer-venv
 PEER_STAMP := $(PEER_VENV)/.kvtier-peer-installed
 
-.PHONY: setup demo test lint format bench clean peer-venv
+.PHONY: setup demo test lint format bench clean peer-venv peer-file
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -43,5 +43,9 @@ $(PEER_STAMP): scripts/peer_venv.sh scripts/peer_venv/requirements.txt scripts/p
 
 peer-venv: $(PEER_STAMP)
 
+# HiCacheFile's modules alone, for a host without network (--peer-python .peer-file/python).
+peer-file: $(PEER_STAMP) $(STAMP)
+	sh scripts/peer_file_only.sh .peer-file $(PEER_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) $(PEER_VENV) kvtier-data build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) .peer-file kvtier-data build *.egg-info
