@@ -151,3 +151,25 @@ def test_bench_storage_mooncake_tiny() -> None:
 def test_bench_storage_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend"):
         bench_storage(backend="tape")
+
+
+def test_bench_storage_creates_a_missing_dir(tmp_path: Path) -> None:
+    where = tmp_path / "a" / "b"
+    top = bench_storage(str(where), page_bytes=4096, num_pages=2, repeats=1)
+    assert top["runs"][0]["num_pages"] == 2
+    assert where.is_dir() and list(where.iterdir()) == []  # the bench's own temp dir is gone
+
+
+def test_storage_peer_version_without_sglang_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's version comes from the package, or from its dist-info where the package loads
+    without its ``__init__`` (``scripts/peer_file_only.sh``)."""
+    import importlib.metadata
+    import types
+
+    from kvtier.bench.storage_peer import _version
+
+    assert _version(types.SimpleNamespace(__version__="0.5.23")) == "0.5.23"
+    asked: list[str] = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: asked.append(name) or "9.9")
+    assert _version(types.ModuleType("sglang")) == "9.9"
+    assert asked == ["sglang"]
