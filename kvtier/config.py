@@ -144,7 +144,9 @@ class CacheConfig:
     storage_dir: str = "kvtier-data"
     """Directory of the ``file`` backend."""
     storage_bytes: int = 8 << 30
-    """Byte budget of the ``file`` backend; least recently used objects are evicted past it."""
+    """Byte budget of the ``file`` backend's directory; least recently used objects are evicted
+    past it. The ranks of a context-parallel group share the directory, each within
+    ``storage_bytes // cp_size``."""
     prefetch_policy: str = "timeout"
     """When a request stops waiting for L3 → host prefetch: ``best_effort`` (never waits),
     ``wait_complete`` (waits for all pages) or ``timeout`` (waits up to ``prefetch_timeout_s``)."""

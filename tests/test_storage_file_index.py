@@ -65,3 +65,19 @@ def test_a_full_disk_lowers_the_budget_to_what_it_holds(tmp_path) -> None:
     assert index.shrink(20)
     assert index.budget_bytes == 60 and index.keys() == ["b"] and index.used == 30
     index.check_integrity()
+
+
+def test_shared_scan_charges_each_sharer_its_share(tmp_path) -> None:
+    index = FileIndex(100, lambda key: str(tmp_path / key), str(tmp_path), sharers=4)
+    index.add("a", 10)  # found by the scan: ceil(10 / 4)
+    index.add("b", 8)
+    assert index.used == 3 + 2
+    index.used += 10  # this process's own write of "c": reserved, then settled at its size
+    index.settle("c", 10)
+    assert index.used == 15
+    index.check_integrity()
+    assert index.drop("a", False) == 1 and index.used == 12
+    index.check_integrity()
+    index.evict(100 - 12 + 3)  # 3 more than fits: "b" (2) then "c" (10) go
+    assert index.keys() == [] and index.used == 0 and index.evictions == 2
+    index.check_integrity()

@@ -12,11 +12,12 @@ by mtime or a later read in the read-recency journal (``kvtier.storage.file_rece
 pack's objects take the pack's recency. Files removed behind the index's back (another
 process, an operator) leave it when a read, touch or backup finds them gone.
 
-The budget is one process's: under context parallelism every rank's backend opens the same
-namespace directory and charges only its own writes, so the directory may hold up to
-``cp_size`` budgets while the ranks run, and a restart's scan indexes every rank's objects
-and evicts the least recent of them, whoever wrote them, down to one budget (the others' reads
-of an object evicted that way are counted misses).
+The budget is the directory's. Under context parallelism every rank's backend opens the same
+namespace directory, writes its own objects and keeps within ``storage_bytes / cp_size``: it
+charges its own writes their size and the objects its start-up scan found (every rank's) their
+``cp_size``-th share (``FileIndex``), so the directory holds at most ``storage_bytes`` however
+the ranks' writes and evictions interleave. (A rank evicting a found object deletes it for
+all; the others' reads of it are counted misses.)
 """
 
 from __future__ import annotations
@@ -95,25 +96,34 @@ class FileBackend(StorageBackend):
         budget_bytes: int,
         fsync: bool = False,
         io_threads: int | None = None,
+        sharers: int = 1,
     ) -> None:
         """Create ``root/<namespace>`` and index what it holds; large batches run on
         ``io_threads`` threads including the caller's (default: one per core, at most 4; 1:
-        all on the calling thread).
+        all on the calling thread). ``budget_bytes`` bounds the directory, which ``sharers``
+        processes (a context-parallel group) share: this one keeps within
+        ``budget_bytes // sharers`` (see the module).
 
-        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``/``io_threads``) when
-        the directory cannot be created or written, or the budget or thread count is not
-        positive.
+        Raises ``ConfigError`` (naming ``storage_dir``/``storage_bytes``/``io_threads``/
+        ``cp_size``) when the directory cannot be created or written, or the budget, thread
+        count or sharers is not positive, or the budget is under one byte per sharer.
         """
         super().__init__()
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"storage_bytes must be a positive integer, got {budget_bytes!r}")
+        if isinstance(sharers, bool) or not isinstance(sharers, int) or sharers <= 0:
+            raise ConfigError(f"cp_size must be a positive integer, got {sharers!r}")
+        if budget_bytes < sharers:
+            raise ConfigError(
+                f"storage_bytes={budget_bytes} leaves no budget for each of cp_size={sharers} ranks"
+            )
         # absolute: publishing links to absolute paths, and a later chdir must not move the tier
         self.root = os.path.abspath(os.fspath(root))
         self.namespace = namespace
         self.dir = os.path.join(self.root, namespace)
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._index = FileIndex(budget_bytes, self._path, self.dir)
+        self._index = FileIndex(budget_bytes // sharers, self._path, self.dir, sharers)
         threads = min(4, os.cpu_count() or 1) if io_threads is None else io_threads
         self._io = OrderedIO(threads, "kvtier-file")
         probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}{TMP_SUFFIX}")
@@ -135,8 +145,9 @@ class FileBackend(StorageBackend):
 
     @classmethod
     def from_config(cls, config: CacheConfig, namespace: Namespace) -> FileBackend:
-        """Backend for ``config.storage_dir`` with budget ``config.storage_bytes``."""
-        return cls(config.storage_dir, namespace, config.storage_bytes)
+        """Backend for ``config.storage_dir`` with budget ``config.storage_bytes``, shared by
+        the ``config.cp_size`` ranks of a context-parallel group."""
+        return cls(config.storage_dir, namespace, config.storage_bytes, sharers=config.cp_size)
 
     def _path(self, key: str) -> str:
         """Where ``key``'s object lives; raises ``RequestError`` naming a key that is empty,
@@ -147,7 +158,8 @@ class FileBackend(StorageBackend):
 
     @property
     def budget_bytes(self) -> int:
-        """The byte budget (lowered to what the disk held when it fills up)."""
+        """This process's byte budget (``storage_bytes // sharers``; lowered to what the disk
+        held when it fills up)."""
         return self._index.budget_bytes
 
     def _scan(self, read_ns: dict[str, int]) -> None:
@@ -450,15 +462,16 @@ class FileBackend(StorageBackend):
             }
 
     def check_integrity(self) -> None:
-        """Between batches: the bytes in use are the indexed objects' sizes and within the
-        budget (``FileIndex.check_integrity``), and disk and index agree
-        (``file_layout.disagreements``). (A file the index dropped may remain: one unreadable
-        when read is left for the next backup of its key to replace.) Raises
-        ``IntegrityError``."""
+        """Between batches: the bytes in use are what the indexed objects are charged and
+        within the budget (``FileIndex.check_integrity``), and disk and index agree
+        (``file_layout.disagreements``; in a directory shared by several ranks, on the indexed
+        files still there). (A file the index dropped may remain: one unreadable when read is
+        left for the next backup of its key to replace.) Raises ``IntegrityError``."""
         with self._lock:
             self._index.check_integrity()
             index, where, packs = self._index.snapshot()
-        odd = file_layout.disagreements(self.dir, index, where, packs)
+        shared = self._index.sharers > 1
+        odd = file_layout.disagreements(self.dir, index, where, packs, shared)
         if odd:
             raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
 

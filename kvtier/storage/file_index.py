@@ -18,21 +18,39 @@ from kvtier.storage.file_pack import Packed
 
 class FileIndex:
     """Stored keys and their sizes (envelope header included), least recently used first;
-    ``used`` is their sum plus the reservations of writes in flight, kept within
+    ``used`` is what they are charged plus the reservations of writes in flight, kept within
     ``budget_bytes`` by evicting from the front. A pack (``kvtier.storage.file_pack``) enters
-    and leaves whole: evicting or dropping any of its keys drops them all and deletes it."""
+    and leaves whole: evicting or dropping any of its keys drops them all and deletes it.
 
-    def __init__(self, budget_bytes: int, path_of: Callable[[str], str], where: str) -> None:
+    An object this process wrote is charged its size. With ``sharers > 1`` processes sharing
+    the directory (a context-parallel group: each writes its own objects, each indexes what the
+    restart scan finds), an object found by the scan is charged ``ceil(size / sharers)``: each
+    sharer pays its share of what they all found, so with every sharer within ``budget_bytes``
+    the directory holds at most ``sharers x budget_bytes``. (A found object still on disk is in
+    every sharer's index, since only eviction deletes one; so the found bytes on disk are at
+    most the mean of what the sharers' indexes charge for them, times ``sharers``.)"""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        path_of: Callable[[str], str],
+        where: str,
+        sharers: int = 1,
+    ) -> None:
         """``path_of(key)``: the file of a key stored on its own; ``where``: the directory,
-        for the warning when a full disk lowers the budget."""
+        for the warning when a full disk lowers the budget; ``sharers``: processes whose
+        objects share the directory (see the class)."""
         self.budget_bytes = budget_bytes
+        self.sharers = sharers
         self.used = 0
-        """Bytes of indexed objects plus reservations of writes in flight."""
+        """Bytes charged for indexed objects plus reservations of writes in flight."""
         self.evictions = 0
         """Keys evicted to make room, in total."""
         self._path_of = path_of
         self._dir = where
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._charged: dict[str, int] = {}
+        """What each key is charged where that is not its size (found by a shared scan)."""
         self._where: dict[str, Packed] = {}
         """Where each packed key is; other keys are files of their own."""
         self._packs: dict[str, list[str]] = {}
@@ -56,9 +74,13 @@ class FileIndex:
         return w.pack if w is not None else self._path_of(key)
 
     def add(self, key: str, size: int, where: Packed | None = None) -> None:
-        """Index an object found on disk (the restart scan), as most recent."""
+        """Index an object found on disk (the restart scan), as most recent; charged its
+        share (see the class)."""
         self._sizes[key] = size
-        self.used += size
+        charge = -(-size // self.sharers)
+        if charge != size:
+            self._charged[key] = charge
+        self.used += charge
         if where is not None:
             self._where[key] = where
             self._packs.setdefault(where.pack, []).append(key)
@@ -92,7 +114,8 @@ class FileIndex:
         path = self._path_of(key) if w is None else w.pack
         keys = [key] if w is None else self._packs.pop(w.pack)
         for k in keys:
-            self.used -= self._sizes.pop(k)
+            size = self._sizes.pop(k)
+            self.used -= self._charged.pop(k, size)
             self._where.pop(k, None)
         if w is not None or delete:
             unlink_quiet(path)
@@ -152,10 +175,12 @@ class FileIndex:
         )
 
     def check_integrity(self) -> None:
-        """``used`` is the indexed sizes (call it with no write in flight) and within the
-        budget. Raises ``IntegrityError``. (Disk against index: ``file_layout.disagreements``
-        of a ``snapshot``.)"""
-        held = sum(self._sizes.values())
+        """``used`` is what the indexed objects are charged (call it with no write in flight)
+        and within the budget. Raises ``IntegrityError``. (Disk against index:
+        ``file_layout.disagreements`` of a ``snapshot``.)"""
+        if not self._charged.keys() <= self._sizes.keys():
+            raise IntegrityError("file backend: a charge is kept for a key not indexed")
+        held = sum(self._charged.get(k, z) for k, z in self._sizes.items())
         if self.used != held or self.used > self.budget_bytes:
             raise IntegrityError(
                 f"file backend: {self.used} bytes in use, {held} indexed, "

@@ -132,12 +132,20 @@ def disagreements(
     index: Mapping[str, int],
     where: Mapping[str, Packed],
     packs: Mapping[str, Sequence[str]],
+    shared: bool = False,
 ) -> list[object]:
     """What disk and index disagree on (empty when they agree): every indexed key not in a
     pack is a file of its indexed size; the packs' keys are exactly the packed keys; every
-    pack file on disk is indexed and its size is its objects' sizes; no temp file is left."""
+    pack file on disk is indexed and its size is its objects' sizes; no temp file is left.
+
+    ``shared`` (a directory the ranks of a context-parallel group share): other ranks write
+    files this index never sees and evict files it still holds, so only the indexed files
+    that are on disk are checked, for their sizes."""
     found, temps = object_files(directory)
     singles = {(k, z) for k, z in index.items() if k not in where}
+    if shared:
+        present = {key for _, key, _ in found}
+        singles = {(k, z) for k, z in singles if k in present}
     odd: list[object] = [*sorted(singles - {(key, size) for _, key, size in found})[:3], *temps[:3]]
     if sorted(k for ks in packs.values() for k in ks) != sorted(where) or any(
         where[k].pack != p for p, ks in packs.items() for k in ks
@@ -148,6 +156,9 @@ def disagreements(
         for e in os.scandir(f"{directory}/{PACKS_DIR}"):
             on_disk[e.path] = e.stat().st_size
     want = {p: sum(index.get(k, -1) for k in ks) for p, ks in packs.items()}
+    if shared:
+        on_disk = {p: z for p, z in on_disk.items() if p in want}
+        want = {p: z for p, z in want.items() if p in on_disk}
     if on_disk != want:
         odd.append(f"pack files {sorted(on_disk.items())[:2]}, indexed {sorted(want.items())[:2]}")
     return odd
