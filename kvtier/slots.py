@@ -211,7 +211,9 @@ class EnginePages:
         if unlock is not None:
             unlock()
         self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
-        rest = slot_lists.distinct_pages(slots, self.page_size)
+        # ``pages`` are the pages of ``slots[:n]`` (checked distinct): only the slots past
+        # them need dividing, not all of them again.
+        rest = np.unique(np.concatenate((pages, slots[n:] // self.page_size)))
         rest = rest[self._owned_np[rest]]
         if rest.size:
             self._free(torch.from_numpy(rest))
