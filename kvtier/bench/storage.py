@@ -123,11 +123,11 @@ def bench_storage(
 ) -> dict:
     """Benchmark L3 ``backend`` (``file`` or ``mooncake``) against its plain peer.
 
-    ``file`` uses ``directory`` (created when missing) and runs every size of ``SIZES`` unless ``page_bytes`` and
-    ``num_pages`` name one, with SGLang's ``HiCacheFile`` as a second peer when
-    ``peer_python`` is given (see ``bench_file``); ``mooncake`` uses the cluster at ``url``
-    (a ``storage_url``), or starts a local one for the run when ``url`` is ``None``. Raises
-    ``ValueError`` for another backend name.
+    ``file`` uses ``directory`` (created when missing) and runs every size of ``SIZES``
+    unless ``page_bytes`` and ``num_pages`` name one, with SGLang's ``HiCacheFile`` as a second
+    peer when ``peer_python`` is given (see ``bench_file``); ``mooncake`` uses the cluster at
+    ``url`` (a ``storage_url``), or starts a local one for the run when ``url`` is ``None``.
+    Raises ``ValueError`` for another backend name.
     """
     if backend == "file":
         if directory:

@@ -23,12 +23,14 @@ class FileIndex:
     and leaves whole: evicting or dropping any of its keys drops them all and deletes it.
 
     An object this process wrote is charged its size. With ``sharers > 1`` processes sharing
-    the directory (a context-parallel group: each writes its own objects, each indexes what the
-    restart scan finds), an object found by the scan is charged ``ceil(size / sharers)``: each
-    sharer pays its share of what they all found, so with every sharer within ``budget_bytes``
-    the directory holds at most ``sharers x budget_bytes``. (A found object still on disk is in
-    every sharer's index, since only eviction deletes one; so the found bytes on disk are at
-    most the mean of what the sharers' indexes charge for them, times ``sharers``.)"""
+    the directory (a context-parallel group: each writes its own objects, each indexes what its
+    start-up scan finds), an object found by the scan is charged ``ceil(size / sharers)``, so
+    with every sharer within ``budget_bytes`` the directory holds at most ``sharers x
+    budget_bytes``. Why, for a group that starts together: a found object leaves a sharer's
+    index only when it is deleted (or cannot be read), so one still on disk is in every
+    sharer's index, and the found bytes on disk are at most what the sharers together are
+    charged for them; each sharer's own writes are charged whole.
+    """
 
     def __init__(
         self,
