@@ -185,9 +185,9 @@ class EnginePages:
         """Give the tree the whole pages of ``tokens`` at ``locs``; returns ``cached_len``.
         Engine pages the tree did not take stay the engine's."""
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        pages = self._whole_pages(locs[:n], what)
+        pages = slot_lists.whole_pages(self._slots(locs[:n], what), self.page_size, what)
         self._check_insert(tokens[:n], pages, what)
-        return self._insert(tokens[:n], pages, checkpoints)
+        return self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
 
     def finish(
         self,
@@ -254,8 +254,7 @@ class EnginePages:
         Returns the pages released."""
         if not self.windowed or not locs.numel():
             return 0
-        pages = torch.unique(self._pages_of(locs, "release_window"))
-        return give_back_windows(self.pool, pages[self._owned[pages]])
+        return give_back_windows(self.pool, self._owned_of(locs, "release_window"))
 
     def _free(self, pages: torch.Tensor) -> None:
         if self._on_free is not None:
@@ -287,40 +286,31 @@ class EnginePages:
     # ---- checks -------------------------------------------------------------------------
     def owned_pages(self, locs: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``locs`` that are the engine's (CPU int64, ascending)."""
-        pages = torch.unique(self._pages_of(locs, "owned_pages"))
-        return pages[self._owned[pages]]
+        return self._owned_of(locs, "owned_pages")
 
-    def _pages_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
-        """Page of every slot in ``locs`` (CPU int64), after checking the slots lie in the pool.
-
-        Raises ``RequestError`` naming the first slot outside ``[0, logical_pages * page_size)``.
-        """
-        return torch.from_numpy(self._slots(locs, what) // self.page_size)
+    def _owned_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
+        pages = slot_lists.distinct_pages(self._slots(locs, what), self.page_size)
+        return torch.from_numpy(pages[self._owned_np[pages]])
 
     def _slots(self, locs: torch.Tensor, what: str) -> np.ndarray:
+        """``locs`` as checked slots: raises ``RequestError`` naming the first slot outside
+        ``[0, logical_pages * page_size)``."""
         return slot_lists.checked(locs, self.pool.logical_pages * self.page_size, what)
 
-    def _whole_pages(self, locs: torch.Tensor, what: str) -> torch.Tensor:
-        pages = slot_lists.whole_pages(self._slots(locs, what), self.page_size, what)
-        return torch.from_numpy(pages)
-
-    def _require_owned(self, pages: torch.Tensor | np.ndarray, what: str) -> None:
-        idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages
-        mine = self._owned_np[idx]
+    def _require_owned(self, pages: np.ndarray, what: str) -> None:
+        mine = self._owned_np[pages]
         if not mine.all():
-            bad = np.unique(idx[~mine]).tolist()[:8]
+            bad = np.unique(pages[~mine]).tolist()[:8]
             raise RequestError(
                 f"{what}: device page(s) {bad} are not the engine's (already cached, freed or "
                 "never allocated)"
             )
 
-    def _check_insert(
-        self, tokens: Sequence[int], pages: torch.Tensor | np.ndarray, what: str
-    ) -> None:
-        """Refuse pages the tree would take that are not the engine's. Where the tree already
-        caches a page on device the caller may pass that very page (it came from ``load``) or
-        a page of its own (a duplicate it frees); everywhere else only its own pages."""
-        p = pages.numpy() if isinstance(pages, torch.Tensor) else pages
+    def _check_insert(self, tokens: Sequence[int], p: np.ndarray, what: str) -> None:
+        """Refuse pages ``p`` the tree would take that are not the engine's. Where the tree
+        already caches a page on device the caller may pass that very page (it came from
+        ``load``) or a page of its own (a duplicate it frees); everywhere else only its own
+        pages."""
         if np.unique(p).size != p.size:
             raise RequestError(f"{what}: a device page appears twice in the slots")
         m = self.tree.match(tokens)
