@@ -288,12 +288,9 @@ class FileBackend(StorageBackend):
                     return plan, StorageError(
                         "no_space", f"{size}-byte object exceeds budget {index.budget_bytes}"
                     )
-                index.evict(size)
-                if writes and index.used + size > index.budget_bytes:
-                    # This round's own writes hold the space: once indexed they can be evicted.
-                    return plan, None
                 # Reserved now so concurrent writers cannot overshoot the budget.
-                index.used += size
+                if not index.reserve(size, round_holds=writes > 0):
+                    return plan, None
             plan.append((key, path, size, payload))
             writes += 1
         return plan, None
@@ -333,7 +330,7 @@ class FileBackend(StorageBackend):
                 if outcome is None and payload is not None:
                     self._index.settle(key, size)
                 elif outcome is NOT_RUN:
-                    self._index.used -= size
+                    self._index.release(size)
 
     def _write_pack(
         self, plan: list[_Planned], fresh: list[int]
@@ -356,14 +353,9 @@ class FileBackend(StorageBackend):
         total = sum(sizes)
         reserved = sum(plan[i][2] for i in fresh)
         with self._lock:
-            index = self._index
             # The round reserved every fresh object's size; the pack's is ``total``.
-            index.used -= reserved
-            index.evict(total)
-            if index.used + total > index.budget_bytes:  # no room for the pack header
-                index.used += reserved
+            if not self._index.exchange(reserved, total):  # no room for the pack header
                 return None
-            index.used += total
         outcomes: list[BaseException | None] = [None] * len(plan)
         try:
             self._write_reserved(
@@ -419,11 +411,9 @@ class FileBackend(StorageBackend):
                     publish(path, contents, self.fsync)
                 return
             except OSError as e:
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
                 with self._lock:
-                    self._index.used -= size
-                    retry = e.errno in (errno.ENOSPC, errno.EDQUOT) and self._index.shrink(size)
-                    if retry:
-                        self._index.used += size
+                    retry = self._index.write_failed(size, full)
                 if not retry:
                     raise
 

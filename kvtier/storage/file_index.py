@@ -109,6 +109,41 @@ class FileIndex:
         while self._sizes and self.used + incoming > self.budget_bytes:
             self.evictions += self.drop(next(iter(self._sizes)), True)
 
+    def reserve(self, size: int, round_holds: bool) -> bool:
+        """Evict least recent objects until ``size`` more bytes fit, then reserve them for a
+        write. ``False`` (nothing reserved) when they still do not fit and ``round_holds``: the
+        caller's own writes in flight hold the room, and once indexed they can be evicted."""
+        self.evict(size)
+        if round_holds and self.used + size > self.budget_bytes:
+            return False
+        self.used += size
+        return True
+
+    def release(self, size: int) -> None:
+        """Give back a reservation of a write that did not happen."""
+        self.used -= size
+
+    def exchange(self, held: int, size: int) -> bool:
+        """Trade a reservation of ``held`` bytes for one of ``size`` (evicting to fit);
+        ``False``, keeping ``held``, when ``size`` does not fit."""
+        self.used -= held
+        self.evict(size)
+        if self.used + size > self.budget_bytes:
+            self.used += held
+            return False
+        self.used += size
+        return True
+
+    def write_failed(self, size: int, disk_full: bool) -> bool:
+        """A write holding a reservation of ``size`` failed: on a full disk (``disk_full``) the
+        budget shrinks to what the disk holds and least recent objects go (:meth:`shrink`);
+        ``True`` keeps the reservation for a retry, ``False`` gives it back."""
+        self.used -= size
+        if disk_full and self.shrink(size):
+            self.used += size
+            return True
+        return False
+
     def drop(self, key: str, delete: bool) -> int:
         """Take indexed ``key`` out, with every key of its pack if packed (the pack is
         deleted); its own file is deleted with ``delete``. Returns the keys taken out."""
