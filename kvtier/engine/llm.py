@@ -11,7 +11,6 @@ from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -21,7 +20,13 @@ from kvtier.engine import graphs, spec
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
-from kvtier.engine.request import Request, RequestOutput, checked_tokens, int32_tokens
+from kvtier.engine.request import (
+    Request,
+    RequestOutput,
+    check_limits,
+    checked_tokens,
+    int32_tokens,
+)
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
@@ -151,29 +156,15 @@ class LLM:
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
         tokens, held = self._tokens(prompt)  # ``held``: the request's own container
-        cfg = self.model_config
-        if not tokens:
-            raise RequestError("empty prompt: a request needs at least one token")
-        ids = np.frombuffer(held, dtype=np.int32)  # checked as numpy: no loop
-        outside = (ids < 0) | (ids >= cfg.vocab_size)
-        if outside.any():
-            bad = int(ids[outside.argmax()])
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        total = len(tokens) + params.max_tokens
-        if total > cfg.max_position:
-            raise RequestError(
-                f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds the "
-                f"model's context length max_position={cfg.max_position}"
-            )
         pool = self.cache.kv_buffers
-        pages = -(-total // pool.page_size)
-        padding = self._padding.pages
-        if pages > pool.num_pages - padding:
-            note = f", {padding} of them held for CUDA graphs" if padding else ""
-            raise RequestError(
-                f"prompt + max_tokens needs {pages} pages but the device pool has only "
-                f"{pool.num_pages} (device_pages{note})"
-            )
+        check_limits(
+            held,
+            params.max_tokens,
+            self.model_config,
+            pool.page_size,
+            pool.num_pages,
+            self._padding.pages,
+        )
         return Request(
             id=next(self._ids),
             prompt=tokens,

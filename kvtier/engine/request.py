@@ -9,12 +9,16 @@ import struct
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import RequestError
+
+if TYPE_CHECKING:
+    from kvtier.engine.config import ModelConfig
 
 TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
 """Token ids a request can hold: ``Request.tokens`` is int32 (``array('i')``), the container
@@ -81,6 +85,41 @@ def int32_tokens(ids: Sequence[int]) -> array[int]:
                 raise _out_of_range(i, t) from None
         raise RequestError(f"prompt token ids must be integers: {e}") from None
     return out
+
+
+def check_limits(
+    held: array[int],
+    max_tokens: int,
+    model: ModelConfig,
+    page_size: int,
+    pool_pages: int,
+    padding_pages: int,
+) -> None:
+    """Refuse a request of prompt ``held`` (``int32_tokens``) and ``max_tokens`` that cannot
+    run: empty, an id outside ``model``'s vocabulary, longer than its context, or needing more
+    pages than a device pool of ``pool_pages`` has beside the ``padding_pages`` the engine
+    holds for CUDA graphs. Raises ``RequestError`` naming the value and the option."""
+    n = len(held)
+    if not n:
+        raise RequestError("empty prompt: a request needs at least one token")
+    ids = np.frombuffer(held, dtype=np.int32)  # checked as numpy: no loop
+    outside = (ids < 0) | (ids >= model.vocab_size)
+    if outside.any():
+        bad = int(ids[outside.argmax()])
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    total = n + max_tokens
+    if total > model.max_position:
+        raise RequestError(
+            f"prompt of {n} tokens + max_tokens={max_tokens} exceeds the "
+            f"model's context length max_position={model.max_position}"
+        )
+    pages = -(-total // page_size)
+    if pages > pool_pages - padding_pages:
+        note = f", {padding_pages} of them held for CUDA graphs" if padding_pages else ""
+        raise RequestError(
+            f"prompt + max_tokens needs {pages} pages but the device pool has only "
+            f"{pool_pages} (device_pages{note})"
+        )
 
 
 def _out_of_range(i: int, t: int) -> RequestError:
