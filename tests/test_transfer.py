@@ -22,6 +22,7 @@ from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
+from kvtier.transfer.staging import host_breaks, slice_blocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -117,6 +118,7 @@ def test_choice_follows_block_size_and_direction():
     assert choose(small, "h2d", one, one, per_layer=True) == KERNEL
     assert choose(small, "d2h", one, one) == KERNEL  # one 128 KiB block per page
     assert choose(small, "d2h", runs, one.repeat(4)) == STAGED  # runs of 8 host pages: 1 MiB
+    assert choose(small, "d2h", one, one, host_run=8.0) == STAGED  # the caller's mean run
     lf = geo("layer_first", row_bytes=16 << 10, layers=32)
     assert choose(lf, "h2d", one, one) == KERNEL  # 16 KiB blocks, staged or not
     assert choose(lf, "h2d", runs, runs) == STAGED  # 128 KiB blocks either way: staged
@@ -178,6 +180,9 @@ def test_staging_slices_grow_away_from_the_unoverlapped_end():
     assert staging_slices(5, 32 * mib, 64 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
     assert staging_slices(7, 64 << 10, 256 * mib, "d2h") == [7]
     assert staging_slices(0, mib, 16 * mib, "d2h") == []
+    # Beside a copy the other way, the first slice is 32 MiB.
+    assert staging_slices(40, 4 * mib, 256 * mib, "d2h", shared_link=True) == [8, 12, 18, 2]
+    assert staging_slices(40, 4 * mib, 256 * mib, "d2h") == [4, 6, 9, 13, 8]
 
 
 def test_coalesce_merges_blocks_contiguous_on_both_sides_only():
@@ -240,7 +245,10 @@ def test_staging_blocks_hold_every_row_where_the_host_layout_has_it(layout):
         r = ComponentRows.of(dev, host, s.name, mapped=False)
         buf = torch.zeros((5 * r.geo.layers, r.device.shape[1]), dtype=r.device.dtype)
         r.stage(buf, dp, True, op, ctas=1, tile_words=rows.ONE_BLOCK)
-        host_at, stage_at, sizes = r.stage_blocks(hp, buf)
+        h = hp.numpy()
+        blocks = slice_blocks(h, host_breaks(h), [5], r.geo, r.host.data_ptr())
+        host_at, at, sizes = next(blocks)
+        stage_at = at + buf.data_ptr()
         assert sizes.size == (3 * r.geo.layers if layout == "layer_first" else 3)
         assert int(sizes.sum()) == buf.numel() * buf.element_size()
         for h, b, n in zip(host_at.tolist(), stage_at.tolist(), sizes.tolist(), strict=True):

@@ -22,16 +22,22 @@ def queue_all(chunks: Iterator[int], after: Callable[[], None] | None = None) ->
             return
 
 
-def interleave(jobs: list[tuple[Iterator[int], torch.cuda.Stream]]) -> None:
+def interleave(jobs: list[tuple[Iterator[int], torch.cuda.Stream]], lead: int = 1) -> None:
     """Queue every chunk of several chunk generators, one chunk of each in turn, each
-    generator resumed on its own stream."""
+    generator resumed on its own stream. First each job in turn queues chunks until it has
+    queued ``lead`` bytes (or all of them), so that every job's copies are going before the
+    next one's set-up: a first chunk can be small (a small component's only slice)."""
     live = list(jobs)
-    # A chunk is queued at the resumption after the one yielding its size: resume each job
-    # twice first, so that every direction's first copy is queued before the next one's set-up.
     for job in list(live):
+        gen, queued = job[0], 0
         with on(job[1]):
-            if next(job[0], None) is None or next(job[0], None) is None:
-                live.remove(job)
+            size = next(gen, None)
+            # A chunk is queued at the resumption after the one yielding its size.
+            while size is not None and queued < lead:
+                queued += size
+                size = next(gen, None)
+        if size is None:
+            live.remove(job)
     while live:
         for job in list(live):
             with on(job[1]):

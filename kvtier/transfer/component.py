@@ -7,6 +7,7 @@ CUDA stream (or the streams passed in) and never waits for the GPU.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from kvtier.transfer.rows import (
     copy_page_rows,
     copy_rows,
 )
+from kvtier.transfer.staging import host_breaks, slice_blocks
 from kvtier.transfer.streams import on
 from kvtier.transfer.uploads import Uploads
 
@@ -50,19 +52,50 @@ class PageLists:
     device: torch.Tensor
     uploads: Uploads | None = None
     """Pinned buffers to upload through (a mover's); ``None`` pins a temporary."""
-    _gpu: torch.Tensor | None = None
+    _host_gpu: torch.Tensor | None = None
+    _device_gpu: torch.Tensor | None = None
+    device_listed: torch.cuda.Event | None = None
+    """Recorded on the stream that uploaded the device page list, right after the upload."""
+    _breaks: np.ndarray | None = None
 
     def on_gpu(self, device: torch.device, op: TransferOp) -> tuple[torch.Tensor, torch.Tensor]:
         """``(host, device)`` page lists on ``device``. The first call queues the copy on the
         current stream, from pinned memory (the host never waits); ``op`` keeps it alive."""
-        if self._gpu is None:
-            both = torch.stack([self.host, self.device])
-            if self.uploads is not None:
-                self._gpu = self.uploads.upload(both, device)
-            else:
-                self._gpu = both.pin_memory().to(device, non_blocking=True)
-            op.keepalive.append(self._gpu)
-        return self._gpu[0], self._gpu[1]
+        if self._host_gpu is None and self._device_gpu is None:
+            both = self._upload(torch.stack([self.host, self.device]), device, op)
+            self._host_gpu, self._device_gpu = both[0], both[1]
+            self.device_listed = _record(torch.cuda.current_stream(device))
+        elif self._host_gpu is None:
+            self._host_gpu = self._upload(self.host, device, op)
+        return self._host_gpu, self.device_on_gpu(device, op)
+
+    def device_on_gpu(self, device: torch.device, op: TransferOp) -> torch.Tensor:
+        """The device page list alone on ``device`` (what staging kernels read), copied as by
+        :meth:`on_gpu`."""
+        if self._device_gpu is None:
+            self._device_gpu = self._upload(self.device, device, op)
+            self.device_listed = _record(torch.cuda.current_stream(device))
+        return self._device_gpu
+
+    def _upload(self, lists: torch.Tensor, device: torch.device, op: TransferOp) -> torch.Tensor:
+        if self.uploads is not None:
+            out = self.uploads.upload(lists, device)
+        else:
+            out = lists.pin_memory().to(device, non_blocking=True)
+        op.keepalive.append(out)
+        return out
+
+    def host_breaks(self) -> np.ndarray:
+        """Where runs of consecutive host pages start (``staging.host_breaks``), worked out
+        once for every component and both the mechanism choice and the staged blocks."""
+        if self._breaks is None:
+            self._breaks = host_breaks(self.host.numpy())
+        return self._breaks
+
+    def host_run(self) -> float:
+        """Mean host pages per run of consecutive host pages (1 when empty)."""
+        n = self.host.numel()
+        return n / (self.host_breaks().size + 1) if n else 1.0
 
 
 @dataclass(slots=True)
@@ -187,23 +220,23 @@ class ComponentRows:
         """Host pages by copy engine through two device staging buffers, in slices
         (``plan.staging_slices``). A generator of chunks (see :meth:`kernel`), one per slice.
 
-        A slice's staging buffer has the byte layout of its ``k`` host pages laid side by side,
-        so a run of consecutive host pages is one copy-engine block per host layout block:
-
-            host layout   staging row of (layer l, slice page i)   one block per
-            page_first    i * layers + l                           run (all layers)
-            layer_first   l * k + i                                run and layer
-
-        The rows are gathered (d2h) or scattered (h2d) on ``helper`` by one launch per slice
-        that reads the slice's device pages (``rows.copy_page_rows``), so the copy engine moves
-        one slice while the other buffer is filled or emptied:
+        A slice's staging buffer has the byte layout of its host pages laid side by side, so a
+        run of consecutive host pages is one copy-engine block (per layer for a layer-first
+        host; ``kvtier.transfer.staging``). The rows are gathered (d2h) or scattered (h2d) on
+        ``helper`` by one launch per slice that reads the slice's device pages
+        (``rows.copy_page_rows``), so the copy engine moves one slice while the other buffer is
+        filled or emptied:
 
             d2h   helper: gather k ──> stream: copy k ──> (buffer free) helper: gather k + 2
             h2d   stream: copy k ──> helper: scatter k ──> (buffer free) stream: copy k + 2
+
+        An h2d scatter is queued after the next slice's copy, so that copy is never queued
+        behind it on the CPU.
         """
         geo = self.geo
         layers, page_bytes = geo.layers, geo.layers * geo.row_bytes
-        slices = staging_slices(pages.host.numel(), page_bytes, staging_bytes, direction)
+        n = pages.host.numel()
+        slices = staging_slices(n, page_bytes, staging_bytes, direction, op.shared_link)
         words, dtype, device = self.device.shape[1], self.device.dtype, self.device.device
         largest = max(slices)
         bufs = [
@@ -211,17 +244,21 @@ class ComponentRows:
             for _ in range(min(2, len(slices)))
         ]
         op.keepalive += bufs
-        # The device page list is uploaded before the first gather (d2h) or after the first
-        # copy is queued (h2d: its copy needs no device rows, so it starts at once).
-        dev_pages = pages.on_gpu(device, op)[1] if direction == "d2h" else None
+        blocks = slice_blocks(
+            pages.host.numpy(), pages.host_breaks(), slices, geo, self.host.data_ptr()
+        )
         single_upto = dma.FEW_BLOCKS if op.shared_link else 0
-        helper.wait_stream(stream)  # ``stream`` follows the compute stream (and the page list)
+        los = [0, *itertools.accumulate(slices)]
         freed: list[torch.cuda.Event | None] = [None, None]
-        lo = 0
-        for j, k in enumerate(slices):
-            buf, b = bufs[j % 2], j % 2
-            host_at, stage_at, sizes = self.stage_blocks(pages.host[lo : lo + k], buf)
-            if direction == "d2h":
+        if direction == "d2h":
+            # The device page list goes up before the first gather, which needs it.
+            dev_pages = pages.device_on_gpu(device, op)
+            # After the list and what ``stream`` followed before it (the compute stream), not
+            # after the copies of the components before this one.
+            helper.wait_event(pages.device_listed)
+            for j, k in enumerate(slices):
+                buf, b, lo = bufs[j % 2], j % 2, los[j]
+                host_at, at, sizes = next(blocks)
                 with on(helper):
                     if freed[b] is not None:
                         helper.wait_event(freed[b])
@@ -231,23 +268,36 @@ class ComponentRows:
                     ready = _record(helper)
                 stream.wait_event(ready)
                 yield k * page_bytes
-                dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream, single_upto)
+                dma.copy_blocks(host_at, at + buf.data_ptr(), sizes, stream, single_upto)
                 freed[b] = _record(stream)
-            else:
-                if freed[b] is not None:
-                    stream.wait_event(freed[b])
-                yield k * page_bytes
-                dma.copy_blocks(*dma.coalesce(stage_at, host_at, sizes), stream, single_upto)
-                if dev_pages is None:
-                    dev_pages = pages.on_gpu(device, op)[1]  # behind the first copy, on stream
-                arrived = _record(stream)
-                with on(helper):
-                    helper.wait_event(arrived)
-                    self.stage(buf, dev_pages[lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
-                    freed[b] = _record(helper)
-            lo += k
-        if direction == "h2d":
-            stream.wait_stream(helper)
+            return
+        helper.wait_stream(stream)  # ``stream`` follows the compute stream
+        arrived: list[torch.cuda.Event] = []
+        on_device: list[torch.Tensor] = []
+
+        def scatter(j: int) -> None:
+            # Queued after the next slice's copy, so that copy goes out first.
+            with on(helper):
+                helper.wait_event(arrived[j])
+                lo, k, b = los[j], slices[j], j % 2
+                self.stage(bufs[b], on_device[0][lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
+                freed[b] = _record(helper)
+
+        for j, k in enumerate(slices):
+            buf, b = bufs[j % 2], j % 2
+            host_at, at, sizes = next(blocks)
+            if freed[b] is not None:
+                stream.wait_event(freed[b])
+            yield k * page_bytes
+            dma.copy_blocks(at + buf.data_ptr(), host_at, sizes, stream, single_upto)
+            if not on_device:
+                # Behind the first copy on ``stream``: up as that copy ends, which is when the
+                # first scatter needs it (a copy engine would queue it there anyway).
+                on_device.append(pages.device_on_gpu(device, op))
+            arrived.append(_record(stream))
+            if j:
+                scatter(j - 1)
+        scatter(len(slices) - 1)  # ``stream`` joins ``helper`` once the load is queued
 
     def stage(
         self,
@@ -274,33 +324,6 @@ class ComponentRows:
             layer_major=geo.host_layout == "layer_first",
         )
         op.keepalive.append(dev_pages)
-
-    def stage_blocks(
-        self, host_pages: torch.Tensor, buf: torch.Tensor
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(host, staging, sizes)`` of the copy-engine blocks between a slice's ``host_pages``
-        and staging ``buf`` (see :meth:`staged`): one per run of consecutive host pages, times
-        the layers for a layer-first host."""
-        geo, rb = self.geo, self.geo.row_bytes
-        h = host_pages.numpy()
-        k = h.size
-        starts = np.flatnonzero(np.diff(h, prepend=h[0] - 2) != 1)
-        runs = np.diff(starts, append=k).astype(np.uint64)
-        stage_base, host_base = np.uint64(buf.data_ptr()), np.uint64(self.host.data_ptr())
-        first = h[starts].astype(np.uint64)
-        if geo.host_layout == "page_first":
-            page = np.uint64(geo.layers * rb)
-            host_at = host_base + first * np.uint64(geo.layers) * np.uint64(rb)
-            return host_at, stage_base + starts.astype(np.uint64) * page, runs * page
-        layer = np.arange(geo.layers, dtype=np.uint64)[:, None]
-        host_rows = layer * np.uint64(geo.host_pages) + first[None, :]
-        stage_rows = layer * np.uint64(k) + starts.astype(np.uint64)[None, :]
-        sizes = np.broadcast_to(runs * np.uint64(rb), host_rows.shape)
-        return (
-            (host_base + host_rows * np.uint64(rb)).reshape(-1),
-            (stage_base + stage_rows * np.uint64(rb)).reshape(-1),
-            sizes.reshape(-1),
-        )
 
     def unpinned(
         self, direction: str, pages: PageLists, op: TransferOp

@@ -72,6 +72,7 @@ class Mechanisms:
             self.dma,
             mechanism=self.mechanism,
             shared_link=op.shared_link,
+            host_run=pages.host_run(),
         )
         try:
             if path == DIRECT:

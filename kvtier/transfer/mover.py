@@ -28,7 +28,7 @@ from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
-from kvtier.transfer.plan import STAGING_BYTES
+from kvtier.transfer.plan import SHARED_FIRST_SLICE_BYTES, STAGING_BYTES
 from kvtier.transfer.streams import on
 from kvtier.transfer.translate import (
     MECHANISMS,
@@ -346,9 +346,10 @@ class Mover:
             with torch.cuda.device(self.dev.device):
                 compute = torch.cuda.current_stream(self.dev.device)
                 jobs: list[tuple[Iterator[int], torch.cuda.Stream]] = []
-                # The backup first: queued load first, both ways moved 0.87-0.92 of two
-                # contiguous copies against 0.88-0.96 backup first, and 0.58 against 0.91 for
-                # DSA at page size 1 (results/h200-dma/run11/exchange_order.json).
+                # The backup first. Queued load first (its device page lists uploaded before
+                # the load's first copy), MLA at page size 1 ran one direction after the other
+                # (0.53 of two contiguous copies against 0.95 backup first), where the other
+                # families moved 0.91-0.96 either way (results/h200-dma/run16/).
                 if bop.num_pages:
                     start = torch.cuda.Event()
                     start.record(compute)
@@ -356,7 +357,7 @@ class Mover:
                 if lop.num_pages:
                     chunks = self._load_chunks(lpages, lop, False, compute)
                     jobs.append((chunks, self.load_stream))
-                interleave(jobs)
+                interleave(jobs, lead=SHARED_FIRST_SLICE_BYTES)
         except BaseException:
             bop.release()
             lop.release()
@@ -390,6 +391,9 @@ class Mover:
         for name, part in pages.items():
             if not (overlap and name == anchor) and part.device.numel():
                 yield from self.mechanisms.chunks(name, self.rows[name], "h2d", part, stream, op)
+        # Staged components leave their last scatters on the helper stream: joined once here,
+        # so no component's first copy waits for the scatters of the one before it.
+        stream.wait_stream(self.mechanisms.helpers["h2d"])
         if overlap:
             op.layer_events = self.mechanisms.load_layers(
                 anchor, self.rows[anchor], pages[anchor], stream, op

@@ -57,6 +57,11 @@ FIRST_SLICE_BYTES = 16 << 20
 enough that its copy outlasts the CPU issuing the next slice (about 0.2 ms: smaller first slices
 left the copy engine waiting for the CPU), small enough to gather in tens of microseconds with
 ``rows.PCIE_CTAS`` programs."""
+SHARED_FIRST_SLICE_BYTES = 32 << 20
+"""The same where a copy the other way shares the link (``Mover.exchange``): the CPU sets up that
+copy between this one's first and second slices. With 16 MiB first slices the backup's copy
+engine then sat idle for 0.3-1.1 ms after its first copy in every family (an H200,
+``results/h200-dma/run16/exchange_gaps_before.json``); with 32 MiB, 0-0.5 ms."""
 
 STAGE_GAIN = 8
 """Staging is chosen over direct blocks when its blocks are this many times larger (page-first
@@ -182,31 +187,33 @@ def choose(
     dma: bool = True,
     mechanism: str = "auto",
     shared_link: bool = False,
+    host_run: float | None = None,
 ) -> str:
     """The mechanism for moving ``host_pages`` ↔ ``device_pages`` of one component.
 
-    ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
-    layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
-    (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
-    (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``). ``mechanism``
-    (``CacheConfig.transfer_mechanism``) forces ``kernel`` (row kernels only) or ``copy_engine``
-    (staged for multi-layer components, else direct blocks; direct blocks per layer) whatever
-    the block size. Envelope rows (a
-    unified arena) are never staged: with a page-first host their pages already are blocks.
+        ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
+        layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
+        (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
+        (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``); ``host_run``: the mean run
+    of consecutive ``host_pages`` where the caller has it (``RowGeometry.host_run``). ``mechanism``
+        (``CacheConfig.transfer_mechanism``) forces ``kernel`` (row kernels only) or ``copy_engine``
+        (staged for multi-layer components, else direct blocks; direct blocks per layer) whatever
+        the block size. Envelope rows (a
+        unified arena) are never staged: with a page-first host their pages already are blocks.
 
-    Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
-    pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
-    times the mean run contiguous on both sides.
-    Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
-    small), since it adds a gather or scatter on the device. A layer-first host (of more than one
-    layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its
-    direct loads beside staged backups moved 0.57-0.89 of two contiguous copies where staged
-    loads moved 0.77-0.95, and 0.57-0.74 against 0.77-0.95 for DSA-compressed and hybrid;
-    one way, 0.90-0.95 direct against 0.92-0.97 staged (``results/h200-dma/run12/
-    layer_first_choice.json``, the six cells whose loads went direct). Both ways at once on an
-    H200, with host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged
-    copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
-    where rows are small (MLA and DSA at page size 1).
+        Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
+        pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
+        times the mean run contiguous on both sides.
+        Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
+        small), since it adds a gather or scatter on the device. A layer-first host (of more than one
+        layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its
+        direct loads beside staged backups moved 0.57-0.89 of two contiguous copies where staged
+        loads moved 0.77-0.95, and 0.57-0.74 against 0.77-0.95 for DSA-compressed and hybrid;
+        one way, 0.90-0.95 direct against 0.92-0.97 staged (``results/h200-dma/run12/
+        layer_first_choice.json``, the six cells whose loads went direct). Both ways at once on an
+        H200, with host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged
+        copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
+        where rows are small (MLA and DSA at page size 1).
     """
     stageable = not per_layer and not geo.envelope
     if mechanism == "copy_engine" and dma:
@@ -225,7 +232,9 @@ def choose(
         least = SHARED_D2H_DMA_MIN_BYTES if shared_link else D2H_DMA_MIN_BYTES
     direct = geo.row_bytes * geo.mean_run(host_pages, device_pages)
     host_block = geo.row_bytes * (geo.layers if geo.host_layout == "page_first" else 1)
-    staged = host_block * geo.host_run(host_pages) if stageable else 0.0
+    staged = 0.0
+    if stageable:
+        staged = host_block * (geo.host_run(host_pages) if host_run is None else host_run)
     gain = 1 if geo.host_layout == "layer_first" and geo.layers > 1 else STAGE_GAIN
     if staged >= least and staged >= gain * direct:
         return STAGED
@@ -236,8 +245,11 @@ def choose(
     return KERNEL
 
 
-def staging_slices(pages: int, page_bytes: int, staging_bytes: int, direction: str) -> list[int]:
-    """Pages per staging slice of a staged copy of ``pages`` pages, in order.
+def staging_slices(
+    pages: int, page_bytes: int, staging_bytes: int, direction: str, shared_link: bool = False
+) -> list[int]:
+    """Pages per staging slice of a staged copy of ``pages`` pages, in order (the first slice
+    from ``SHARED_FIRST_SLICE_BYTES`` where ``shared_link``).
 
     Two buffers of ``staging_bytes / 2`` take turns, so a slice holds at most that much. The
     pipeline has one step no copy engine overlaps: the first gather of a d2h copy, the last
@@ -253,7 +265,8 @@ def staging_slices(pages: int, page_bytes: int, staging_bytes: int, direction: s
         h2d   the same sizes, reversed
     """
     cap = max(1, staging_bytes // (2 * page_bytes))
-    size = max(1, min(cap, FIRST_SLICE_BYTES // page_bytes))
+    first = SHARED_FIRST_SLICE_BYTES if shared_link else FIRST_SLICE_BYTES
+    size = max(1, min(cap, first // page_bytes))
     sizes: list[int] = []
     left = pages
     while left > 0:

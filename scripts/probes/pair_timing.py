@@ -102,11 +102,20 @@ def force_mechanisms(
         dma=True,
         mechanism="auto",
         shared_link=False,
+        host_run=None,
     ):  # noqa: ANN001, ANN202, E501
         want = (forced() if callable(forced) else forced).get(direction)
         if want is None or per_layer:
             return original(
-                geo, direction, host_pages, device_pages, per_layer, dma, mechanism, shared_link
+                geo,
+                direction,
+                host_pages,
+                device_pages,
+                per_layer,
+                dma,
+                mechanism,
+                shared_link,
+                host_run,
             )
         if want == plan.STAGED and (geo.envelope or geo.layers == 1):
             return unstageable
