@@ -95,9 +95,9 @@ class _FakeStream:
 @pytest.mark.parametrize("path", [DIRECT, STAGED, KERNEL])
 def test_mechanisms_dispatch_and_fall_back_to_kernels(monkeypatch, path):
     from kvtier.transfer.chunks import queue_all
-    from kvtier.transfer.component import PageLists
     from kvtier.transfer.mechanisms import Mechanisms
     from kvtier.transfer.op import TransferOp
+    from kvtier.transfer.page_lists import PageLists
 
     monkeypatch.setattr(mechanisms_mod, "choose", lambda *a, **k: path)
     helper = _FakeStream()

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.transfer.component import PageLists, queue_rows
+from kvtier.transfer.component import queue_rows
 from kvtier.transfer.op import TransferOp
+from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.rows import copy_rows
 
 if TYPE_CHECKING:

@@ -14,8 +14,9 @@ import torch
 
 from kvtier.transfer import dma
 from kvtier.transfer.chunks import queue_all
-from kvtier.transfer.component import ComponentRows, PageLists
+from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.op import TransferOp
+from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, choose
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,11 @@ from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer.chunks import interleave, queue_all
-from kvtier.transfer.component import ComponentRows, PageLists, envelope_lists
+from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
+from kvtier.transfer.page_lists import PageLists, envelope_lists
 from kvtier.transfer.plan import SHARED_FIRST_SLICE_BYTES, STAGING_BYTES
 from kvtier.transfer.streams import on
 from kvtier.transfer.translate import (
@@ -324,10 +325,11 @@ class Mover:
         at once: ``(backup op, load op)``, with the contracts of :meth:`device_to_host` and
         :meth:`host_to_device` (no per-layer overlap; the pacer is bypassed).
 
-        Their chunks are queued in turn, so each direction's copies start once its first chunk
-        is queued. Queued one after the other, the second waits for the first's whole CPU issue
-        (2-9 ms per GiB on an H200 for staged copies) and the link runs one way meanwhile. The
-        two share no host page and no device page: neither waits for the other's copies.
+        Their chunks are queued in turn, the backup's first, each job leading with
+        ``plan.SHARED_FIRST_SLICE_BYTES`` (a small component's only slice would leave its copy
+        engine idle through the other's set-up). Queued one after the other, the second waits
+        for the first's whole CPU issue (2-9 ms per GiB on an H200 for staged copies). The two
+        share no host page and no device page: neither waits for the other's copies.
         """
         if self.debug_checks:
             for side, a, b in (("device", backup[0], load[1]), ("host", backup[1], load[0])):
@@ -346,10 +348,8 @@ class Mover:
             with torch.cuda.device(self.dev.device):
                 compute = torch.cuda.current_stream(self.dev.device)
                 jobs: list[tuple[Iterator[int], torch.cuda.Stream]] = []
-                # The backup first. Queued load first (its device page lists uploaded before
-                # the load's first copy), MLA at page size 1 ran one direction after the other
-                # (0.53 of two contiguous copies against 0.95 backup first), where the other
-                # families moved 0.91-0.96 either way (results/h200-dma/run16/).
+                # Load first, MLA at page size 1 ran one direction after the other: 0.53 of two
+                # contiguous copies, 0.95 backup first (results/h200-dma/run16/).
                 if bop.num_pages:
                     start = torch.cuda.Event()
                     start.record(compute)
@@ -383,16 +383,13 @@ class Mover:
         """A load's chunks (see ``Mechanisms.chunks``), each resumed on the load stream; the
         copies follow the work queued on ``compute`` so far, and ``compute`` is made to wait
         for them at the end (unless ``overlap``)."""
-        stream = self._stream(self.load_stream)
-        overlap = overlap and self.pinned
-        anchor = self.dev.specs[0].name
+        stream, anchor = self._stream(self.load_stream), self.dev.specs[0].name
         stream.wait_stream(compute)
-        overlap = overlap and anchor in pages
+        overlap = overlap and self.pinned and anchor in pages
         for name, part in pages.items():
             if not (overlap and name == anchor) and part.device.numel():
                 yield from self.mechanisms.chunks(name, self.rows[name], "h2d", part, stream, op)
-        # Staged components leave their last scatters on the helper stream: joined once here,
-        # so no component's first copy waits for the scatters of the one before it.
+        # Joined once here: no component's first copy waits for the scatters before it.
         stream.wait_stream(self.mechanisms.helpers["h2d"])
         if overlap:
             op.layer_events = self.mechanisms.load_layers(

@@ -60,8 +60,9 @@ left the copy engine waiting for the CPU), small enough to gather in tens of mic
 SHARED_FIRST_SLICE_BYTES = 32 << 20
 """The same where a copy the other way shares the link (``Mover.exchange``): the CPU sets up that
 copy between this one's first and second slices. With 16 MiB first slices the backup's copy
-engine then sat idle for 0.3-1.1 ms after its first copy in every family (an H200,
-``results/h200-dma/run16/exchange_gaps_before.json``); with 32 MiB, 0-0.5 ms."""
+engine then sat idle for 0.3-1.1 ms after its first copy in every family on an H200
+(``results/h200-dma/run16/exchange_gaps_before.json``, ``exchange_gaps_order_before.json``);
+with 32 MiB, 0-0.52 ms (``exchange_gaps_order_a.json``, ``exchange_gaps_order_b.json``)."""
 
 STAGE_GAIN = 8
 """Staging is chosen over direct blocks when its blocks are this many times larger (page-first

@@ -36,11 +36,11 @@ SHARED_FIRST = plan.SHARED_FIRST_SLICE_BYTES
 ORDER = ["built"]
 
 
-def interleave(jobs):  # noqa: ANN001, ANN201
+def interleave(jobs, **kw):  # noqa: ANN001, ANN003, ANN201
     """``Mover.exchange``'s interleave; its jobs reversed for the ``reversed`` variant, the
     shared first slice at 16 MiB for ``first16``."""
     plan.SHARED_FIRST_SLICE_BYTES = 16 << 20 if ORDER[0] == "first16" else SHARED_FIRST
-    return _interleave(jobs[::-1] if ORDER[0] == "reversed" else jobs)
+    return _interleave(jobs[::-1] if ORDER[0] == "reversed" else jobs, **kw)
 
 
 mover_module.interleave = interleave

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvtier.transfer import chunks, component, dma, mechanisms, mover, uploads
+from kvtier.transfer import chunks, component, dma, mechanisms, mover, page_lists, uploads
 
 sys.path.insert(0, os.path.dirname(__file__))
 from pair_timing import ExchangeCase  # noqa: E402
@@ -60,10 +60,10 @@ def patch() -> None:
     mover.Mover._begin = traced("_begin", mover.Mover._begin)
     mechanisms.choose = traced("choose", mechanisms.choose)
     component.staging_slices = traced("staging_slices", component.staging_slices)
-    component.PageLists.on_gpu = traced("on_gpu", component.PageLists.on_gpu)
+    page_lists.PageLists.on_gpu = traced("on_gpu", page_lists.PageLists.on_gpu)
     uploads.Uploads.upload = traced("upload", uploads.Uploads.upload)
-    component.PageLists.host_breaks = traced("host_breaks", component.PageLists.host_breaks)
-    component.PageLists.device_on_gpu = traced("device_on_gpu", component.PageLists.device_on_gpu)
+    page_lists.PageLists.host_breaks = traced("host_breaks", page_lists.PageLists.host_breaks)
+    page_lists.PageLists.device_on_gpu = traced("device_on_gpu", page_lists.PageLists.device_on_gpu)
     component.slice_blocks = traced("slice_blocks (set-up)", component.slice_blocks)
     uploads.Uploads._take = traced("_take", uploads.Uploads._take)
     component.ComponentRows.stage = traced("stage", component.ComponentRows.stage)
