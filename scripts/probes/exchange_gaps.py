@@ -3,7 +3,8 @@ contiguous copies at once: per direction, when its first copy starts on the GPU,
 ends, its copies' busy time and the gaps between them (timing events around every copy-engine
 list), and the wall time of the call to the final synchronise. The contiguous pair is timed the
 same way in the same loop. ``VARIANTS``: ``built`` (as built), ``reversed`` (the interleave's jobs
-reversed) and ``first16`` (as built, the first slice beside a copy the other way at 16 MiB). ``CELLS="dsa:16 mla:1"`` picks family:page cells. Prints one block per
+reversed) and ``first16`` (as built, the first slice beside a copy the other way, and each
+job's lead, at 16 MiB). ``CELLS="dsa:16 mla:1"`` picks family:page cells. Prints one block per
 cell; ``$OUT/exchange_gaps.json``."""
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ ORDER = ["built"]
 def interleave(jobs, **kw):  # noqa: ANN001, ANN003, ANN201
     """``Mover.exchange``'s interleave; its jobs reversed for the ``reversed`` variant, the
     shared first slice at 16 MiB for ``first16``."""
-    plan.SHARED_FIRST_SLICE_BYTES = 16 << 20 if ORDER[0] == "first16" else SHARED_FIRST
+    first = 16 << 20 if ORDER[0] == "first16" else SHARED_FIRST
+    plan.SHARED_FIRST_SLICE_BYTES = first
+    if "lead" in kw:
+        kw["lead"] = first
     return _interleave(jobs[::-1] if ORDER[0] == "reversed" else jobs, **kw)
 
 
