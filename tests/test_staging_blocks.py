@@ -1,11 +1,12 @@
-"""Copy-engine blocks of staged copies (``kvtier.transfer.staging``), worked out on the CPU."""
+"""Staged copies worked out on the CPU: their slices (``plan.staging_slices``) and each slice's
+copy-engine blocks (``kvtier.transfer.staging``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvtier.transfer.plan import RowGeometry
+from kvtier.transfer.plan import RowGeometry, staging_slices
 from kvtier.transfer.staging import host_breaks, slice_blocks
 
 
@@ -78,3 +79,17 @@ def test_blocks_cover_every_row_once_at_its_staging_place(layout: str):
                         want[int(hrow) * 4 + off] = srow * 4 + off
             assert got == want
             lo += k
+
+
+def test_staging_slices_grow_away_from_the_unoverlapped_end():
+    mib = 1 << 20
+    # 4 MiB pages, 64 MiB staging (8-page buffers): 16 MiB first, then half again per slice.
+    assert staging_slices(40, 4 * mib, 64 * mib, "d2h") == [4, 6, 8, 8, 8, 6]
+    assert staging_slices(40, 4 * mib, 64 * mib, "h2d") == [6, 8, 8, 8, 6, 4]
+    assert staging_slices(3, 4 * mib, 64 * mib, "d2h") == [3]
+    assert staging_slices(5, 32 * mib, 64 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
+    assert staging_slices(7, 64 << 10, 256 * mib, "d2h") == [7]
+    assert staging_slices(0, mib, 16 * mib, "d2h") == []
+    # Beside a copy the other way, the first slice is 32 MiB.
+    assert staging_slices(40, 4 * mib, 256 * mib, "d2h", shared_link=True) == [8, 12, 18, 2]
+    assert staging_slices(40, 4 * mib, 256 * mib, "d2h") == [4, 6, 9, 13, 8]

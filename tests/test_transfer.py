@@ -21,7 +21,7 @@ from kvtier.transfer import mechanisms as mechanisms_mod
 from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose, staging_slices
+from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose
 from kvtier.transfer.staging import host_breaks, slice_blocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -169,20 +169,6 @@ def test_mover_mechanism_option():
         torch.tensor([1]), torch.tensor([2])
     )
     assert op.paths == {"kv": "cpu", "idx": "cpu", "state": "cpu"}  # CPU copies are synchronous
-
-
-def test_staging_slices_grow_away_from_the_unoverlapped_end():
-    mib = 1 << 20
-    # 4 MiB pages, 64 MiB staging (8-page buffers): 16 MiB first, then half again per slice.
-    assert staging_slices(40, 4 * mib, 64 * mib, "d2h") == [4, 6, 8, 8, 8, 6]
-    assert staging_slices(40, 4 * mib, 64 * mib, "h2d") == [6, 8, 8, 8, 6, 4]
-    assert staging_slices(3, 4 * mib, 64 * mib, "d2h") == [3]
-    assert staging_slices(5, 32 * mib, 64 * mib, "d2h") == [1, 1, 1, 1, 1]  # a page per buffer
-    assert staging_slices(7, 64 << 10, 256 * mib, "d2h") == [7]
-    assert staging_slices(0, mib, 16 * mib, "d2h") == []
-    # Beside a copy the other way, the first slice is 32 MiB.
-    assert staging_slices(40, 4 * mib, 256 * mib, "d2h", shared_link=True) == [8, 12, 18, 2]
-    assert staging_slices(40, 4 * mib, 256 * mib, "d2h") == [4, 6, 9, 13, 8]
 
 
 def test_coalesce_merges_blocks_contiguous_on_both_sides_only():

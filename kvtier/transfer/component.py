@@ -34,7 +34,7 @@ from kvtier.transfer.rows import (
     copy_rows,
 )
 from kvtier.transfer.staging import slice_blocks
-from kvtier.transfer.streams import on
+from kvtier.transfer.streams import on, recorded
 
 
 @dataclass(slots=True)
@@ -204,23 +204,22 @@ class ComponentRows:
                     # The first gather runs alone: all programs, so the copy engine starts soon.
                     ctas = PCIE_CTAS if j == 0 else STAGING_CTAS
                     self.stage(buf, dev_pages[lo : lo + k], True, op, ctas, ONE_BLOCK)
-                    ready = _record(helper)
+                    ready = recorded(helper)
                 stream.wait_event(ready)
                 yield k * page_bytes
                 dma.copy_blocks(host_at, at + buf.data_ptr(), sizes, stream, single_upto)
-                freed[b] = _record(stream)
+                freed[b] = recorded(stream)
             return
         helper.wait_stream(stream)  # ``stream`` follows the compute stream
         arrived: list[torch.cuda.Event] = []
-        on_device: list[torch.Tensor] = []
 
-        def scatter(j: int) -> None:
+        def scatter(j: int, dev_pages: torch.Tensor) -> None:
             # Queued after the next slice's copy, so that copy goes out first.
             with on(helper):
                 helper.wait_event(arrived[j])
                 lo, k, b = los[j], slices[j], j % 2
-                self.stage(bufs[b], on_device[0][lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
-                freed[b] = _record(helper)
+                self.stage(bufs[b], dev_pages[lo : lo + k], False, op, STAGING_CTAS, TILE_WORDS)
+                freed[b] = recorded(helper)
 
         for j, k in enumerate(slices):
             buf, b = bufs[j % 2], j % 2
@@ -229,14 +228,15 @@ class ComponentRows:
                 stream.wait_event(freed[b])
             yield k * page_bytes
             dma.copy_blocks(at + buf.data_ptr(), host_at, sizes, stream, single_upto)
-            if not on_device:
-                # Behind the first copy on ``stream``: up as that copy ends, which is when the
-                # first scatter needs it (a copy engine would queue it there anyway).
-                on_device.append(pages.device_on_gpu(device, op))
-            arrived.append(_record(stream))
+            # The first call uploads it behind the first copy on ``stream``: up as that copy
+            # ends, which is when the first scatter needs it (a copy engine would queue it
+            # there anyway).
+            dev_pages = pages.device_on_gpu(device, op)
+            arrived.append(recorded(stream))
             if j:
-                scatter(j - 1)
-        scatter(len(slices) - 1)  # ``stream`` joins ``helper`` once the load is queued
+                scatter(j - 1, dev_pages)
+        # ``stream`` joins ``helper`` once the whole load is queued (``Mover._load_chunks``).
+        scatter(len(slices) - 1, pages.device_on_gpu(device, op))
 
     def stage(
         self,
@@ -311,12 +311,6 @@ def queue_rows(
     """
     copy_rows(src, src_rows, dst, dst_rows, ctas=ctas, tile_words=tile_words)
     op.keepalive += [src_rows, dst_rows]
-
-
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev
 
 
 def _addresses(rows_view: torch.Tensor, rows: torch.Tensor, row_bytes: int) -> np.ndarray:

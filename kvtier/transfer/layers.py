@@ -25,6 +25,7 @@ from kvtier.transfer.component import queue_rows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.rows import copy_rows
+from kvtier.transfer.streams import recorded
 
 if TYPE_CHECKING:
     from kvtier.transfer.mover import Mover
@@ -69,8 +70,7 @@ class Layered:
             }
             self._copy({n: ls for n, ls in rest.items() if ls})
         if self.mover.cuda and self.op.num_pages:
-            self.op.event = torch.cuda.Event()
-            self.op.event.record(self.mover.backup_stream)
+            self.op.event = recorded(self.mover.backup_stream)
         return self.op
 
     def _copy(self, layers: dict[str, list[int]]) -> None:

@@ -18,6 +18,7 @@ from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, choose
+from kvtier.transfer.streams import recorded
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,7 @@ class Mechanisms:
         events: list[torch.cuda.Event] = []
 
         def arrived() -> None:
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
+            events.append(recorded(stream))
 
         if path == DIRECT:
             for layer in range(r.geo.layers):

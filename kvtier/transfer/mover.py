@@ -30,7 +30,7 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.page_lists import PageLists, envelope_lists
 from kvtier.transfer.plan import SHARED_FIRST_SLICE_BYTES, STAGING_BYTES
-from kvtier.transfer.streams import on
+from kvtier.transfer.streams import on, recorded
 from kvtier.transfer.translate import (
     MECHANISMS,
     ArenaTranslator,
@@ -231,8 +231,7 @@ class Mover:
             op.release()
             return op
         try:
-            start = torch.cuda.Event()
-            start.record(torch.cuda.current_stream(self.dev.device))
+            start = recorded(torch.cuda.current_stream(self.dev.device))
             chunk = max(1, self.staging_bytes // 2) if self.pacer is not None else 0
             chunks = self._backup(pages, op, start, chunk)
             if self.pacer is not None:
@@ -275,8 +274,7 @@ class Mover:
             )
             if final is not None:
                 finals.append(final)
-        op.event = torch.cuda.Event()
-        op.event.record(stream)
+        op.event = recorded(stream)
         if finals:
 
             def finalize() -> None:
@@ -312,7 +310,9 @@ class Mover:
             op.release()
             return op
         try:
-            self._load(pages, op, overlap)
+            compute = torch.cuda.current_stream(self.dev.device)
+            with torch.cuda.device(self.dev.device), on(self._stream(self.load_stream)):
+                queue_all(self._load_chunks(pages, op, overlap, compute))
         except BaseException:
             op.release()
             raise
@@ -351,8 +351,7 @@ class Mover:
                 # Load first, MLA at page size 1 ran one direction after the other: 0.53 of two
                 # contiguous copies, 0.95 backup first (results/h200-dma/run16/).
                 if bop.num_pages:
-                    start = torch.cuda.Event()
-                    start.record(compute)
+                    start = recorded(compute)
                     jobs.append((self._backup(bpages, bop, start, 0), self.backup_stream))
                 if lop.num_pages:
                     chunks = self._load_chunks(lpages, lop, False, compute)
@@ -366,12 +365,6 @@ class Mover:
             if not op.num_pages:  # nothing of it on this rank: born done
                 op.release()
         return bop, lop
-
-    def _load(self, pages: dict[str, PageLists], op: TransferOp, overlap: bool) -> None:
-        with torch.cuda.device(self.dev.device):
-            compute = torch.cuda.current_stream(self.dev.device)
-            with on(self._stream(self.load_stream)):
-                queue_all(self._load_chunks(pages, op, overlap, compute))
 
     def _load_chunks(
         self,
@@ -396,8 +389,7 @@ class Mover:
                 anchor, self.rows[anchor], pages[anchor], stream, op
             )
             op.paths[anchor] += " per layer"
-        op.event = torch.cuda.Event()
-        op.event.record(stream)
+        op.event = recorded(stream)
         if not overlap:
             compute.wait_event(op.event)
 

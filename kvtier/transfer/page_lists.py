@@ -14,6 +14,7 @@ from kvtier.errors import IntegrityError
 from kvtier.pools.arena import UnifiedPool
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.staging import host_breaks
+from kvtier.transfer.streams import recorded
 from kvtier.transfer.uploads import Uploads
 
 
@@ -44,7 +45,7 @@ class PageLists:
         if self._host_gpu is None and self._device_gpu is None:
             both = self._upload(torch.stack([self.host, self.device]), device, op)
             self._host_gpu, self._device_gpu = both[0], both[1]
-            self.device_listed = _recorded(torch.cuda.current_stream(device))
+            self.device_listed = recorded(torch.cuda.current_stream(device))
         elif self._host_gpu is None:
             self._host_gpu = self._upload(self.host, device, op)
         return self._host_gpu, self.device_on_gpu(device, op)
@@ -54,7 +55,7 @@ class PageLists:
         :meth:`on_gpu`."""
         if self._device_gpu is None:
             self._device_gpu = self._upload(self.device, device, op)
-            self.device_listed = _recorded(torch.cuda.current_stream(device))
+            self.device_listed = recorded(torch.cuda.current_stream(device))
         return self._device_gpu
 
     def _upload(self, lists: torch.Tensor, device: torch.device, op: TransferOp) -> torch.Tensor:
@@ -109,9 +110,3 @@ def envelope_lists(
     arena.lease(logical)
     op.on_release = lambda: arena.unlease(logical)
     return lists, op
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev

@@ -192,29 +192,29 @@ def choose(
 ) -> str:
     """The mechanism for moving ``host_pages`` ↔ ``device_pages`` of one component.
 
-        ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
-        layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
-        (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
-        (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``); ``host_run``: the mean run
+    ``direction`` is ``"h2d"`` or ``"d2h"``; ``per_layer`` asks for a copy that completes layer by
+    layer (kernels under ``auto``, see below); ``dma`` is false where copy engines cannot be used
+    (no pinned host pool, no driver support); ``shared_link``: a copy the other way runs beside
+    (``SHARED_D2H_DMA_MIN_BYTES``, ``SHARED_H2D_DMA_MIN_BYTES``); ``host_run``: the mean run
     of consecutive ``host_pages`` where the caller has it (``RowGeometry.host_run``). ``mechanism``
-        (``CacheConfig.transfer_mechanism``) forces ``kernel`` (row kernels only) or ``copy_engine``
-        (staged for multi-layer components, else direct blocks; direct blocks per layer) whatever
-        the block size. Envelope rows (a
-        unified arena) are never staged: with a page-first host their pages already are blocks.
+    (``CacheConfig.transfer_mechanism``) forces ``kernel`` (row kernels only) or ``copy_engine``
+    (staged for multi-layer components, else direct blocks; direct blocks per layer) whatever
+    the block size. Envelope rows (a
+    unified arena) are never staged: with a page-first host their pages already are blocks.
 
-        Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
-        pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
-        times the mean run contiguous on both sides.
-        Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
-        small), since it adds a gather or scatter on the device. A layer-first host (of more than one
-        layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its
-        direct loads beside staged backups moved 0.57-0.89 of two contiguous copies where staged
-        loads moved 0.77-0.95, and 0.57-0.74 against 0.77-0.95 for DSA-compressed and hybrid;
-        one way, 0.90-0.95 direct against 0.92-0.97 staged (``results/h200-dma/run12/
-        layer_first_choice.json``, the six cells whose loads went direct). Both ways at once on an
-        H200, with host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged
-        copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
-        where rows are small (MLA and DSA at page size 1).
+    Under ``auto`` the larger blocks win: staged blocks are the mean run of consecutive host
+    pages times whole pages (page-first host) or rows (layer-first host), direct blocks rows
+    times the mean run contiguous on both sides.
+    Staging is taken when its blocks are ``STAGE_GAIN`` times larger (or direct ones are too
+    small), since it adds a gather or scatter on the device. A layer-first host (of more than one
+    layer) stages whenever its blocks are no smaller than direct ones: both ways at once, its
+    direct loads beside staged backups moved 0.57-0.89 of two contiguous copies where staged
+    loads moved 0.77-0.95, and 0.57-0.74 against 0.77-0.95 for DSA-compressed and hybrid;
+    one way, 0.90-0.95 direct against 0.92-0.97 staged (``results/h200-dma/run12/
+    layer_first_choice.json``, the six cells whose loads went direct). Both ways at once on an
+    H200, with host pages in node runs (``results/h200-dma/README.md``, runs 9 and 10), staged
+    copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
+    where rows are small (MLA and DSA at page size 1).
     """
     stageable = not per_layer and not geo.envelope
     if mechanism == "copy_engine" and dma:

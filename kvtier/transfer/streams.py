@@ -27,3 +27,10 @@ class on:  # noqa: N801 - used like ``torch.cuda.stream``
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.set_stream(self._prev)  # type: ignore[arg-type]
+
+
+def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A new event recorded on ``stream`` now (it completes once the work queued so far does)."""
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev

@@ -68,7 +68,7 @@ def patch() -> None:
     uploads.Uploads._take = traced("_take", uploads.Uploads._take)
     component.ComponentRows.stage = traced("stage", component.ComponentRows.stage)
     component.copy_page_rows = traced("copy_page_rows", component.copy_page_rows)
-    component._record = traced("_record", component._record)
+    component.recorded = traced("recorded", component.recorded)
     component.torch.empty = traced("torch.empty", torch.empty)
     chunks.interleave = traced("interleave", chunks.interleave)
     mover.interleave = chunks.interleave
