@@ -185,7 +185,7 @@ def test_failed_transfer_releases_its_lease(monkeypatch, direction):
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("copy failed")
 
-    name = "_load" if CUDA and direction == "h2d" else ("_backup" if CUDA else None)
+    name = "_load_chunks" if CUDA and direction == "h2d" else ("_backup" if CUDA else None)
     if name is None:
         monkeypatch.setattr(ComponentRows, "cpu", broken)
     else:
