@@ -5,6 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.bench.storage import _on_threads, bench_storage
 from kvtier.keys import Namespace
@@ -20,7 +21,9 @@ def _backend_threads(tmp_path: Path) -> int:
 
 
 def test_bench_storage_tiny(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
     top = bench_storage(str(tmp_path), page_bytes=64 << 10, num_pages=8, repeats=1)
+    assert torch.get_num_threads() == threads  # one intra-op thread during the bench only
     assert (top["bench"], top["backend"], len(top["runs"])) == ("storage", "file", 1)
     assert "page cache" in top["page_cache"]
     out = top["runs"][0]

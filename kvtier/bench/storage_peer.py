@@ -46,6 +46,7 @@ def main(argv: list[str]) -> int:
         model_name="bench",
         extra_config={"file_storage_path": directory, "max_size": 2 * page_bytes * num_pages},
     )
+    torch.set_num_threads(1)  # as kvtier's side does: no intra-op thread spins beside a phase
     store = HiCacheFile(cfg, file_path=directory)
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8)
     dst = torch.zeros_like(src)

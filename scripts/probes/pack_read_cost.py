@@ -35,6 +35,7 @@ REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 9
 work = (sys.argv[2] if len(sys.argv) > 2 else "/tmp/kvst") + "/pack_read_cost"
 THREADS = [int(t) for t in (sys.argv[3] if len(sys.argv) > 3 else "1").split(",")]
 pb, n = 65536, 1024
+torch.set_num_threads(1)  # no intra-op thread spinning beside a timed read
 src = torch.randint(0, 256, (n, pb), dtype=torch.uint8)
 dst = torch.empty_like(src)
 keys = [PageKey(f"{i:032x}") for i in range(n)]
