@@ -13,12 +13,16 @@ from hypothesis import strategies as st
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.file import HEADER_BYTES, FileBackend
-from kvtier.storage.file_pack import PACK_HEAD, PACK_MIN_OBJECTS, PACKS_DIR
+from kvtier.storage.file_pack import PACK_HEAD, PACK_MIN_OBJECTS, PACKS_DIR, payloads_at
 
 NS = Namespace("ns0")
 N = PACK_MIN_OBJECTS + 4
 PAGE = 256  # bytes per test page
 OLD = 10**18  # ns: older than any read, whatever the clock's resolution
+
+
+def pack_size(n: int) -> int:
+    return payloads_at(n) + n * PAGE
 
 
 def names(lo: int, hi: int) -> list[PageKey]:
@@ -48,7 +52,8 @@ def test_a_large_round_of_small_objects_is_one_pack_read_back_byte_exact(tmp_pat
     assert be.batch_set(names(0, N), src) == N
     [pack] = packs(be)
     assert object_files(be) == []
-    assert pack.stat().st_size == PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    assert payloads_at(N) == 4096  # 16 + 20 x 112 bytes of headers, padded to a page
+    assert pack.stat().st_size == 4096 + N * PAGE
     assert be.stats()["bytes_used"] == pack.stat().st_size
     out = empty(N)
     assert be.batch_get(names(0, N), out) == N
@@ -93,11 +98,36 @@ def test_reads_of_packed_keys_order_the_restart_and_move_the_packs_mtime(tmp_pat
         os.utime(p, ns=(OLD + i, OLD + i))
     assert be.batch_get(names(3, 4), empty(1)) == 1  # a read of one key of pack one
     be.close()
-    size = PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    size = pack_size(N)
     again = FileBackend(tmp_path, NS, budget_bytes=size + size // 2)  # room for one pack
     assert again.keys() == names(0, N)  # pack one was read last: pack two went
     assert packs(again) == [first] and first.stat().st_mtime_ns > OLD + 1
     assert again.batch_get(names(0, N), empty(N)) == N
+    again.check_integrity()
+
+
+def test_payloads_start_on_a_page_after_zero_padding(tmp_path: Path):
+    assert [payloads_at(n) for n in (1, 36, 37, 73)] == [4096, 4096, 8192, 12288]
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    [pack] = packs(be)
+    raw = pack.read_bytes()
+    assert raw[PACK_HEAD + N * HEADER_BYTES : 4096] == bytes(4096 - PACK_HEAD - N * HEADER_BYTES)
+    assert raw[4096:] == b"".join(bytes(p.numpy()) for p in src)
+    be.close()
+
+
+def test_a_pack_of_another_version_is_deleted_at_start_up(tmp_path: Path):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert be.batch_set(names(0, N), pages(N)) == N
+    be.close()
+    [pack] = packs(be)
+    raw = bytearray(pack.read_bytes())
+    raw[4:6] = (1).to_bytes(2, "little")  # version 1: payloads right after the headers
+    pack.write_bytes(bytes(raw))
+    again = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    assert packs(again) == [] and again.stats()["objects"] == 0
     again.check_integrity()
 
 
@@ -107,7 +137,7 @@ def test_a_corrupt_payload_stops_the_run_there_and_the_pack_leaves(tmp_path: Pat
     assert be.batch_set(names(0, N), src) == N
     [pack] = packs(be)
     raw = bytearray(pack.read_bytes())
-    raw[PACK_HEAD + N * HEADER_BYTES + 7 * PAGE + 3] ^= 0xFF  # object 7's payload
+    raw[payloads_at(N) + 7 * PAGE + 3] ^= 0xFF  # object 7's payload
     pack.write_bytes(bytes(raw))
     out = empty(N)
     assert be.batch_get(names(0, N), out) == 7
@@ -147,7 +177,7 @@ def test_a_restart_deletes_a_damaged_pack_and_keeps_the_rest(tmp_path: Path):
 
 
 def test_eviction_takes_a_pack_whole_and_keeps_the_budget(tmp_path: Path):
-    size = PACK_HEAD + N * (HEADER_BYTES + PAGE)
+    size = pack_size(N)
     be = FileBackend(tmp_path, NS, budget_bytes=size + size // 2)
     assert be.batch_set(names(0, N), pages(N, 1)) == N
     assert be.batch_exists(names(0, 1)) == 1  # k000 is the most recent now; its pack still goes
@@ -164,7 +194,7 @@ def test_a_key_twice_in_a_round_is_packed_once_and_stored_keys_are_not_rewritten
     ks = names(0, N) + names(3, 4)
     assert be.batch_set(ks, pages(N + 1)) == N + 1
     [pack] = packs(be)
-    assert pack.stat().st_size == PACK_HEAD + (N - 2) * (HEADER_BYTES + PAGE)
+    assert pack.stat().st_size == pack_size(N - 2)
     out = empty(2)
     assert be.batch_get(names(0, 2), out) == 2
     assert all(torch.equal(a, b) for a, b in zip(out, pages(2, 9), strict=True))

@@ -51,11 +51,11 @@ from kvtier.storage.file_io import (
     write_object,
 )
 from kvtier.storage.file_pack import (
-    PACK_HEAD,
     PACK_MIN_OBJECTS,
     Packed,
     object_sizes,
     pack_name,
+    payloads_at,
     read_run,
     write_pack,
 )
@@ -369,7 +369,7 @@ class FileBackend(StorageBackend):
             for i in fresh:
                 outcomes[i] = e
             return outcomes
-        at = PACK_HEAD + len(keys) * HEADER_BYTES
+        at = payloads_at(len(keys))
         places = []
         for n, payload in enumerate(payloads):
             places.append(Packed(path, n, at))
