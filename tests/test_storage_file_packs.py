@@ -147,6 +147,25 @@ def test_a_corrupt_payload_stops_the_run_there_and_the_pack_leaves(tmp_path: Pat
     be.check_integrity()
 
 
+@pytest.mark.parametrize("corrupt", [None, 3])
+def test_a_pack_cut_short_behind_the_index_reads_up_to_the_cut(tmp_path: Path, corrupt):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    [pack] = packs(be)
+    raw = bytearray(pack.read_bytes()[: payloads_at(N) + 9 * PAGE + 100])  # inside object 9
+    if corrupt is not None:
+        raw[payloads_at(N) + corrupt * PAGE] ^= 0xFF
+    pack.write_bytes(bytes(raw))
+    out = empty(N)
+    got = be.batch_get(names(0, N), out)
+    # the first fault in key order counts: a payload before the cut is checked before the cut
+    assert (got, be.errors) == ((9, {"short_read": 1}) if corrupt is None else (3, {"checksum": 1}))
+    assert all(torch.equal(a, b) for a, b in zip(out[:got], src[:got], strict=True))
+    assert packs(be) == [] and be.stats()["objects"] == 0
+    be.check_integrity()
+
+
 def test_a_foreign_header_in_a_pack_never_lands_in_the_buffer(tmp_path: Path):
     be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
     assert be.batch_set(names(0, N), pages(N)) == N

@@ -190,6 +190,7 @@ def read_run(
     opened or read."""
     m = len(keys)
     sizes = [d.nbytes for d in dests]
+    digest = envelope.digest
     fd = os.open(first.pack, os.O_RDONLY | os.O_CLOEXEC)
     try:
         heads = os.pread(fd, m * HEADER_BYTES, PACK_HEAD + first.number * HEADER_BYTES)
@@ -204,12 +205,18 @@ def read_run(
                 nbytes += sizes[j]
                 j += 1
             got = os.preadv(fd, dests[i:j], at)
-            for k in range(i, j):
-                if got < sizes[k]:
-                    raise RunFault(k, CorruptObject("short_read", "pack ends inside the object"))
-                got -= sizes[k]
-                if envelope.digest(dests[k]) != wants[k]:
-                    raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
+            whole = j
+            if got < nbytes:  # only the pack's end is short: the objects before it count
+                whole = i
+                while got >= sizes[whole]:
+                    got -= sizes[whole]
+                    whole += 1
+            digests = [digest(d) for d in dests[i:whole]]
+            if digests != wants[i:whole]:
+                k = next(k for k in range(i, whole) if digests[k - i] != wants[k])
+                raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
+            if whole < j:
+                raise RunFault(whole, CorruptObject("short_read", "pack ends inside the object"))
             at += nbytes
             i = j
     finally:

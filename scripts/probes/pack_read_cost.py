@@ -6,15 +6,18 @@ after a 256 MiB sweep each:
 
 - ``bare``: the same pack runs read on the calling thread with nothing else (open, header
   ``pread``, ``preadv`` per 1 MiB of rows, XXH3 of each object, close);
-- ``kvT``: ``batch_get`` of a backend with ``io_threads=T``, digests through
-  ``kvtier.storage.xxh3`` (without the GIL);
-- ``libT``: the same with every digest through python-xxhash (holds the GIL at 64 KiB).
+- ``kvT``: ``batch_get`` of a backend with ``io_threads=T`` (python-xxhash holds the GIL while
+  it digests a 64 KiB page);
+- ``ctT``: the same with every digest through python-xxhash's own ``XXH3_64bits_dispatch``
+  called by ``ctypes``, which releases the GIL for the call (tried, and not taken: 0.3-1.7 µs
+  slower a page on one thread, no faster on 2-8 threads of a 16-core host).
 
 Prints µs of wall time and of process CPU time per object.
 
     python scripts/probes/pack_read_cost.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4]
 """
 
+import ctypes
 import os
 import statistics
 import sys
@@ -25,7 +28,7 @@ import torch
 import xxhash
 
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import file_layout, xxh3
+from kvtier.storage import envelope, file_layout
 from kvtier.storage.base import cpu_byte_views
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file import FileBackend
@@ -48,7 +51,17 @@ _, runs = file_layout.reads(keys, writer._index.where, writer._path, [pb] * n)
 assert all(first is not None for _, _, first in runs)
 writer.close()
 backends = {t: FileBackend(work, Namespace("ns"), budget, io_threads=t) for t in THREADS}
-gil_free = xxh3._gil_free
+_lib = ctypes.CDLL(xxhash._xxhash.__file__)
+_fn = _lib.XXH3_64bits_dispatch
+_fn.restype = ctypes.c_uint64
+_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def gil_free_digest(data) -> int:  # noqa: ANN001
+    return _fn(ctypes.addressof(ctypes.c_char.from_buffer(data)), data.nbytes)
+
+
+library_digest = envelope.digest
 
 
 def bare() -> None:
@@ -70,19 +83,19 @@ def bare() -> None:
 
 def get(t: int, free: bool):
     def fn() -> None:
-        xxh3._gil_free = gil_free if free else None
+        envelope.digest = gil_free_digest if free else library_digest
         try:
             assert backends[t].batch_get(keys, list(dst)) == n
         finally:
-            xxh3._gil_free = gil_free
+            envelope.digest = library_digest
 
     return fn
 
 
 sides = {"bare": bare}
 for t in THREADS:
-    sides[f"kv{t}"] = get(t, True)
-    sides[f"lib{t}"] = get(t, False)
+    sides[f"kv{t}"] = get(t, False)
+    sides[f"ct{t}"] = get(t, True)
 res: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in sides}
 for r in range(REPEATS):
     order = list(sides.items())
@@ -94,7 +107,7 @@ for r in range(REPEATS):
         res[name][1].append(time.perf_counter() - w0)
         res[name][0].append(time.process_time() - c0)
         assert torch.equal(dst, src)
-print(f"xxh3 bound: {xxh3.bound()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
+print(f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
 for name, (cpu, wall) in res.items():
     w = statistics.median(wall)
     print(

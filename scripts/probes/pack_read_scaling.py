@@ -6,8 +6,8 @@ from offset 0), as one file whose payloads start 16 + 1,024 x 112 bytes in (``un
 version 1 pack), and as files of 4 MiB (``per4m``: a pack per ``file_layout.RUN_BYTES``).
 Each variant reads them back
 on T threads, each claiming the next 4 MiB run (open, ``preadv`` per 1 MiB into the
-destination rows, close), optionally digesting each page (``kvtier.storage.xxh3``, without the
-GIL) right after its piece lands. Medians of REPEATS after a 256 MiB sweep each, GB/s.
+destination rows, close), optionally digesting each page (``envelope.digest``) right after its
+piece lands. Medians of REPEATS after a 256 MiB sweep each, GB/s.
 
     python scripts/probes/pack_read_scaling.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4,8]
 """
@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch
 
-from kvtier.storage import xxh3
+from kvtier.storage import envelope
 from kvtier.storage.base import cpu_byte_views
 
 torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def reader(layout: str, digest: bool, iov: str):
                 os.preadv(fd, bufs, base + p * piece)
                 if digest:
                     for k in range(lo, lo + per_piece):
-                        xxh3.digest(rows[k])
+                        envelope.digest(rows[k])
         finally:
             os.close(fd)
 
@@ -109,6 +109,6 @@ for rep in range(REPEATS):
         on_threads(t, fn)
         res[name].append(time.perf_counter() - w0)
         assert torch.equal(dst, src), name
-print(f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}, xxh3 bound {xxh3.bound()}")
+print(f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
 for name, ts in res.items():
     print(f"{name:24s} {n * pb / statistics.median(ts) / 1e9:6.2f} GB/s")
