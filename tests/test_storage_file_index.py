@@ -46,7 +46,7 @@ def test_a_pack_enters_and_leaves_whole(tmp_path) -> None:
     index.add("a", 10)
     index.add("z", 5)
     index.used += 35
-    places = [Packed(str(pack), n, 100 + 10 * n) for n in range(3)]
+    places = [Packed(str(pack), n, 100 + 10 * n, 3) for n in range(3)]
     index.add_pack(str(pack), ["a", "b", "c"], [15, 10, 10], places)  # "a" was a file of its own
     assert index.keys() == ["z", "a", "b", "c"] and index.used == 40
     assert index.file_of("b") == str(pack) and index.file_of("z") == str(tmp_path / "z")

@@ -7,13 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import envelope
+from kvtier.storage import envelope, file_layout
 from kvtier.storage.file import HEADER_BYTES, FileBackend
-from kvtier.storage.file_pack import PACK_HEAD, PACK_MIN_OBJECTS, PACKS_DIR, payloads_at
+from kvtier.storage.file_pack import (
+    GROUP,
+    PACK_HEAD,
+    PACK_MIN_OBJECTS,
+    PACKS_DIR,
+    Packed,
+    payloads_at,
+)
 
 NS = Namespace("ns0")
 N = PACK_MIN_OBJECTS + 4
@@ -106,16 +114,61 @@ def test_reads_of_packed_keys_order_the_restart_and_move_the_packs_mtime(tmp_pat
     again.check_integrity()
 
 
-def test_payloads_start_on_a_page_after_zero_padding(tmp_path: Path):
+def test_group_digests_then_zeros_then_payloads_from_a_page(tmp_path: Path):
+    # 16 + 36 x 112 + 3 x 8 = 4072; 37 objects: 4184
     assert [payloads_at(n) for n in (1, 36, 37, 73)] == [4096, 4096, 8192, 12288]
     be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
     src = pages(N)
     assert be.batch_set(names(0, N), src) == N
     [pack] = packs(be)
     raw = pack.read_bytes()
-    assert raw[PACK_HEAD + N * HEADER_BYTES : 4096] == bytes(4096 - PACK_HEAD - N * HEADER_BYTES)
-    assert raw[4096:] == b"".join(bytes(p.numpy()) for p in src)
+    payloads = [bytes(p.numpy()) for p in src]
+    at = PACK_HEAD + N * HEADER_BYTES
+    groups = [b"".join(payloads[:GROUP]), b"".join(payloads[GROUP:])]  # 16 and 4 objects
+    assert raw[at : at + 16] == b"".join(
+        xxhash.xxh3_64_intdigest(g).to_bytes(8, "little") for g in groups
+    )
+    assert raw[at + 16 : 4096] == bytes(4096 - at - 16)
+    assert raw[4096:] == b"".join(payloads)
     be.close()
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_whole_groups_into_joined_buffers_take_one_digest_each(tmp_path: Path, monkeypatch, joined):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20, io_threads=1)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    calls: list[int] = []
+    real = envelope.digest
+    monkeypatch.setattr(envelope, "digest", lambda d: calls.append(len(d)) or real(d))
+    out = empty(N) if joined else empty(2 * N)[::2]  # every other row: not back to back
+    assert be.batch_get(names(0, N), out) == N
+    assert all(torch.equal(a, b) for a, b in zip(out, src, strict=True))
+    # groups 0-15 and 16-19 whole: two digests; apart, one per object
+    assert calls == ([16 * PAGE, 4 * PAGE] if joined else [PAGE] * N)
+    calls.clear()
+    assert be.batch_get(names(2, 18), empty(16)) == 16  # starts and ends inside groups
+    assert calls == [PAGE] * 16
+    be.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["group", "payload"])
+def test_a_damaged_group_digest_is_only_a_shortcut_lost(tmp_path: Path, damage):
+    be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
+    src = pages(N)
+    assert be.batch_set(names(0, N), src) == N
+    [pack] = packs(be)
+    raw = bytearray(pack.read_bytes())
+    if damage == "group":
+        raw[PACK_HEAD + N * HEADER_BYTES] ^= 0xFF  # group 0's digest: the objects' own decide
+    else:
+        raw[payloads_at(N) + 11 * PAGE] ^= 0xFF  # object 11, inside group 0
+    pack.write_bytes(bytes(raw))
+    out = empty(N)
+    got = be.batch_get(names(0, N), out)
+    assert (got, be.errors) == ((N, {}) if damage == "group" else (11, {"checksum": 1}))
+    assert all(torch.equal(a, b) for a, b in zip(out[:got], src[:got], strict=True))
+    be.check_integrity()
 
 
 def test_a_pack_of_another_version_is_deleted_at_start_up(tmp_path: Path):
@@ -306,3 +359,14 @@ def test_a_key_stored_by_another_batch_while_its_pack_is_written_ends_in_the_pac
     assert be.batch_get(names(0, N), out) == N
     assert all(torch.equal(a, b) for a, b in zip(out, src, strict=True))
     be.check_integrity()
+
+
+def test_long_runs_are_cut_where_a_group_starts():
+    pb = 64 << 10  # RUN_BYTES (4 MiB) holds 64 such objects
+    where = {f"p{n}": Packed("pack", n, 4096 + n * pb, 100) for n in range(100)}
+    keys = [f"p{n}" for n in range(5, 100)]
+    paths, runs = file_layout.reads(keys, where, lambda k: f"file/{k}", [pb] * len(keys))
+    assert paths == ["pack"] * 95
+    # keys 0-63 (objects 5-68) fill 4 MiB; the run goes on to object 80, where group 5 starts
+    assert [(lo, hi, w.number) for lo, hi, w in runs] == [(0, 75, 5), (75, 95, 80)]
+    assert file_layout.RUN_BYTES == 4 << 20

@@ -164,9 +164,24 @@ def cpu_byte_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
             return [_view(t, ptr, nbytes) for t, (ptr, nbytes) in zip(tensors, spans, strict=True)]
         end += nbytes
     whole = _view(list(tensors), start, end - start)
-    return (
-        [whole[i : i + size] for i in range(0, end - start, size)] if size else [whole] * len(spans)
-    )
+    if not size:
+        return [whole] * len(spans)
+    views = _Joined(whole[i : i + size] for i in range(0, end - start, size))
+    views.whole = whole
+    return views
+
+
+class _Joined(list):
+    """``cpu_byte_views`` of buffers that lie back to back, equal in size: ``whole`` views
+    them all."""
+
+    __slots__ = ("whole",)
+
+
+def joined_view(views: Sequence[memoryview]) -> memoryview | None:
+    """One view of all of ``views`` (a ``cpu_byte_views`` result) when they lie back to back
+    and are equal in size, else ``None``."""
+    return views.whole if isinstance(views, _Joined) else None
 
 
 def _view(owner: object, ptr: int, nbytes: int) -> memoryview:

@@ -39,6 +39,7 @@ from kvtier.storage.base import (
     StorageCapabilities,
     check_lengths,
     cpu_byte_views,
+    joined_view,
 )
 from kvtier.storage.file_index import FileIndex
 from kvtier.storage.file_io import (
@@ -194,6 +195,7 @@ class FileBackend(StorageBackend):
         """
         check_lengths(keys, buffers)
         dests = cpu_byte_views(buffers)
+        whole = joined_view(dests)
         with self._lock:
             run = self._index.leading(keys)
             sizes = [d.nbytes for d in dests[:run]]
@@ -210,7 +212,9 @@ class FileBackend(StorageBackend):
             if first is None:
                 read_object(paths[lo], ns, keys[lo], prefixes[0], dests[lo])
             else:
-                read_run(first, ns, keys[lo:hi], prefixes, dests[lo:hi])
+                size = dests[lo].nbytes  # all of one size where they are joined
+                joined = None if whole is None else whole[lo * size : hi * size]
+                read_run(first, ns, keys[lo:hi], prefixes, dests[lo:hi], joined)
 
         by_run = self._io.run_ordered(read, len(runs), sum(sizes))
         outcomes = file_layout.per_key(runs, by_run, run)
@@ -372,7 +376,7 @@ class FileBackend(StorageBackend):
         at = payloads_at(len(keys))
         places = []
         for n, payload in enumerate(payloads):
-            places.append(Packed(path, n, at))
+            places.append(Packed(path, n, at, len(keys)))
             at += payload.nbytes
         with self._lock:
             self._index.add_pack(path, keys, sizes, places)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.storage.base import log
 from kvtier.storage.file_io import TMP_SUFFIX, CorruptObject, object_files, unlink_quiet
-from kvtier.storage.file_pack import PACKS_DIR, Packed, RunFault, scan_pack
+from kvtier.storage.file_pack import GROUP, PACKS_DIR, Packed, RunFault, scan_pack
 from kvtier.storage.file_pool import NOT_RUN
 
 Run = tuple[int, int, "Packed | None"]
@@ -87,7 +87,8 @@ def reads(
 ) -> tuple[list[str], list[Run]]:
     """The file holding each of ``keys`` and the reads that fetch them in order: one per
     object file, one per run of consecutive objects of a pack (of at most ``RUN_BYTES`` of
-    buffers, ``sizes``, unless one object is larger)."""
+    buffers, ``sizes``, unless one object is larger; a longer run is cut only where a digest
+    group of the pack starts, ``file_pack.GROUP``)."""
     paths: list[str] = []
     runs: list[Run] = []
     last: Packed | None = None
@@ -99,7 +100,7 @@ def reads(
             w is not None
             and last is not None
             and (w.pack, w.number) == (last.pack, last.number + 1)
-            and held + sizes[i] <= RUN_BYTES
+            and (held + sizes[i] <= RUN_BYTES or w.number % GROUP)
         ):
             runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
             held += sizes[i]

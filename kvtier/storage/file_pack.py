@@ -6,18 +6,26 @@ r). A pack holds many objects under ``<namespace>/.packs/<name>.pack``::
 
     pack header: magic "KVTP" | version u16 | count u32 | header XXH3-64 u64     (PACK_HEAD)
     count x object envelope header (``kvtier.storage.envelope``, HEADER_BYTES each)
+    ceil(count / GROUP) x group digest u64: XXH3-64 of GROUP consecutive payloads
     zeros up to the next multiple of PAYLOAD_ALIGN                      (payloads_at(count))
     the payloads, in the same order, back to back
 
 Object ``i``'s envelope header sits at ``PACK_HEAD + i * HEADER_BYTES``; its payload at
-``payloads_at(count)`` plus the payloads before it. Payloads start on a page boundary: the
-page cache copies page-aligned file ranges into page-aligned buffers about a fifth faster than
-ranges 16 + 112 * count bytes off (``scripts/probes/pack_read_scaling.py``; version 1 packs,
-without the padding, read as a ``format`` fault and are deleted at start-up). The envelope headers name namespace, key, length and
-payload digest exactly as a single-object file's does, and are all verified before a payload
-byte is read into a caller's buffer: a run of objects read back costs one header read and one
-payload read per ``RUN_READ_CHUNK``, whatever the number of objects. Packs are published whole
-(``file_io.publish``) and never modified; they leave the tier whole.
+``payloads_at(count)`` plus the payloads before it. The envelope headers name namespace, key,
+length and payload digest exactly as a single-object file's does, and are all verified before
+a payload byte is read into a caller's buffer: a run of objects read back costs one header
+read, one group-digest read and one payload read per group, whatever the number of objects.
+Packs are published whole (``file_io.publish``) and never modified; they leave the tier whole.
+
+Payloads start on a page boundary: the page cache copies page-aligned file ranges into
+page-aligned buffers about a fifth faster than ranges 16 + 112 * count bytes off
+(``scripts/probes/pack_read_scaling.py``). Version 1 packs, without the padding or group
+digests, read as a ``format`` fault and are deleted at start-up.
+
+Group digests are a shortcut, never the authority: a read of a whole group into back-to-back
+buffers digests it with one call (which releases the GIL, where a 64 KiB payload's digest
+holds it: four I/O threads digesting packed 64 KiB pages one by one ran no faster than two on
+the 16-core host), and where that digest differs the objects' own digests decide.
 """
 
 from __future__ import annotations
@@ -44,14 +52,13 @@ PACK_HEAD = _HEAD.size + _DIGEST.size
 """Bytes of a pack's own header."""
 PAYLOAD_ALIGN = 4096
 """Payloads start at a multiple of this offset (a page)."""
+GROUP = 16
+"""Objects per group digest, and the most objects one ``preadv`` of a run reads (a 64 KiB
+page's group is 1 MiB: digested while still in the cache)."""
 PACK_MIN_OBJECTS = 16
 """Rounds of at least this many objects to write are packed (when their objects are small)."""
 IOV_MAX = 1024
 """Buffers one ``preadv``/``writev`` takes (Linux)."""
-RUN_READ_CHUNK = 1 << 20
-"""Payload bytes of consecutive packed objects read per ``preadv``, each object digested
-right after: 1,024 objects of 64 KiB read at 4.20-4.28 GB/s in 1 MiB pieces against
-4.07-4.08 in 2 MiB ones (``scripts/probes/file_read_ceiling.py``, two runs)."""
 PACKS_DIR = ".packs"
 """Where packs live in a namespace directory (hidden: never an object's directory)."""
 
@@ -66,6 +73,8 @@ class Packed:
     """Its place in the pack (0 first)."""
     payload_at: int
     """File offset of its payload."""
+    count: int
+    """Objects in its pack."""
 
 
 class RunFault(KvtierError):
@@ -84,9 +93,14 @@ def pack_name(directory: str) -> str:
     return f"{directory}/{PACKS_DIR}/{time.time_ns():020d}-{file_io.unique_tag()}.pack"
 
 
+def _groups_at(count: int) -> int:
+    return PACK_HEAD + count * HEADER_BYTES
+
+
 def payloads_at(count: int) -> int:
     """File offset of the first payload of a pack of ``count`` objects."""
-    return -(-(PACK_HEAD + count * HEADER_BYTES) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    end = _groups_at(count) + -(-count // GROUP) * _DIGEST.size
+    return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
 
 
 def _pack_head(count: int) -> bytes:
@@ -98,15 +112,21 @@ def write_pack(
     fd: int, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]
 ) -> None:
     """Write the pack of ``payloads`` under ``keys`` to the empty file ``fd``: the payloads
-    first, after the headers' place, digested piece by piece just before they are written (so
-    the write copies them from the cache), then the headers."""
+    first, after the headers' place, digested (each, and each group) piece by piece just
+    before they are written (so the write copies them from the cache), then the headers."""
     count = len(keys)
     os.lseek(fd, payloads_at(count), os.SEEK_SET)
     digests: list[int] = []
+    groups: list[int] = []
+    group = envelope.hasher()
     batch: list[memoryview] = []
     held = 0
-    for payload in payloads:
+    for n, payload in enumerate(payloads):
         digests.append(envelope.digest(payload))
+        group.update(payload)
+        if n % GROUP == GROUP - 1 or n == count - 1:
+            groups.append(group.intdigest())
+            group.reset()
         batch.append(payload)
         held += len(payload)
         if held >= WRITE_CHUNK or len(batch) == IOV_MAX:
@@ -117,6 +137,7 @@ def write_pack(
     heads = [_pack_head(count)]
     for key, payload, d in zip(keys, payloads, digests, strict=True):
         heads.append(envelope.pack(namespace, key, len(payload), d))
+    heads.append(struct.pack(f"<{len(groups)}Q", *groups))
     # The padding written, not left a hole: a pack's bytes are all allocated when published.
     blob = b"".join(heads).ljust(payloads_at(count), b"\0")
     if os.pwrite(fd, blob, 0) != len(blob):
@@ -164,7 +185,7 @@ def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
             length, _ = envelope.unpack(h, namespace, key)
         except StorageError as e:
             raise CorruptObject(e.kind, f"object {i}: {e.detail}") from None
-        found.append((key, 0, Packed(path, i, at)))
+        found.append((key, 0, Packed(path, i, at, count)))
         lengths.append(length)
         at += length
     if at != size:
@@ -179,10 +200,13 @@ def read_run(
     keys: Sequence[str],
     prefixes: Sequence[bytes],
     dests: Sequence[memoryview | np.ndarray],
+    joined: memoryview | None = None,
 ) -> None:
     """Fill ``dests`` with the payloads of ``keys``, consecutive objects of one pack starting
     at ``first``, verifying every header before any payload is read and every payload as it
     lands (``prefixes[i]`` is ``envelope.expected_prefix`` of key ``i`` and its buffer size).
+    ``joined``: one view of all of ``dests``, when they lie back to back (then a whole group
+    is checked against its group digest in one call first).
 
     Raises ``RunFault`` at the first object that is not a whole, intact object of its key
     (``cause``: ``CorruptObject``, or ``StorageError`` ``checksum`` for a buffer of another
@@ -191,19 +215,22 @@ def read_run(
     m = len(keys)
     sizes = [d.nbytes for d in dests]
     digest = envelope.digest
+    # Pieces end at group boundaries, so a piece is a whole group unless the run starts or
+    # ends inside one:  object   first.number + i ... first.number + j - 1
+    #                   group    (first.number + i) // GROUP, whole when it starts there and
+    #                            j reaches the group's end (or the pack's)
+    base = first.number
     fd = os.open(first.pack, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        heads = os.pread(fd, m * HEADER_BYTES, PACK_HEAD + first.number * HEADER_BYTES)
+        heads = os.pread(fd, m * HEADER_BYTES, PACK_HEAD + base * HEADER_BYTES)
         wants = envelope.payload_digests(heads, prefixes)
         good = len(wants)
-        at = first.payload_at
-        i = 0
+        g0 = base // GROUP
+        groups = _group_digests(fd, first.count, g0, base + good) if joined is not None else ()
+        at, offset, i = first.payload_at, 0, 0
         while i < good:
-            # Pieces of about RUN_READ_CHUNK: each is digested while it is still in the cache.
-            j, nbytes = i + 1, sizes[i]
-            while j < good and j - i < IOV_MAX and nbytes + sizes[j] <= RUN_READ_CHUNK:
-                nbytes += sizes[j]
-                j += 1
+            j = min(good, i + GROUP - (base + i) % GROUP)
+            nbytes = sum(sizes[i:j])
             got = os.preadv(fd, dests[i:j], at)
             whole = j
             if got < nbytes:  # only the pack's end is short: the objects before it count
@@ -211,19 +238,36 @@ def read_run(
                 while got >= sizes[whole]:
                     got -= sizes[whole]
                     whole += 1
-            digests = [digest(d) for d in dests[i:whole]]
-            if digests != wants[i:whole]:
-                k = next(k for k in range(i, whole) if digests[k - i] != wants[k])
-                raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
+            g = (base + i) // GROUP - g0
+            if not (
+                whole == j
+                and g < len(groups)
+                and (base + i) % GROUP == 0
+                and (j - i == GROUP or base + j == first.count)
+                and digest(joined[offset : offset + nbytes]) == groups[g]  # type: ignore[index]
+            ):
+                digests = [digest(d) for d in dests[i:whole]]
+                if digests != wants[i:whole]:
+                    k = next(k for k in range(i, whole) if digests[k - i] != wants[k])
+                    raise RunFault(k, CorruptObject("checksum", "payload checksum mismatch"))
             if whole < j:
                 raise RunFault(whole, CorruptObject("short_read", "pack ends inside the object"))
             at += nbytes
+            offset += nbytes
             i = j
     finally:
         os.close(fd)
     if good < m:
         head = heads[good * HEADER_BYTES : (good + 1) * HEADER_BYTES]
         raise RunFault(good, _header_fault(head, namespace, keys[good], dests[good]))
+
+
+def _group_digests(fd: int, count: int, g0: int, end: int) -> tuple[int, ...]:
+    """The digests of groups ``g0`` up to the one holding object ``end - 1`` of a pack of
+    ``count`` objects (fewer where the file is short: those groups go unchecked)."""
+    n = max(0, -(-end // GROUP) - g0)
+    raw = os.pread(fd, n * _DIGEST.size, _groups_at(count) + g0 * _DIGEST.size)
+    return struct.unpack(f"<{len(raw) // _DIGEST.size}Q", raw[: len(raw) // 8 * 8])
 
 
 def _header_fault(

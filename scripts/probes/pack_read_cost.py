@@ -32,7 +32,9 @@ from kvtier.storage import envelope, file_layout
 from kvtier.storage.base import cpu_byte_views
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file import FileBackend
-from kvtier.storage.file_pack import PACK_HEAD, RUN_READ_CHUNK
+from kvtier.storage.file_pack import PACK_HEAD
+
+RUN_READ_CHUNK = 1 << 20
 
 REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 9
 work = (sys.argv[2] if len(sys.argv) > 2 else "/tmp/kvst") + "/pack_read_cost"
