@@ -54,7 +54,10 @@ assert all(first is not None for _, _, first in runs)
 writer.close()
 backends = {t: FileBackend(work, Namespace("ns"), budget, io_threads=t) for t in THREADS}
 _lib = ctypes.CDLL(xxhash._xxhash.__file__)
-_fn = _lib.XXH3_64bits_dispatch
+try:  # the CPU-dispatching variant where the wheel exports it (4.1.0; 4.0.1 does not)
+    _fn = _lib.XXH3_64bits_dispatch
+except AttributeError:
+    _fn = _lib.XXH3_64bits
 _fn.restype = ctypes.c_uint64
 _fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
