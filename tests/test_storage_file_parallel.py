@@ -18,11 +18,13 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope, file_io
 from kvtier.storage.file import HEADER_BYTES, FileBackend
+from kvtier.storage.file_io import ALIGNED_MIN, WRITE_CHUNK
 from kvtier.storage.file_pool import POOL_MIN_BYTES, POOL_MIN_OBJECT_BYTES, OrderedIO
 from kvtier.storage.file_recency import JOURNAL
 
 NS = Namespace("ns0")
 BIG = 1 << 20  # bytes per page: a batch of two is past POOL_MIN_BYTES
+BIG_AT = 4096  # where a BIG payload starts in its file (file_io.payload_at)
 N = 8
 
 
@@ -59,14 +61,14 @@ def be(tmp_path: Path) -> FileBackend:
 
 
 def test_batches_here_go_to_the_threads() -> None:
-    assert 2 * BIG >= POOL_MIN_BYTES and HEADER_BYTES == 112
+    assert 2 * BIG >= POOL_MIN_BYTES and HEADER_BYTES == 112 and file_io.payload_at(BIG) == BIG_AT
 
 
 def test_object_digests_are_xxh3_64_of_header_and_payload(be: FileBackend) -> None:
     src = pages(1, 4096)
     assert be.batch_set(keys(1), list(src)) == 1
     raw = obj_path(be, "k0").read_bytes()
-    assert len(raw) == HEADER_BYTES + 4096 and raw[:6] == b"KVTO\x03\x00"
+    assert len(raw) == HEADER_BYTES + 4096 and raw[:6] == b"KVTO\x04\x00"
     payload_digest, head_digest = struct.unpack("<QQ", raw[96:HEADER_BYTES])
     assert payload_digest == xxhash.xxh3_64_intdigest(raw[HEADER_BYTES:])
     assert head_digest == xxhash.xxh3_64_intdigest(raw[:104])
@@ -125,8 +127,28 @@ def test_version_2_object_is_a_format_miss_and_never_lands_in_the_buffer(tmp_pat
 
 def test_unpack_reports_an_old_version_before_the_header_length() -> None:
     old = _v2_object(NS, "k0", b"x" * 8)
-    with pytest.raises(Exception, match="^format: magic/version b'KVTO'/2, not b'KVTO'/3$"):
+    with pytest.raises(Exception, match="^format: magic/version b'KVTO'/2, not b'KVTO'/4$"):
         envelope.unpack(old[:104], NS, "k0")
+
+
+@pytest.mark.parametrize(
+    ("size", "at"),
+    [(ALIGNED_MIN - 1, HEADER_BYTES), (ALIGNED_MIN, 4096), (WRITE_CHUNK + 8, 4096)],
+)
+def test_large_payloads_start_on_a_page(be: FileBackend, size: int, at: int) -> None:
+    src = pages(1, size)
+    assert be.batch_set(keys(1), list(src)) == 1
+    raw = obj_path(be, "k0").read_bytes()
+    assert len(raw) == at + size == be.stats()["bytes_used"]
+    assert raw[HEADER_BYTES:at] == bytes(at - HEADER_BYTES)
+    assert raw[at:] == src[0].numpy().tobytes()
+    payload_digest, head_digest = struct.unpack("<QQ", raw[96:HEADER_BYTES])
+    assert payload_digest == xxhash.xxh3_64_intdigest(raw[at:])
+    out = torch.zeros_like(src)
+    assert be.batch_get(keys(1), list(out)) == 1 and torch.equal(out, src)
+    obj_path(be, "k0").write_bytes(raw[:HEADER_BYTES] + raw[at:])  # the payload moved up
+    assert be.batch_get(keys(1), list(out)) == (1 if at == HEADER_BYTES else 0)
+    assert be.errors == ({} if at == HEADER_BYTES else {"short_read": 1})
 
 
 def test_io_threads_must_be_positive(tmp_path: Path) -> None:
@@ -141,7 +163,7 @@ def test_parallel_roundtrip_byte_exact(be: FileBackend) -> None:
     assert be.batch_get(keys(), list(out)) == N
     assert torch.equal(out, src) and not be.errors
     assert be.stats() == {
-        "bytes_used": N * (HEADER_BYTES + BIG),
+        "bytes_used": N * (4096 + BIG),  # payloads of 128 KiB and more start at 4096
         "objects": N,
         "budget_bytes": 64 << 20,
         "evictions": 0,
@@ -165,7 +187,7 @@ def test_parallel_get_stops_at_a_missing_object(be: FileBackend, k: int) -> None
 def test_parallel_get_stops_at_a_corrupt_object(be: FileBackend, k: int) -> None:
     src = pages()
     assert be.batch_set(keys(), list(src)) == N
-    flip(obj_path(be, f"k{k}"), HEADER_BYTES + BIG // 2)
+    flip(obj_path(be, f"k{k}"), BIG_AT + BIG // 2)
     out = torch.zeros_like(src)
     assert be.batch_get(keys(), list(out)) == k
     assert be.errors == {"checksum": 1}
@@ -176,8 +198,8 @@ def test_parallel_get_stops_at_a_corrupt_object(be: FileBackend, k: int) -> None
 def test_parallel_get_counts_only_the_first_of_two_faults(be: FileBackend) -> None:
     src = pages()
     assert be.batch_set(keys(), list(src)) == N
-    flip(obj_path(be, "k2"), HEADER_BYTES + 7)
-    flip(obj_path(be, "k6"), HEADER_BYTES + 7)
+    flip(obj_path(be, "k2"), BIG_AT + 7)
+    flip(obj_path(be, "k6"), BIG_AT + 7)
     out = torch.zeros_like(src)
     assert be.batch_get(keys(), list(out)) == 2
     assert be.errors == {"checksum": 1}
@@ -212,7 +234,7 @@ def test_parallel_set_stops_at_a_failed_write(
     assert not any(name.endswith(".tmp") for name in on_disk)
     # Objects past the fault that were written stay stored and accounted for.
     assert be.stats()["objects"] == len(on_disk)
-    assert be.stats()["bytes_used"] == len(on_disk) * (HEADER_BYTES + BIG)
+    assert be.stats()["bytes_used"] == len(on_disk) * (BIG_AT + BIG)
     monkeypatch.setattr(file_io, "writev_all", real)
     assert be.batch_set(keys(), list(src)) == N
     out = torch.zeros_like(src)
@@ -220,7 +242,7 @@ def test_parallel_set_stops_at_a_failed_write(
 
 
 def test_parallel_set_larger_than_the_budget_evicts_its_own_oldest(tmp_path: Path) -> None:
-    obj = HEADER_BYTES + BIG
+    obj = BIG_AT + BIG
     be = FileBackend(tmp_path, NS, budget_bytes=5 * obj, io_threads=4)
     src = pages()
     assert be.batch_set(keys(), list(src)) == N
@@ -236,7 +258,7 @@ def test_parallel_set_larger_than_the_budget_evicts_its_own_oldest(tmp_path: Pat
 def test_parallel_set_refuses_an_object_over_the_budget_after_the_ones_before(
     tmp_path: Path,
 ) -> None:
-    be = FileBackend(tmp_path, NS, budget_bytes=4 * (HEADER_BYTES + BIG), io_threads=4)
+    be = FileBackend(tmp_path, NS, budget_bytes=4 * (BIG_AT + BIG), io_threads=4)
     small = pages(3)
     big = torch.zeros(5 * BIG, dtype=torch.uint8)
     ks = [PageKey("a0"), PageKey("a1"), PageKey("a2"), PageKey("b0"), PageKey("a3")]

@@ -69,7 +69,7 @@ def test_unnamed_file_is_written_then_linked(
     assert be.batch_set([PageKey("ab01")], [src]) == 1
     assert seen and all(name.endswith("(deleted)") and files == [] for name, files in seen)
     assert entries(be) == ["ab01"] and hidden(be) == []
-    assert obj_path(be, "ab01").stat().st_size == HEADER_BYTES + size
+    assert obj_path(be, "ab01").stat().st_size == file_io.file_bytes(size)
     assert read_back(be, "ab01", src)
     assert file_io._tmpfile_ok == [True]
 

@@ -15,7 +15,7 @@ from kvtier.errors import StorageError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope, file_io
 from kvtier.storage.base import cpu_byte_views
-from kvtier.storage.file import HEADER_BYTES, FileBackend
+from kvtier.storage.file import FileBackend
 from kvtier.storage.file_io import READ_CHUNK, CorruptObject, read_object
 
 NS = Namespace("ns0")
@@ -55,7 +55,7 @@ def test_whole_object_reads_back(be: FileBackend, size: int) -> None:
 @pytest.mark.parametrize("size", SIZES)
 def test_truncated_payload_is_a_short_read(be: FileBackend, size: int) -> None:
     src, path = stored(be, size)
-    os.truncate(path, HEADER_BYTES + size - 1)
+    os.truncate(path, file_io.file_bytes(size) - 1)
     with pytest.raises(
         CorruptObject, match=f"^short_read: file has {size - 1} of {size} payload bytes$"
     ):
@@ -80,7 +80,7 @@ def test_extended_file_is_a_checksum_fault(be: FileBackend, size: int) -> None:
 def test_flipped_payload_byte_is_a_checksum_fault(be: FileBackend, size: int, where: str) -> None:
     src, path = stored(be, size)
     raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES if where == "first" else -1] ^= 0x40
+    raw[file_io.payload_at(size) if where == "first" else -1] ^= 0x40
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptObject, match="^checksum: payload checksum mismatch$"):
         read(path, torch.zeros_like(src))

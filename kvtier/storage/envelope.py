@@ -7,7 +7,8 @@ The header names the deployment (namespace digest) and the key it was written un
 object copied, renamed or written by another deployment is never taken for this one's; the
 header digest covers every header field including the payload digest, so together they cover
 header and payload. Reads verify all of it; a mismatch is a miss counted by kind: ``format``
-(not an object of this version: version 2 objects, which carried zlib crc32s, read as this),
+(not an object of this version: version 2 objects, which carried zlib crc32s, and version 3
+ones, whose large payloads followed the header directly in a file, read as this),
 ``foreign`` (other namespace or key), ``short_read`` (fewer bytes than the header promises) or
 ``checksum``.
 
@@ -27,7 +28,7 @@ import xxhash
 from kvtier.errors import RequestError, StorageError
 
 MAGIC = b"KVTO"
-VERSION = 3
+VERSION = 4
 _HEAD = struct.Struct("<4sHHQ32s48sQ")
 _FULL = struct.Struct("<4sHHQ32s48sQQ")
 _PREFIX = struct.Struct("<4sH")

@@ -45,6 +45,7 @@ from kvtier.storage.file_index import FileIndex
 from kvtier.storage.file_io import (
     TMP_SUFFIX,
     CorruptObject,
+    file_bytes,
     os_kind,
     publish,
     read_object,
@@ -280,7 +281,7 @@ class FileBackend(StorageBackend):
         plan: list[_Planned] = []
         writes = 0
         for key, payload in zip(keys[start:], payloads[start:], strict=True):
-            size = HEADER_BYTES + payload.nbytes
+            size = file_bytes(payload.nbytes)
             path = self._path(key)
             self._drop_vanished(key)
             with self._lock:

@@ -113,28 +113,48 @@ def _open_read(path: str) -> int:
         return os.open(path, _read_flags[0])
 
 
-def _read_payload(fd: int, dest: memoryview, spare: memoryview) -> tuple[int, int]:
-    """Read the payload after the header into ``dest`` (in ``READ_CHUNK`` pieces when larger,
+ALIGNED_MIN = 128 << 10
+"""Payloads of at least this many bytes start at ``PAYLOAD_ALIGN`` in their file, after the
+header and zeros: the page cache copies page-aligned file ranges into page-aligned buffers
+faster (1 MiB files read 8.5 / 7.8 GB/s with the payload 112 bytes in, 10.8 / 9.5 at 4096, two
+runs here). Smaller ones follow the header: a page of padding would be a large share of them
+(and large rounds of them are packs, ``file_pack``, aligned as a whole)."""
+PAYLOAD_ALIGN = 4096
+
+
+def payload_at(n: int) -> int:
+    """File offset of an ``n``-byte payload in its object file."""
+    return PAYLOAD_ALIGN if n >= ALIGNED_MIN else HEADER_BYTES
+
+
+def file_bytes(n: int) -> int:
+    """Size of the object file of an ``n``-byte payload."""
+    return payload_at(n) + n
+
+
+_PADDING = memoryview(bytes(PAYLOAD_ALIGN - HEADER_BYTES))
+
+
+def _read_payload(fd: int, dest: memoryview, spare: memoryview, at: int) -> tuple[int, int]:
+    """Read the payload at ``at`` into ``dest`` (in ``READ_CHUNK`` pieces when larger,
     digesting each as it lands); returns the file size seen and the digest (meaningful only
     when the size is right). The last read asks for one byte more, into ``spare``, so a longer
     file shows without an extra syscall (a regular file's read only comes back short at its
     end)."""
     n = len(dest)
     if n <= READ_CHUNK:
-        got = os.preadv(fd, [dest, spare], HEADER_BYTES)
-        return HEADER_BYTES + got, envelope.digest(dest if got == n else dest[: min(got, n)])
+        got = os.preadv(fd, [dest, spare], at)
+        return at + got, envelope.digest(dest if got == n else dest[: min(got, n)])
     h = envelope.hasher()
     off = 0
     while off < n:
         end = min(off + READ_CHUNK, n)
-        got = os.preadv(
-            fd, [dest[off:end], spare] if end == n else [dest[off:end]], HEADER_BYTES + off
-        )
+        got = os.preadv(fd, [dest[off:end], spare] if end == n else [dest[off:end]], at + off)
         if not got:
             break
         h.update(dest[off : min(off + got, n)])
         off += got
-    return HEADER_BYTES + off, h.intdigest()
+    return at + off, h.intdigest()
 
 
 def read_object(
@@ -169,20 +189,21 @@ def read_object(
                 length, want = envelope.unpack(head[:got], namespace, key)
             except StorageError as e:
                 raise CorruptObject(e.kind, e.detail) from None
+        at = payload_at(length)
         if length != n:
             file_size, got_digest = os.fstat(fd).st_size, 0
-        elif n <= READ_CHUNK:  # the common case inline: a tenth of a 64 KiB read is Python
-            got = os.preadv(fd, [dest, scratch.spare], HEADER_BYTES)
-            file_size = HEADER_BYTES + got
+        elif n < ALIGNED_MIN:  # the common case inline: a tenth of a 64 KiB read is Python
+            got = os.preadv(fd, [dest, scratch.spare], at)
+            file_size = at + got
             got_digest = envelope.digest(dest) if got == n else 0  # else a size fault below
         else:
-            file_size, got_digest = _read_payload(fd, memoryview(dest), scratch.spare)
+            file_size, got_digest = _read_payload(fd, memoryview(dest), scratch.spare, at)
     finally:
         os.close(fd)
-    if file_size != HEADER_BYTES + length:
-        if file_size < HEADER_BYTES + length:
+    if file_size != at + length:
+        if file_size < at + length:
             raise CorruptObject(
-                "short_read", f"file has {file_size - HEADER_BYTES} of {length} payload bytes"
+                "short_read", f"file has {max(0, file_size - at)} of {length} payload bytes"
             )
         raise CorruptObject("checksum", f"file size exceeds header + {length}")
     if length != n:
@@ -192,22 +213,23 @@ def read_object(
 
 
 def _write_payload(fd: int, namespace: str, key: str, payload: memoryview) -> None:
-    """Write the object (header, then ``payload``) to the empty file ``fd``. Up to
-    ``WRITE_CHUNK`` it is digested, then written in one ``writev``; larger payloads are
-    written after the header's place in ``WRITE_CHUNK`` pieces, each digested just before
-    (so the write copies it from the cache), and the header lands last."""
+    """Write the object (header, padding to ``payload_at``, then ``payload``) to the empty file
+    ``fd``. Up to ``WRITE_CHUNK`` it is digested, then written in one ``writev``; larger
+    payloads are written after the header's place in ``WRITE_CHUNK`` pieces, each digested
+    just before (so the write copies it from the cache), and header and padding land last."""
     n = len(payload)
+    pad = [_PADDING] if n >= ALIGNED_MIN else []
     if n <= WRITE_CHUNK:
         header = envelope.pack(namespace, key, n, envelope.digest(payload))
-        writev_all(fd, [memoryview(header), payload])
+        writev_all(fd, [memoryview(header), *pad, payload])
         return
     h = envelope.hasher()
-    os.lseek(fd, HEADER_BYTES, os.SEEK_SET)
+    os.lseek(fd, payload_at(n), os.SEEK_SET)
     for off in range(0, n, WRITE_CHUNK):
         piece = payload[off : off + WRITE_CHUNK]
         h.update(piece)
         writev_all(fd, [piece])
-    header = envelope.pack(namespace, key, n, h.intdigest())
+    header = envelope.pack(namespace, key, n, h.intdigest()) + bytes(_PADDING)
     if os.pwrite(fd, header, 0) != len(header):
         raise OSError(errno.EIO, "short header write")
 
