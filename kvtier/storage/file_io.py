@@ -116,9 +116,10 @@ def _open_read(path: str) -> int:
 ALIGNED_MIN = 128 << 10
 """Payloads of at least this many bytes start at ``PAYLOAD_ALIGN`` in their file, after the
 header and zeros: the page cache copies page-aligned file ranges into page-aligned buffers
-faster (1 MiB files read 8.5 / 7.8 GB/s with the payload 112 bytes in, 10.8 / 9.5 at 4096, two
-runs here). Smaller ones follow the header: a page of padding would be a large share of them
-(and large rounds of them are packs, ``file_pack``, aligned as a whole)."""
+faster (1 MiB files read 8.5 / 7.8 GB/s with the payload 112 bytes in, 10.8 / 9.5 at 4096,
+two runs on the 2-core reference host; ``scripts/probes/file_payload_align.py``). Smaller
+ones follow the header: a page of padding would be a large share of them (and large rounds
+of them are packs, ``file_pack``, aligned as a whole)."""
 PAYLOAD_ALIGN = 4096
 
 
