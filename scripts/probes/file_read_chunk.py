@@ -1,8 +1,9 @@
 """Verified reads of 1 and 2 MiB objects by piece size: ``batch_get`` on the backend's two I/O
 threads with ``file_io.READ_CHUNK`` (the payload bytes per read syscall, each piece digested
-right after it lands) at 1 MiB, 512, 256 and 128 KiB, against the same files' payloads read by
+right after it lands) at 2 MiB, 1 MiB, 512, 256 and 128 KiB, against the same files' payloads read by
 two threads with no digest; interleaved, medians of REPEATS (default 7). A 512 MiB sweep
-before every read. Usage: ``python file_read_chunk.py [DIR]``; prints GB/s per case."""
+before every read, the destination zeroed before it; one torch intra-op thread (its threads
+spin after a parallel op, beside the read timed next). Usage: ``python file_read_chunk.py [DIR]``; prints GB/s per case."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.keys import Namespace, PageKey
-from kvtier.storage import envelope, file_io
+from kvtier.storage import file_io
 from kvtier.storage.file import FileBackend
 
-CHUNKS = (1 << 20, 512 << 10, 256 << 10, 128 << 10)
+CHUNKS = (2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10)
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
         prefix="kvtier-read-chunk-", dir=sys.argv[1] if len(sys.argv) > 1 else "/tmp"
     )
     reps = int(os.environ.get("REPEATS", "7"))
+    torch.set_num_threads(1)
     pool = ThreadPoolExecutor(1)
     sweep = torch.empty(512 << 20, dtype=torch.uint8)
     try:
@@ -49,7 +51,7 @@ def main() -> None:
                 def run() -> None:
                     while (i := next(claim)) < len(paths):
                         fd = os.open(paths[i], os.O_RDONLY)
-                        os.preadv(fd, [views[i]], envelope.HEADER_BYTES)
+                        os.preadv(fd, [views[i]], file_io.payload_at(len(views[i])))
                         os.close(fd)
 
                 f = pool.submit(run)
@@ -61,8 +63,8 @@ def main() -> None:
                 for case in ("raw", *CHUNKS):
                     if case != "raw":
                         file_io.READ_CHUNK = case
-                    sweep.fill_(r)
                     dst.zero_()
+                    sweep.fill_(r)
                     t = time.perf_counter()
                     if case == "raw":
                         raw()
