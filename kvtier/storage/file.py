@@ -54,10 +54,9 @@ from kvtier.storage.file_io import (
 )
 from kvtier.storage.file_pack import (
     PACK_MIN_OBJECTS,
-    Packed,
     object_sizes,
     pack_name,
-    payloads_at,
+    places,
     read_run,
     write_pack,
 )
@@ -374,13 +373,9 @@ class FileBackend(StorageBackend):
             for i in fresh:
                 outcomes[i] = e
             return outcomes
-        at = payloads_at(len(keys))
-        places = []
-        for n, payload in enumerate(payloads):
-            places.append(Packed(path, n, at, len(keys)))
-            at += payload.nbytes
+        where = places(path, [p.nbytes for p in payloads])
         with self._lock:
-            self._index.add_pack(path, keys, sizes, places)
+            self._index.add_pack(path, keys, sizes, where)
         return outcomes
 
     def _drop_vanished(self, key: str) -> bool:

@@ -42,7 +42,7 @@ import xxhash
 from kvtier.errors import KvtierError, StorageError
 from kvtier.storage import envelope, file_io
 from kvtier.storage.envelope import HEADER_BYTES
-from kvtier.storage.file_io import WRITE_CHUNK, CorruptObject, writev_all
+from kvtier.storage.file_io import PAYLOAD_ALIGN, WRITE_CHUNK, CorruptObject, writev_all
 
 _HEAD = struct.Struct("<4sHI")
 _DIGEST = struct.Struct("<Q")
@@ -50,8 +50,6 @@ MAGIC = b"KVTP"
 VERSION = 2
 PACK_HEAD = _HEAD.size + _DIGEST.size
 """Bytes of a pack's own header."""
-PAYLOAD_ALIGN = 4096
-"""Payloads start at a multiple of this offset (a page)."""
 GROUP = 16
 """Objects per group digest, and the most objects one ``preadv`` of a run reads (a 64 KiB
 page's group is 1 MiB: digested while still in the cache)."""
@@ -101,6 +99,17 @@ def payloads_at(count: int) -> int:
     """File offset of the first payload of a pack of ``count`` objects."""
     end = _groups_at(count) + -(-count // GROUP) * _DIGEST.size
     return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+
+
+def places(path: str, payload_bytes: Sequence[int]) -> list[Packed]:
+    """Where each object of the pack ``path`` of payloads ``payload_bytes`` long is."""
+    count = len(payload_bytes)
+    out: list[Packed] = []
+    at = payloads_at(count)
+    for n, length in enumerate(payload_bytes):
+        out.append(Packed(path, n, at, count))
+        at += length
+    return out
 
 
 def _pack_head(count: int) -> bytes:
@@ -175,8 +184,7 @@ def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
         raise CorruptObject(
             "short_read", f"pack of {count} objects holds {len(heads)} header bytes"
         )
-    found: list[tuple[str, int, Packed]] = []
-    at = payloads_at(count)
+    keys: list[str] = []
     lengths: list[int] = []
     for i in range(count):
         h = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
@@ -185,13 +193,12 @@ def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
             length, _ = envelope.unpack(h, namespace, key)
         except StorageError as e:
             raise CorruptObject(e.kind, f"object {i}: {e.detail}") from None
-        found.append((key, 0, Packed(path, i, at, count)))
+        keys.append(key)
         lengths.append(length)
-        at += length
-    if at != size:
-        raise CorruptObject("short_read", f"pack file has {size} bytes, its objects {at}")
     sizes = object_sizes(lengths)
-    return [(k, z, w) for (k, _, w), z in zip(found, sizes, strict=True)]
+    if sum(sizes) != size:
+        raise CorruptObject("short_read", f"pack file has {size} bytes, its objects {sum(sizes)}")
+    return list(zip(keys, sizes, places(path, lengths), strict=True))
 
 
 def read_run(
@@ -267,7 +274,8 @@ def _group_digests(fd: int, count: int, g0: int, end: int) -> tuple[int, ...]:
     ``count`` objects (fewer where the file is short: those groups go unchecked)."""
     n = max(0, -(-end // GROUP) - g0)
     raw = os.pread(fd, n * _DIGEST.size, _groups_at(count) + g0 * _DIGEST.size)
-    return struct.unpack(f"<{len(raw) // _DIGEST.size}Q", raw[: len(raw) // 8 * 8])
+    whole = len(raw) // _DIGEST.size
+    return struct.unpack(f"<{whole}Q", raw[: whole * _DIGEST.size])
 
 
 def _header_fault(
