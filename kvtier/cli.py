@@ -81,6 +81,7 @@ def _bench(args: argparse.Namespace) -> int:
                 staging_mib=args.staging_mib,
                 target_mib=args.target_mib,
                 host_pages=args.host_pages,
+                repeats=args.repeats,
             )
 
         if args.family == "all":
@@ -252,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(tree) or HiCacheFile (storage, file) as the peer, run in its own process",
     )
     b.add_argument("--rounds", type=_positive, default=3, help="tree: A/B rounds per scenario")
+    b.add_argument(
+        "--repeats",
+        type=_positive,
+        default=5,
+        help="transfer: timed repeats of every copy (best and median reported)",
+    )
     b.add_argument(
         "--host-layout",
         choices=("page_first", "layer_first"),

@@ -150,3 +150,16 @@ def test_bench_transfer_host_pages_option() -> None:
     assert churn["sizes"]["mean_host_run"] > 4 * rand["sizes"]["mean_host_run"]
     with pytest.raises(ConfigError, match="host_pages='sorted' is not one of churned, random"):
         bench_transfer(host_pages="sorted", **kw)
+
+
+def test_cli_transfer_repeats_reach_the_bench(tmp_path, capsys) -> None:
+    from kvtier.cli import main
+
+    out = tmp_path / "t.json"
+    args = ["bench", "transfer", "--device", "cpu", "--num-pages", "4", "--repeats", "2"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["repeats"] == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["bench", "transfer", "--device", "cpu", "--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err

@@ -107,7 +107,8 @@ def bench_transfer(
     once; its GB/s count the bytes of both directions. ``both_whole`` times the same pair queued
     one after the other (the backup whole, then the load), the order without ``exchange``.
 
-    Returns ``{"bench": "transfer", "device", "sizes", "verified", "d2h", "h2d", "both"}`` where
+    Returns ``{"bench": "transfer", "device", "sizes", "verified", "repeats", "d2h", "h2d",
+    "both", "both_whole"}`` where
     each direction has ``paths`` (the mechanism per component), ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
     ``ratio`` (best scattered / best contiguous) and ``median_ratio``.
     """
@@ -295,6 +296,7 @@ def bench_transfer(
         "device": str(dev),
         "sizes": sizes,
         "verified": True,
+        "repeats": repeats,
         "d2h": direction("d2h"),
         "h2d": direction("h2d"),
         "both": direction("both") if cuda else None,
