@@ -1,9 +1,10 @@
-"""The row kernels compile once per row geometry, whatever the batch (CUDA with Triton only).
+"""No transfer waits for a kernel compile (CUDA with Triton only).
 
-A transfer's row and page counts and the slices of its page lists change from batch to batch;
-had Triton specialised on them, a new combination would compile a kernel variant (0.1-0.3 s) in
-the middle of serving. The copies run in a child process with an empty Triton cache, which
-counts the variants compiled.
+A transfer's row and page counts and the slices of its page lists change from batch to batch:
+had Triton specialised the row kernels on them, a new combination would compile a variant
+(0.1-0.5 s) in the middle of serving. And a ``Mover`` compiles the variants its components use
+when it is made. Each case runs in a child process with an empty Triton cache, which counts the
+variants compiled (one ``.cubin`` each).
 """
 
 from __future__ import annotations
@@ -17,40 +18,91 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CHILD = textwrap.dedent(
-    """
-    import os, pathlib, tempfile
-    cache = tempfile.mkdtemp()
-    os.environ["TRITON_CACHE_DIR"] = cache
-    import torch
-    from kvtier.transfer import rows
+PRELUDE = """
+import os, pathlib, tempfile
+cache = tempfile.mkdtemp()
+os.environ["TRITON_CACHE_DIR"] = cache
+import torch
 
-    dev = torch.device("cuda")
-    layers, npages, words = 3, 40, 256
-    pool = torch.arange(layers * npages * words, dtype=torch.int32, device=dev)
-    pool = pool.reshape(layers * npages, words)
-    order = torch.randperm(npages, generator=torch.Generator().manual_seed(0)).to(dev)
-    flat = torch.arange(layers * npages, device=dev)
-    # Counts 16, 17, 1, 1 and 33 rows; slices starting at even and odd (8-byte) offsets.
-    for lo, hi in ((0, 16), (1, 18), (0, 1), (3, 4), (2, 35)):
-        out = torch.zeros_like(pool)
-        rows.copy_rows(pool, order[lo:hi], out, flat[lo:hi])
-        assert torch.equal(out[: hi - lo], pool[order[lo:hi]])
-        staged = torch.zeros(layers * (hi - lo), words, dtype=torch.int32, device=dev)
-        rows.copy_page_rows(pool, staged, order[lo:hi], layers, npages, True, ctas=4)
-        want = (order[lo:hi, None] + npages * torch.arange(layers, device=dev)).reshape(-1)
-        assert torch.equal(staged, pool[want])
+def compiled():
     torch.cuda.synchronize()
-    print(sum(1 for _ in pathlib.Path(cache).rglob("*.cubin")))
-    """
-)
+    return sum(1 for _ in pathlib.Path(cache).rglob("*.cubin"))
+
+dev = torch.device("cuda")
+"""
+
+ROWS = """
+from kvtier.transfer import rows
+
+layers, npages, words = 3, 40, 256
+pool = torch.arange(layers * npages * words, dtype=torch.int32, device=dev)
+pool = pool.reshape(layers * npages, words)
+order = torch.randperm(npages, generator=torch.Generator().manual_seed(0)).to(dev)
+flat = torch.arange(layers * npages, device=dev)
+# Counts 16, 17, 1, 1 and 33 rows; slices starting at even and odd (8-byte) offsets.
+for lo, hi in ((0, 16), (1, 18), (0, 1), (3, 4), (2, 35)):
+    out = torch.zeros_like(pool)
+    rows.copy_rows(pool, order[lo:hi], out, flat[lo:hi])
+    assert torch.equal(out[lo:hi], pool[order[lo:hi]])
+    staged = torch.zeros(layers * (hi - lo), words, dtype=torch.int32, device=dev)
+    rows.copy_page_rows(pool, staged, order[lo:hi], layers, npages, True, ctas=4)
+    want = (order[lo:hi, None] + npages * torch.arange(layers, device=dev)).reshape(-1)
+    assert torch.equal(staged, pool[want])
+print(compiled())
+"""
+
+MOVER = """
+from kvtier.pools import DevicePool, HostPool, PoolSpec
+from kvtier.transfer import Mover
+
+specs = [
+    PoolSpec("kv", 4, (2, 2, 64), torch.bfloat16),
+    PoolSpec("index_k", 4, (64,), torch.bfloat16, kind="sidecar"),
+]
+dpool = DevicePool(specs, 64, 4, dev)
+hpool = HostPool(specs, 96, 4, layout="layer_first", pin=True)
+for buf in dpool.buffers.values():
+    buf.view(torch.uint8).random_()
+movers = [Mover(dpool, hpool, mechanism=m) for m in ("kernel", "copy_engine", "auto")]
+made = compiled()
+seen = set()
+for k in (1, 2, 5, 16, 17, 31):
+    for mover in movers:
+        src, hp = torch.arange(k), torch.arange(50, 50 + k)
+        back = mover.device_to_host(src, hp)
+        back.wait()
+        back.complete()
+        load = mover.host_to_device(hp, torch.arange(32, 32 + k))
+        load.wait()
+        seen |= set(back.paths.values()) | set(load.paths.values())
+        for s in specs:
+            view = dpool.page_bytes_view(s.name)
+            assert torch.equal(view[:, 32 : 32 + k], view[:, :k])
+assert {"kernel", "staged"} <= seen, seen
+print(made, compiled())
+"""
+
+
+def child(body: str) -> list[int]:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PRELUDE + body)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return [int(x) for x in done.stdout.split()]
 
 
 def test_row_kernels_compile_one_variant_per_geometry() -> None:
     pytest.importorskip("triton")
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr
     # One tile kernel (256-word rows) and one page gather, for five batches of other shapes.
-    assert int(done.stdout.split()[-1]) == 2
+    assert child(ROWS) == [2]
+
+
+def test_movers_compile_their_kernels_when_made_and_never_in_a_transfer() -> None:
+    pytest.importorskip("triton")
+    made, after = child(MOVER)
+    assert made > 0
+    assert after == made

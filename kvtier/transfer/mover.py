@@ -30,6 +30,7 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.page_lists import PageLists, envelope_lists
 from kvtier.transfer.plan import SHARED_FIRST_SLICE_BYTES, STAGING_BYTES
+from kvtier.transfer.rows import compile_kernels
 from kvtier.transfer.streams import on, recorded
 from kvtier.transfer.translate import (
     MECHANISMS,
@@ -59,6 +60,10 @@ class Mover:
     them while bytes are in flight, and releases them once: when its copy completed
     (``op.complete()``; on CPU, where the copy is synchronous, when the call returns) or when
     queueing it failed. Per-layer loads and backups are refused for it (``IntegrityError``).
+
+    On CUDA with a pinned host pool the constructor compiles the row kernels its components'
+    copies use (``rows.compile_kernels``, once per geometry and process), so that no transfer
+    waits for a compile.
     """
 
     def __init__(
@@ -118,6 +123,16 @@ class Mover:
             s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=pinned)
             for s in device_pool.specs
         }
+        if pinned:  # rows cross PCIe by kernel, or stage, only from a pinned host pool
+            for r in self.rows.values():
+                compile_kernels(
+                    r.device.shape[1],
+                    r.device.dtype,
+                    r.device.device,
+                    r.geo.layers,
+                    r.geo.host_layout == "layer_first",
+                    staged=not r.geo.envelope,  # an envelope's pages are never staged
+                )
 
     @property
     def pinned(self) -> bool:

@@ -8,7 +8,7 @@ Each run uses a fresh, empty ``TRITON_CACHE_DIR`` (set before Triton is imported
 kernel variant the run needs is compiled in it; a compile is counted as a new ``.cubin`` there.
 ``--specialize`` re-wraps the row kernels with a plain ``triton.jit`` (every integer argument
 and pointer specialised, as Triton does by default), for the side-by-side figure. Prints JSON:
-per family the seconds and compiles of the first d2h, h2d and exchange and of a second
+per family the seconds and compiles of making the ``Mover``, of the first d2h, h2d and exchange and of a second
 exchange, then of ``--mix`` transfers of random sizes (1 to N pages, log-uniform; d2h, h2d and
 exchange in turn): how many compiled, their total and worst seconds.
 """
@@ -67,7 +67,9 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
     dev = torch.device("cuda")
     dpool = DevicePool(specs, 2 * n, ps, dev)
     hpool = HostPool(specs, 4 * n, ps, layout=args.host_layout, pin=True)
+    made, c0 = time.perf_counter(), compiled()
     mover = Mover(dpool, hpool)
+    made, made_compiles = time.perf_counter() - made, compiled() - c0
     perm = torch.randperm(2 * n)
     src, dst = perm[:n], perm[n:]
     hpages, hother = churned(4 * n, [n, n], ps, seed=0)
@@ -92,6 +94,7 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
         load.release()
 
     out: dict = {"pages": n, "page_bytes": page_bytes, "page_size": ps}
+    out["mover_made"] = {"s": round(made, 4), "compiles": made_compiles}
     for name, fn in (("d2h", d2h), ("h2d", h2d), ("exchange", both), ("exchange_again", both)):
         s, c = timed(fn)
         out[name] = {"s": round(s, 4), "compiles": c}
