@@ -145,6 +145,10 @@ def test_beside_each_other_small_blocks_back_up_by_copy_engine_and_load_by_kerne
     assert choose(mla, "h2d", one, one, shared_link=True) == KERNEL  # and a kernel loads
     small = geo("page_first", row_bytes=1 << 10, layers=32)  # 32 KiB pages
     assert choose(small, "d2h", one, one, shared_link=True) == KERNEL
+    # A layer-first host: 256-byte sidecar rows in 480-page host runs, 120 KiB blocks.
+    index = geo("layer_first", row_bytes=256, layers=61)
+    assert choose(index, "h2d", one, one, shared_link=True, host_run=480.0) == STAGED
+    assert choose(index, "h2d", one, one, shared_link=True, host_run=300.0) == KERNEL  # 75 KiB
 
 
 def test_forced_mechanisms():

@@ -46,10 +46,14 @@ SHARED_D2H_DMA_MIN_BYTES = 64 << 10
     128 KiB (dense, SWA)     0.72-0.82                 0.58-0.65                 0.70-0.88
 
 Where blocks are small, the copy engine takes the backup and a row kernel the load
-(``SHARED_H2D_DMA_MIN_BYTES``); from 128 KiB both directions go by copy engine."""
-SHARED_H2D_DMA_MIN_BYTES = 128 << 10
+(``SHARED_H2D_DMA_MIN_BYTES``); from 96 KiB both directions go by copy engine."""
+SHARED_H2D_DMA_MIN_BYTES = 96 << 10
 """Smallest mean copy-engine block for host → device beside a device → host copy: under it the
-load goes by row kernel and leaves the copy engines to the backup (see above)."""
+load goes by row kernel and leaves the copy engines to the backup (see above). Between the
+pages above and 120 KiB: DSA at page size 1 with a layer-first host, whose 256-byte indexer
+rows make 120 KiB blocks per layer and host run beside the latent cache's staged copies, moved
+0.938 / 0.945 (best / median) of two contiguous copies with its load staged, 0.883-0.891 /
+0.902-0.913 with it by kernel (``results/h200-dma/run18/``, ``scripts/probes/dsa_index_mix.py``)."""
 STAGING_BYTES = 256 << 20
 """Device staging per staged transfer; larger batches go through it in slices."""
 FIRST_SLICE_BYTES = 16 << 20
