@@ -155,9 +155,11 @@ def compile_kernels(
     ``layer_major`` for a layer-first host). Once per geometry and process; Triton's disk cache keeps the
     binaries for the next process. Does nothing off CUDA or without Triton.
 
-    Why: a kernel variant compiled on first use took 0.08-0.37 s, and a serving-like mix of batch
-    sizes first needed one after the pools' first copies in four of six families
-    (``scripts/probes/jit_variants.py``)."""
+    Why: compiled on first use, a variant a family's first copies had not needed (a small batch
+    by row kernel, say) held a transfer 0.08-0.37 s in the middle of a mix of batch sizes, in
+    three to four of six families on an H200. Compiled here, making a ``Mover`` took 0.3-0.6 s
+    (3-6 variants; 1.5-1.8 s for the first, with Triton's start) and no transfer compiled
+    (``scripts/probes/jit_variants.py``, ``results/h200-dma/run18/``)."""
     if device.type != "cuda" or _kernels() is None:
         return
     a = torch.zeros((layers, words), dtype=dtype, device=device)
