@@ -1,10 +1,10 @@
 """No transfer waits for a kernel compile (CUDA with Triton only).
 
 A transfer's row and page counts and the slices of its page lists change from batch to batch:
-had Triton specialised the row kernels on them, a new combination would compile a variant
-(up to half a second on an H200) in the middle of serving. And a ``Mover`` compiles the variants its components use
-when it is made. Each case runs in a child process with an empty Triton cache, which counts the
-variants compiled (one ``.cubin`` each).
+had Triton specialised the row kernels on them, a new combination would compile a variant (up
+to half a second on an H200) in the middle of serving. And a ``Mover`` compiles the variants
+its components use when it is made. Each case runs in a child process with an empty Triton
+cache, which counts the variants compiled (one ``.cubin`` each).
 """
 
 from __future__ import annotations

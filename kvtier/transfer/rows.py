@@ -152,8 +152,8 @@ def compile_kernels(
     """Compile the row-kernel variants a component of this geometry uses, so that no transfer
     waits for one: the row copy across PCIe (``kvtier.transfer.component``'s kernel path) and,
     where ``staged``, the staging gather and scatter of ``layers``-layer pages (page-major, or
-    ``layer_major`` for a layer-first host). Once per geometry and process; Triton's disk cache keeps the
-    binaries for the next process. Does nothing off CUDA or without Triton.
+    ``layer_major`` for a layer-first host). Once per geometry and process; Triton's disk
+    cache keeps the binaries for the next process. Does nothing off CUDA or without Triton.
 
     Why: compiled on first use, a variant a family's first copies had not needed (a small batch
     by row kernel, say) held a transfer 0.08-0.37 s in the middle of a mix of batch sizes, in

@@ -10,12 +10,13 @@ next_power_of_2 = triton.next_power_of_2
 
 def _jit(*varying: str):  # noqa: ANN202
     """``triton.jit`` that specialises none of ``varying``: the arguments that change from call
-    to call (row and page counts, slices of page and row lists). Triton compiles a variant per
-    combination of counts divisible by 16 (or equal to 1) and lists aligned to 16 bytes, on the
-    transfer path the first time a combination comes up: on an H200, after each family's first
-    copies, 27 compiles in 22-23 of 360 transfers of random sizes, the slowest of those
-    transfers 0.54-0.56 s against 0.01 s without a compile (``scripts/probes/jit_variants.py``,
-    ``results/h200-dma/run18/``). The data pointers stay specialised."""
+    to call or pool to pool (row and page counts, slices of page and row lists, pool strides).
+    Triton compiles a variant per combination of counts divisible by 16 (or equal to 1) and
+    lists aligned to 16 bytes, on the transfer path the first time a combination comes up: on
+    an H200, after each family's first copies, 27 compiles in 22-23 of 360 transfers of random
+    sizes, the slowest of those transfers 0.54-0.56 s against 0.01 s without a compile
+    (``scripts/probes/jit_variants.py``, ``results/h200-dma/run18/``). The data pointers stay
+    specialised."""
     names = list(varying)
     try:
         return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)

@@ -8,9 +8,10 @@ Each run uses a fresh, empty ``TRITON_CACHE_DIR`` (set before Triton is imported
 kernel variant the run needs is compiled in it; a compile is counted as a new ``.cubin`` there.
 ``--specialize`` re-wraps the row kernels with a plain ``triton.jit`` (every integer argument
 and pointer specialised, as Triton does by default), for the side-by-side figure. Prints JSON:
-per family the seconds and compiles of making the ``Mover``, of the first d2h, h2d and exchange and of a second
-exchange, then of ``--mix`` transfers of random sizes (1 to N pages, log-uniform; d2h, h2d and
-exchange in turn): how many compiled, their total and worst seconds.
+per family the seconds and compiles of making the ``Mover``, of the first d2h, h2d and
+exchange and of a second exchange, then of ``--mix`` transfers of random sizes (1 to N pages,
+log-uniform; d2h, h2d and exchange in turn): how many compiled, their total and worst seconds,
+and the worst seconds of those that did not compile.
 """
 
 from __future__ import annotations
