@@ -11,7 +11,8 @@ and pointer specialised, as Triton does by default), for the side-by-side figure
 per family the seconds and compiles of making the ``Mover``, of the first d2h, h2d and
 exchange and of a second exchange, then of ``--mix`` transfers of random sizes (1 to N pages,
 log-uniform; d2h, h2d and exchange in turn): how many compiled, their total and worst seconds,
-and the worst seconds of those that did not compile.
+the worst seconds of those that did not compile, and every one over ``SLOW_S`` with its
+compiles and device allocations.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from kvtier.pools.host import HostPool  # noqa: E402
 from kvtier.pools.spec import tree_page_size  # noqa: E402
 from kvtier.transfer import rows, rows_triton  # noqa: E402
 from kvtier.transfer.mover import Mover  # noqa: E402
+
+SLOW_S = 0.015
+"""Mixed transfers slower than this are listed with their compiles and device allocations
+(``cudaMalloc`` calls by torch's caching allocator)."""
 
 
 def compiled() -> int:
@@ -102,9 +107,23 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
     kinds = (d2h, h2d, both)
     mix = {"ops": args.mix, "compiled_ops": 0, "compiles": 0, "compile_s": 0.0, "worst_s": 0.0}
     plain: list[float] = []
+    slow: list[dict] = []
     for i in range(args.mix):
         k = max(1, min(n, int(math.exp(rng.uniform(0, math.log(n))))))
+        a0 = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
         s, c = timed(lambda k=k, i=i: kinds[i % 3](k))
+        allocs = torch.cuda.memory_stats(dev).get("num_device_alloc", 0) - a0
+        if s > SLOW_S:
+            slow.append(
+                {
+                    "op": i,
+                    "kind": kinds[i % 3].__name__,
+                    "pages": k,
+                    "s": round(s, 4),
+                    "compiles": c,
+                    "device_allocs": allocs,
+                }
+            )
         if c:
             mix["compiled_ops"] += 1
             mix["compiles"] += c
@@ -115,6 +134,7 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
     mix["compile_s"] = round(mix["compile_s"], 4)
     mix["worst_s"] = round(mix["worst_s"], 4)
     mix["worst_plain_s"] = round(max(plain), 4) if plain else None
+    mix["slow_ops"] = slow
     out["mix"] = mix
     mover.close()
     return out
