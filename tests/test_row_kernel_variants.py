@@ -53,7 +53,7 @@ print(compiled())
 
 MOVER = """
 from kvtier.pools import DevicePool, HostPool, PoolSpec
-from kvtier.transfer import Mover
+from kvtier.transfer import Mover, dma
 
 specs = [
     PoolSpec("kv", 4, (2, 2, 64), torch.bfloat16),
@@ -63,7 +63,9 @@ dpool = DevicePool(specs, 64, 4, dev)
 hpool = HostPool(specs, 96, 4, layout="layer_first", pin=True)
 for buf in dpool.buffers.values():
     buf.view(torch.uint8).random_()
-movers = [Mover(dpool, hpool, mechanism=m) for m in ("kernel", "copy_engine", "auto")]
+# Copy engines (and so staging) need a driver with batched copies.
+mechanisms = ("kernel", "copy_engine", "auto") if dma.available() else ("kernel", "auto")
+movers = [Mover(dpool, hpool, mechanism=m) for m in mechanisms]
 made = compiled()
 seen = set()
 for k in (1, 2, 5, 16, 17, 31):
@@ -78,7 +80,7 @@ for k in (1, 2, 5, 16, 17, 31):
         for s in specs:
             view = dpool.page_bytes_view(s.name)
             assert torch.equal(view[:, 32 : 32 + k], view[:, :k])
-assert {"kernel", "staged"} <= seen, seen
+assert ({"kernel", "staged"} if dma.available() else {"kernel"}) <= seen, seen
 print(made, compiled())
 """
 
