@@ -219,10 +219,10 @@ def _write_payload(fd: int, namespace: str, key: str, payload: memoryview) -> No
     payloads are written after the header's place in ``WRITE_CHUNK`` pieces, each digested
     just before (so the write copies it from the cache), and header and padding land last."""
     n = len(payload)
-    pad = [_PADDING] if n >= ALIGNED_MIN else []
+    pad = _PADDING[: payload_at(n) - HEADER_BYTES]
     if n <= WRITE_CHUNK:
         header = envelope.pack(namespace, key, n, envelope.digest(payload))
-        writev_all(fd, [memoryview(header), *pad, payload])
+        writev_all(fd, [memoryview(header), pad, payload])
         return
     h = envelope.hasher()
     os.lseek(fd, payload_at(n), os.SEEK_SET)
@@ -230,7 +230,7 @@ def _write_payload(fd: int, namespace: str, key: str, payload: memoryview) -> No
         piece = payload[off : off + WRITE_CHUNK]
         h.update(piece)
         writev_all(fd, [piece])
-    header = envelope.pack(namespace, key, n, h.intdigest()) + bytes(_PADDING)
+    header = envelope.pack(namespace, key, n, h.intdigest()) + bytes(pad)
     if os.pwrite(fd, header, 0) != len(header):
         raise OSError(errno.EIO, "short header write")
 

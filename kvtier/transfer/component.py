@@ -30,6 +30,7 @@ from kvtier.transfer.rows import (
     PCIE_CTAS,
     STAGING_CTAS,
     TILE_WORDS,
+    compile_kernels,
     copy_page_rows,
     copy_rows,
 )
@@ -79,6 +80,18 @@ class ComponentRows:
         if hview.dtype != flat.dtype:
             raise IntegrityError(f"component {name!r}: device and host rows have other words")
         return cls(geo, flat, hview, view)
+
+    def compile_kernels(self) -> None:
+        """Compile the row kernels this component's copies use (``rows.compile_kernels``)."""
+        geo = self.geo
+        compile_kernels(
+            self.device.shape[1],
+            self.device.dtype,
+            self.device.device,
+            geo.layers,
+            geo.host_layout == "layer_first",
+            staged=not geo.envelope,  # an envelope's pages are never staged
+        )
 
     def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous copy between CPU tensors."""
@@ -290,6 +303,19 @@ class ComponentRows:
         self.device.index_copy_(0, di, on_dev)
         op.keepalive += [pinned, on_dev, di]
         return None
+
+
+def component_rows(
+    dev: DevicePool | UnifiedPool, host: HostPool, pinned: bool
+) -> dict[str, ComponentRows]:
+    """Every component's rows, in pool order; with a ``pinned`` host pool (on CUDA) each has a
+    device view of its host rows and its row kernels compiled (rows cross PCIe by kernel, or
+    stage, only from a pinned pool)."""
+    rows = {s.name: ComponentRows.of(dev, host, s.name, mapped=pinned) for s in dev.specs}
+    if pinned:
+        for r in rows.values():
+            r.compile_kernels()
+    return rows
 
 
 def queue_rows(

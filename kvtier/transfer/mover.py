@@ -24,13 +24,12 @@ from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.transfer.chunks import interleave, queue_all
-from kvtier.transfer.component import ComponentRows
+from kvtier.transfer.component import component_rows
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
 from kvtier.transfer.page_lists import PageLists, envelope_lists
 from kvtier.transfer.plan import SHARED_FIRST_SLICE_BYTES, STAGING_BYTES
-from kvtier.transfer.rows import compile_kernels
 from kvtier.transfer.streams import on, recorded
 from kvtier.transfer.translate import (
     MECHANISMS,
@@ -61,9 +60,8 @@ class Mover:
     (``op.complete()``; on CPU, where the copy is synchronous, when the call returns) or when
     queueing it failed. Per-layer loads and backups are refused for it (``IntegrityError``).
 
-    On CUDA with a pinned host pool the constructor compiles the row kernels its components'
-    copies use (``rows.compile_kernels``, once per geometry and process), so that no transfer
-    waits for a compile.
+    On CUDA with a pinned host pool it compiles its row kernels when made: no transfer waits
+    for a compile (``rows.compile_kernels``).
     """
 
     def __init__(
@@ -119,20 +117,7 @@ class Mover:
                 "transfer_mechanism='copy_engine' but this CUDA driver has no batched "
                 "copy-engine transfers (cuMemcpyBatchAsync, driver 12.8+): use 'auto' or 'kernel'"
             )
-        self.rows = {
-            s.name: ComponentRows.of(device_pool, host_pool, s.name, mapped=pinned)
-            for s in device_pool.specs
-        }
-        if pinned:  # rows cross PCIe by kernel, or stage, only from a pinned host pool
-            for r in self.rows.values():
-                compile_kernels(
-                    r.device.shape[1],
-                    r.device.dtype,
-                    r.device.device,
-                    r.geo.layers,
-                    r.geo.host_layout == "layer_first",
-                    staged=not r.geo.envelope,  # an envelope's pages are never staged
-                )
+        self.rows = component_rows(device_pool, host_pool, pinned)
 
     @property
     def pinned(self) -> bool:
