@@ -12,12 +12,13 @@ per family the seconds and compiles of making the ``Mover``, of the first d2h, h
 exchange and of a second exchange, then of ``--mix`` transfers of random sizes (1 to N pages,
 log-uniform; d2h, h2d and exchange in turn): how many compiled, their total and worst seconds,
 the worst seconds of those that did not compile, and every one over ``SLOW_S`` with its
-compiles and device allocations.
+compiles, device allocations and the garbage collections (generation, seconds) inside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -45,6 +46,18 @@ SLOW_S = 0.015
 (``cudaMalloc`` calls by torch's caching allocator)."""
 
 
+GC_PAUSES: list[tuple[int, float]] = []
+"""(generation, seconds) of every garbage collection since the last ``timed`` call began."""
+_gc_started = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        GC_PAUSES.append((info["generation"], time.perf_counter() - _gc_started[0]))
+
+
 def compiled() -> int:
     return sum(1 for _ in pathlib.Path(CACHE).rglob("*.cubin"))
 
@@ -59,6 +72,7 @@ def specialise_all() -> None:
 
 def timed(fn) -> tuple[float, int]:  # noqa: ANN001
     torch.cuda.synchronize()
+    GC_PAUSES.clear()
     c0, t0 = compiled(), time.perf_counter()
     fn()
     torch.cuda.synchronize()
@@ -122,6 +136,7 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
                     "s": round(s, 4),
                     "compiles": c,
                     "device_allocs": allocs,
+                    "gc": [[g, round(t, 4)] for g, t in GC_PAUSES],
                 }
             )
         if c:
@@ -149,6 +164,7 @@ def main() -> None:
     p.add_argument("--target-mib", type=int, default=256)
     p.add_argument("--mix", type=int, default=60)
     args = p.parse_args()
+    gc.callbacks.append(_on_gc)
     if args.specialize:
         specialise_all()
     import triton
@@ -160,6 +176,7 @@ def main() -> None:
         "specialize": args.specialize,
         "page_size": args.page_size,
         "host_layout": args.host_layout,
+        "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
         "families": {},
     }
     for fam in args.families.split(","):
