@@ -1,10 +1,11 @@
-"""No transfer waits for a kernel compile (CUDA with Triton only).
+"""No transfer waits for a kernel compile or a module load (CUDA with Triton only).
 
 A transfer's row and page counts and the slices of its page lists change from batch to batch:
 had Triton specialised the row kernels on them, a new combination would compile a variant (up
 to half a second on an H200) in the middle of serving. And a ``Mover`` compiles the variants
-its components use when it is made. Each case runs in a child process with an empty Triton
-cache, which counts the variants compiled (one ``.cubin`` each).
+its components use when it is made, and launches the torch kernels that build row lists (CUDA
+loads a kernel's module at its first launch). Each case runs in a child process with an empty
+Triton cache, which counts the variants compiled (one ``.cubin`` each).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ def compiled():
     return sum(1 for _ in pathlib.Path(cache).rglob("*.cubin"))
 
 dev = torch.device("cuda")
+
+def launched(fn):
+    # fn()'s result and the names of the device kernels it launched (copies left out).
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    return out, {n for n in names if not n.startswith(("Memcpy", "Memset"))}
 """
 
 ROWS = """
@@ -65,17 +76,24 @@ for buf in dpool.buffers.values():
     buf.view(torch.uint8).random_()
 # Copy engines (and so staging) need a driver with batched copies.
 mechanisms = ("kernel", "copy_engine", "auto") if dma.available() else ("kernel", "auto")
-movers = [Mover(dpool, hpool, mechanism=m) for m in mechanisms]
+movers, loaded = launched(lambda: [Mover(dpool, hpool, mechanism=m) for m in mechanisms])
 made = compiled()
 seen = set()
 for k in (1, 2, 5, 16, 17, 31):
     for mover in movers:
         src, hp = torch.arange(k), torch.arange(50, 50 + k)
-        back = mover.device_to_host(src, hp)
-        back.wait()
-        back.complete()
-        load = mover.host_to_device(hp, torch.arange(32, 32 + k))
-        load.wait()
+
+        def transfer():
+            back = mover.device_to_host(src, hp)
+            back.wait()
+            back.complete()
+            load = mover.host_to_device(hp, torch.arange(32, 32 + k))
+            load.wait()
+            return back, load
+
+        (back, load), kernels = launched(transfer)
+        # Every kernel a transfer launches was launched (its module loaded) by a mover's making.
+        assert kernels <= loaded, (k, sorted(kernels - loaded))
         seen |= set(back.paths.values()) | set(load.paths.values())
         for s in specs:
             view = dpool.page_bytes_view(s.name)

@@ -82,7 +82,15 @@ class ComponentRows:
         return cls(geo, flat, hview, view)
 
     def compile_kernels(self) -> None:
-        """Compile the row kernels this component's copies use (``rows.compile_kernels``)."""
+        """Compile the row kernels this component's copies use (``rows.compile_kernels``) and
+        launch once the torch kernels that build its row lists on the GPU (``arange``, the
+        stride multiply and the broadcast add of :meth:`RowGeometry.device_rows`), so that no
+        transfer waits for either.
+
+        Why the launch: CUDA loads a kernel's module at its first launch (lazy loading, the
+        default), and the first transfer by row kernel, a small one that came after the large
+        ones had staged, spent 0.03-0.06 s loading those three on an H200
+        (``scripts/probes/jit_variants.py --kernels``, ``results/h200-dma/run19/``)."""
         geo = self.geo
         compile_kernels(
             self.device.shape[1],
@@ -92,6 +100,10 @@ class ComponentRows:
             geo.host_layout == "layer_first",
             staged=not geo.envelope,  # an envelope's pages are never staged
         )
+        first = torch.zeros(1, dtype=torch.int64, device=self.device.device)
+        for page_major in (False, True):
+            geo.device_rows(first, page_major=page_major)
+            geo.host_rows(first, page_major=page_major)
 
     def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous copy between CPU tensors."""
@@ -309,8 +321,8 @@ def component_rows(
     dev: DevicePool | UnifiedPool, host: HostPool, pinned: bool
 ) -> dict[str, ComponentRows]:
     """Every component's rows, in pool order; with a ``pinned`` host pool (on CUDA) each has a
-    device view of its host rows and its row kernels compiled (rows cross PCIe by kernel, or
-    stage, only from a pinned pool)."""
+    device view of its host rows and its kernels compiled and loaded (rows cross PCIe by kernel,
+    or stage, only from a pinned pool)."""
     rows = {s.name: ComponentRows.of(dev, host, s.name, mapped=pinned) for s in dev.specs}
     if pinned:
         for r in rows.values():

@@ -60,8 +60,9 @@ class Mover:
     (``op.complete()``; on CPU, where the copy is synchronous, when the call returns) or when
     queueing it failed. Per-layer loads and backups are refused for it (``IntegrityError``).
 
-    On CUDA with a pinned host pool it compiles its row kernels when made: no transfer waits
-    for a compile (``rows.compile_kernels``).
+    On CUDA with a pinned host pool it compiles its row kernels and loads the kernels that
+    build row lists when made: no transfer waits for a compile or a module load
+    (``ComponentRows.compile_kernels``).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 serving-like mix of batch sizes after it.
 
     python3 scripts/probes/jit_variants.py [--specialize] [--families mla,dsa] [--page-size 1]
-        [--host-layout page_first] [--target-mib 256] [--mix 60]
+        [--host-layout page_first] [--target-mib 256] [--mix 60] [--kernels]
 
 Each run uses a fresh, empty ``TRITON_CACHE_DIR`` (set before Triton is imported), so every
 kernel variant the run needs is compiled in it; a compile is counted as a new ``.cubin`` there.
@@ -13,6 +13,9 @@ exchange and of a second exchange, then of ``--mix`` transfers of random sizes (
 log-uniform; d2h, h2d and exchange in turn): how many compiled, their total and worst seconds,
 the worst seconds of those that did not compile, and every one over ``SLOW_S`` with its
 compiles, device allocations and the garbage collections (generation, seconds) inside it.
+``--kernels`` runs every timed step under ``torch.profiler`` and lists the device kernels and
+copies each step ran for the first time in the process (a kernel's first launch loads its
+module where CUDA loads modules lazily, the default); its seconds include the profiler's.
 """
 
 from __future__ import annotations
@@ -70,13 +73,32 @@ def specialise_all() -> None:
     rows._kernels.cache_clear()
 
 
+KERNELS: set[str] | None = None
+"""With ``--kernels``: every device kernel and copy seen so far (by name)."""
+NEW_KERNELS: list[str] = []
+"""With ``--kernels``: those the last ``timed`` call ran for the first time in this process."""
+
+
 def timed(fn) -> tuple[float, int]:  # noqa: ANN001
     torch.cuda.synchronize()
     GC_PAUSES.clear()
+    NEW_KERNELS.clear()
     c0, t0 = compiled(), time.perf_counter()
-    fn()
+    if KERNELS is None:
+        fn()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, compiled() - c0
+    s = time.perf_counter() - t0
+    if KERNELS is not None:
+        names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+        NEW_KERNELS.extend(sorted(names - KERNELS))
+        KERNELS.update(names)
+    return s, compiled() - c0
 
 
 def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dict:
@@ -87,9 +109,10 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
     dev = torch.device("cuda")
     dpool = DevicePool(specs, 2 * n, ps, dev)
     hpool = HostPool(specs, 4 * n, ps, layout=args.host_layout, pin=True)
-    made, c0 = time.perf_counter(), compiled()
-    mover = Mover(dpool, hpool)
-    made, made_compiles = time.perf_counter() - made, compiled() - c0
+    movers: list[Mover] = []
+    made, made_compiles = timed(lambda: movers.append(Mover(dpool, hpool)))
+    mover = movers[0]
+    loaded = list(NEW_KERNELS)
     perm = torch.randperm(2 * n)
     src, dst = perm[:n], perm[n:]
     hpages, hother = churned(4 * n, [n, n], ps, seed=0)
@@ -115,18 +138,33 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
 
     out: dict = {"pages": n, "page_bytes": page_bytes, "page_size": ps}
     out["mover_made"] = {"s": round(made, 4), "compiles": made_compiles}
+    if KERNELS is not None:
+        out["mover_made"]["new_kernels"] = loaded
     for name, fn in (("d2h", d2h), ("h2d", h2d), ("exchange", both), ("exchange_again", both)):
         s, c = timed(fn)
         out[name] = {"s": round(s, 4), "compiles": c}
+        if KERNELS is not None:
+            out[name]["new_kernels"] = list(NEW_KERNELS)
     kinds = (d2h, h2d, both)
     mix = {"ops": args.mix, "compiled_ops": 0, "compiles": 0, "compile_s": 0.0, "worst_s": 0.0}
     plain: list[float] = []
     slow: list[dict] = []
+    first: list[dict] = []
     for i in range(args.mix):
         k = max(1, min(n, int(math.exp(rng.uniform(0, math.log(n))))))
         a0 = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
         s, c = timed(lambda k=k, i=i: kinds[i % 3](k))
         allocs = torch.cuda.memory_stats(dev).get("num_device_alloc", 0) - a0
+        if NEW_KERNELS:
+            first.append(
+                {
+                    "op": i,
+                    "kind": kinds[i % 3].__name__,
+                    "pages": k,
+                    "s": round(s, 4),
+                    "new": list(NEW_KERNELS),
+                }
+            )
         if s > SLOW_S:
             slow.append(
                 {
@@ -150,6 +188,8 @@ def run_family(family: str, args: argparse.Namespace, rng: random.Random) -> dic
     mix["worst_s"] = round(mix["worst_s"], 4)
     mix["worst_plain_s"] = round(max(plain), 4) if plain else None
     mix["slow_ops"] = slow
+    if KERNELS is not None:
+        mix["first_kernels"] = first
     out["mix"] = mix
     mover.close()
     return out
@@ -163,7 +203,11 @@ def main() -> None:
     p.add_argument("--host-layout", default="page_first")
     p.add_argument("--target-mib", type=int, default=256)
     p.add_argument("--mix", type=int, default=60)
+    p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
+    global KERNELS
+    if args.kernels:
+        KERNELS = set()
     gc.callbacks.append(_on_gc)
     if args.specialize:
         specialise_all()
