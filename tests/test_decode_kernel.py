@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -27,6 +31,7 @@ def _reference(q, kv, locs, lens):  # noqa: ANN001, ANN202
         (32, 8, 128, [2056, 1, 700, 513, 1024]),
         (16, 2, 128, [3000, 2999]),
         (4, 4, 32, [17]),
+        (8, 2, 64, [9000, 40, 8193]),  # 18 splits: the merge reads them in two blocks
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -60,3 +65,35 @@ def test_unavailable_for_cpu_and_float32() -> None:
     assert not decode_kernel.available(torch.zeros(1, 2, 64, dtype=torch.bfloat16), kv)
     qc = torch.zeros(1, 2, 64, device="cuda")
     assert not decode_kernel.available(qc, kv.cuda().float())
+
+
+VARIANTS = """
+import os, pathlib, tempfile
+cache = tempfile.mkdtemp()
+os.environ["TRITON_CACHE_DIR"] = cache
+import torch
+from kvtier.engine import decode_kernel
+
+kv = torch.randn(40000, 2, 2, 64, device="cuda", dtype=torch.bfloat16)
+q = torch.randn(3, 8, 64, device="cuda", dtype=torch.bfloat16)
+# contexts of 2, 3, 5, 9, 17, 33 and 70 splits, as a decoding sequence grows
+for c in (600, 1100, 2100, 4200, 8300, 16500, 35500):
+    locs = torch.randint(0, 40000, (3, c), device="cuda")
+    lens = torch.tensor([c, c - 1, 1], dtype=torch.int32, device="cuda")
+    decode_kernel.paged_decode(q, kv, locs, lens)
+torch.cuda.synchronize()
+print(sum(1 for _ in pathlib.Path(cache).rglob("*.cubin")))
+"""
+
+
+def test_one_variant_per_kernel_as_the_context_grows() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(VARIANTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    # the split kernel and the merge, each compiled once
+    assert int(done.stdout) == 2

@@ -28,6 +28,8 @@ except ImportError:  # CPU wheels: the SDPA reference serves every call
 
 BLOCK_N = 64
 """Context rows per inner iteration of a split."""
+MERGE_BLOCK = 16
+"""Splits the merge reads per iteration."""
 SPLIT_ROWS = 512
 """Context rows a split covers at most (rounded to ``BLOCK_N``): enough splits that a small
 batch still fills the device, few enough that merging stays cheap."""
@@ -94,7 +96,7 @@ def paged_decode(
     if splits == 1:
         return part[:, :, 0].to(q.dtype)
     out = torch.empty_like(q)
-    _merge_kernel[(b, heads)](part, lse, out, splits, D=d, SPLITS=triton.next_power_of_2(splits))
+    _merge_kernel[(b, heads)](part, lse, out, splits, D=d, BLOCK_S=MERGE_BLOCK)
     return out
 
 
@@ -162,20 +164,33 @@ if triton is not None:
         lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
         tl.store(lse_ptr + slot, lse, mask=g_ok)
 
+    # one compiled merge for every split count: a split count given as a constant compiled a
+    # variant each time a decoding context crossed a new power of two of splits
     @triton.jit(do_not_specialize=["splits"])
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, D: tl.constexpr, SPLITS: tl.constexpr):
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
         b = tl.program_id(0)
         head = tl.program_id(1)
         heads = tl.num_programs(1)
         base = b * heads + head
-        s = tl.arange(0, SPLITS)
         dims = tl.arange(0, D)
-        lse = tl.load(lse_ptr + base * splits + s, mask=s < splits, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, 0))
-        parts = tl.load(
-            part_ptr + (base * splits + s)[:, None] * D + dims[None, :],
-            mask=(s < splits)[:, None],
-            other=0.0,
-        )
-        out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+        top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            lse = tl.load(lse_ptr + base * splits + s, mask=s < splits, other=float("-inf"))
+            top = tl.maximum(top, lse)
+        m = tl.max(top, 0)
+        acc = tl.zeros([D], tl.float32)
+        weight = tl.zeros([BLOCK_S], tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            lse = tl.load(lse_ptr + base * splits + s, mask=s < splits, other=float("-inf"))
+            w = tl.exp2(lse - m)
+            parts = tl.load(
+                part_ptr + (base * splits + s)[:, None] * D + dims[None, :],
+                mask=(s < splits)[:, None],
+                other=0.0,
+            )
+            acc += tl.sum(parts * w[:, None], 0)
+            weight += w
+        out = acc / tl.sum(weight, 0)
         tl.store(out_ptr + base * D + dims, out.to(out_ptr.dtype.element_ty))
