@@ -81,7 +81,7 @@ class ComponentRows:
             raise IntegrityError(f"component {name!r}: device and host rows have other words")
         return cls(geo, flat, hview, view)
 
-    def compile_kernels(self) -> None:
+    def warm_up(self) -> None:
         """Compile the row kernels this component's copies use (``rows.compile_kernels``) and
         launch once the torch kernels that build its row lists on the GPU (``arange``, the
         stride multiply and the broadcast add of :meth:`RowGeometry.device_rows`), so that no
@@ -326,7 +326,7 @@ def component_rows(
     rows = {s.name: ComponentRows.of(dev, host, s.name, mapped=pinned) for s in dev.specs}
     if pinned:
         for r in rows.values():
-            r.compile_kernels()
+            r.warm_up()
     return rows
 
 

@@ -62,7 +62,7 @@ class Mover:
 
     On CUDA with a pinned host pool it compiles its row kernels and loads the kernels that
     build row lists when made: no transfer waits for a compile or a module load
-    (``ComponentRows.compile_kernels``).
+    (``ComponentRows.warm_up``).
     """
 
     def __init__(
