@@ -1,23 +1,23 @@
-"""Dense model configuration for the reference engine: presets, HF ``config.json`` import, and
-the dense blocks other families are built from. Fingerprint and validation helpers live in
-``kvtier.engine.common``."""
+"""Dense model configuration for the reference engine: presets, HF ``config.json`` export (the
+import lives in ``kvtier.engine.hf_config``), and the dense blocks other families are built
+from. Fingerprint and validation helpers live in ``kvtier.engine.common``."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from kvtier.engine.common import DTYPES, ConfigBase, rope_inv_freq, weights_digest
+from kvtier.engine.common import DTYPES, ConfigBase, rope_inv_freq
 from kvtier.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
-_ROPE_DEFAULTS: dict[str, Any] = {
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""HF's names of a layer's attention (``layer_types``): whole context, or a sliding window."""
+ROPE_DEFAULTS: dict[str, Any] = {
     "rope_type": "default",
     "rope_factor": 1.0,
     "rope_low_freq_factor": 1.0,
@@ -30,7 +30,7 @@ _ROPE_DEFAULTS: dict[str, Any] = {
 class ModelConfig(ConfigBase):
     """A Llama/Qwen-style dense GQA decoder."""
 
-    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*_ROPE_DEFAULTS, "mtp_layers"})
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*ROPE_DEFAULTS, "mtp_layers"})
 
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
@@ -129,70 +129,16 @@ class ModelConfig(ConfigBase):
 
     @classmethod
     def from_hf(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
-        """Read a HF checkpoint directory's ``config.json`` (or the file itself).
-
-        Supports ``llama``, ``qwen2`` and ``qwen3`` as transformers 4.x and 5.x write them
-        (RoPE settings in ``rope_theta``/``rope_scaling`` or in ``rope_parameters``; absent
-        fields take the family's transformers default). Anything this engine would get wrong
-        (other RoPE scalings, sliding windows, non-SiLU MLPs, biases other than Qwen2's q/k/v,
-        quantized weights) and missing or mistyped fields raise ``ConfigError`` naming the
-        file and field. ``dtype`` overrides the checkpoint's ``torch_dtype``/``dtype``.
+        """Read a HF checkpoint directory's ``config.json`` (or the file itself) describing a
+        dense ``llama``, ``mistral``, ``ministral``, ``qwen2`` or ``qwen3`` decoder, as
+        transformers 4.x and 5.x write them (see ``kvtier.engine.hf_config``, whose errors name
+        the file and field). A config whose layers slide (a sliding window shorter than the
+        context) is refused: ``hf_config.read_hf_config`` (used by ``load_model``) reads it as
+        the sliding-window family. ``dtype`` overrides the checkpoint's element type.
         """
-        path = Path(path)
-        cfg_file = path / "config.json" if path.is_dir() else path
-        hf = _read_json(cfg_file)
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{cfg_file}: model_type={model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        _reject_unsupported(hf, model_type, cfg_file)
-        r = _Reader(hf, cfg_file)
-        family = _FAMILY_DEFAULTS[model_type]
-        heads = r.int("num_attention_heads")
-        hidden = r.int("hidden_size")
-        if heads < 1:
-            raise ConfigError(f"{cfg_file}: num_attention_heads={heads} must be positive")
-        kv_heads = r.int("num_key_value_heads", family["num_key_value_heads"])
-        head_dim = r.int("head_dim", family["head_dim"])
-        max_position = r.int("max_position_embeddings", family["max_position_embeddings"])
-        eos = hf.get("eos_token_id")
-        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
-            raise ConfigError(f"{cfg_file}: eos_token_id={eos!r} must be an integer or a list")
-        dtype_key = "torch_dtype" if hf.get("torch_dtype") else "dtype"
-        hf_dtype = str(hf.get(dtype_key) or "float32")
-        if dtype is None and hf_dtype not in DTYPES:
-            raise ConfigError(
-                f"{cfg_file}: {dtype_key}={hf_dtype!r} is not one of {', '.join(DTYPES)}"
-            )
-        tied = hf.get("tie_word_embeddings", False)
-        if not isinstance(tied, bool):
-            raise ConfigError(f"{cfg_file}: tie_word_embeddings={tied!r} must be true or false")
-        fields = dict(
-            vocab_size=r.int("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=r.int("intermediate_size"),
-            num_layers=r.int("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=heads if kv_heads is None else kv_heads,
-            head_dim=hidden // heads if head_dim is None else head_dim,
-            rms_norm_eps=r.float("rms_norm_eps", 1e-6),
-            max_position=max_position,
-            tie_word_embeddings=tied,
-            attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
-            dtype=dtype or hf_dtype,
-            eos_token_ids=tuple(eos_list),
-            **_read_rope(r, max_position),
-        )
-        try:
-            config = cls(**fields)
-        except ConfigError as e:
-            raise ConfigError(f"{cfg_file}: {e}") from None
-        # hashed only once the config is known to be valid: a large checkpoint takes a while
-        return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
+        from kvtier.engine.hf_config import read_hf_config
+
+        return read_hf_config(path, dtype, dense_only=True)
 
     def to_hf(self) -> dict[str, Any]:
         """A HF ``config.json`` dict describing this architecture, readable by transformers
@@ -230,148 +176,6 @@ class ModelConfig(ConfigBase):
         if self.eos_token_ids:
             hf["eos_token_id"] = list(self.eos_token_ids)
         return hf
-
-
-# transformers' defaults for fields a config.json may leave out (None: derived from others)
-_FAMILY_DEFAULTS: dict[str, dict[str, int | None]] = {
-    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
-    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
-    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
-}
-_REQUIRED = object()
-
-
-class _Reader:
-    """Typed field access to a parsed ``config.json`` whose errors name the file and field."""
-
-    def __init__(self, hf: dict[str, Any], where: Path, prefix: str = "") -> None:
-        self.hf, self.where, self.prefix = hf, where, prefix
-
-    def get(self, key: str, default: Any, kind: type) -> Any:
-        v = self.hf.get(key, default)
-        if v is _REQUIRED:
-            raise ConfigError(f"{self.where}: required field {self.prefix}{key!r} is missing")
-        if v is None and default is None:
-            return None
-        ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
-        if not ok or isinstance(v, bool):
-            what = "an integer" if kind is int else "a number"
-            raise ConfigError(f"{self.where}: {self.prefix}{key}={v!r} must be {what}")
-        return kind(v)
-
-    def int(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self.get(key, default, int)
-
-    def float(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self.get(key, default, float)
-
-
-def _read_json(cfg_file: Path) -> dict[str, Any]:
-    if cfg_file.suffix == ".safetensors":
-        raise ConfigError(
-            f"{cfg_file} is a weights file; pass the checkpoint directory that holds it and "
-            "config.json"
-        )
-    try:
-        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ConfigError(f"no config.json at {cfg_file}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{cfg_file} is not a config.json (not UTF-8 text); pass the checkpoint directory"
-        ) from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from e
-    except OSError as e:
-        raise ConfigError(f"cannot read {cfg_file}: {e}") from e
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
-    return hf
-
-
-def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
-    """The ``ModelConfig`` RoPE fields of a config, as transformers 5.x resolves them:
-    ``rope_scaling`` before ``rope_parameters``, a ``rope_theta`` inside them before the
-    top-level one. Values 4.x would read differently (both given and different) are refused."""
-    hf, where = r.hf, r.where
-    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(name) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"{where}: {name}={params!r} is not supported (one flat dict expected)")
-    p = _Reader(params, where, f"{name}.")
-    theta = p.float("rope_theta", None)
-    top_theta = r.float("rope_theta", None)
-    if theta is not None and top_theta is not None and theta != top_theta:
-        raise ConfigError(f"{where}: {name}.rope_theta={theta} and rope_theta={top_theta} disagree")
-    theta = theta if theta is not None else top_theta if top_theta is not None else 10000.0
-    for where_prf, prf in ((f"{name}.", params), ("", hf)):
-        if prf.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(
-                f"{where}: {where_prf}partial_rotary_factor={prf['partial_rotary_factor']!r} "
-                "is not supported (RoPE over the whole head only)"
-            )
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if "type" in params and params["type"] != rope_type:
-        raise ConfigError(
-            f"{where}: {name}.type={params['type']!r} and rope_type={rope_type!r} disagree"
-        )
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"{where}: {name}.rope_type={rope_type!r} is not supported; "
-            f"supported: {', '.join(ROPE_TYPES)}"
-        )
-    out: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
-    if rope_type == "default":
-        return out
-    out["rope_factor"] = p.float("factor")
-    if rope_type == "llama3":
-        out["rope_low_freq_factor"] = p.float("low_freq_factor")
-        out["rope_high_freq_factor"] = p.float("high_freq_factor")
-        inner = p.int("original_max_position_embeddings", None)
-        outer = r.int("original_max_position_embeddings", None)
-        if inner is not None and outer is not None and inner != outer:
-            raise ConfigError(
-                f"{where}: {name}.original_max_position_embeddings={inner} and "
-                f"original_max_position_embeddings={outer} disagree"
-            )
-        orig = outer if outer is not None else inner
-        out["rope_original_max_position"] = max_position if orig is None else orig
-    return out
-
-
-def _reject_unsupported(hf: dict[str, Any], model_type: str, where: Path) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"{where}: hidden_act={act!r} is not supported (only silu)")
-    if hf.get("quantization_config"):
-        raise ConfigError(
-            f"{where}: quantization_config is set; quantized weights are not supported"
-        )
-    if hf.get("mlp_bias"):
-        raise ConfigError(f"{where}: mlp_bias=true (biases on the MLP) is not supported")
-    if model_type != "qwen2" and hf.get("attention_bias"):
-        raise ConfigError(
-            f"{where}: attention_bias=true for {model_type} (biases on q/k/v/o) is not supported"
-        )
-    if model_type == "llama":
-        return  # transformers' Llama has no sliding window: those fields are ignored there too
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ConfigError(f"{where}: layer_types {sorted(unknown)} are not supported")
-    window = hf.get("sliding_window", 4096)
-    if not hf.get("use_sliding_window") or window is None:
-        return
-    if layer_types is None:
-        first = hf.get("max_window_layers", 28)
-        sliding = int(hf.get("num_hidden_layers", 0)) > first
-    else:
-        sliding = "sliding_attention" in layer_types
-    if sliding:
-        raise ConfigError(
-            f"{where}: use_sliding_window=true with sliding_window={window!r} is not supported"
-        )
 
 
 def tiny_dense(**overrides: Any) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""HF safetensors checkpoints for the Llama/Qwen family: load into ``CausalLM``, save from it,
-and an optional tokenizer (only when the ``tokenizers`` package happens to be installed)."""
+"""HF safetensors checkpoints of the Llama/Qwen/Mistral decoders (dense or sliding-window): load
+into ``CausalLM`` (or its sliding-window subclass), save from it, and an optional tokenizer
+(only when the ``tokenizers`` package happens to be installed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kvtier.engine.config import ModelConfig
+from kvtier.engine.families import build_model
+from kvtier.engine.hf_config import read_hf_config
 from kvtier.engine.model import CausalLM
 from kvtier.errors import ConfigError
 
@@ -129,7 +131,9 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
 def load_model(
     path: str | Path, device: torch.device | str | None = None, dtype: str | None = None
 ) -> CausalLM:
-    """Build the model a HF checkpoint directory describes and load its weights.
+    """Build the model a HF checkpoint directory describes and load its weights: the dense
+    decoder, or the sliding-window family (``SWAModel``) where layers slide
+    (``kvtier.engine.hf_config.read_hf_config``).
 
     A ``tie_word_embeddings`` checkpoint that stores a distinct ``lm_head.weight`` loads
     untied, as transformers 5 loads it. Raises ``ConfigError`` when ``path`` is not a directory (a weights file passed instead of
@@ -142,10 +146,10 @@ def load_model(
                 "the *.safetensors files)"
             )
         raise ConfigError(f"no such checkpoint directory: {path}")
-    config = ModelConfig.from_hf(path, dtype=dtype)
+    config = read_hf_config(path, dtype=dtype)
     if config.tie_word_embeddings and stores_separate_head(path, config.torch_dtype):
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    model = CausalLM(config)
+    model: CausalLM = build_model(config)
     load_weights(model, path)
     return model.to(device) if device is not None else model
 

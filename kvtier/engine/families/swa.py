@@ -20,10 +20,18 @@ from torch import nn
 
 from kvtier.engine.attention import decode_attention, expand_heads
 from kvtier.engine.common import ConfigBase
-from kvtier.engine.config import ModelConfig, dense_config_of
+from kvtier.engine.config import LAYER_TYPES, ROPE_DEFAULTS, ModelConfig, dense_config_of
 from kvtier.engine.model import Attention, CausalLM, ForwardBatch, SeqSlots
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
+
+_DENSE_OPTIONS = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "qk_norm",
+    "weights_digest",
+    *ROPE_DEFAULTS,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,9 @@ class SWAConfig(ConfigBase):
     # Where the rows live is the cache namespace's business (its component set names the
     # window pool); the rows themselves are the same either way.
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "window_pool"})
+    # The dense options below came with checkpoint import; at their defaults they leave the
+    # digests of earlier configs as they were.
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*_DENSE_OPTIONS, "layer_types"})
 
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
@@ -47,6 +58,27 @@ class SWAConfig(ConfigBase):
     window_pool: bool = True
     """Keep the sliding layers' K/V in a window pool (only the window's pages hold rows);
     ``False`` keeps every token's rows (the model's math is the same)."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, ``"sliding_attention"`` or ``"full_attention"`` (HF's spelling); when given
+    it decides which layers slide and ``full_every`` is not used. ``()``: ``full_every``."""
+    tie_word_embeddings: bool = False
+    """As ``ModelConfig`` (checkpoints that tie the head to the embeddings)."""
+    attention_bias: bool = False
+    """As ``ModelConfig`` (Qwen2's q/k/v biases)."""
+    qk_norm: bool = False
+    """As ``ModelConfig`` (Qwen3's per-head q/k norms)."""
+    weights_digest: str = ""
+    """As ``ModelConfig``: digest of a checkpoint's weight files; empty for random weights."""
+    rope_type: str = "default"
+    """As ``ModelConfig``."""
+    rope_factor: float = 1.0
+    """As ``ModelConfig``."""
+    rope_low_freq_factor: float = 1.0
+    """As ``ModelConfig``."""
+    rope_high_freq_factor: float = 4.0
+    """As ``ModelConfig``."""
+    rope_original_max_position: int = 8192
+    """As ``ModelConfig``."""
 
     def __post_init__(self) -> None:
         self._check_sizes("seed", "full_every")
@@ -54,11 +86,22 @@ class SWAConfig(ConfigBase):
             raise self._error(f"full_every must be an integer, got {self.full_every!r}")
         if self.full_every < 0:
             raise self._error(f"full_every={self.full_every} must be >= 0")
+        types = self.layer_types
+        if not isinstance(types, tuple) or (types and len(types) != self.num_layers):
+            raise self._error(
+                f"layer_types={types!r} must be a tuple of one type per layer "
+                f"(num_layers={self.num_layers}) or ()"
+            )
+        unknown = sorted({repr(t) for t in types} - {repr(t) for t in LAYER_TYPES})
+        if unknown:
+            raise self._error(f"layer_types holds {', '.join(unknown)}; known: {LAYER_TYPES}")
         self.dense()  # validates the fields shared with the dense decoder
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
         """Indices of the sliding-window layers, ascending."""
+        if self.layer_types:
+            return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
         if self.full_every == 0:
             return tuple(range(self.num_layers))
         return tuple(i for i in range(self.num_layers) if (i + 1) % self.full_every)
@@ -76,6 +119,26 @@ class SWAConfig(ConfigBase):
     def dense(self) -> ModelConfig:
         """The dense Llama config with the same shapes and seed (hence the same weights)."""
         return dense_config_of(self)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A HF ``config.json`` dict transformers runs with the same windows: ``qwen3`` or
+        ``qwen2`` (``use_sliding_window`` and ``layer_types``) where the dense decoder is one,
+        else ``mistral`` when every layer slides and ``ministral`` (``layer_types``) when not."""
+        hf = self.dense().to_hf()
+        swa = self.swa_layers
+        types = [
+            "sliding_attention" if i in swa else "full_attention" for i in range(self.num_layers)
+        ]
+        hf["sliding_window"] = self.sliding_window
+        if hf["model_type"] in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=True, max_window_layers=0, layer_types=types)
+        elif len(swa) == self.num_layers:
+            hf.update(model_type="mistral", architectures=["MistralForCausalLM"])
+        else:
+            hf.update(
+                model_type="ministral", architectures=["MinistralForCausalLM"], layer_types=types
+            )
+        return hf
 
 
 def swa_preset(**overrides: Any) -> SWAConfig:

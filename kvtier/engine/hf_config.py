@@ -1,0 +1,284 @@
+"""HF ``config.json`` import for the reference engine: the dense decoders (``llama``,
+``qwen2``, ``qwen3``, ``mistral`` and ``ministral`` without a binding window) and their
+sliding-window variants (``mistral``, ``ministral``, ``qwen2``/``qwen3`` with
+``use_sliding_window``), as transformers 4.x and 5.x write them. What the engine would run wrong
+raises ``ConfigError`` naming the file and field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.engine.common import DTYPES, weights_digest
+from kvtier.engine.config import LAYER_TYPES, ROPE_TYPES, ModelConfig
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.engine.families.swa import SWAConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+
+
+def read_hf_config(
+    path: str | Path, dtype: str | None = None, dense_only: bool = False
+) -> ModelConfig | SWAConfig:
+    """The engine config of a HF checkpoint directory's ``config.json`` (or the file itself).
+
+    Layers that slide as transformers runs them (a ``sliding_window`` shorter than
+    ``max_position_embeddings``, on the layers ``layer_types`` or ``max_window_layers`` name)
+    give an ``SWAConfig``; otherwise a ``ModelConfig``. Absent fields take the family's
+    transformers default. ``dtype`` overrides the checkpoint's ``torch_dtype``/``dtype``.
+    ``dense_only``: a sliding config raises ``ConfigError`` instead. The weights digest is
+    computed last, once the config is known to be valid (a large checkpoint takes a while).
+    """
+    path = Path(path)
+    cfg_file = path / "config.json" if path.is_dir() else path
+    hf = _read_json(cfg_file)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{cfg_file}: model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _reject_unsupported(hf, model_type, cfg_file)
+    r = _Reader(hf, cfg_file)
+    fields = _dense_fields(r, model_type, dtype)
+    window, layer_types = _sliding(r, model_type, fields["num_layers"], fields["max_position"])
+    config: ModelConfig | SWAConfig
+    try:
+        if window is None:
+            config = ModelConfig(**fields)
+        elif dense_only:
+            raise ConfigError(
+                f"sliding_window={window} makes layers {_sliding_indices(layer_types)} slide "
+                f"(use_sliding_window={hf.get('use_sliding_window')!r}): not a dense model; "
+                "kvtier.engine.load_model reads it as the sliding-window family"
+            )
+        else:
+            from kvtier.engine.families.swa import SWAConfig
+
+            config = SWAConfig(**fields, sliding_window=window, layer_types=layer_types)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
+    return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
+
+
+def _dense_fields(r: _Reader, model_type: str, dtype: str | None) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a parsed config (every family here shares them)."""
+    hf, cfg_file = r.hf, r.where
+    family = _FAMILY_DEFAULTS[model_type]
+    heads = r.int("num_attention_heads")
+    hidden = r.int("hidden_size")
+    if heads < 1:
+        raise ConfigError(f"{cfg_file}: num_attention_heads={heads} must be positive")
+    kv_heads = r.int("num_key_value_heads", family["num_key_value_heads"])
+    head_dim = r.int("head_dim", family["head_dim"])
+    max_position = r.int("max_position_embeddings", family["max_position_embeddings"])
+    eos = hf.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
+        raise ConfigError(f"{cfg_file}: eos_token_id={eos!r} must be an integer or a list")
+    dtype_key = "torch_dtype" if hf.get("torch_dtype") else "dtype"
+    hf_dtype = str(hf.get(dtype_key) or "float32")
+    if dtype is None and hf_dtype not in DTYPES:
+        raise ConfigError(f"{cfg_file}: {dtype_key}={hf_dtype!r} is not one of {', '.join(DTYPES)}")
+    tied = hf.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ConfigError(f"{cfg_file}: tie_word_embeddings={tied!r} must be true or false")
+    return dict(
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=r.int("intermediate_size"),
+        num_layers=r.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=heads if kv_heads is None else kv_heads,
+        head_dim=hidden // heads if head_dim is None else head_dim,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        max_position=max_position,
+        tie_word_embeddings=tied,
+        attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        dtype=dtype or hf_dtype,
+        eos_token_ids=tuple(eos_list),
+        **_read_rope(r, max_position),
+    )
+
+
+def _sliding(
+    r: _Reader, model_type: str, num_layers: int, max_position: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(window, layer types)`` as transformers runs the config; ``(None, ())`` when no layer
+    slides or the window is no shorter than the context (then it changes nothing).
+
+    | model_type | a layer slides when |
+    |---|---|
+    | llama | never (transformers' Llama has no window; the fields are ignored) |
+    | mistral | ``sliding_window`` is set (every layer; ``layer_types`` is ignored) |
+    | ministral | ``sliding_window`` is set and ``layer_types`` (default: all) says so |
+    | qwen2, qwen3 | ``use_sliding_window`` and ``sliding_window`` are set and ``layer_types``
+      says so (default: the layers from ``max_window_layers`` on) |
+    """
+    hf, where = r.hf, r.where
+    if model_type == "llama":
+        return None, ()
+    given = hf.get("layer_types")
+    if given is not None and model_type != "mistral":
+        if not isinstance(given, list) or len(given) != num_layers:
+            raise ConfigError(
+                f"{where}: layer_types={given!r} must list one type per layer "
+                f"(num_hidden_layers={num_layers})"
+            )
+        unknown = sorted({str(t) for t in given} - set(LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"{where}: layer_types {unknown} are not supported")
+    qwen = model_type in ("qwen2", "qwen3")
+    if hf.get("sliding_window", 4096) is None or (qwen and not hf.get("use_sliding_window")):
+        return None, ()
+    window = r.int("sliding_window", 4096)
+    if window < 1:
+        raise ConfigError(f"{where}: sliding_window={window} must be positive")
+    if model_type == "mistral":
+        types = ("sliding_attention",) * num_layers
+    elif given is not None:
+        types = tuple(given)
+    elif qwen:
+        first = r.int("max_window_layers", 28)
+        types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        )
+    else:
+        types = ("sliding_attention",) * num_layers
+    if "sliding_attention" not in types or window >= max_position:
+        return None, ()
+    return window, types
+
+
+def _sliding_indices(layer_types: tuple[str, ...]) -> list[int]:
+    return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+
+
+# transformers' defaults for fields a config.json may leave out (None: derived from others)
+_FAMILY_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072},
+    "ministral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+}
+_REQUIRED = object()
+
+
+class _Reader:
+    """Typed field access to a parsed ``config.json`` whose errors name the file and field."""
+
+    def __init__(self, hf: dict[str, Any], where: Path, prefix: str = "") -> None:
+        self.hf, self.where, self.prefix = hf, where, prefix
+
+    def get(self, key: str, default: Any, kind: type) -> Any:
+        v = self.hf.get(key, default)
+        if v is _REQUIRED:
+            raise ConfigError(f"{self.where}: required field {self.prefix}{key!r} is missing")
+        if v is None and default is None:
+            return None
+        ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
+        if not ok or isinstance(v, bool):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{self.where}: {self.prefix}{key}={v!r} must be {what}")
+        return kind(v)
+
+    def int(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(key, default, int)
+
+    def float(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(key, default, float)
+
+
+def _read_json(cfg_file: Path) -> dict[str, Any]:
+    if cfg_file.suffix == ".safetensors":
+        raise ConfigError(
+            f"{cfg_file} is a weights file; pass the checkpoint directory that holds it and "
+            "config.json"
+        )
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"no config.json at {cfg_file}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{cfg_file} is not a config.json (not UTF-8 text); pass the checkpoint directory"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read {cfg_file}: {e}") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
+    """The ``ModelConfig`` RoPE fields of a config, as transformers 5.x resolves them:
+    ``rope_scaling`` before ``rope_parameters``, a ``rope_theta`` inside them before the
+    top-level one. Values 4.x would read differently (both given and different) are refused."""
+    hf, where = r.hf, r.where
+    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(name) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{where}: {name}={params!r} is not supported (one flat dict expected)")
+    p = _Reader(params, where, f"{name}.")
+    theta = p.float("rope_theta", None)
+    top_theta = r.float("rope_theta", None)
+    if theta is not None and top_theta is not None and theta != top_theta:
+        raise ConfigError(f"{where}: {name}.rope_theta={theta} and rope_theta={top_theta} disagree")
+    theta = theta if theta is not None else top_theta if top_theta is not None else 10000.0
+    for where_prf, prf in ((f"{name}.", params), ("", hf)):
+        if prf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(
+                f"{where}: {where_prf}partial_rotary_factor={prf['partial_rotary_factor']!r} "
+                "is not supported (RoPE over the whole head only)"
+            )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if "type" in params and params["type"] != rope_type:
+        raise ConfigError(
+            f"{where}: {name}.type={params['type']!r} and rope_type={rope_type!r} disagree"
+        )
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: {name}.rope_type={rope_type!r} is not supported; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
+    if rope_type == "default":
+        return out
+    out["rope_factor"] = p.float("factor")
+    if rope_type == "llama3":
+        out["rope_low_freq_factor"] = p.float("low_freq_factor")
+        out["rope_high_freq_factor"] = p.float("high_freq_factor")
+        inner = p.int("original_max_position_embeddings", None)
+        outer = r.int("original_max_position_embeddings", None)
+        if inner is not None and outer is not None and inner != outer:
+            raise ConfigError(
+                f"{where}: {name}.original_max_position_embeddings={inner} and "
+                f"original_max_position_embeddings={outer} disagree"
+            )
+        orig = outer if outer is not None else inner
+        out["rope_original_max_position"] = max_position if orig is None else orig
+    return out
+
+
+def _reject_unsupported(hf: dict[str, Any], model_type: str, where: Path) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{where}: hidden_act={act!r} is not supported (only silu)")
+    if hf.get("quantization_config"):
+        raise ConfigError(
+            f"{where}: quantization_config is set; quantized weights are not supported"
+        )
+    if hf.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias=true (biases on the MLP) is not supported")
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        raise ConfigError(
+            f"{where}: attention_bias=true for {model_type} (biases on q/k/v/o) is not supported"
+        )
