@@ -103,7 +103,7 @@ def _hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 def _kv_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     pages = -(-len(tokens) // PAGE)
-    pool = DevicePool([model.kv_pool_spec()], pages, PAGE, torch.device("cpu"))
+    pool = DevicePool(model.pool_specs(), pages, PAGE, torch.device("cpu"))
     locs = pool.locs(torch.arange(pages))[: len(tokens)]
     seq = SeqSlots(len(tokens), locs, locs)
     return model(torch.tensor(tokens), torch.arange(len(tokens)), [seq], pool, all_logits=True)

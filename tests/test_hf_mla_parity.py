@@ -1,0 +1,96 @@
+"""The MLA family's math against transformers' DeepSeek-V3 attention: a DeepSeek-V3 model with
+latent attention in the shape kvtier's ``mla`` variant has (queries projected directly, RoPE over
+the split halves of the rope dims, dense MLP layers), its weights copied by name into
+``MLAModel``, gives transformers' logits, and the same greedy tokens through the cache
+(fresh and from cached pages). Nothing here compares kvtier with itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import CacheConfig
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.families.mla import MLAConfig, MLAModel
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3Config"):
+    pytest.skip(
+        f"transformers {transformers.__version__} has no DeepSeek-V3", allow_module_level=True
+    )
+from test_hf_parity import (  # noqa: E402  (after the skip: it imports transformers too)
+    ATOL,
+    NEW_TOKENS,
+    PAGE,
+    VOCAB,
+    _hf_greedy,
+    _hf_logits,
+    _kv_logits,
+    _prompts,
+    _randomize,
+)
+
+SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position=256,
+)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
+    layers = request.param
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        num_hidden_layers=layers,
+        num_attention_heads=SHAPES["num_heads"],
+        num_key_value_heads=SHAPES["num_heads"],
+        hidden_size=SHAPES["hidden_size"],
+        intermediate_size=SHAPES["intermediate_size"],
+        q_lora_rank=None,  # kvtier's MLA projects queries directly
+        kv_lora_rank=SHAPES["kv_lora_rank"],
+        qk_nope_head_dim=SHAPES["qk_nope_head_dim"],
+        qk_rope_head_dim=SHAPES["qk_rope_head_dim"],
+        v_head_dim=SHAPES["v_head_dim"],
+        rope_interleave=False,  # RoPE as Llama applies it
+        first_k_dense_replace=layers,  # every layer's MLP dense (no experts)
+        max_position_embeddings=SHAPES["max_position"],
+        rms_norm_eps=SHAPES["rms_norm_eps"],
+        rope_theta=1e4,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    _randomize(hf, seed=layers)
+    config = MLAConfig(vocab_size=VOCAB, num_layers=layers, rope_theta=1e4, **SHAPES)
+    model = MLAModel(config).eval()
+    # strict: every parameter of each side has its counterpart of the same name and shape
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return hf, model
+
+
+def test_mla_logits_equal_deepseek_v3(pair) -> None:
+    hf, model = pair
+    for tokens in _prompts(1):
+        torch.testing.assert_close(
+            _kv_logits(model, tokens), _hf_logits(hf, tokens), atol=ATOL, rtol=1e-4
+        )
+
+
+def test_mla_greedy_tokens_through_the_cache_equal_deepseek_v3(pair) -> None:
+    hf, model = pair
+    prompts = _prompts(2)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(model, CacheConfig(device="cpu", page_size=PAGE, device_pages=128)) as llm:
+        for prompt, out in zip(prompts, llm.generate(prompts, greedy), strict=True):
+            assert out.output_ids == _hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
+        shared = prompts[-1][:96] + [3, 1, 4, 1, 5, 9, 2]
+        (again,) = llm.generate([shared], greedy)
+        assert again.cached_tokens == 96, again
+        assert again.output_ids == _hf_greedy(hf, shared, NEW_TOKENS)
+        llm.cache.check_integrity()
