@@ -52,9 +52,9 @@ def read_hf_config(
             config = ModelConfig(**fields)
         elif dense_only:
             raise ConfigError(
-                f"sliding_window={window} makes layers {_sliding_indices(layer_types)} slide "
-                f"(use_sliding_window={hf.get('use_sliding_window')!r}): not a dense model; "
-                "kvtier.engine.load_model reads it as the sliding-window family"
+                f"sliding_window={window} makes layers {_sliding_indices(layer_types)} slide"
+                f"{' (use_sliding_window=true)' if 'use_sliding_window' in hf else ''}: not a "
+                "dense model; kvtier.engine.load_model reads it as the sliding-window family"
             )
         else:
             from kvtier.engine.families.swa import SWAConfig
