@@ -1,10 +1,12 @@
-"""The MLA family's math against transformers' DeepSeek-V3 attention: a DeepSeek-V3 model with
-latent attention in the shape kvtier's ``mla`` variant has (queries projected directly, RoPE over
-the split halves of the rope dims, dense MLP layers), its weights copied by name into
-``MLAModel``, gives transformers' logits, and the same greedy tokens through the cache
-(fresh and from cached pages). Nothing here compares kvtier with itself."""
+"""The MLA family's math against transformers' DeepSeek-V3 attention: a DeepSeek-V3 model (dense
+MLP layers, default RoPE), its weights copied by name into ``MLAModel`` of the same shape, gives
+transformers' logits, and the same greedy tokens through the cache (fresh and from cached
+pages); with queries projected directly and half-split RoPE, and with DeepSeek-V3's own query
+latent (``q_lora_rank``) and interleaved RoPE. Nothing here compares kvtier with itself."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families.mla import MLAConfig, MLAModel
+from kvtier.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3Config"):
@@ -43,9 +46,13 @@ SHAPES = dict(
 )
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+# (layers, q_lora_rank, rope_interleave)
+VARIANTS = {"direct-queries": (2, 0, False), "query-latent-interleaved": (3, 24, True)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
-    layers = request.param
+    layers, q_lora_rank, interleave = VARIANTS[request.param]
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB,
         num_hidden_layers=layers,
@@ -53,12 +60,12 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
         num_key_value_heads=SHAPES["num_heads"],
         hidden_size=SHAPES["hidden_size"],
         intermediate_size=SHAPES["intermediate_size"],
-        q_lora_rank=None,  # kvtier's MLA projects queries directly
+        q_lora_rank=q_lora_rank or None,
         kv_lora_rank=SHAPES["kv_lora_rank"],
         qk_nope_head_dim=SHAPES["qk_nope_head_dim"],
         qk_rope_head_dim=SHAPES["qk_rope_head_dim"],
         v_head_dim=SHAPES["v_head_dim"],
-        rope_interleave=False,  # RoPE as Llama applies it
+        rope_interleave=interleave,
         first_k_dense_replace=layers,  # every layer's MLP dense (no experts)
         max_position_embeddings=SHAPES["max_position"],
         rms_norm_eps=SHAPES["rms_norm_eps"],
@@ -67,7 +74,14 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     _randomize(hf, seed=layers)
-    config = MLAConfig(vocab_size=VOCAB, num_layers=layers, rope_theta=1e4, **SHAPES)
+    config = MLAConfig(
+        vocab_size=VOCAB,
+        num_layers=layers,
+        rope_theta=1e4,
+        q_lora_rank=q_lora_rank,
+        rope_interleave=interleave,
+        **SHAPES,
+    )
     model = MLAModel(config).eval()
     # strict: every parameter of each side has its counterpart of the same name and shape
     model.load_state_dict(hf.state_dict(), strict=True)
@@ -94,3 +108,26 @@ def test_mla_greedy_tokens_through_the_cache_equal_deepseek_v3(pair) -> None:
         assert again.cached_tokens == 96, again
         assert again.output_ids == _hf_greedy(hf, shared, NEW_TOKENS)
         llm.cache.check_integrity()
+
+
+def test_the_query_options_are_what_transformers_reads(pair) -> None:
+    hf, model = pair
+    c = model.config
+    assert (hf.config.q_lora_rank or 0, hf.config.rope_interleave) == (
+        c.q_lora_rank,
+        c.rope_interleave,
+    )
+    # the options change the model: the other RoPE layout gives other logits
+    other = MLAModel(dataclasses.replace(c, rope_interleave=not c.rope_interleave)).eval()
+    other.load_state_dict(model.state_dict())
+    tokens = _prompts(3)[-1]
+    assert not torch.allclose(_kv_logits(other, tokens), _hf_logits(hf, tokens), atol=1e-2)
+
+
+def test_new_options_keep_earlier_digests_and_are_checked() -> None:
+    assert MLAConfig().fingerprint() == "69dc1beff24058a4bc75b0abc6dd07b9"
+    assert MLAConfig(q_lora_rank=8).fingerprint() != MLAConfig().fingerprint()
+    with pytest.raises(ConfigError, match=r"MLAConfig\.q_lora_rank must be an integer >= 0"):
+        MLAConfig(q_lora_rank=-1)
+    with pytest.raises(ConfigError, match=r"MLAConfig\.rope_interleave must be True or False"):
+        MLAConfig(rope_interleave=1)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine import cp
 from kvtier.engine.common import DTYPES, ConfigBase
+from kvtier.engine.families.indexer import Indexer
 from kvtier.engine.model import (
     DecoderLayer,
     DecoderLM,
@@ -41,6 +41,10 @@ class MLAConfig(ConfigBase):
     """A decoder with multi-head latent attention, optionally sparse through an indexer."""
 
     family: ClassVar[str] = "mla"
+    # options added after MLA digests were in use: at their defaults they leave them as they were
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset(
+        {"q_lora_rank", "rope_interleave"}
+    )
 
     num_layers: int = 3
     """Decoder layers (each holds one layer in every pool)."""
@@ -53,6 +57,13 @@ class MLAConfig(ConfigBase):
     """Per-head query width with RoPE; the RoPE key part is shared by all heads and stored."""
     v_head_dim: int = 16
     """Per-head value width (decompressed from ``c_kv``)."""
+    q_lora_rank: int = 0
+    """Width of the normalised query latent (DeepSeek-V3's ``q_a_proj``, ``q_a_layernorm``,
+    ``q_b_proj``); ``0``: queries are projected directly (``q_proj``)."""
+    rope_interleave: bool = False
+    """The RoPE dims of queries and the shared key hold interleaved pairs (DeepSeek-V3's
+    default): they are reordered to the half-split layout before the rotation, as transformers
+    does. Only the math differs; the stored rows keep their width."""
     variant: str = "mla"
     """``mla`` (dense latent attention), ``dsa`` (per-token indexer keys, top-k tokens) or
     ``dsa-compressed`` (one indexer row per token group, top-k groups)."""
@@ -71,7 +82,14 @@ class MLAConfig(ConfigBase):
     """Earlier complete groups each query attends to besides its own (``dsa-compressed``)."""
 
     def __post_init__(self) -> None:
-        self._check_sizes("seed")
+        self._check_sizes("seed", "q_lora_rank")
+        q = self.q_lora_rank
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise self._error(f"q_lora_rank must be an integer >= 0, got {q!r}")
+        if not isinstance(self.rope_interleave, bool):
+            raise self._error(
+                f"rope_interleave must be True or False, got {self.rope_interleave!r}"
+            )
         self._check_even("qk_rope_head_dim", "index_head_dim")
         self._check_choice("dtype", DTYPES)
         self._check_choice("variant", VARIANTS)
@@ -107,160 +125,18 @@ def dsa_compressed_preset(**overrides: Any) -> MLAConfig:
     return MLAConfig(**{**base, "index_topk_groups": 3, **overrides})
 
 
-def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool ``[n, C]``: of each row's ``allowed`` entries, the ``k`` highest ``scores`` (all of
-    them when fewer). Equal scores prefer the lower column, so the choice is deterministic."""
-    if scores.shape[-1] <= k:
-        return allowed.clone()
-    masked = scores.masked_fill(~allowed, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
-    return torch.zeros_like(allowed).scatter_(1, order, True) & allowed
-
-
-class Indexer(nn.Module):
-    """Picks the context tokens each query attends to by scoring indexer keys (``dsa``) or
-    compressed group rows (``dsa-compressed``) with ``sum_h w_h(q) * relu(q_h . key)``.
-
-    ``dsa`` rotates index queries and keys by position (RoPE), so equal tokens at different
-    positions do not tie; a group row has no single position, so its queries stay unrotated.
-    """
-
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        dt, di = cfg.torch_dtype, cfg.index_head_dim
-        self.cfg = cfg
-        self.wq = linear(cfg.hidden_size, cfg.index_n_heads * di, False, dt)
-        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads, False, dt)
-        compressed = cfg.variant == "dsa-compressed"
-        # compressed rows must be recomputable from the stored latents alone
-        self.wk = linear(cfg.latent_dim if compressed else cfg.hidden_size, di, False, dt)
-        self.compress_proj = linear(di, di, False, dt) if compressed else None
-
-    def write(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[SeqSlots],
-        out_locs: torch.Tensor,
-        anchor: torch.Tensor,
-        side: torch.Tensor,
-        out_rows: torch.Tensor | None = None,
-    ) -> None:
-        """Fill the sidecar for this forward's tokens (``anchor`` already holds their latents).
-
-        ``dsa``: one key per new token. ``dsa-compressed``: one row for every group whose last
-        token is new, compressed from the group's latents as stored in ``anchor`` and written
-        to sidecar row ``slot // G`` of the group's slots. Under CP only the rows of
-        ``out_rows`` (``dsa``) or of the groups on this rank's pages (``dsa-compressed``: a
-        group lies inside one page, so its owner holds all its latents) are written.
-        """
-        if self.compress_proj is None:
-            keys = rope(self.wk(x)[:, None, :], positions, self.cfg.rope_theta)[:, 0]
-            if out_rows is not None:
-                keys = keys.index_select(0, out_rows)
-            side.index_copy_(0, out_locs, keys.to(side.dtype))
-            return
-        g = self.cfg.index_group
-        for s in seqs:
-            ctx_len = s.seq_len
-            first, last = (ctx_len - s.num_new) // g, ctx_len // g
-            if first == last:
-                continue
-            slots = cp.group_slots(s, first, last, g)
-            if slots.shape[0] == 0:
-                continue
-            latents = anchor.index_select(0, slots.reshape(-1)).view(slots.shape[0], g, -1)
-            rows = self.compress_proj(self.wk(latents.to(x.dtype)).mean(dim=1))
-            side.index_copy_(0, slots[:, 0] // g, rows.to(side.dtype))
-
-    def _scores(
-        self, x: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor | None
-    ) -> torch.Tensor:
-        c = self.cfg
-        q = self.wq(x).view(x.shape[0], c.index_n_heads, c.index_head_dim)
-        if q_pos is not None:
-            q = rope(q, q_pos, c.rope_theta)
-        wide = torch.promote_types(x.dtype, torch.float32)
-        w = self.weights_proj(x).to(wide) / math.sqrt(c.index_n_heads)
-        dots = torch.einsum("nhd,cd->nhc", q, keys.to(q.dtype)).to(wide).relu()
-        return torch.einsum("nh,nhc->nc", w, dots) / math.sqrt(c.index_head_dim)
-
-    def select(
-        self,
-        x: torch.Tensor,
-        q_pos: torch.Tensor,
-        s: SeqSlots,
-        side: torch.Tensor,
-        group: cp.Group | None = None,
-    ) -> torch.Tensor:
-        """Bool ``[n, C]``: the context tokens the ``n`` queries (hidden ``x`` at ``q_pos``) of
-        sequence ``s`` attend to. ``dsa``: the ``index_topk`` best of positions ``<= q_pos``,
-        the query's own token always among them. ``dsa-compressed``: every token of the
-        ``index_topk_groups`` best complete groups before the query's group, plus its own
-        group up to ``q_pos``.
-
-        With a CP ``group``: the choice over the whole context, the same on every rank (each
-        scores its own columns, the scores are gathered), returned for this rank's columns
-        ``s.ctx_cols`` only (``[n, len(ctx_locs)]``)."""
-        if group is not None:
-            return self._select_cp(x, q_pos, s, side, group)
-        c, ctx_len = self.cfg, s.ctx_locs.shape[0]
-        cols = torch.arange(ctx_len, device=x.device)
-        visible = cols[None, :] <= q_pos[:, None]
-        if self.compress_proj is None:
-            scores = self._scores(x, side.index_select(0, s.ctx_locs), q_pos)
-            scores = scores.masked_fill(cols[None, :] == q_pos[:, None], float("inf"))
-            return top_k_mask(scores, visible, c.index_topk)
-        g = c.index_group
-        own = visible & ((cols // g)[None, :] == (q_pos // g)[:, None])
-        complete = ctx_len // g
-        if complete == 0:
-            return own
-        rows = side.index_select(0, s.ctx_locs[0 : complete * g : g] // g)
-        scores = self._scores(x, rows, None)
-        earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
-        picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
-        return F.pad(picked, (0, ctx_len - complete * g), value=False) | own
-
-    def _select_cp(
-        self,
-        x: torch.Tensor,
-        q_pos: torch.Tensor,
-        s: SeqSlots,
-        side: torch.Tensor,
-        group: cp.Group,
-    ) -> torch.Tensor:
-        c, ctx_len, local = self.cfg, s.seq_len, cp.require_cols(s)
-        cols = torch.arange(ctx_len, device=x.device)
-        visible = cols[None, :] <= q_pos[:, None]
-        if self.compress_proj is None:
-            mine = self._scores(x, side.index_select(0, s.ctx_locs), q_pos)
-            scores = cp.gather_max(group, cp.scatter_cols(mine, local, ctx_len))
-            scores = scores.masked_fill(cols[None, :] == q_pos[:, None], float("inf"))
-            return top_k_mask(scores, visible, c.index_topk)[:, local]
-        g = c.index_group
-        own = visible & ((cols // g)[None, :] == (q_pos // g)[:, None])
-        complete = ctx_len // g
-        if complete == 0:
-            return own[:, local]
-        # this rank's complete groups: those whose first token it holds
-        firsts = torch.nonzero((local % g == 0) & (local < complete * g)).reshape(-1)
-        rows = side.index_select(0, s.ctx_locs.index_select(0, firsts) // g)
-        mine = self._scores(x, rows, None)
-        scores = cp.gather_max(group, cp.scatter_cols(mine, local[firsts] // g, complete))
-        earlier = torch.arange(complete, device=x.device)[None, :] < (q_pos // g)[:, None]
-        picked = top_k_mask(scores, earlier, c.index_topk_groups).repeat_interleave(g, dim=1)
-        return (F.pad(picked, (0, ctx_len - complete * g), value=False) | own)[:, local]
-
-
 class MLAAttention(nn.Module):
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__()
         dt, h = cfg.torch_dtype, cfg.hidden_size
         self.cfg = cfg
-        self.q_proj = linear(
-            h, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), False, dt
-        )
+        q_width = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        if cfg.q_lora_rank:
+            self.q_a_proj = linear(h, cfg.q_lora_rank, False, dt)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
+            self.q_b_proj = linear(cfg.q_lora_rank, q_width, False, dt)
+        else:
+            self.q_proj = linear(h, q_width, False, dt)
         self.kv_a_proj_with_mqa = linear(h, cfg.latent_dim, False, dt)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
         self.kv_b_proj = linear(
@@ -274,8 +150,24 @@ class MLAAttention(nn.Module):
         RoPE-rotated shared key part."""
         c = self.cfg
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        k_pe = rope(k_pe[:, None, :], positions, c.rope_theta)[:, 0]
+        k_pe = self._rope(k_pe[:, None, :], positions)[:, 0]
         return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE over the last dim of ``x`` (``[T, heads, qk_rope_head_dim]``); interleaved
+        pairs ``(x0, x1), (x2, x3), ...`` first become halves ``(x0, x2, ...), (x1, x3, ...)``."""
+        if self.cfg.rope_interleave:
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        return rope(x, positions, self.cfg.rope_theta)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, heads, qk_nope_head_dim + qk_rope_head_dim]``, the RoPE part rotated."""
+        c = self.cfg
+        lora = c.q_lora_rank > 0
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if lora else self.q_proj(x)
+        q = q.view(x.shape[0], c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
+        q_pe = self._rope(q[..., c.qk_nope_head_dim :], positions)
+        return torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
 
     def _scores(self, q: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores ``[heads, n, C]`` (float32 or wider) of ``n`` queries over ``C`` latent rows,
@@ -330,9 +222,7 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             side = kv.layer(layer, SIDECAR_NAMES[c.variant])
             self.indexer.write(x, positions, seqs, out_locs, anchor, side, out_rows)
-        q = self.q_proj(x).view(t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
-        q_pe = rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
-        q = torch.cat((q[..., : c.qk_nope_head_dim], q_pe), dim=-1)
+        q = self.queries(x, positions)
         outs, lses, start = [], [], 0
         for s in seqs:
             end = start + s.num_new
