@@ -1,5 +1,7 @@
-"""Multi-head latent attention (DeepSeek-V2 style) and two sparse variants with a lightning
-indexer (DeepSeek-V3.2 style, simplified), all reading their context from kvtier's pool set.
+"""Multi-head latent attention (DeepSeek-V2/V3: queries projected directly or through a query
+latent, RoPE over half-split or interleaved dims) and two sparse variants with a lightning
+indexer (DeepSeek-V3.2 style, simplified; ``indexer.py``), all reading their context from
+kvtier's pool set.
 
 Per token and layer the anchor pool holds one compressed row ``[c_kv ; k_rope]``; attention
 decompresses per-head keys and values from it. The sparse variants add a sidecar the indexer
