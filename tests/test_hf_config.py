@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,35 @@ def test_transformers4_rope_theta_and_scaling(tmp_path: Path) -> None:
     assert (cfg.rope_type, cfg.rope_factor) == ("linear", 3.0)
 
 
+def test_yarn_fields_as_transformers_5_resolves_them(tmp_path: Path) -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    cfg = _read(tmp_path, max_position_embeddings=4096, rope_parameters=yarn)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_position) == ("yarn", 4.0, 4096)
+    assert (cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate) == (32.0, 1.0, True)
+    assert cfg.rope_attention_factor == 0.1 * math.log(4.0) + 1.0
+    # factor as given, not max_position / original (transformers 5 warns and does the same)
+    cfg = _read(
+        tmp_path,
+        max_position_embeddings=40960,
+        rope_scaling={**yarn, "original_max_position_embeddings": 32768, "beta_fast": 0},
+    )
+    assert (cfg.rope_factor, cfg.rope_original_max_position, cfg.rope_beta_fast) == (
+        4.0,
+        32768,
+        32.0,
+    )
+    cfg = _read(tmp_path, rope_scaling={**yarn, "attention_factor": 1.5, "truncate": False})
+    assert (cfg.rope_attention_factor, cfg.rope_truncate) == (1.5, False)
+    cfg = _read(tmp_path, rope_scaling={**yarn, "mscale": 1.0, "mscale_all_dim": 0.5})
+    want = (0.1 * math.log(4.0) + 1.0) / (0.05 * math.log(4.0) + 1.0)
+    assert cfg.rope_attention_factor == pytest.approx(want, rel=1e-15)
+    # a config written back reads the same
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    assert dataclasses.replace(ModelConfig.from_hf(tmp_path), weights_digest="") == (
+        dataclasses.replace(cfg, weights_digest="")
+    )
+
+
 @pytest.mark.parametrize(
     "fields, pattern",
     [
@@ -77,8 +107,17 @@ def test_transformers4_rope_theta_and_scaling(tmp_path: Path) -> None:
             r"rope_scaling\.rope_type='dynamic'",
         ),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-            r"rope_parameters\.rope_type='yarn'",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            r"rope_parameters\.rope_type='dynamic'",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn"}}, r"rope_scaling\.'factor'.*missing"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}},
+            r"rope_scaling\.truncate='no' must be true or false",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": "1"}},
+            r"rope_parameters\.attention_factor='1' must be a number",
         ),
         ({"rope_scaling": {"type": "longrope"}}, r"rope_scaling\.rope_type='longrope'"),
         ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling\.'factor'.*missing"),

@@ -14,6 +14,7 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, SeqSlots, save_hf_checkpoint
+from kvtier.engine.common import yarn_attention_factor
 from kvtier.engine.weights import load_model
 from kvtier.pools import DevicePool
 
@@ -44,6 +45,7 @@ def _llama3() -> dict[str, Any]:
     )
 
 
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
 SHAPES = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -59,6 +61,22 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-linear": ("LlamaConfig", {**SHAPES, **_rope(1e4, rope_type="linear", factor=4.0)}),
     "qwen2-tied": ("Qwen2Config", {**SHAPES, **_rope(1e6), "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {**SHAPES, **_rope(1e6), "head_dim": 24, "num_key_value_heads": 1}),
+    # YaRN with its context factor and attention factor, and with DeepSeek's mscale pair,
+    # other betas and no truncation; a pretraining context short enough that both bind here
+    "qwen3-yarn": ("Qwen3Config", {**SHAPES, **_rope(1e6, **YARN), "head_dim": 24}),
+    "llama-yarn-mscale": (
+        "LlamaConfig",
+        {
+            **SHAPES,
+            **_rope(1e4, **YARN, mscale=0.9, mscale_all_dim=0.7, beta_fast=16.0, truncate=False),
+        },
+    ),
+}
+ROPE_OF = {
+    "llama-llama3": "llama3",
+    "llama-linear": "linear",
+    "qwen3-yarn": "yarn",
+    "llama-yarn-mscale": "yarn",
 }
 
 
@@ -128,8 +146,9 @@ def test_transformers_checkpoint_logits_and_tokens(hf_checkpoint) -> None:
     model = load_model(directory)
     cfg = model.config
     theta = hf.config.rope_parameters["rope_theta"] if TF5 else hf.config.rope_theta
-    rope_type = {"llama-llama3": "llama3", "llama-linear": "linear"}.get(case, "default")
+    rope_type = ROPE_OF.get(case, "default")
     assert (cfg.rope_theta, cfg.rope_type) == (theta, rope_type)
+    assert cfg.rope_attention_factor == getattr(hf.model.rotary_emb, "attention_scaling", 1.0)
     assert cfg.tie_word_embeddings == (case == "qwen2-tied")
     for tokens in _prompts(1):
         want = _hf_logits(hf, tokens)
@@ -137,7 +156,7 @@ def test_transformers_checkpoint_logits_and_tokens(hf_checkpoint) -> None:
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
     if rope_type != "default":  # the scaling matters at these lengths: unscaled, logits differ
-        plain = CausalLM(dataclasses.replace(cfg, rope_type="default"))
+        plain = CausalLM(dataclasses.replace(cfg, rope_type="default", rope_attention_factor=1.0))
         plain.load_state_dict(model.state_dict())
         assert not torch.allclose(_kv_logits(plain, tokens), want, atol=1e-2)
 
@@ -202,6 +221,17 @@ KV_VARIANTS = {
     ),
     "qwen2": ModelConfig(vocab_size=VOCAB, attention_bias=True, tie_word_embeddings=True, seed=3),
     "qwen3": ModelConfig(vocab_size=VOCAB, qk_norm=True, head_dim=48, num_kv_heads=1, seed=4),
+    "yarn": ModelConfig(
+        vocab_size=VOCAB,
+        rope_type="yarn",
+        rope_factor=8.0,
+        rope_original_max_position=64,
+        max_position=512,
+        rope_beta_slow=2.0,
+        rope_truncate=False,
+        rope_attention_factor=yarn_attention_factor(8.0),
+        seed=5,
+    ),
 }
 
 
@@ -220,7 +250,9 @@ def test_kvtier_checkpoint_loads_in_transformers(variant: str, tmp_path: Path) -
     assert dataclasses.replace(back.config, **same) == dataclasses.replace(model.config, **same)
 
 
-@pytest.mark.parametrize("case", ["llama-llama3", "llama-linear", "llama-theta1e6"])
+@pytest.mark.parametrize(
+    "case", ["llama-llama3", "llama-linear", "llama-theta1e6", "qwen3-yarn", "llama-yarn-mscale"]
+)
 def test_inverse_frequencies_equal_transformers(case: str, tmp_path: Path) -> None:
     # exact equality at a realistic head size, through the config.json transformers writes
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -234,6 +266,7 @@ def test_inverse_frequencies_equal_transformers(case: str, tmp_path: Path) -> No
     init = ROPE_INIT_FUNCTIONS.get(cfg.rope_type)  # 5.x keeps "default" on the module
     if init is None:
         init = LlamaRotaryEmbedding.compute_default_rope_parameters
-    want, _ = init(hf_cfg, device=torch.device("cpu"))
+    want, scale = init(hf_cfg, device=torch.device("cpu"))
     assert cfg.head_dim == 128
     assert torch.equal(cfg.rope_inv_freq(), want)
+    assert cfg.rope_attention_factor == scale

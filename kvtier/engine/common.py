@@ -124,12 +124,22 @@ def rope_inv_freq(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
     original_max_position: int = 8192,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
 ) -> torch.Tensor:
     """RoPE's float32 inverse frequencies (``[head_dim // 2]``, on the CPU), computed step by
     step as HF transformers does for ``rope_type`` ``default``, ``linear`` (every frequency
-    divided by ``factor``) and ``llama3`` (long wavelengths divided by ``factor``, short ones
+    divided by ``factor``), ``llama3`` (long wavelengths divided by ``factor``, short ones
     kept, a smooth blend between, with the band edges at ``original_max_position`` over
-    ``low_freq_factor`` and ``high_freq_factor``)."""
+    ``low_freq_factor`` and ``high_freq_factor``) and ``yarn`` (dims that turn fewer than
+    ``beta_slow`` times over ``original_max_position`` divided by ``factor``, those turning
+    more than ``beta_fast`` times kept, a linear ramp between; ``truncate`` rounds the ramp's
+    ends to whole dims). YaRN's attention factor is applied to the RoPE tables, not here."""
+    if rope_type == "yarn":
+        return _yarn_inv_freq(
+            head_dim, theta, factor, original_max_position, beta_fast, beta_slow, truncate
+        )
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)
     if rope_type == "default":
@@ -137,7 +147,7 @@ def rope_inv_freq(
     if rope_type == "linear":
         return inv_freq / factor
     if rope_type != "llama3":
-        raise ConfigError(f"rope_type={rope_type!r} is not one of default, linear, llama3")
+        raise ConfigError(f"rope_type={rope_type!r} is not one of default, linear, llama3, yarn")
     low_freq_wavelen = original_max_position / low_freq_factor
     high_freq_wavelen = original_max_position / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -148,6 +158,49 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> torch.Tensor:
+    """YaRN's inverse frequencies, in transformers' order of float operations."""
+
+    def dim_of(rotations: float) -> float:
+        # the dim whose wavelength fits ``rotations`` times into the pretraining context
+        return (dim * math.log(original_max_position / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
+    """YaRN's default attention factor (the RoPE tables' scale) for a context ``factor``;
+    with both ``mscale`` and ``mscale_all_dim`` (DeepSeek's fields) their ratio, as transformers
+    computes it."""
+
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(get(factor, mscale) / get(factor, mscale_all_dim))
+    return get(factor)
 
 
 DIGEST_FILE = ".kvtier-weights-digest.json"

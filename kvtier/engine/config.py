@@ -14,7 +14,7 @@ import torch
 from kvtier.engine.common import DTYPES, ConfigBase, rope_inv_freq
 from kvtier.errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """HF's names of a layer's attention (``layer_types``): whole context, or a sliding window."""
 ROPE_DEFAULTS: dict[str, Any] = {
@@ -23,14 +23,20 @@ ROPE_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0,
     "rope_high_freq_factor": 4.0,
     "rope_original_max_position": 8192,
+    "rope_beta_fast": 32.0,
+    "rope_beta_slow": 1.0,
+    "rope_truncate": True,
+    "rope_attention_factor": 1.0,
 }
+"""The RoPE fields and their defaults: left out of digests at these values (they came after
+digests were in use)."""
 
 
 @dataclass(frozen=True)
-class ModelConfig(ConfigBase):
-    """A Llama/Qwen-style dense GQA decoder."""
-
-    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*ROPE_DEFAULTS, "mtp_layers"})
+class DenseBlockConfig(ConfigBase):
+    """The GQA attention and SwiGLU MLP blocks of the dense decoder, as checkpoints describe
+    them: the base of ``ModelConfig`` and of the families built from the same blocks (their
+    ``dense()`` config carries these fields over)."""
 
     num_kv_heads: int = 2
     """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
@@ -47,9 +53,10 @@ class ModelConfig(ConfigBase):
     weights."""
     rope_type: str = "default"
     """RoPE frequency scaling, as HF's ``rope_type``: ``default`` (none), ``linear`` (every
-    frequency divided by ``rope_factor``) or ``llama3`` (Llama 3.1's banded scaling)."""
+    frequency divided by ``rope_factor``), ``llama3`` (Llama 3.1's banded scaling) or ``yarn``
+    (YaRN: a ramp between interpolated and kept dims, and scaled RoPE tables)."""
     rope_factor: float = 1.0
-    """Scaling factor of ``linear`` and ``llama3`` RoPE."""
+    """Scaling factor of ``linear``, ``llama3`` and ``yarn`` RoPE."""
     rope_low_freq_factor: float = 1.0
     """``llama3``: wavelengths above ``rope_original_max_position / rope_low_freq_factor`` are
     divided by ``rope_factor``."""
@@ -57,28 +64,31 @@ class ModelConfig(ConfigBase):
     """``llama3``: wavelengths below ``rope_original_max_position / rope_high_freq_factor`` are
     kept; those between the two bands are blended."""
     rope_original_max_position: int = 8192
-    """``llama3``: the context length the model was pretrained at."""
-    mtp_layers: int = 0
-    """Decoder layers of the multi-token-prediction draft head (``kvtier.engine.mtp``, built by
-    ``build_model``), its K/V in the ``draft_kv`` sidecar; ``0``: no draft head."""
+    """``llama3``, ``yarn``: the context length the model was pretrained at."""
+    rope_beta_fast: float = 32.0
+    """``yarn``: dims turning more than this many times over the pretraining context keep their
+    frequency."""
+    rope_beta_slow: float = 1.0
+    """``yarn``: dims turning fewer than this many times are divided by ``rope_factor``."""
+    rope_truncate: bool = True
+    """``yarn``: the ramp's ends are rounded to whole dims."""
+    rope_attention_factor: float = 1.0
+    """Scale of the RoPE tables (so of every query and key): ``yarn``'s attention factor,
+    resolved when a config is read; ``1.0`` for the other types."""
 
-    def __post_init__(self) -> None:
-        self._check_sizes("seed", "mtp_layers")
-        m = self.mtp_layers
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise self._error(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
+    def _check_dense(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
-                f"num_kv_heads={self.num_kv_heads}"
+            raise self._error(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         self._check_even("head_dim")
         self._check_choice("dtype", DTYPES)
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ConfigError("ModelConfig.rope_theta and rms_norm_eps must be positive")
+            raise self._error("rope_theta and rms_norm_eps must be positive")
         self._check_choice("rope_type", ROPE_TYPES)
-        if not self.rope_factor > 0:
-            raise self._error(f"rope_factor={self.rope_factor} must be positive")
+        for opt in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):
+            if not getattr(self, opt) > 0:
+                raise self._error(f"{opt}={getattr(self, opt)} must be positive")
         if self.rope_type == "llama3" and not (
             0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
@@ -86,7 +96,12 @@ class ModelConfig(ConfigBase):
                 f"rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
                 f"{self.rope_high_freq_factor} must satisfy 0 < low < high"
             )
-        self._check_eos()
+        if self.rope_type != "yarn" and self.rope_attention_factor != 1.0:
+            raise self._error(
+                f"rope_attention_factor={self.rope_attention_factor} applies to yarn RoPE only"
+            )
+        if not isinstance(self.rope_truncate, bool):
+            raise self._error(f"rope_truncate must be True or False, got {self.rope_truncate!r}")
 
     def rope_inv_freq(self) -> torch.Tensor:
         """RoPE's float32 inverse frequencies for this config (``[head_dim // 2]``, CPU)."""
@@ -98,7 +113,29 @@ class ModelConfig(ConfigBase):
             self.rope_low_freq_factor,
             self.rope_high_freq_factor,
             self.rope_original_max_position,
+            self.rope_beta_fast,
+            self.rope_beta_slow,
+            self.rope_truncate,
         )
+
+
+@dataclass(frozen=True)
+class ModelConfig(DenseBlockConfig):
+    """A Llama/Qwen-style dense GQA decoder."""
+
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*ROPE_DEFAULTS, "mtp_layers"})
+
+    mtp_layers: int = 0
+    """Decoder layers of the multi-token-prediction draft head (``kvtier.engine.mtp``, built by
+    ``build_model``), its K/V in the ``draft_kv`` sidecar; ``0``: no draft head."""
+
+    def __post_init__(self) -> None:
+        self._check_sizes("seed", "mtp_layers")
+        m = self.mtp_layers
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise self._error(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
+        self._check_dense()
+        self._check_eos()
 
     @property
     def model_type(self) -> str:
@@ -166,10 +203,17 @@ class ModelConfig(ConfigBase):
         }
         if self.rope_type != "default":
             scaling: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.rope_factor}
+            if self.rope_type in ("llama3", "yarn"):
+                scaling["original_max_position_embeddings"] = self.rope_original_max_position
             if self.rope_type == "llama3":
                 scaling["low_freq_factor"] = self.rope_low_freq_factor
                 scaling["high_freq_factor"] = self.rope_high_freq_factor
-                scaling["original_max_position_embeddings"] = self.rope_original_max_position
+            if self.rope_type == "yarn":
+                scaling["beta_fast"] = self.rope_beta_fast
+                scaling["beta_slow"] = self.rope_beta_slow
+                scaling["attention_factor"] = self.rope_attention_factor
+                if not self.rope_truncate:
+                    scaling["truncate"] = False
             hf["rope_scaling"] = scaling
         if self.model_type != "qwen2":
             hf["attention_bias"] = False

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.engine.common import DTYPES, weights_digest
+from kvtier.engine.common import DTYPES, weights_digest, yarn_attention_factor
 from kvtier.engine.config import LAYER_TYPES, ROPE_TYPES, ModelConfig
 from kvtier.errors import ConfigError
 
@@ -221,7 +221,9 @@ def _read_json(cfg_file: Path) -> dict[str, Any]:
 def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
     """The ``ModelConfig`` RoPE fields of a config, as transformers 5.x resolves them:
     ``rope_scaling`` before ``rope_parameters``, a ``rope_theta`` inside them before the
-    top-level one. Values 4.x would read differently (both given and different) are refused."""
+    top-level one. Values 4.x would read differently (both given and different) are refused.
+    ``yarn`` takes ``factor`` as given and resolves its attention factor here (given, from
+    DeepSeek's ``mscale`` pair, or from ``factor``), as transformers 5 does."""
     hf, where = r.hf, r.where
     name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(name) or {}
@@ -252,19 +254,36 @@ def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
     if rope_type == "default":
         return out
-    out["rope_factor"] = p.float("factor")
+    out["rope_factor"] = factor = p.float("factor")
+    if rope_type == "linear":
+        return out
+    inner = p.int("original_max_position_embeddings", None)
+    outer = r.int("original_max_position_embeddings", None)
+    if inner is not None and outer is not None and inner != outer:
+        raise ConfigError(
+            f"{where}: {name}.original_max_position_embeddings={inner} and "
+            f"original_max_position_embeddings={outer} disagree"
+        )
+    orig = outer if outer is not None else inner
+    out["rope_original_max_position"] = max_position if orig is None else orig
     if rope_type == "llama3":
         out["rope_low_freq_factor"] = p.float("low_freq_factor")
         out["rope_high_freq_factor"] = p.float("high_freq_factor")
-        inner = p.int("original_max_position_embeddings", None)
-        outer = r.int("original_max_position_embeddings", None)
-        if inner is not None and outer is not None and inner != outer:
-            raise ConfigError(
-                f"{where}: {name}.original_max_position_embeddings={inner} and "
-                f"original_max_position_embeddings={outer} disagree"
-            )
-        orig = outer if outer is not None else inner
-        out["rope_original_max_position"] = max_position if orig is None else orig
+        return out
+    # yarn: ``factor`` as given (transformers 5); zero or absent betas take the defaults
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}: {name}.truncate={truncate!r} must be true or false")
+    attention = p.float("attention_factor", None)
+    if attention is None:
+        mscale, all_dim = p.float("mscale", None), p.float("mscale_all_dim", None)
+        attention = yarn_attention_factor(factor, mscale or 0.0, all_dim or 0.0)
+    out.update(
+        rope_beta_fast=p.float("beta_fast", None) or 32.0,
+        rope_beta_slow=p.float("beta_slow", None) or 1.0,
+        rope_truncate=truncate,
+        rope_attention_factor=attention,
+    )
     return out
 
 

@@ -107,8 +107,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.theta = cfg.rope_theta
         self._inv_freq = cfg.rope_inv_freq()
-        self._rope_key = tuple(self._inv_freq.tolist())
-        """The frequencies' values: layers with equal ones share a forward's RoPE tables."""
+        self._rope_scale = cfg.rope_attention_factor
+        self._rope_key = (*self._inv_freq.tolist(), self._rope_scale)
+        """The frequencies' values and the tables' scale: layers with equal ones share a
+        forward's RoPE tables."""
         self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, dt)
         self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
         self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, dt)
@@ -138,7 +140,9 @@ class Attention(nn.Module):
         if self._inv_freq.device != x.device:
             # kept off the module's buffers so checkpoints and dtype casts never see it
             self._inv_freq = self._inv_freq.to(x.device)
-        cos, sin = shared_rope_tables(positions, self._inv_freq, self._rope_key, q.dtype)
+        cos, sin = shared_rope_tables(
+            positions, self._inv_freq, self._rope_key, q.dtype, self._rope_scale
+        )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = torch.stack((k, v), dim=1)
         if out_rows is not None:

@@ -50,13 +50,16 @@ def rope(
 
 
 def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, ``[T, 1, head_dim]`` in ``dtype``: what :func:`apply_rope` rotates rows
-    at ``positions`` by, for the frequencies ``inv_freq`` (on ``positions``' device)."""
+    at ``positions`` by, for the frequencies ``inv_freq`` (on ``positions``' device), both
+    multiplied by ``scale`` in float32 first (YaRN's attention factor, as transformers does)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,17 +77,21 @@ frequencies, dtype, cos, sin."""
 
 
 def shared_rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, key: tuple[float, ...], dtype: torch.dtype
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key: tuple[float, ...],
+    dtype: torch.dtype,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_tables(positions, inv_freq, dtype)``, built once for consecutive calls with the
-    same ``positions`` object (which nobody writes after building it), the same ``key`` (the
-    values of ``inv_freq``, compared on the host) and ``dtype``: every layer of a forward
-    shares one pair instead of building its own."""
+    """``rope_tables(positions, inv_freq, dtype, scale)``, built once for consecutive calls
+    with the same ``positions`` object (which nobody writes after building it), the same
+    ``key`` (the values of ``inv_freq`` and then ``scale``, compared on the host) and
+    ``dtype``: every layer of a forward shares one pair instead of building its own."""
     global _tables
     entry = _tables  # one read: another thread may replace the entry meanwhile
     if entry is not None and entry[0] is positions and entry[1] == key and entry[2] == dtype:
         return entry[3], entry[4]
-    cos, sin = rope_tables(positions, inv_freq, dtype)
+    cos, sin = rope_tables(positions, inv_freq, dtype, scale)
     _tables = (positions, key, dtype, cos, sin)
     return cos, sin
 

@@ -19,37 +19,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.attention import decode_attention, expand_heads
-from kvtier.engine.common import ConfigBase
-from kvtier.engine.config import LAYER_TYPES, ROPE_DEFAULTS, ModelConfig, dense_config_of
+from kvtier.engine.config import (
+    LAYER_TYPES,
+    ROPE_DEFAULTS,
+    DenseBlockConfig,
+    ModelConfig,
+    dense_config_of,
+)
 from kvtier.engine.model import Attention, CausalLM, ForwardBatch, SeqSlots
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 
-_DENSE_OPTIONS = (
+_CHECKPOINT_OPTIONS = (
     "tie_word_embeddings",
     "attention_bias",
     "qk_norm",
     "weights_digest",
     *ROPE_DEFAULTS,
 )
+"""``DenseBlockConfig`` fields that came to this family with checkpoint import."""
 
 
 @dataclass(frozen=True)
-class SWAConfig(ConfigBase):
+class SWAConfig(DenseBlockConfig):
     """A GQA decoder mixing sliding-window and full-attention layers."""
 
     family: ClassVar[str] = "swa"
     # Where the rows live is the cache namespace's business (its component set names the
     # window pool); the rows themselves are the same either way.
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "window_pool"})
-    # The dense options below came with checkpoint import; at their defaults they leave the
-    # digests of earlier configs as they were.
-    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset({*_DENSE_OPTIONS, "layer_types"})
+    # Options that came with checkpoint import: at their defaults they leave the digests of
+    # earlier configs as they were.
+    fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset(
+        {*_CHECKPOINT_OPTIONS, "layer_types"}
+    )
 
-    num_kv_heads: int = 2
-    """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
-    head_dim: int = 32
-    """Per-head width of q, k and v (even, for RoPE)."""
     sliding_window: int = 48
     """Positions a sliding layer sees: the query at ``p`` attends to ``(p - window, p]``."""
     full_every: int = 2
@@ -61,24 +65,6 @@ class SWAConfig(ConfigBase):
     layer_types: tuple[str, ...] = ()
     """Per layer, ``"sliding_attention"`` or ``"full_attention"`` (HF's spelling); when given
     it decides which layers slide and ``full_every`` is not used. ``()``: ``full_every``."""
-    tie_word_embeddings: bool = False
-    """As ``ModelConfig`` (checkpoints that tie the head to the embeddings)."""
-    attention_bias: bool = False
-    """As ``ModelConfig`` (Qwen2's q/k/v biases)."""
-    qk_norm: bool = False
-    """As ``ModelConfig`` (Qwen3's per-head q/k norms)."""
-    weights_digest: str = ""
-    """As ``ModelConfig``: digest of a checkpoint's weight files; empty for random weights."""
-    rope_type: str = "default"
-    """As ``ModelConfig``."""
-    rope_factor: float = 1.0
-    """As ``ModelConfig``."""
-    rope_low_freq_factor: float = 1.0
-    """As ``ModelConfig``."""
-    rope_high_freq_factor: float = 4.0
-    """As ``ModelConfig``."""
-    rope_original_max_position: int = 8192
-    """As ``ModelConfig``."""
 
     def __post_init__(self) -> None:
         self._check_sizes("seed", "full_every")
