@@ -23,6 +23,7 @@ if not hasattr(transformers, "DeepseekV3Config"):
     )
 from test_hf_parity import (  # noqa: E402  (after the skip: it imports transformers too)
     ATOL,
+    DEVICE,
     NEW_TOKENS,
     PAGE,
     VOCAB,
@@ -100,7 +101,7 @@ def test_mla_greedy_tokens_through_the_cache_equal_deepseek_v3(pair) -> None:
     hf, model = pair
     prompts = _prompts(2)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(model, CacheConfig(device="cpu", page_size=PAGE, device_pages=128)) as llm:
+    with LLM(model, CacheConfig(device=DEVICE, page_size=PAGE, device_pages=128)) as llm:
         for prompt, out in zip(prompts, llm.generate(prompts, greedy), strict=True):
             assert out.output_ids == _hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
         shared = prompts[-1][:96] + [3, 1, 4, 1, 5, 9, 2]

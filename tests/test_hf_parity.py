@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, SeqSlots, save_hf_checkpoint
@@ -163,7 +164,7 @@ def test_transformers_checkpoint_logits_and_tokens(hf_checkpoint) -> None:
     prompts = _prompts(2)
     wanted = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(directory, CacheConfig(device="cpu", page_size=PAGE, device_pages=128)) as llm:
+    with LLM(directory, CacheConfig(device=DEVICE, page_size=PAGE, device_pages=128)) as llm:
         outs = llm.generate(prompts, greedy)
         for out, want_ids in zip(outs, wanted, strict=True):
             assert out.output_ids == want_ids

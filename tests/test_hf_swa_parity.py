@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError
 transformers = pytest.importorskip("transformers")
 from test_hf_parity import (  # noqa: E402  (after the skip: it imports transformers too)
     ATOL,
+    DEVICE,
     NEW_TOKENS,
     PAGE,
     SHAPES,
@@ -124,7 +125,7 @@ def test_transformers_swa_checkpoint_logits_and_tokens(swa_checkpoint) -> None:
 
     prompts = _prompts(2)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(directory, CacheConfig(device="cpu", page_size=PAGE, device_pages=128)) as llm:
+    with LLM(directory, CacheConfig(device=DEVICE, page_size=PAGE, device_pages=128)) as llm:
         outs = llm.generate(prompts, greedy)
         for prompt, out in zip(prompts, outs, strict=True):
             assert out.output_ids == _hf_greedy(hf, prompt, NEW_TOKENS), (case, len(prompt))
