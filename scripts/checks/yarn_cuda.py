@@ -1,6 +1,8 @@
-"""A YaRN dense model on CUDA (bf16, CUDA graphs and the decode kernel) against the same weights
-run eagerly in float32 on the CPU: the greedy tokens of a long prompt (past the pretraining
-context, where YaRN's interpolated dims matter) and of a cache hit agree.
+"""A YaRN dense model on CUDA (float32 and bfloat16, with CUDA graphs) against the same weights
+run eagerly in float32 on the CPU: how many greedy tokens agree before the first difference,
+for a prompt past the pretraining context (where YaRN's interpolated dims matter) and two
+shorter ones, each generated twice so the second run is a cache hit (it must give the same
+tokens as the first). The same weights with plain RoPE are the control for bfloat16's own drift.
 
     python3 scripts/checks/yarn_cuda.py
 """
