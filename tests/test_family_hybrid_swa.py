@@ -174,11 +174,11 @@ def mixer_ref(mx, h: torch.Tensor) -> torch.Tensor:
     """The recurrent mixer over a whole sequence from zero state: conv1d, then a plain scan."""
     n = h.shape[0]
     xi, z = mx.in_proj(h).chunk(2, dim=-1)
-    w = mx.conv_weight[:, None, :]
-    conv = F.conv1d(xi.t()[None], w, mx.conv_bias, padding=mx.d_conv - 1, groups=mx.d_inner)
+    w = mx.conv1d.weight
+    conv = F.conv1d(xi.t()[None], w, mx.conv1d.bias, padding=mx.d_conv - 1, groups=mx.d_inner)
     u = F.silu(conv[0, :, :n].t())
-    dt = F.softplus(mx.dt_proj(u))
-    b, c = mx.x_proj(u).chunk(2, dim=-1)
+    dt_in, b, c = mx.x_proj(u).split([mx.dt_rank, mx.d_state, mx.d_state], dim=-1)
+    dt = F.softplus(mx.dt_proj(dt_in))
     a = -torch.exp(mx.A_log)
     state = torch.zeros(mx.d_inner, mx.d_state)
     ys = []

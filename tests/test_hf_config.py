@@ -186,12 +186,14 @@ def test_family_defaults_and_accepted_fields(tmp_path: Path) -> None:
 
 
 def test_fingerprints_of_presets_are_unchanged() -> None:
-    # pinned: L3 objects written before RoPE scaling existed stay readable
+    # pinned: L3 objects written before RoPE scaling existed stay readable. The hybrid's moved
+    # (from 72c613b0...) when its mixer took Mamba's time-step projection (``dt_rank``): the
+    # states an older mixer wrote are another model's and must not be read
     pinned = {
         "tiny": "ec91a9e65be5cf51edb79b49fe13d343",
         "small": "3024ad3ead69cea644664c3810446102",
         "mla": "69dc1beff24058a4bc75b0abc6dd07b9",
-        "hybrid": "72c613b03a333b6399a31bcb4221a79d",
+        "hybrid": "45b878df537253d41b60ad61d1cba208",
         "swa": "ff80c768a08574c7804f7bb23763b802",
     }
     assert {name: preset(name).fingerprint() for name in pinned} == pinned

@@ -1,4 +1,4 @@
-"""Hybrid recurrent family: layers alternate simplified Mamba mixers and GQA attention.
+"""Hybrid recurrent family: layers alternate Mamba(-1) mixers and GQA attention.
 
 Attention layers keep per-token K/V in the anchor pool. Recurrent layers carry a fixed-size
 state per sequence (``SeqSlots.state``) and write checkpoints of it into the ``state`` pool
@@ -38,7 +38,7 @@ from kvtier.pools import PoolSpec
 
 @dataclass(frozen=True)
 class HybridConfig(ConfigBase):
-    """Recurrent (simplified Mamba) layers interleaved with GQA attention layers."""
+    """Recurrent (Mamba-1) layers interleaved with GQA attention layers."""
 
     family: ClassVar[str] = "hybrid"
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"eos_token_ids", "checkpoint_every"})
@@ -58,6 +58,9 @@ class HybridConfig(ConfigBase):
     (none for ``1``)."""
     d_state: int = 8
     """SSM state size per channel."""
+    dt_rank: int = 8
+    """Width of the time-step projection (Mamba's ``time_step_rank``): ``x_proj`` yields it,
+    ``dt_proj`` widens it to ``d_inner``."""
     checkpoint_every: int = 2
     """The engine writes a state checkpoint at the end of every ``checkpoint_every``-th cache
     page (pages ``checkpoint_every - 1``, ``2 * checkpoint_every - 1``, ...); a cached prefix is
@@ -93,20 +96,33 @@ def hybrid_preset(**overrides: Any) -> HybridConfig:
     return HybridConfig(**overrides)
 
 
+class DepthwiseConv(nn.Module):
+    """The parameters of a causal depthwise conv, named and shaped as ``nn.Conv1d``'s
+    (``weight`` ``[channels, 1, kernel]``, ``bias``); ``RecurrentMixer`` applies them."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.zeros(channels, 1, kernel, dtype=dtype), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False)
+
+
 class RecurrentMixer(nn.Module):
-    """Simplified Mamba: in_proj -> (x, z); causal depthwise conv + SiLU on x; diagonal
-    selective SSM ``h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t x_t``,
-    ``y_t = C_t . h_t + D * x_t``; ``out_proj(y * silu(z))``."""
+    """Mamba's selective SSM mixer (Mamba-1, as transformers' ``MambaMixer`` computes it, with
+    the same parameter names): in_proj -> (x, z); causal depthwise conv + SiLU on x, giving u;
+    ``x_proj(u)`` -> (dt_rank inputs, B, C), ``dt = softplus(dt_proj(...))``; diagonal scan
+    ``h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t u_t``, ``y_t = C_t . h_t + D * u_t``;
+    ``out_proj(y * silu(z))``."""
 
     def __init__(self, c: HybridConfig) -> None:
         super().__init__()
         dt, di = c.torch_dtype, c.d_inner
-        self.d_inner, self.d_conv, self.d_state = di, c.d_conv, c.d_state
+        self.d_inner, self.d_conv, self.d_state, self.dt_rank = di, c.d_conv, c.d_state, c.dt_rank
         self.in_proj = linear(c.hidden_size, 2 * di, False, dt)
-        self.conv_weight = nn.Parameter(torch.zeros(di, c.d_conv, dtype=dt), requires_grad=False)
-        self.conv_bias = nn.Parameter(torch.zeros(di, dtype=dt), requires_grad=False)
-        self.dt_proj = linear(di, di, True, dt)
-        self.x_proj = linear(di, 2 * c.d_state, False, dt)
+        self.conv1d = DepthwiseConv(di, c.d_conv, dt)
+        self.x_proj = linear(di, c.dt_rank + 2 * c.d_state, False, dt)
+        self.dt_proj = linear(c.dt_rank, di, True, dt)
         self.A_log = nn.Parameter(torch.zeros(di, c.d_state, dtype=dt), requires_grad=False)
         self.D = nn.Parameter(torch.ones(di, dtype=dt), requires_grad=False)
         self.out_proj = linear(di, c.hidden_size, False, dt)
@@ -132,10 +148,10 @@ class RecurrentMixer(nn.Module):
         xi, z = self.in_proj(x).chunk(2, dim=-1)
         # conv inputs over time: the k carried inputs, then this call's tokens
         seq = torch.cat((st[:, :k].to(xi.dtype), xi.t()), dim=1)
-        conv = (seq.unfold(1, self.d_conv, 1) * self.conv_weight[:, None, :]).sum(-1)
-        u = F.silu(conv.t() + self.conv_bias)
-        dt = F.softplus(self.dt_proj(u))
-        b, c = self.x_proj(u).chunk(2, dim=-1)
+        conv = (seq.unfold(1, self.d_conv, 1) * self.conv1d.weight).sum(-1)
+        u = F.silu(conv.t() + self.conv1d.bias)
+        dt_in, b, c = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt_in))
         a = -torch.exp(self.A_log)
         decay = torch.exp(dt[:, :, None] * a)
         drive = (dt * u)[:, :, None] * b[:, None, :]
@@ -231,6 +247,8 @@ class HybridModel(DecoderLM):
             return dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
         if name.endswith("dt_proj.weight"):
             return torch.randn(shape, generator=gen) * ((1.0 / math.sqrt(shape[1])) * 0.1)
+        if name.endswith("conv1d.weight"):
+            return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
         return None
 
     def check_batch(self, input_ids: torch.Tensor, seqs: Sequence[SeqSlots]) -> None:
