@@ -7,12 +7,14 @@ latent (``q_lora_rank``) and interleaved RoPE. Nothing here compares kvtier with
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.common import yarn_attention_factor, yarn_softmax_scale_factor
 from kvtier.engine.families.mla import MLAConfig, MLAModel
 from kvtier.errors import ConfigError
 
@@ -32,6 +34,7 @@ from test_hf_parity import (  # noqa: E402  (after the skip: it imports transfor
     _kv_logits,
     _prompts,
     _randomize,
+    _rope,
 )
 
 SHAPES = dict(
@@ -47,13 +50,24 @@ SHAPES = dict(
 )
 
 
-# (layers, q_lora_rank, rope_interleave)
-VARIANTS = {"direct-queries": (2, 0, False), "query-latent-interleaved": (3, 24, True)}
+YARN = dict(
+    rope_type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=64,
+    mscale=1.0,
+    mscale_all_dim=0.7,
+)
+# (layers, q_lora_rank, rope_interleave, RoPE scaling)
+VARIANTS = {
+    "direct-queries": (2, 0, False, {}),
+    "query-latent-interleaved": (3, 24, True, {}),
+    "yarn": (2, 24, True, YARN),
+}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
-    layers, q_lora_rank, interleave = VARIANTS[request.param]
+    layers, q_lora_rank, interleave, scaling = VARIANTS[request.param]
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB,
         num_hidden_layers=layers,
@@ -70,17 +84,27 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
         first_k_dense_replace=layers,  # every layer's MLP dense (no experts)
         max_position_embeddings=SHAPES["max_position"],
         rms_norm_eps=SHAPES["rms_norm_eps"],
-        rope_theta=1e4,
+        **_rope(1e4, **scaling),
     )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     _randomize(hf, seed=layers)
+    rope: dict[str, Any] = {}
+    if scaling:  # resolved as a config import resolves them
+        rope = dict(
+            rope_type="yarn",
+            rope_factor=4.0,
+            rope_original_max_position=64,
+            rope_attention_factor=yarn_attention_factor(4.0, 1.0, 0.7),
+            softmax_scale_factor=yarn_softmax_scale_factor(4.0, 0.7),
+        )
     config = MLAConfig(
         vocab_size=VOCAB,
         num_layers=layers,
         rope_theta=1e4,
         q_lora_rank=q_lora_rank,
         rope_interleave=interleave,
+        **rope,
         **SHAPES,
     )
     model = MLAModel(config).eval()
@@ -123,6 +147,16 @@ def test_the_query_options_are_what_transformers_reads(pair) -> None:
     other.load_state_dict(model.state_dict())
     tokens = _prompts(3)[-1]
     assert not torch.allclose(_kv_logits(other, tokens), _hf_logits(hf, tokens), atol=1e-2)
+    if c.rope_type == "yarn":  # each YaRN piece binds: without it the logits are others
+        for plain in (
+            dict(rope_type="default", rope_attention_factor=1.0),
+            dict(softmax_scale_factor=1.0),
+            dict(rope_attention_factor=1.0),
+        ):
+            unscaled = MLAModel(dataclasses.replace(c, **plain)).eval()
+            unscaled.load_state_dict(model.state_dict())
+            got = _kv_logits(unscaled, tokens)
+            assert not torch.allclose(got, _hf_logits(hf, tokens), atol=1e-3), plain
 
 
 def test_new_options_keep_earlier_digests_and_are_checked() -> None:

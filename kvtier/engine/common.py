@@ -203,6 +203,15 @@ def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: fl
     return get(factor)
 
 
+def yarn_softmax_scale_factor(factor: float, mscale_all_dim: float = 0.0) -> float:
+    """What DeepSeek's YaRN multiplies the attention softmax scale by: ``mscale(factor,
+    mscale_all_dim) ** 2``, or ``1.0`` without ``mscale_all_dim`` (as transformers does)."""
+    if not mscale_all_dim:
+        return 1.0
+    m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return m * m
+
+
 DIGEST_FILE = ".kvtier-weights-digest.json"
 """Beside a checkpoint's weights: each file's content digest, keyed by its size, mtime and
 inode, so that a checkpoint is read in full once rather than at every start."""

@@ -33,24 +33,10 @@ digests were in use)."""
 
 
 @dataclass(frozen=True)
-class DenseBlockConfig(ConfigBase):
-    """The GQA attention and SwiGLU MLP blocks of the dense decoder, as checkpoints describe
-    them: the base of ``ModelConfig`` and of the families built from the same blocks (their
-    ``dense()`` config carries these fields over)."""
+class RopeConfig(ConfigBase):
+    """RoPE as checkpoints describe it (HF's ``rope_parameters``): the base of the families
+    whose attention rotates queries and keys by position."""
 
-    num_kv_heads: int = 2
-    """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
-    head_dim: int = 32
-    """Per-head width of q, k and v."""
-    tie_word_embeddings: bool = False
-    """Share the embedding matrix with the LM head."""
-    attention_bias: bool = False
-    """Bias on the q, k and v projections (Qwen2)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    weights_digest: str = ""
-    """Digest of a checkpoint's weight files (names, sizes and bytes); empty for random
-    weights."""
     rope_type: str = "default"
     """RoPE frequency scaling, as HF's ``rope_type``: ``default`` (none), ``linear`` (every
     frequency divided by ``rope_factor``), ``llama3`` (Llama 3.1's banded scaling) or ``yarn``
@@ -76,15 +62,7 @@ class DenseBlockConfig(ConfigBase):
     """Scale of the RoPE tables (so of every query and key): ``yarn``'s attention factor,
     resolved when a config is read; ``1.0`` for the other types."""
 
-    def _check_dense(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise self._error(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        self._check_even("head_dim")
-        self._check_choice("dtype", DTYPES)
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise self._error("rope_theta and rms_norm_eps must be positive")
+    def _check_rope(self) -> None:
         self._check_choice("rope_type", ROPE_TYPES)
         for opt in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):
             if not getattr(self, opt) > 0:
@@ -103,10 +81,10 @@ class DenseBlockConfig(ConfigBase):
         if not isinstance(self.rope_truncate, bool):
             raise self._error(f"rope_truncate must be True or False, got {self.rope_truncate!r}")
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """RoPE's float32 inverse frequencies for this config (``[head_dim // 2]``, CPU)."""
+    def rope_inv_freq_of(self, dim: int) -> torch.Tensor:
+        """RoPE's float32 inverse frequencies over ``dim`` rotated dims (``[dim // 2]``, CPU)."""
         return rope_inv_freq(
-            self.head_dim,
+            dim,
             self.rope_theta,
             self.rope_type,
             self.rope_factor,
@@ -117,6 +95,42 @@ class DenseBlockConfig(ConfigBase):
             self.rope_beta_slow,
             self.rope_truncate,
         )
+
+
+@dataclass(frozen=True)
+class DenseBlockConfig(RopeConfig):
+    """The GQA attention and SwiGLU MLP blocks of the dense decoder, as checkpoints describe
+    them: the base of ``ModelConfig`` and of the families built from the same blocks (their
+    ``dense()`` config carries these fields over)."""
+
+    num_kv_heads: int = 2
+    """Key/value heads; ``num_heads`` must be a multiple of it (GQA)."""
+    head_dim: int = 32
+    """Per-head width of q, k and v."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    weights_digest: str = ""
+    """Digest of a checkpoint's weight files (names, sizes and bytes); empty for random
+    weights."""
+
+    def _check_dense(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise self._error(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        self._check_even("head_dim")
+        self._check_choice("dtype", DTYPES)
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise self._error("rope_theta and rms_norm_eps must be positive")
+        self._check_rope()
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE's float32 inverse frequencies for this config (``[head_dim // 2]``, CPU)."""
+        return self.rope_inv_freq_of(self.head_dim)
 
 
 @dataclass(frozen=True)

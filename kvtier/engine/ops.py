@@ -38,15 +38,16 @@ def rope(
     positions: torch.Tensor,
     theta: float,
     inv_freq: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate ``x`` (``[T, heads, head_dim]``) by its tokens' positions (HF half-split layout).
 
     ``inv_freq`` (``[head_dim // 2]``, float32, on ``x``'s device) replaces the unscaled
-    frequencies of base ``theta``."""
+    frequencies of base ``theta``; ``scale`` multiplies the tables (``rope_tables``)."""
     d = x.shape[-1]
     if inv_freq is None:
         inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    return apply_rope(x, *rope_tables(positions, inv_freq, x.dtype))
+    return apply_rope(x, *rope_tables(positions, inv_freq, x.dtype, scale))
 
 
 def rope_tables(

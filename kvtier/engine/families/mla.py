@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kvtier.engine import cp
-from kvtier.engine.common import DTYPES, ConfigBase
+from kvtier.engine.common import DTYPES
+from kvtier.engine.config import ROPE_DEFAULTS, RopeConfig
 from kvtier.engine.families.indexer import Indexer
 from kvtier.engine.model import (
     DecoderLayer,
@@ -39,13 +40,13 @@ SIDECAR_NAMES = {"dsa": "index_k", "dsa-compressed": "index_rows"}
 
 
 @dataclass(frozen=True)
-class MLAConfig(ConfigBase):
+class MLAConfig(RopeConfig):
     """A decoder with multi-head latent attention, optionally sparse through an indexer."""
 
     family: ClassVar[str] = "mla"
     # options added after MLA digests were in use: at their defaults they leave them as they were
     fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset(
-        {"q_lora_rank", "rope_interleave"}
+        {"q_lora_rank", "rope_interleave", "softmax_scale_factor", *ROPE_DEFAULTS}
     )
 
     num_layers: int = 3
@@ -62,6 +63,10 @@ class MLAConfig(ConfigBase):
     q_lora_rank: int = 0
     """Width of the normalised query latent (DeepSeek-V3's ``q_a_proj``, ``q_a_layernorm``,
     ``q_b_proj``); ``0``: queries are projected directly (``q_proj``)."""
+    softmax_scale_factor: float = 1.0
+    """Multiplies the attention's softmax scale ``1 / sqrt(qk_nope_head_dim +
+    qk_rope_head_dim)``: DeepSeek's YaRN ``mscale(rope_factor, mscale_all_dim) ** 2``,
+    resolved when a config is read."""
     rope_interleave: bool = False
     """The RoPE dims of queries and the shared key hold interleaved pairs (DeepSeek-V3's
     default): they are reordered to the half-split layout before the rotation, as transformers
@@ -88,6 +93,9 @@ class MLAConfig(ConfigBase):
         q = self.q_lora_rank
         if isinstance(q, bool) or not isinstance(q, int) or q < 0:
             raise self._error(f"q_lora_rank must be an integer >= 0, got {q!r}")
+        self._check_rope()
+        if not self.softmax_scale_factor > 0:
+            raise self._error(f"softmax_scale_factor={self.softmax_scale_factor} must be positive")
         if not isinstance(self.rope_interleave, bool):
             raise self._error(
                 f"rope_interleave must be True or False, got {self.rope_interleave!r}"
@@ -146,6 +154,8 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = linear(cfg.num_heads * cfg.v_head_dim, h, False, dt)
         self.indexer = Indexer(cfg) if cfg.variant != "mla" else None
+        self._inv_freq = cfg.rope_inv_freq_of(cfg.qk_rope_head_dim)
+        """Kept off the module's buffers so checkpoints and dtype casts never see it."""
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The anchor rows ``[T, kv_lora_rank + qk_rope_head_dim]``: normalised ``c_kv`` and the
@@ -158,9 +168,12 @@ class MLAAttention(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE over the last dim of ``x`` (``[T, heads, qk_rope_head_dim]``); interleaved
         pairs ``(x0, x1), (x2, x3), ...`` first become halves ``(x0, x2, ...), (x1, x3, ...)``."""
-        if self.cfg.rope_interleave:
+        c = self.cfg
+        if c.rope_interleave:
             x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        return rope(x, positions, self.cfg.rope_theta)
+        if self._inv_freq.device != x.device:
+            self._inv_freq = self._inv_freq.to(x.device)
+        return rope(x, positions, c.rope_theta, self._inv_freq, c.rope_attention_factor)
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, heads, qk_nope_head_dim + qk_rope_head_dim]``, the RoPE part rotated."""
@@ -181,7 +194,9 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope)
         scores = scores + torch.einsum("nhd,cd->hnc", q_pe, k_pe)
-        scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        scores = scores * (
+            c.softmax_scale_factor / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        )
         return scores.to(torch.promote_types(scores.dtype, torch.float32)), v
 
     def attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
