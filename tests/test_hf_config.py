@@ -226,3 +226,62 @@ def test_to_hf_round_trip_keeps_rope_scaling(tmp_path: Path) -> None:
         ModelConfig(rope_type="ntk")
     with pytest.raises(ConfigError, match="rope_low_freq_factor"):
         ModelConfig(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
+
+
+DEEPSEEK: dict[str, Any] = {
+    **BASE,
+    "model_type": "deepseek_v3",
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "fields, pattern",
+    [
+        ({"scoring_func": "softmax"}, r"scoring_func='softmax' is not supported"),
+        ({"topk_method": "greedy"}, r"topk_method='greedy' is not supported"),
+        ({"moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
+        ({"tie_word_embeddings": True}, r"tie_word_embeddings=true is not supported"),
+        ({"rope_interleave": "yes"}, r"rope_interleave='yes' must be true or false"),
+        ({"n_group": 3}, r"n_routed_experts=4 must split into n_group=3 groups"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be in \[1, n_routed_experts=4\]"),
+        ({"attention_bias": True}, r"attention_bias=true for deepseek_v3"),
+    ],
+)
+def test_deepseek_v3_refusals_name_the_field(
+    tmp_path: Path, fields: dict[str, Any], pattern: str
+) -> None:
+    from kvtier.engine.hf_config import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK, **fields}))
+    with pytest.raises(ConfigError, match=pattern) as e:
+        read_hf_config(tmp_path)
+    assert "config.json" in str(e.value)
+
+
+def test_deepseek_v3_reads_as_mla_and_not_as_dense(tmp_path: Path) -> None:
+    from kvtier.engine.families.mla import MLAConfig
+    from kvtier.engine.hf_config import read_hf_config
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    hf = {**DEEPSEEK, "rope_scaling": {**yarn, "original_max_position_embeddings": 4096}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = read_hf_config(tmp_path)
+    assert isinstance(cfg, MLAConfig) and cfg.variant == "mla"
+    assert (cfg.q_lora_rank, cfg.rope_interleave, cfg.n_routed_experts) == (0, True, 4)
+    assert (cfg.first_k_dense_replace, cfg.routed_scaling_factor) == (3, 2.5)  # the defaults
+    # DeepSeek-V3's own YaRN: the tables unscaled (mscale over mscale_all_dim), the softmax
+    # scaled by (0.1 ln 40 + 1)^2
+    assert cfg.rope_attention_factor == 1.0
+    assert cfg.softmax_scale_factor == pytest.approx((0.1 * math.log(40.0) + 1.0) ** 2)
+    with pytest.raises(ConfigError, match=r"deepseek_v3 is an MLA model"):
+        ModelConfig.from_hf(tmp_path)

@@ -1,8 +1,9 @@
-"""The MLA family's math against transformers' DeepSeek-V3 attention: a DeepSeek-V3 model (dense
-MLP layers, default RoPE), its weights copied by name into ``MLAModel`` of the same shape, gives
-transformers' logits, and the same greedy tokens through the cache (fresh and from cached
-pages); with queries projected directly and half-split RoPE, and with DeepSeek-V3's own query
-latent (``q_lora_rank``) and interleaved RoPE. Nothing here compares kvtier with itself."""
+"""The MLA family against transformers' DeepSeek-V3: checkpoints its ``save_pretrained`` writes
+load through ``load_model`` (the ``deepseek_v3`` config read as ``MLAConfig``) and give
+transformers' logits and the same greedy tokens through the cache (fresh and from cached
+pages): queries projected directly with half-split RoPE; DeepSeek-V3's query latent with
+interleaved RoPE; YaRN with DeepSeek's mscale pair; and its mixture of experts. Nothing here
+compares kvtier with itself."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.common import yarn_attention_factor, yarn_softmax_scale_factor
-from kvtier.engine.families.mla import MLAConfig, MLAModel
+from kvtier.engine.families.mla import MOE_FIELDS, MLAConfig, MLAModel
+from kvtier.engine.weights import load_model
 from kvtier.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -57,17 +59,31 @@ YARN = dict(
     mscale=1.0,
     mscale_all_dim=0.7,
 )
-# (layers, q_lora_rank, rope_interleave, RoPE scaling)
+MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+)
+# (layers, q_lora_rank, rope_interleave, RoPE scaling, experts)
 VARIANTS = {
-    "direct-queries": (2, 0, False, {}),
-    "query-latent-interleaved": (3, 24, True, {}),
-    "yarn": (2, 24, True, YARN),
+    "direct-queries": (2, 0, False, {}, {}),
+    "query-latent-interleaved": (3, 24, True, {}, {}),
+    "yarn": (2, 24, True, YARN, {}),
+    "experts": (3, 24, True, {}, MOE),
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
-    layers, q_lora_rank, interleave, scaling = VARIANTS[request.param]
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[object, MLAModel]:
+    layers, q_lora_rank, interleave, scaling, experts = VARIANTS[request.param]
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB,
         num_hidden_layers=layers,
@@ -81,7 +97,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
         qk_rope_head_dim=SHAPES["qk_rope_head_dim"],
         v_head_dim=SHAPES["v_head_dim"],
         rope_interleave=interleave,
-        first_k_dense_replace=layers,  # every layer's MLP dense (no experts)
+        **(experts or {"first_k_dense_replace": layers}),  # no experts: every MLP dense
         max_position_embeddings=SHAPES["max_position"],
         rms_norm_eps=SHAPES["rms_norm_eps"],
         **_rope(1e4, **scaling),
@@ -89,6 +105,10 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     _randomize(hf, seed=layers)
+    gen = torch.Generator().manual_seed(layers)
+    for name, buf in hf.named_buffers():  # the routers' correction biases shift the choice
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
     rope: dict[str, Any] = {}
     if scaling:  # resolved as a config import resolves them
         rope = dict(
@@ -105,11 +125,21 @@ def pair(request: pytest.FixtureRequest) -> tuple[object, MLAModel]:
         q_lora_rank=q_lora_rank,
         rope_interleave=interleave,
         **rope,
+        **experts,
         **SHAPES,
     )
-    model = MLAModel(config).eval()
-    # strict: every parameter of each side has its counterpart of the same name and shape
-    model.load_state_dict(hf.state_dict(), strict=True)
+    # through the checkpoint transformers writes (per-expert tensors, as DeepSeek-V3 ships
+    # them); loading is strict: every tensor has its parameter, of the same shape
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    model = load_model(directory).eval()
+    assert isinstance(model, MLAModel)
+    got = model.config
+    if not experts:  # the config keeps transformers' default experts, none of them used
+        assert not any(got.moe_layer(i) for i in range(layers))
+        config = dataclasses.replace(config, **{f: getattr(got, f) for f in MOE_FIELDS})
+    ignore = dict(weights_digest="", eos_token_ids=())
+    assert dataclasses.replace(got, **ignore) == dataclasses.replace(config, **ignore)
     return hf, model
 
 

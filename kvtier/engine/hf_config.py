@@ -1,8 +1,9 @@
 """HF ``config.json`` import for the reference engine: the dense decoders (``llama``,
-``qwen2``, ``qwen3``, ``mistral`` and ``ministral`` without a binding window) and their
+``qwen2``, ``qwen3``, ``mistral`` and ``ministral`` without a binding window), their
 sliding-window variants (``mistral``, ``ministral``, ``qwen2``/``qwen3`` with
-``use_sliding_window``), as transformers 4.x and 5.x write them. What the engine would run wrong
-raises ``ConfigError`` naming the file and field."""
+``use_sliding_window``) and DeepSeek-V3's latent attention with experts (``deepseek_v3``), as
+transformers 4.x and 5.x write them. What the engine would run wrong raises ``ConfigError``
+naming the file and field."""
 
 from __future__ import annotations
 
@@ -11,21 +12,28 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.engine.common import DTYPES, weights_digest, yarn_attention_factor
+from kvtier.engine.common import (
+    DTYPES,
+    weights_digest,
+    yarn_attention_factor,
+    yarn_softmax_scale_factor,
+)
 from kvtier.engine.config import LAYER_TYPES, ROPE_TYPES, ModelConfig
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
+    from kvtier.engine.families.mla import MLAConfig
     from kvtier.engine.families.swa import SWAConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "deepseek_v3")
 
 
 def read_hf_config(
     path: str | Path, dtype: str | None = None, dense_only: bool = False
-) -> ModelConfig | SWAConfig:
+) -> ModelConfig | SWAConfig | MLAConfig:
     """The engine config of a HF checkpoint directory's ``config.json`` (or the file itself).
 
+    ``deepseek_v3`` gives an ``MLAConfig`` (latent attention, DeepSeek-V3's experts).
     Layers that slide as transformers runs them (a ``sliding_window`` shorter than
     ``max_position_embeddings``, on the layers ``layer_types`` or ``max_window_layers`` name)
     give an ``SWAConfig``; otherwise a ``ModelConfig``. Absent fields take the family's
@@ -44,9 +52,20 @@ def read_hf_config(
         )
     _reject_unsupported(hf, model_type, cfg_file)
     r = _Reader(hf, cfg_file)
+    config: ModelConfig | SWAConfig | MLAConfig
+    if model_type == "deepseek_v3":
+        fields = _mla_fields(r, dtype)
+        try:
+            if dense_only:
+                raise ConfigError("deepseek_v3 is an MLA model, not a dense one")
+            from kvtier.engine.families.mla import MLAConfig
+
+            config = MLAConfig(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_file}: {e}") from None
+        return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
     fields = _dense_fields(r, model_type, dtype)
     window, layer_types = _sliding(r, model_type, fields["num_layers"], fields["max_position"])
-    config: ModelConfig | SWAConfig
     try:
         if window is None:
             config = ModelConfig(**fields)
@@ -65,17 +84,64 @@ def read_hf_config(
     return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
 
 
-def _dense_fields(r: _Reader, model_type: str, dtype: str | None) -> dict[str, Any]:
-    """The ``ModelConfig`` fields of a parsed config (every family here shares them)."""
+def _mla_fields(r: _Reader, dtype: str | None) -> dict[str, Any]:
+    """The ``MLAConfig`` fields of a ``deepseek_v3`` config; absent fields take transformers'
+    defaults. DeepSeek's YaRN also scales the softmax (``mscale_all_dim``)."""
+    hf, where = r.hf, r.where
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {want!r})")
+    if hf.get("moe_layer_freq", 1) not in (1, None):
+        raise ConfigError(f"{where}: moe_layer_freq={hf['moe_layer_freq']!r} is not supported")
+    if hf.get("tie_word_embeddings", False):
+        raise ConfigError(f"{where}: tie_word_embeddings=true is not supported for deepseek_v3")
+    interleave = hf.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ConfigError(f"{where}: rope_interleave={interleave!r} must be true or false")
+    norm = hf.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{where}: norm_topk_prob={norm!r} must be true or false")
+    fields = _common_fields(r, dtype, max_position_default=4096)
+    rope = _read_rope(r, fields["max_position"])
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    all_dim = params.get("mscale_all_dim") if rope["rope_type"] != "default" else None
+    softmax = yarn_softmax_scale_factor(rope.get("rope_factor", 1.0), all_dim or 0.0)
+    return dict(
+        fields,
+        **rope,
+        softmax_scale_factor=softmax,
+        q_lora_rank=_int_or_zero(r, "q_lora_rank", 1536),
+        kv_lora_rank=r.int("kv_lora_rank", 512),
+        qk_nope_head_dim=r.int("qk_nope_head_dim", 128),
+        qk_rope_head_dim=r.int("qk_rope_head_dim", 64),
+        v_head_dim=r.int("v_head_dim", 128),
+        rope_interleave=interleave,
+        n_routed_experts=_int_or_zero(r, "n_routed_experts", 256),
+        num_experts_per_tok=r.int("num_experts_per_tok", 8),
+        moe_intermediate_size=r.int("moe_intermediate_size", 2048),
+        n_shared_experts=_int_or_zero(r, "n_shared_experts", 1),
+        n_group=r.int("n_group", 8),
+        topk_group=r.int("topk_group", 4),
+        routed_scaling_factor=r.float("routed_scaling_factor", 2.5),
+        norm_topk_prob=norm,
+        first_k_dense_replace=r.int("first_k_dense_replace", 3),
+    )
+
+
+def _int_or_zero(r: _Reader, key: str, default: int) -> int:
+    """An integer field where ``null`` means none (``0``)."""
+    return 0 if r.hf.get(key, default) is None else r.int(key, default)
+
+
+def _common_fields(
+    r: _Reader, dtype: str | None, max_position_default: int | None
+) -> dict[str, Any]:
+    """The fields every family's config takes: shapes, norm epsilon, context, element type
+    and stop tokens."""
     hf, cfg_file = r.hf, r.where
-    family = _FAMILY_DEFAULTS[model_type]
     heads = r.int("num_attention_heads")
-    hidden = r.int("hidden_size")
     if heads < 1:
         raise ConfigError(f"{cfg_file}: num_attention_heads={heads} must be positive")
-    kv_heads = r.int("num_key_value_heads", family["num_key_value_heads"])
-    head_dim = r.int("head_dim", family["head_dim"])
-    max_position = r.int("max_position_embeddings", family["max_position_embeddings"])
     eos = hf.get("eos_token_id")
     eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
@@ -84,25 +150,38 @@ def _dense_fields(r: _Reader, model_type: str, dtype: str | None) -> dict[str, A
     hf_dtype = str(hf.get(dtype_key) or "float32")
     if dtype is None and hf_dtype not in DTYPES:
         raise ConfigError(f"{cfg_file}: {dtype_key}={hf_dtype!r} is not one of {', '.join(DTYPES)}")
+    return dict(
+        vocab_size=r.int("vocab_size"),
+        hidden_size=r.int("hidden_size"),
+        intermediate_size=r.int("intermediate_size"),
+        num_layers=r.int("num_hidden_layers"),
+        num_heads=heads,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        max_position=r.int("max_position_embeddings", max_position_default),
+        dtype=dtype or hf_dtype,
+        eos_token_ids=tuple(eos_list),
+    )
+
+
+def _dense_fields(r: _Reader, model_type: str, dtype: str | None) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a parsed config (every family here shares them)."""
+    hf, cfg_file = r.hf, r.where
+    family = _FAMILY_DEFAULTS[model_type]
+    common = _common_fields(r, dtype, family["max_position_embeddings"])
+    heads, hidden = common["num_heads"], common["hidden_size"]
+    kv_heads = r.int("num_key_value_heads", family["num_key_value_heads"])
+    head_dim = r.int("head_dim", family["head_dim"])
     tied = hf.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise ConfigError(f"{cfg_file}: tie_word_embeddings={tied!r} must be true or false")
     return dict(
-        vocab_size=r.int("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=r.int("intermediate_size"),
-        num_layers=r.int("num_hidden_layers"),
-        num_heads=heads,
+        common,
         num_kv_heads=heads if kv_heads is None else kv_heads,
         head_dim=hidden // heads if head_dim is None else head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
-        max_position=max_position,
         tie_word_embeddings=tied,
         attention_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
-        dtype=dtype or hf_dtype,
-        eos_token_ids=tuple(eos_list),
-        **_read_rope(r, max_position),
+        **_read_rope(r, common["max_position"]),
     )
 
 

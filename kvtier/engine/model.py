@@ -180,9 +180,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ConfigBase) -> None:
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, ``intermediate_size`` wide
+    (``cfg``'s unless given: an expert's)."""
+
+    def __init__(self, cfg: ConfigBase, intermediate_size: int | None = None) -> None:
         super().__init__()
-        dt, h, i = cfg.torch_dtype, cfg.hidden_size, cfg.intermediate_size
+        dt, h = cfg.torch_dtype, cfg.hidden_size
+        i = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = linear(h, i, False, dt)
         self.up_proj = linear(h, i, False, dt)
         self.down_proj = linear(i, h, False, dt)

@@ -132,8 +132,8 @@ def load_model(
     path: str | Path, device: torch.device | str | None = None, dtype: str | None = None
 ) -> CausalLM:
     """Build the model a HF checkpoint directory describes and load its weights: the dense
-    decoder, or the sliding-window family (``SWAModel``) where layers slide
-    (``kvtier.engine.hf_config.read_hf_config``).
+    decoder, the sliding-window family (``SWAModel``) where layers slide, or the MLA family
+    for ``deepseek_v3`` (``kvtier.engine.hf_config.read_hf_config``).
 
     A ``tie_word_embeddings`` checkpoint that stores a distinct ``lm_head.weight`` loads
     untied, as transformers 5 loads it. Raises ``ConfigError`` when ``path`` is not a directory (a weights file passed instead of
@@ -147,7 +147,9 @@ def load_model(
             )
         raise ConfigError(f"no such checkpoint directory: {path}")
     config = read_hf_config(path, dtype=dtype)
-    if config.tie_word_embeddings and stores_separate_head(path, config.torch_dtype):
+    if getattr(config, "tie_word_embeddings", False) and stores_separate_head(
+        path, config.torch_dtype
+    ):
         config = dataclasses.replace(config, tie_word_embeddings=False)
     model: CausalLM = build_model(config)
     load_weights(model, path)

@@ -23,6 +23,7 @@ from kvtier.engine import cp
 from kvtier.engine.common import DTYPES
 from kvtier.engine.config import ROPE_DEFAULTS, RopeConfig
 from kvtier.engine.families.indexer import Indexer
+from kvtier.engine.families.moe import MoE
 from kvtier.engine.model import (
     DecoderLayer,
     DecoderLM,
@@ -36,6 +37,17 @@ from kvtier.engine.ops import rope
 from kvtier.pools import PoolSpec
 
 VARIANTS = ("mla", "dsa", "dsa-compressed")
+MOE_FIELDS = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "first_k_dense_replace",
+)
 SIDECAR_NAMES = {"dsa": "index_k", "dsa-compressed": "index_rows"}
 
 
@@ -46,7 +58,14 @@ class MLAConfig(RopeConfig):
     family: ClassVar[str] = "mla"
     # options added after MLA digests were in use: at their defaults they leave them as they were
     fingerprint_omit_default: ClassVar[frozenset[str]] = frozenset(
-        {"q_lora_rank", "rope_interleave", "softmax_scale_factor", *ROPE_DEFAULTS}
+        {
+            "q_lora_rank",
+            "rope_interleave",
+            "softmax_scale_factor",
+            "weights_digest",
+            *ROPE_DEFAULTS,
+            *MOE_FIELDS,
+        }
     )
 
     num_layers: int = 3
@@ -63,10 +82,31 @@ class MLAConfig(RopeConfig):
     q_lora_rank: int = 0
     """Width of the normalised query latent (DeepSeek-V3's ``q_a_proj``, ``q_a_layernorm``,
     ``q_b_proj``); ``0``: queries are projected directly (``q_proj``)."""
+    weights_digest: str = ""
+    """Digest of a checkpoint's weight files (``load_model``); empty for random weights."""
     softmax_scale_factor: float = 1.0
     """Multiplies the attention's softmax scale ``1 / sqrt(qk_nope_head_dim +
     qk_rope_head_dim)``: DeepSeek's YaRN ``mscale(rope_factor, mscale_all_dim) ** 2``,
     resolved when a config is read."""
+    n_routed_experts: int = 0
+    """Routed experts of a DeepSeek-V3 mixture-of-experts MLP (``kvtier.engine.families.moe``)
+    in the layers from ``first_k_dense_replace`` on; ``0``: every layer's MLP is dense."""
+    num_experts_per_tok: int = 8
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = 64
+    """Width of each routed expert's SwiGLU (and of each shared one)."""
+    n_shared_experts: int = 0
+    """Experts every token also goes through (fused into one SwiGLU)."""
+    n_group: int = 1
+    """Expert groups; routing picks experts only from the ``topk_group`` best groups."""
+    topk_group: int = 1
+    """Groups routing picks from."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights."""
+    norm_topk_prob: bool = True
+    """Normalise each token's chosen weights to sum one (before the scaling factor)."""
+    first_k_dense_replace: int = 0
+    """Leading layers whose MLP stays dense."""
     rope_interleave: bool = False
     """The RoPE dims of queries and the shared key hold interleaved pairs (DeepSeek-V3's
     default): they are reordered to the half-split layout before the rotation, as transformers
@@ -89,11 +129,18 @@ class MLAConfig(RopeConfig):
     """Earlier complete groups each query attends to besides its own (``dsa-compressed``)."""
 
     def __post_init__(self) -> None:
-        self._check_sizes("seed", "q_lora_rank")
+        self._check_sizes(
+            "seed", "q_lora_rank", "n_routed_experts", "n_shared_experts", "first_k_dense_replace"
+        )
+        for opt in ("q_lora_rank", "n_routed_experts", "n_shared_experts", "first_k_dense_replace"):
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise self._error(f"{opt} must be an integer >= 0, got {v!r}")
         q = self.q_lora_rank
         if isinstance(q, bool) or not isinstance(q, int) or q < 0:
             raise self._error(f"q_lora_rank must be an integer >= 0, got {q!r}")
         self._check_rope()
+        self._check_moe()
         if not self.softmax_scale_factor > 0:
             raise self._error(f"softmax_scale_factor={self.softmax_scale_factor} must be positive")
         if not isinstance(self.rope_interleave, bool):
@@ -107,6 +154,35 @@ class MLAConfig(RopeConfig):
             if not getattr(self, opt) > 0:
                 raise self._error(f"{opt} must be positive, got {getattr(self, opt)!r}")
         self._check_eos()
+
+    def _check_moe(self) -> None:
+        e = self.n_routed_experts
+        if not e:
+            return
+        if not 1 <= self.num_experts_per_tok <= e:
+            raise self._error(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                f"n_routed_experts={e}]"
+            )
+        if e % self.n_group or e // self.n_group < 2:
+            raise self._error(
+                f"n_routed_experts={e} must split into n_group={self.n_group} groups of at "
+                "least 2 (a group scores by its two best experts)"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise self._error(
+                f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise self._error(
+                f"routed_scaling_factor={self.routed_scaling_factor} must be positive"
+            )
+        if not isinstance(self.norm_topk_prob, bool):
+            raise self._error(f"norm_topk_prob must be True or False, got {self.norm_topk_prob!r}")
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is the mixture of experts."""
+        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
 
     @property
     def latent_dim(self) -> int:
@@ -280,7 +356,10 @@ class MLAModel(DecoderLM):
     config_class = MLAConfig
 
     def __init__(self, config: MLAConfig) -> None:
-        layers = (DecoderLayer(config, MLAAttention(config)) for _ in range(config.num_layers))
+        layers = [DecoderLayer(config, MLAAttention(config)) for _ in range(config.num_layers)]
+        for i, layer in enumerate(layers):
+            if config.moe_layer(i):
+                layer.mlp = MoE(config)
         super().__init__(config, layers)
 
     def pool_specs(self) -> list[PoolSpec]:
