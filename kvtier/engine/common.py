@@ -190,17 +190,19 @@ def _yarn_inv_freq(
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``factor``: ``0.1 * mscale * ln(factor) + 1``,
+    ``1.0`` for a factor of at most one."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
     """YaRN's default attention factor (the RoPE tables' scale) for a context ``factor``;
     with both ``mscale`` and ``mscale_all_dim`` (DeepSeek's fields) their ratio, as transformers
     computes it."""
-
-    def get(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if mscale and mscale_all_dim:
-        return float(get(factor, mscale) / get(factor, mscale_all_dim))
-    return get(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def yarn_softmax_scale_factor(factor: float, mscale_all_dim: float = 0.0) -> float:
@@ -208,7 +210,7 @@ def yarn_softmax_scale_factor(factor: float, mscale_all_dim: float = 0.0) -> flo
     mscale_all_dim) ** 2``, or ``1.0`` without ``mscale_all_dim`` (as transformers does)."""
     if not mscale_all_dim:
         return 1.0
-    m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    m = yarn_mscale(factor, mscale_all_dim)
     return m * m
 
 

@@ -52,22 +52,23 @@ def read_hf_config(
         )
     _reject_unsupported(hf, model_type, cfg_file)
     r = _Reader(hf, cfg_file)
-    config: ModelConfig | SWAConfig | MLAConfig
-    if model_type == "deepseek_v3":
+    mla = model_type == "deepseek_v3"
+    window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    if mla:
         fields = _mla_fields(r, dtype)
-        try:
-            if dense_only:
-                raise ConfigError("deepseek_v3 is an MLA model, not a dense one")
+    else:
+        fields = _dense_fields(r, model_type, dtype)
+        window, layer_types = _sliding(r, model_type, fields["num_layers"], fields["max_position"])
+    config: ModelConfig | SWAConfig | MLAConfig
+    try:
+        if mla and dense_only:
+            raise ConfigError("deepseek_v3 is an MLA model, not a dense one")
+        if mla:
             from kvtier.engine.families.mla import MLAConfig
 
             config = MLAConfig(**fields)
-        except ConfigError as e:
-            raise ConfigError(f"{cfg_file}: {e}") from None
-        return dataclasses.replace(config, weights_digest=weights_digest(cfg_file.parent))
-    fields = _dense_fields(r, model_type, dtype)
-    window, layer_types = _sliding(r, model_type, fields["num_layers"], fields["max_position"])
-    try:
-        if window is None:
+        elif window is None:
             config = ModelConfig(**fields)
         elif dense_only:
             raise ConfigError(
@@ -103,8 +104,9 @@ def _mla_fields(r: _Reader, dtype: str | None) -> dict[str, Any]:
         raise ConfigError(f"{where}: norm_topk_prob={norm!r} must be true or false")
     fields = _common_fields(r, dtype, max_position_default=4096)
     rope = _read_rope(r, fields["max_position"])
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    all_dim = params.get("mscale_all_dim") if rope["rope_type"] != "default" else None
+    all_dim = _rope_params(r).float("mscale_all_dim", None)
+    if rope["rope_type"] == "default":
+        all_dim = None
     softmax = yarn_softmax_scale_factor(rope.get("rope_factor", 1.0), all_dim or 0.0)
     return dict(
         fields,
@@ -164,7 +166,7 @@ def _common_fields(
 
 
 def _dense_fields(r: _Reader, model_type: str, dtype: str | None) -> dict[str, Any]:
-    """The ``ModelConfig`` fields of a parsed config (every family here shares them)."""
+    """The ``ModelConfig`` fields of a dense or sliding-window decoder's config."""
     hf, cfg_file = r.hf, r.where
     family = _FAMILY_DEFAULTS[model_type]
     common = _common_fields(r, dtype, family["max_position_embeddings"])
@@ -297,6 +299,16 @@ def _read_json(cfg_file: Path) -> dict[str, Any]:
     return hf
 
 
+def _rope_params(r: _Reader) -> _Reader:
+    """The RoPE parameters, as transformers 5.x picks them: ``rope_scaling`` when set, else
+    ``rope_parameters`` (a reader whose errors name the one used)."""
+    name = "rope_scaling" if r.hf.get("rope_scaling") else "rope_parameters"
+    params = r.hf.get(name) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{r.where}: {name}={params!r} is not supported (one flat dict expected)")
+    return _Reader(params, r.where, f"{name}.")
+
+
 def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
     """The ``ModelConfig`` RoPE fields of a config, as transformers 5.x resolves them:
     ``rope_scaling`` before ``rope_parameters``, a ``rope_theta`` inside them before the
@@ -304,11 +316,8 @@ def _read_rope(r: _Reader, max_position: int) -> dict[str, Any]:
     ``yarn`` takes ``factor`` as given and resolves its attention factor here (given, from
     DeepSeek's ``mscale`` pair, or from ``factor``), as transformers 5 does."""
     hf, where = r.hf, r.where
-    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(name) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"{where}: {name}={params!r} is not supported (one flat dict expected)")
-    p = _Reader(params, where, f"{name}.")
+    p = _rope_params(r)
+    name, params = p.prefix[:-1], p.hf
     theta = p.float("rope_theta", None)
     top_theta = r.float("rope_theta", None)
     if theta is not None and top_theta is not None and theta != top_theta:

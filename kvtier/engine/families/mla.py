@@ -136,9 +136,6 @@ class MLAConfig(RopeConfig):
             v = getattr(self, opt)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise self._error(f"{opt} must be an integer >= 0, got {v!r}")
-        q = self.q_lora_rank
-        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
-            raise self._error(f"q_lora_rank must be an integer >= 0, got {q!r}")
         self._check_rope()
         self._check_moe()
         if not self.softmax_scale_factor > 0:
