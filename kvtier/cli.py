@@ -24,8 +24,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from kvtier import demo
-    from kvtier.demo_report import format_table
+    from kvtier.demo import run as demo
+    from kvtier.demo.table import format_table
 
     if args.restart_phase:
         demo.restart_main(args.restart_phase)

@@ -185,7 +185,7 @@ class CacheConfig:
     """Cache the valid tail of a request's last, partial page when it finishes (up to one page
     minus a token fewer recomputed per shared prefix); ``False`` frees it as a whole-page cache
     does. Ignored (the tail is freed) for models with a state pool and under context
-    parallelism (``kvtier.slots``)."""
+    parallelism (``kvtier.cache.engine_pages``)."""
     debug_checks: bool = False
     """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
     backup_share: float = 0.8

@@ -14,7 +14,7 @@ import sys
 import torch
 from test_buffer_only import GREEDY, HOST_PAGES, first_pages_bytes, make_llm
 
-from kvtier.oracle import Expected, compare
+from kvtier.demo.oracle import Expected, compare
 
 
 def main(storage_dir: str, case_file: str, written_file: str) -> None:

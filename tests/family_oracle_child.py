@@ -13,7 +13,7 @@ import sys
 import torch
 from test_family_oracle import GREEDY, make_llm, max_logit_diff, rows_equal, snapshot
 
-from kvtier.oracle import Expected
+from kvtier.demo.oracle import Expected
 
 
 def main(family: str, storage_dir: str, case_file: str) -> None:

@@ -13,7 +13,7 @@ import sys
 import torch
 from test_oracle import GREEDY, make_llm, prefix_kv, restored_prefix
 
-from kvtier.oracle import Expected, compare
+from kvtier.demo.oracle import Expected, compare
 
 
 def main(storage_dir: str, case_file: str) -> None:

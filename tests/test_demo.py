@@ -10,8 +10,8 @@ import pytest
 from test_oracle_corruption import corrupted_loads
 
 from kvtier.cli import main
-from kvtier.demo import DemoConfig, run_demo, run_live, summarize
-from kvtier.demo_report import format_table
+from kvtier.demo.run import DemoConfig, run_demo, run_live, summarize
+from kvtier.demo.table import format_table
 from kvtier.errors import ConfigError
 
 

@@ -49,7 +49,7 @@ OWN = [
     "kvtier.keys",
     "kvtier.paging",
     "kvtier.metrics",
-    "kvtier.hits",
+    "kvtier.cache.resume",
     "kvtier.types",
 ]
 

@@ -1,6 +1,6 @@
 """Content oracle for every model family: greedy outputs after a device hit, a host restore and
 a storage restore in a fresh process are token-identical to a cold run and their logits equal
-the cold run's within the float32 tolerance (``kvtier.oracle``), for prompts cut at 10%, 20%,
+the cold run's within the float32 tolerance (``kvtier.demo.oracle``), for prompts cut at 10%, 20%,
 ..., 90% and 95% of a context that crosses many storage objects; rows of every component
 restored from the host and from storage equal the originals byte for byte."""
 
@@ -17,7 +17,7 @@ from childproc import run_json
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
-from kvtier.oracle import Expected, compare, default_tolerance
+from kvtier.demo.oracle import Expected, compare, default_tolerance
 
 FAMILIES = ["tiny", "mla", "dsa", "dsa-compressed", "hybrid", "swa"]
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kvtier import slot_lists
+from kvtier.cache import slot_checks
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -195,7 +195,7 @@ def test_free_takes_each_page_once_in_any_slot_order() -> None:
     c = make()
     a, b = c.alloc(2 * PS), c.alloc(PS)  # pages 0-1 and 2
     slots = torch.cat((b[:2], a[PS:], a[:1], b[2:], a[1:PS])).numpy()
-    assert slot_lists.distinct_pages(slots, PS).tolist() == [0, 1, 2]
+    assert slot_checks.distinct_pages(slots, PS).tolist() == [0, 1, 2]
     before = c.device_pool.allocator.available
     c.free(torch.cat((b, a[PS:], a[:PS], b[:1])))  # page 2 named twice, apart
     assert c.device_pool.allocator.available == before + 3

@@ -1,7 +1,7 @@
 """The content oracle: for prompts cut at depths sweeping page boundaries, greedy outputs after a
 device hit, a host restore and a storage restore in a fresh process equal a cold run token for
 token, the logits of every generated step equal the cold run's within the float32 tolerance
-(``kvtier.oracle``), and restored KV bytes equal the originals byte for byte."""
+(``kvtier.demo.oracle``), and restored KV bytes equal the originals byte for byte."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from childproc import run_json
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
-from kvtier.oracle import Expected, compare, default_tolerance
+from kvtier.demo.oracle import Expected, compare, default_tolerance
 
 MODEL = ModelConfig(num_layers=3, max_position=1024, seed=7)
 PS = 16

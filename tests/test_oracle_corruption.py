@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_oracle import BASE_LEN, PS, base_tokens, make_llm
 
-from kvtier.oracle import Expected, compare, default_tolerance
+from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.transfer.mover import Mover
 
 PARAMS_MAX_TOKENS = 8

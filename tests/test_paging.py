@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import slot_lists
+from kvtier.cache import slot_checks
 from kvtier.errors import IntegrityError, RequestError
 from kvtier.paging import (
     align_down,
@@ -63,7 +63,7 @@ def test_roundtrip(page_size: int) -> None:
     pages = t(7, 0, 3, 11, 2)
     locs = pages_to_locs(pages, page_size)
     assert locs.numel() == pages.numel() * page_size
-    assert slot_lists.whole_pages(locs.numpy(), page_size, "locs").tolist() == pages.tolist()
+    assert slot_checks.whole_pages(locs.numpy(), page_size, "locs").tolist() == pages.tolist()
     assert locs_to_pages(locs, page_size).tolist() == pages.tolist()
 
 
@@ -82,7 +82,7 @@ def test_whole_pages_accepts_aligned_pages(
     locs: list[int], page_size: int, pages: list[int]
 ) -> None:
     for dtype in (np.int64, np.int32):
-        got = slot_lists.whole_pages(np.array(locs, dtype=dtype), page_size, "slots")
+        got = slot_checks.whole_pages(np.array(locs, dtype=dtype), page_size, "slots")
         assert got.tolist() == pages
 
 
@@ -98,7 +98,7 @@ def test_whole_pages_accepts_aligned_pages(
 )
 def test_whole_pages_rejects(locs: list[int], match: str) -> None:
     with pytest.raises(RequestError, match=match) as e:
-        slot_lists.whole_pages(np.array(locs, dtype=np.int64), 4, "dst")
+        slot_checks.whole_pages(np.array(locs, dtype=np.int64), 4, "dst")
     assert str(e.value).startswith("dst: ")
     assert "multiple of page_size=4" in str(e.value)
 

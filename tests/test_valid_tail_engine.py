@@ -34,7 +34,7 @@ def test_engine_outputs_equal_cold_and_recompute_less(tmp_path, where):
     import random
 
     from kvtier.engine import SamplingParams
-    from kvtier.oracle import Expected, compare, default_tolerance
+    from kvtier.demo.oracle import Expected, compare, default_tolerance
 
     greedy = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
     rng = random.Random(3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.hits import Resume, window_pages, windowed_pages
+from kvtier.cache.resume import Resume, window_pages, windowed_pages
 from kvtier.pools import PoolSpec
 
 

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvtier import slot_lists
+from kvtier.cache import slot_checks
+from kvtier.cache.windows import give_back_windows, hand_over_windows
 from kvtier.errors import CapacityError, IntegrityError, RequestError
 from kvtier.paging import align_down, pages_to_locs
-from kvtier.windows import give_back_windows, hand_over_windows
 
 if TYPE_CHECKING:
+    from kvtier.cache.results import Handle
     from kvtier.pools.device import DevicePool
-    from kvtier.results import Handle
     from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
     from kvtier.tree.results import Evicted
@@ -149,7 +149,7 @@ class EnginePages:
 
     def free(self, locs: torch.Tensor) -> None:
         """Free the pages containing ``locs``, which must all be the engine's."""
-        pages = slot_lists.distinct_pages(self._slots(locs, "free"), self.page_size)
+        pages = slot_checks.distinct_pages(self._slots(locs, "free"), self.page_size)
         self._require_owned(pages, "free")
         self._free(torch.from_numpy(pages))
 
@@ -185,7 +185,7 @@ class EnginePages:
         """Give the tree the whole pages of ``tokens`` at ``locs``; returns ``cached_len``.
         Engine pages the tree did not take stay the engine's."""
         n = align_down(min(len(tokens), locs.numel()), self.page_size)
-        pages = slot_lists.whole_pages(self._slots(locs[:n], what), self.page_size, what)
+        pages = slot_checks.whole_pages(self._slots(locs[:n], what), self.page_size, what)
         self._check_insert(tokens[:n], pages, what)
         return self._insert(tokens[:n], torch.from_numpy(pages), checkpoints)
 
@@ -206,7 +206,7 @@ class EnginePages:
         n = min(len(tokens), slots.size)
         if not self.tails:
             n = align_down(n, self.page_size)
-        pages = slot_lists.pages_with_tail(slots[:n], self.page_size, "finish")
+        pages = slot_checks.pages_with_tail(slots[:n], self.page_size, "finish")
         self._check_insert(tokens[:n], pages, "finish")
         if unlock is not None:
             unlock()
@@ -289,13 +289,13 @@ class EnginePages:
         return self._owned_of(locs, "owned_pages")
 
     def _owned_of(self, locs: torch.Tensor, what: str) -> torch.Tensor:
-        pages = slot_lists.distinct_pages(self._slots(locs, what), self.page_size)
+        pages = slot_checks.distinct_pages(self._slots(locs, what), self.page_size)
         return torch.from_numpy(pages[self._owned_np[pages]])
 
     def _slots(self, locs: torch.Tensor, what: str) -> np.ndarray:
         """``locs`` as checked slots: raises ``RequestError`` naming the first slot outside
         ``[0, logical_pages * page_size)``."""
-        return slot_lists.checked(locs, self.pool.logical_pages * self.page_size, what)
+        return slot_checks.checked(locs, self.pool.logical_pages * self.page_size, what)
 
     def _require_owned(self, pages: np.ndarray, what: str) -> None:
         mine = self._owned_np[pages]

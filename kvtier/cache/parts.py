@@ -1,5 +1,7 @@
-"""The pieces ``TieredCache`` is built from: its pools (by the pool set's kinds and the
-context-parallel layout) and its storage backend (capabilities checked before use)."""
+"""What a ``TieredCache`` is made of, built once from its configuration: the pools (by the pool
+set's kinds and the context-parallel layout), the storage backend (capabilities checked before
+use), the tree, the controller and the engine-page ledger. ``CacheParts`` is what the report and
+the window rules read; the facade only routes calls to its parts."""
 
 from __future__ import annotations
 
@@ -8,17 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import CacheConfig
+from kvtier.cache.engine_pages import EnginePages
+from kvtier.cache.ranks import check_group
+from kvtier.cache.resume import Resume
+from kvtier.cache.tail_copy import copy_page
+from kvtier.cache.windows import check_window_config
+from kvtier.config import CacheConfig, resolve_device
+from kvtier.controller import Controller
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, cache_namespace
+from kvtier.metrics import Metrics
+from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import PoolSpec
+from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities, create_backend
-from kvtier.transfer.translate import PageTranslator
+from kvtier.transfer.translate import DeviceKV, PageTranslator, device_view
+from kvtier.tree.radix import RadixTree
 
 
 @dataclass(slots=True)
@@ -77,3 +88,97 @@ def open_backend(
         backend.close()
         raise
     return backend
+
+
+@dataclass(slots=True)
+class CacheParts:
+    """Everything one ``TieredCache`` owns, each piece built once (``build_parts``)."""
+
+    config: CacheConfig
+    specs: tuple[PoolSpec, ...]
+    page_size: int
+    """Tokens per tree page: the allocation, tree and storage unit (contract 6)."""
+    resume: Resume
+    """What resuming a prefix needs besides KV pages (a checkpoint, a window's rows)."""
+    device: torch.device
+    group: Group
+    """The CP group this rank belongs to (a one-rank group without context parallelism)."""
+    device_pool: DevicePool | UnifiedPool
+    host_pool: HostPool | None
+    on_device: Callable[[torch.Tensor], torch.Tensor] | None
+    """A window pool: which device pages hold window rows (the arena says)."""
+    namespace: Namespace
+    metrics: Metrics
+    tree: RadixTree
+    kv_buffers: DeviceKV
+    """What the engine reads and writes: device buffers by physical slot."""
+    controller: Controller
+    engine_pages: EnginePages
+
+
+def build_parts(
+    config: CacheConfig,
+    specs: Sequence[PoolSpec],
+    translator: PageTranslator | None,
+    group: Group | None,
+) -> CacheParts:
+    """Validate the pool set and the CP group against ``config`` and build every part
+    (``ConfigError`` naming the option that does not fit)."""
+    validate_pool_set(specs)
+    checked = check_group(config, specs, group, translator)
+    ps = tree_page_size(config.page_size, specs)
+    resume = Resume.of(specs)
+    device = resolve_device(config.device)
+    cp = config.cp_size
+    check_window_config(config, specs, translator)
+    pools = build_pools(config, specs, ps, device, resume.window > 0, translator)
+    namespace = cache_namespace(config, specs, ps)
+    metrics = Metrics()
+    tree = RadixTree(ps, config.eviction_policy, host_flags=resume.window > 0)
+    translator, kv_buffers = device_view(
+        pools.translator, pools.device, pools.host, group if cp > 1 else None
+    )
+    backend = open_backend(config, namespace, ps)
+    controller = Controller(
+        config,
+        tree,
+        pools.device,
+        pools.host,
+        backend,
+        namespace,
+        metrics,
+        translator,
+        checked,
+    )
+    engine_pages = EnginePages(
+        pools.device,
+        tree,
+        controller.alloc_device_at,
+        controller.on_insert,
+        resume.partial,
+        controller.released,
+        # Tails need one copy page on the tail page's lane and a copy of the partial
+        # component; neither is supported, so state and window pools and CP free the tail
+        # (page-aligned cache).
+        tails=config.cache_partial_pages and not resume.partial and cp == 1,
+        release=controller.release_replaced,
+        copy_page=lambda src, dst: copy_page(pools.device, translator, src, dst),
+        on_windows=controller.on_windows,
+    )
+    return CacheParts(
+        config,
+        tuple(specs),
+        ps,
+        resume,
+        device,
+        checked,
+        pools.device,
+        pools.host,
+        pools.on_device,
+        namespace,
+        metrics,
+        tree,
+        kv_buffers,
+        controller,
+        engine_pages,
+    )

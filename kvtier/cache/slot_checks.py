@@ -1,4 +1,4 @@
-"""Checks and page arithmetic on the slot lists an engine hands back (``kvtier.slots``), in
+"""Checks and page arithmetic on the slot lists an engine hands back (``kvtier.cache.engine_pages``), in
 numpy: they run on every ``finish``, ``free`` and ``insert``, where a torch CPU operation on a
 few hundred slots costs several times a numpy one (``results/step_cpu.md``).
 

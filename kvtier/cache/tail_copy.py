@@ -1,7 +1,7 @@
-"""Partial tails at the device pool: the copy page a served tail is handed out as, and the
-freeing of tails the tree replaced (``kvtier.tree.tails`` has the match/insert table).
+"""Partial tails at the device pool: the copy page a served tail is handed out as (the tree has
+the match/insert table; the controller frees tails the tree replaced).
 
-Partial tails (``kvtier.tree.tails`` has the match/insert rules). Lengths (``MatchResult``,
+Lengths (``MatchResult``,
 ``LoadResult``) count valid tokens. When ``load`` serves a prefix ending in a cached partial
 tail of ``r`` tokens, its last ``r`` slots are a *tail copy*: a fresh engine page holding a
 device copy of the tail page, so the request appends in place (``alloc(k, at=len(ld.locs))``
@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kvtier.cache.engine_pages import EnginePages
     from kvtier.pools.device import DevicePool
-    from kvtier.pools.host import HostPool
-    from kvtier.slots import EnginePages
     from kvtier.transfer.translate import PageTranslator
-    from kvtier.tree.results import Evicted
 
 
 def copy_page(pool: DevicePool, translator: PageTranslator, src: int, dst: int) -> None:
@@ -35,15 +33,6 @@ def copy_page(pool: DevicePool, translator: PageTranslator, src: int, dst: int) 
         buf = pool.buffers[spec.name]
         rows = spec.rows_per_page(pool.page_size)
         buf[:, d * rows : (d + 1) * rows].copy_(buf[:, s * rows : (s + 1) * rows])
-
-
-def release(device: DevicePool, host: HostPool | None, ev: Evicted) -> None:
-    """Free the pages of partial tails a longer version replaced (owners: the allocators)."""
-    for p in ev.device_pages:
-        device.free_pages(p)
-    if host is not None:
-        for p in ev.host_pages:
-            host.allocator.free(p)
 
 
 def with_tail_copy(

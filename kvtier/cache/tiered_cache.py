@@ -25,7 +25,8 @@ Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens 
                                freed with ``cache_partial_pages=False``, a state pool or CP
     [n, len(locs))             padding slots of the last page: never cached, never returned
 
-Partial tails and the *tail copy* a request ending in one is served through: ``kvtier.tail_copy``.
+Partial tails and the *tail copy* a request ending in one is served through:
+``kvtier.cache.tail_copy``.
 """
 
 from __future__ import annotations
@@ -34,33 +35,30 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.cache_setup import build_pools, open_backend
-from kvtier.config import CacheConfig, resolve_device
-from kvtier.controller import Controller, PrefetchOp
+from kvtier.cache.parts import build_parts
+from kvtier.cache.ranks import handshake, owned_exists
+from kvtier.cache.report import cache_stats, check_cache, check_windows, window_stats
+from kvtier.cache.results import Handle, InsertResult, LoadResult, MatchResult
+from kvtier.cache.resume import served_prefix, storage_extension, usable_lengths
+from kvtier.cache.tail_copy import with_tail_copy
+from kvtier.config import CacheConfig
+from kvtier.controller import PrefetchOp
 from kvtier.errors import ConfigError, IntegrityError, RequestError
-from kvtier.hits import Resume, served_prefix, storage_extension, usable_lengths
-from kvtier.keys import Namespace, PageKey, cache_namespace
-from kvtier.metrics import Metrics, prometheus_registry
+from kvtier.keys import Namespace, PageKey
+from kvtier.metrics import prometheus_registry
 from kvtier.paging import align_down
 from kvtier.parallel.acks import all_ranks
 from kvtier.parallel.group import Group
 from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
-from kvtier.ranks import check_group, handshake, owned_exists
-from kvtier.report import cache_stats, check_cache
-from kvtier.results import Handle, InsertResult, LoadResult, MatchResult
-from kvtier.slots import EnginePages
+from kvtier.pools.spec import PoolSpec
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities
-from kvtier.tail_copy import copy_page, release, with_tail_copy
 from kvtier.transfer.layers import Layered
-from kvtier.transfer.translate import PageTranslator, device_view
-from kvtier.tree.radix import RadixTree
+from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.results import truncate_match
 from kvtier.tree.tails import unpin_tail
-from kvtier.windows import check_window_config, check_windows, window_stats
 
 
 class TieredCache:
@@ -75,59 +73,27 @@ class TieredCache:
     ) -> None:
         """``group`` is the context-parallel group this rank belongs to (``CacheConfig.cp_size``
         ranks; ``None`` without context parallelism)."""
-        validate_pool_set(specs)
-        self.group: Group = check_group(config, specs, group, translator)
+        parts = self.parts = build_parts(config, specs, translator, group)
+        # The parts the engine and the tests reach through the facade (one owner each: the
+        # facade holds references, ``CacheParts`` built them).
         self.config = config
-        self.specs = tuple(specs)
+        self.specs = parts.specs
+        self.group: Group = parts.group
         self.kv_page_size = config.page_size
-        # The allocation, tree and storage unit: whole pages of every component (contract 6).
-        self.page_size = ps = tree_page_size(config.page_size, specs)
-        self.resume = Resume.of(specs)
-        """What resuming a prefix needs besides KV pages (a checkpoint, a window's rows)."""
-        self.stateful = self.resume.state
-        self.device = resolve_device(config.device)
-        cp = config.cp_size
-        check_window_config(config, specs, translator)
-        pools = build_pools(config, specs, ps, self.device, self.resume.window > 0, translator)
-        self.device_pool: DevicePool | UnifiedPool = pools.device
-        self.host_pool: HostPool | None = pools.host
-        self._on_device = pools.on_device
-        """A window pool: which device pages hold window rows (the arena says)."""
-        translator = pools.translator
-        self.namespace: Namespace = cache_namespace(config, specs, ps)
-        self.metrics = Metrics()
-        self.tree = RadixTree(ps, config.eviction_policy, host_flags=self.resume.window > 0)
-        translator, self.kv_buffers = device_view(
-            translator, self.device_pool, self.host_pool, group if cp > 1 else None
-        )
+        self.page_size = parts.page_size
+        self.resume = parts.resume
+        self.stateful = parts.resume.state
+        self.device = parts.device
+        self.device_pool: DevicePool | UnifiedPool = parts.device_pool
+        self.host_pool: HostPool | None = parts.host_pool
+        self._on_device = parts.on_device
+        self.namespace: Namespace = parts.namespace
+        self.metrics = parts.metrics
+        self.tree = parts.tree
+        self.kv_buffers = parts.kv_buffers
         """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
-        backend = open_backend(config, self.namespace, self.page_size)
-        self.controller = Controller(
-            config,
-            self.tree,
-            self.device_pool,
-            self.host_pool,
-            backend,
-            self.namespace,
-            self.metrics,
-            translator,
-            self.group,
-        )
-        self.engine_pages = EnginePages(
-            self.device_pool,
-            self.tree,
-            self.controller.alloc_device_at,
-            self.controller.on_insert,
-            self.resume.partial,
-            self.controller.released,
-            # Tails need one copy page on the tail page's lane and a copy of the partial
-            # component; neither is supported, so state and window pools and CP free the tail
-            # (page-aligned cache).
-            tails=config.cache_partial_pages and not self.resume.partial and cp == 1,
-            release=lambda ev: release(self.device_pool, self.host_pool, ev),
-            copy_page=lambda src, dst: copy_page(self.device_pool, translator, src, dst),
-            on_windows=self.controller.on_windows,
-        )
+        self.controller = parts.controller
+        self.engine_pages = parts.engine_pages
         self._closed = False
         if self.group.size > 1:
             self._handshake()
@@ -469,8 +435,8 @@ class TieredCache:
             self.controller.evict_host(self.host_pool.logical_pages)
 
     def stats(self) -> dict:
-        """Counters and pool usage (``kvtier.report.cache_stats``, ``windows.window_stats``)."""
-        return {**cache_stats(self), **window_stats(self)}
+        """Counters and pool usage (``report.cache_stats``, ``windows.window_stats``)."""
+        return {**cache_stats(self.parts), **window_stats(self.parts)}
 
     def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
         """A prometheus_client registry exporting ``stats()``."""
@@ -478,9 +444,9 @@ class TieredCache:
 
     def check_integrity(self) -> None:
         """Every structure's invariants plus cross-structure page accounting."""
-        check_cache(self)
+        check_cache(self.parts)
         if self.resume.window:
-            check_windows(self)
+            check_windows(self.parts)
 
     def close(self) -> None:
         """Finish in-flight work (storage writes land) and release the backend."""

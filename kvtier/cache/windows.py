@@ -1,5 +1,5 @@
-"""Window pools under the cache: which configurations support them, their invariants and their
-figures.
+"""Window pools under the cache: which configurations support them, and the hand-over of window
+rows between the engine's pages and cached ones (their figures and invariants: ``report``).
 
 A pool set with a ``window`` component (sliding-window layers) lives in a ``UnifiedPool``: the
 anchor and the window component share one byte arena, a page's window rows exist only while a
@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import ConfigError
 from kvtier.pools.spec import PoolSpec
 
 if TYPE_CHECKING:
-    from kvtier.cache import TieredCache
     from kvtier.config import CacheConfig
     from kvtier.pools.arena import UnifiedPool
     from kvtier.tree.node import Node
@@ -100,30 +99,3 @@ def give_back_windows(pool: UnifiedPool, pages: torch.Tensor) -> int:
     if pages.numel():
         pool.release_window(pages)
     return pages.numel()
-
-
-def check_windows(cache: TieredCache) -> None:
-    """Every node keeps one flag per page."""
-    for node in cache.tree.nodes():
-        if node is cache.tree.root:
-            continue
-        pages = node.num_pages(cache.page_size)
-        if node.ckpt is None or node.ckpt.numel() != pages:
-            raise IntegrityError(f"{node!r}: window flags missing or not one per page")
-
-
-def window_stats(cache: TieredCache) -> dict:
-    """Device bytes in use, and the arena's figures under a window pool."""
-    pool = cache.device_pool
-    if window_spec(cache.specs) is None:
-        return {
-            "device_bytes_total": pool.num_pages * pool.page_bytes,
-            "device_bytes_used": pool.allocator.used * pool.page_bytes,
-        }
-    return {
-        "device_bytes_total": pool.bytes_total,
-        "device_bytes_used": pool.bytes_used,
-        "device_window_pages": int(pool.window_pages),
-        "device_compactions": pool.compactions,
-        "device_pages_relocated": pool.relocated,
-    }

@@ -242,17 +242,23 @@ class Controller:
         self._release(ev)
         return sum(weight(p) for p in ev.host_pages) if weight else ev.num_host()
 
-    def _release(self, ev: Evicted) -> None:
+    def _release(self, ev: Evicted, evicted: bool = True) -> None:
+        """Give the pages the tree dropped back to their allocators (the one place that
+        does). ``evicted``: eviction dropped them, so they count as evicted pages."""
         for p in ev.device_pages:
             self.released(p)
             self.dev.free_pages(p)
-        if ev.device_pages:
+        if ev.device_pages and evicted:
             self.metrics.inc("evicted_device_pages", ev.num_device())
         if self.host is not None:
             for p in ev.host_pages:
                 self.host.allocator.free(p)
-            if ev.host_pages:
+            if ev.host_pages and evicted:
                 self.metrics.inc("evicted_host_pages", ev.num_host())
+
+    def release_replaced(self, ev: Evicted) -> None:
+        """Free the pages of partial tails a longer version replaced in the tree."""
+        self._release(ev, evicted=False)
 
     # ---- per-layer backups ----------------------------------------------------------------
     def reserve_layers(self, device: torch.Tensor) -> Layered | None:

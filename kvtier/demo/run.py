@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.demo_report import summarize_phases
+from kvtier.demo.oracle import Expected, compare, default_tolerance
+from kvtier.demo.table import summarize_phases
 from kvtier.errors import ConfigError
-from kvtier.oracle import Expected, compare, default_tolerance
 from kvtier.pools.spec import tree_page_size
 
 _MARKER = ".kvtier-demo"
@@ -67,7 +67,7 @@ class DemoConfig:
     ``device_pages``, and each rank's outputs are checked against a cold CP=1 run."""
     logit_tolerance: float | None = None
     """Largest |logit difference| to the cold run, over every generated step, that the oracle
-    accepts; ``None`` picks it from the model's dtype (``kvtier.oracle.LOGIT_TOLERANCES``)."""
+    accepts; ``None`` picks it from the model's dtype (``kvtier.demo.oracle.LOGIT_TOLERANCES``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
