@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.engine import LLM, CausalLM, CheckpointError, ModelConfig, save_hf_checkpoint
+from kvtier.engine.hf_config import read_hf_config
 from kvtier.engine.weights import load_model
 from kvtier.errors import ConfigError
 
@@ -54,7 +55,7 @@ def test_missing_required_field_names_field_and_file(ckpt: Path, field: str) -> 
     del cfg[field]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=rf"config\.json.*{field}.*missing"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
     with pytest.raises(ConfigError, match=field):
         load_model(ckpt)
 
@@ -62,40 +63,40 @@ def test_missing_required_field_names_field_and_file(ckpt: Path, field: str) -> 
 def test_mistyped_field_names_it(ckpt: Path) -> None:
     _edit_config(ckpt, hidden_size="128")
     with pytest.raises(ConfigError, match=r"config\.json: hidden_size='128' must be an integer"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
     _edit_config(ckpt, hidden_size=128, torch_dtype="float8_e4m3fn")
     with pytest.raises(ConfigError, match=r"config\.json: torch_dtype='float8_e4m3fn'"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
     _edit_config(ckpt, torch_dtype="float32", num_key_value_heads=3)
     with pytest.raises(ConfigError, match=r"config\.json: .*num_kv_heads=3"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
 
 
 def test_invalid_json_names_the_file(ckpt: Path) -> None:
     (ckpt / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(ConfigError, match=r"config\.json: invalid JSON"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
     (ckpt / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"config\.json: expected a JSON object"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)
 
 
 def test_weights_file_instead_of_directory(ckpt: Path) -> None:
     weights = ckpt / "model.safetensors"
-    for call in (ModelConfig.from_hf, load_model, LLM):
+    for call in (read_hf_config, load_model, LLM):
         with pytest.raises(ConfigError, match="pass the checkpoint directory"):
             call(weights)
     binary = ckpt / "weights.bin"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ConfigError, match="pass the checkpoint directory"):
-        ModelConfig.from_hf(binary)
+        read_hf_config(binary, dense_only=True)
 
 
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such checkpoint directory"):
         load_model(tmp_path / "nope")
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelConfig.from_hf(tmp_path)
+        read_hf_config(tmp_path, dense_only=True)
 
 
 def _demo(capsys: pytest.CaptureFixture[str], tmp_path: Path, model: str) -> tuple[int, str]:
@@ -144,4 +145,4 @@ def test_demo_unknown_preset_lists_the_known_ones(
 def test_unreadable_weights_file_names_it(ckpt: Path) -> None:
     (ckpt / "extra.safetensors").mkdir()  # listed like a weights file, but open() fails
     with pytest.raises(ConfigError, match=r"extra\.safetensors"):
-        ModelConfig.from_hf(ckpt)
+        read_hf_config(ckpt, dense_only=True)

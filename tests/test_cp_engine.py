@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvtier.engine import cp
+from kvtier.engine.attention import paged_attention
+from kvtier.engine.batch import SeqSlots
 from kvtier.engine.families import build_model, preset
-from kvtier.engine.model import SeqSlots, paged_attention
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams

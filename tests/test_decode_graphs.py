@@ -7,7 +7,7 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, decode_kernel, graphs
-from kvtier.engine.model import SeqSlots
+from kvtier.engine.batch import SeqSlots
 
 cuda = pytest.mark.skipif(
     decode_kernel.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.engine.attention import batched_attention, cached_decode_plan, paged_attention
-from kvtier.engine.model import SeqSlots
+from kvtier.engine.batch import SeqSlots
 
 HEADS, KV_HEADS, D = 4, 2, 8
 

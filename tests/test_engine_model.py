@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine import CausalLM, CheckpointError, ModelConfig, SeqSlots, save_hf_checkpoint
+from kvtier.engine.hf_config import read_hf_config
 from kvtier.engine.weights import load_model, load_tokenizer
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool
@@ -226,7 +227,7 @@ def test_hf_config_mapping_and_rejections(tmp_path: Path) -> None:
         "eos_token_id": 7,
     }
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    cfg = ModelConfig.from_hf(tmp_path)
+    cfg = read_hf_config(tmp_path, dense_only=True)
     assert (cfg.head_dim, cfg.qk_norm, cfg.attention_bias, cfg.dtype) == (
         40,
         True,
@@ -235,9 +236,9 @@ def test_hf_config_mapping_and_rejections(tmp_path: Path) -> None:
     )
     assert (cfg.max_position, cfg.eos_token_ids, cfg.tie_word_embeddings) == (2048, (7,), True)
     assert math.isclose(cfg.rope_theta, 1e6)
-    assert ModelConfig.from_hf(tmp_path, dtype="float32").dtype == "float32"
+    assert read_hf_config(tmp_path, "float32", dense_only=True).dtype == "float32"
     (tmp_path / "config.json").write_text(json.dumps({**hf, "model_type": "qwen2"}))
-    assert ModelConfig.from_hf(tmp_path).attention_bias
+    assert read_hf_config(tmp_path, dense_only=True).attention_bias
     for bad, pattern in [
         ({"model_type": "mixtral"}, "model_type='mixtral' is not supported"),
         ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
@@ -245,7 +246,7 @@ def test_hf_config_mapping_and_rejections(tmp_path: Path) -> None:
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**hf, **bad}))
         with pytest.raises(ConfigError, match=pattern):
-            ModelConfig.from_hf(tmp_path)
+            read_hf_config(tmp_path, dense_only=True)
 
 
 def test_model_config_validation() -> None:

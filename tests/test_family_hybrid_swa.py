@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, SamplingParams, SeqSlots
 from kvtier.engine.families import build_model, preset
-from kvtier.engine.families.hybrid import HybridConfig, HybridModel, hybrid_preset
-from kvtier.engine.families.swa import SWAConfig, SWAModel, swa_preset
+from kvtier.engine.families.hybrid import HybridModel
+from kvtier.engine.families.hybrid_config import HybridConfig, hybrid_preset
+from kvtier.engine.families.swa import SWAModel
+from kvtier.engine.families.swa_config import SWAConfig, swa_preset
 from kvtier.errors import ConfigError, RequestError
 from kvtier.pools import DevicePool
 

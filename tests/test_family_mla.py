@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams, SeqSlots
 from kvtier.engine.families import build_model, preset
-from kvtier.engine.families.mla import MLAConfig, MLAModel
+from kvtier.engine.families.mla import MLAModel
+from kvtier.engine.families.mla_config import MLAConfig
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool
 

@@ -1,4 +1,4 @@
-"""``ModelConfig.from_hf`` reads config.json as transformers 4.x and 5.x write it, and refuses
+"""``read_hf_config`` reads config.json as transformers 4.x and 5.x write it, and refuses
 what the engine would run wrong, naming the field."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 
 from kvtier.engine import ModelConfig
 from kvtier.engine.families import preset
+from kvtier.engine.families.mla_config import MLAConfig
+from kvtier.engine.hf_config import read_hf_config
 from kvtier.errors import ConfigError
 
 BASE: dict[str, Any] = {
@@ -35,7 +37,7 @@ LLAMA3 = {
 def _read(tmp_path: Path, **fields: Any) -> ModelConfig:
     hf = {**BASE, **fields}
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v != ...}))
-    return ModelConfig.from_hf(tmp_path)
+    return read_hf_config(tmp_path, dense_only=True)
 
 
 def test_transformers5_rope_parameters(tmp_path: Path) -> None:
@@ -94,7 +96,7 @@ def test_yarn_fields_as_transformers_5_resolves_them(tmp_path: Path) -> None:
     assert cfg.rope_attention_factor == pytest.approx(want, rel=1e-15)
     # a config written back reads the same
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
-    assert dataclasses.replace(ModelConfig.from_hf(tmp_path), weights_digest="") == (
+    assert dataclasses.replace(read_hf_config(tmp_path, dense_only=True), weights_digest="") == (
         dataclasses.replace(cfg, weights_digest="")
     )
 
@@ -218,10 +220,10 @@ def test_to_hf_round_trip_keeps_rope_scaling(tmp_path: Path) -> None:
         rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position=64
     )
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
-    assert ModelConfig.from_hf(tmp_path) == cfg
+    assert read_hf_config(tmp_path, dense_only=True) == cfg
     linear = ModelConfig(rope_type="linear", rope_factor=2.0)
     (tmp_path / "config.json").write_text(json.dumps(linear.to_hf()))
-    assert ModelConfig.from_hf(tmp_path) == linear
+    assert read_hf_config(tmp_path, dense_only=True) == linear
     with pytest.raises(ConfigError, match="rope_type='ntk'"):
         ModelConfig(rope_type="ntk")
     with pytest.raises(ConfigError, match="rope_low_freq_factor"):
@@ -260,8 +262,6 @@ DEEPSEEK: dict[str, Any] = {
 def test_deepseek_v3_refusals_name_the_field(
     tmp_path: Path, fields: dict[str, Any], pattern: str
 ) -> None:
-    from kvtier.engine.hf_config import read_hf_config
-
     (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK, **fields}))
     with pytest.raises(ConfigError, match=pattern) as e:
         read_hf_config(tmp_path)
@@ -269,9 +269,6 @@ def test_deepseek_v3_refusals_name_the_field(
 
 
 def test_deepseek_v3_reads_as_mla_and_not_as_dense(tmp_path: Path) -> None:
-    from kvtier.engine.families.mla import MLAConfig
-    from kvtier.engine.hf_config import read_hf_config
-
     yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     hf = {**DEEPSEEK, "rope_scaling": {**yarn, "original_max_position_embeddings": 4096}}
     (tmp_path / "config.json").write_text(json.dumps(hf))
@@ -284,4 +281,4 @@ def test_deepseek_v3_reads_as_mla_and_not_as_dense(tmp_path: Path) -> None:
     assert cfg.rope_attention_factor == 1.0
     assert cfg.softmax_scale_factor == pytest.approx((0.1 * math.log(40.0) + 1.0) ** 2)
     with pytest.raises(ConfigError, match=r"deepseek_v3 is an MLA model"):
-        ModelConfig.from_hf(tmp_path)
+        read_hf_config(tmp_path, dense_only=True)

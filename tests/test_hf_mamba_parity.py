@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine.families.hybrid import HybridConfig, RecurrentMixer
+from kvtier.engine.families.hybrid import RecurrentMixer
+from kvtier.engine.families.hybrid_config import HybridConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,8 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.common import yarn_attention_factor, yarn_softmax_scale_factor
-from kvtier.engine.families.mla import MOE_FIELDS, MLAConfig, MLAModel
+from kvtier.engine.families.mla import MLAModel
+from kvtier.engine.families.mla_config import MOE_FIELDS, MLAConfig
 from kvtier.engine.weights import load_model
 from kvtier.errors import ConfigError
 

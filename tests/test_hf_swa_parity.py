@@ -16,7 +16,8 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, load_model, save_hf_checkpoint
 from kvtier.engine.families import build_model
-from kvtier.engine.families.swa import SWAConfig, SWAModel
+from kvtier.engine.families.swa import SWAModel
+from kvtier.engine.families.swa_config import SWAConfig
 from kvtier.engine.hf_config import read_hf_config
 from kvtier.errors import ConfigError
 
@@ -250,7 +251,7 @@ def test_sliding_configs_read_as_the_window_family(
     cfg = read_hf_config(_write(tmp_path, **fields))
     assert isinstance(cfg, SWAConfig) and cfg.swa_layers == layers
     with pytest.raises(ConfigError, match=r"config\.json: sliding_window=\d+ makes layers"):
-        ModelConfig.from_hf(tmp_path)
+        read_hf_config(tmp_path, dense_only=True)
 
 
 @pytest.mark.parametrize(
@@ -272,7 +273,7 @@ def test_sliding_configs_read_as_the_window_family(
 def test_windows_that_bind_nowhere_read_as_dense(tmp_path: Path, fields: dict[str, Any]) -> None:
     cfg = read_hf_config(_write(tmp_path, **fields))
     assert type(cfg) is ModelConfig
-    assert ModelConfig.from_hf(tmp_path) == cfg
+    assert read_hf_config(tmp_path, dense_only=True) == cfg
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.config import CacheConfig
-from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, spec
+from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, speculative
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.mtp import DRAFT_HIDDEN, DRAFT_KV, MTPCausalLM
 from kvtier.errors import ConfigError
@@ -90,7 +90,7 @@ def test_draft_steps_write_only_draft_kv() -> None:
     assert work[0].req.locs.numel() >= 10 + 3  # slots reserved for the drafts
     bufs = llm.cache.device_pool.buffers
     before = {name: b.clone() for name, b in bufs.items()}
-    spec.propose(llm.model, llm.cache.kv_buffers, work)
+    speculative.propose(llm.model, llm.cache.kv_buffers, work)
     assert len(work[0].draft) == 3 and work[0].num_new == 4
     assert torch.equal(bufs["kv"], before["kv"])
     assert torch.equal(bufs[DRAFT_HIDDEN], before[DRAFT_HIDDEN])

@@ -1,9 +1,10 @@
 """Reference engine: a Llama/Qwen-style model whose attention reads K/V from kvtier's paged pool,
 with a runner, a continuous-batching scheduler over ``TieredCache`` and an ``LLM`` front end."""
 
+from kvtier.engine.batch import SeqSlots
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM
-from kvtier.engine.model import CausalLM, SeqSlots
+from kvtier.engine.model import CausalLM
 from kvtier.engine.request import RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.weights import CheckpointError, load_model, save_hf_checkpoint

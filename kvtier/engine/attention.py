@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kvtier.engine import decode_kernel
 
 if TYPE_CHECKING:
-    from kvtier.engine.model import SeqSlots
+    from kvtier.engine.batch import SeqSlots
 
 try:
     from torch.nn.attention.bias import causal_lower_right

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -177,19 +176,6 @@ class ModelConfig(DenseBlockConfig):
         if name not in presets:
             raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(presets)}")
         return cls(**{**presets[name], **overrides})
-
-    @classmethod
-    def from_hf(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
-        """Read a HF checkpoint directory's ``config.json`` (or the file itself) describing a
-        dense ``llama``, ``mistral``, ``ministral``, ``qwen2`` or ``qwen3`` decoder, as
-        transformers 4.x and 5.x write them (see ``kvtier.engine.hf_config``, whose errors name
-        the file and field). A config whose layers slide (a sliding window shorter than the
-        context) is refused: ``hf_config.read_hf_config`` (used by ``load_model``) reads it as
-        the sliding-window family. ``dtype`` overrides the checkpoint's element type.
-        """
-        from kvtier.engine.hf_config import read_hf_config
-
-        return read_hf_config(path, dtype, dense_only=True)
 
     def to_hf(self) -> dict[str, Any]:
         """A HF ``config.json`` dict describing this architecture, readable by transformers

@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.engine.batch import SeqSlots
 from kvtier.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
-    from kvtier.engine.model import SeqSlots
     from kvtier.parallel.group import Group
+
+QUERY_CHUNK = 1024
+"""Queries per attention block in long prefills under context parallelism."""
 
 
 def cp_group(kv: object) -> Group | None:
@@ -64,8 +67,6 @@ def seq_slots(kv: Any, locs: torch.Tensor, start: int, device: torch.device) -> 
     new tokens) of the new tokens this rank writes. ``ctx_locs[-len(out_locs):] == out_locs``
     still holds, since the new tokens are the context's last positions.
     """
-    from kvtier.engine.model import SeqSlots
-
     flat = locs.reshape(-1).cpu().long()
     owned = kv.owned(flat)
     if owned is None:  # a pool holding every page: all columns are local
@@ -138,8 +139,6 @@ def partial_attention(
     hold only the context rows at positions ``cols``. Returns ``(out [n, heads, d], lse [n,
     heads])``, ``out`` over the visible local rows and ``lse`` their log-sum-exp (float32,
     ``-inf`` with ``out`` 0 for a query that sees none); ``merge_partials`` combines them."""
-    from kvtier.engine.model import QUERY_CHUNK
-
     n, heads, d = q.shape
     if n > QUERY_CHUNK:
         # bounded memory (QUERY_CHUNK x local context scores) for long prefills

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.engine import attention, cp, decode_kernel
-from kvtier.engine.model import Attention, CausalLM, SeqSlots
+from kvtier.engine.batch import SeqSlots
+from kvtier.engine.model import Attention, CausalLM
 from kvtier.errors import IntegrityError
 from kvtier.transfer import DeviceKV
 

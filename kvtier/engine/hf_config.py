@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.engine.common import (
     DTYPES,
@@ -19,11 +19,9 @@ from kvtier.engine.common import (
     yarn_softmax_scale_factor,
 )
 from kvtier.engine.config import LAYER_TYPES, ROPE_TYPES, ModelConfig
+from kvtier.engine.families.mla_config import MLAConfig
+from kvtier.engine.families.swa_config import SWAConfig
 from kvtier.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvtier.engine.families.mla import MLAConfig
-    from kvtier.engine.families.swa import SWAConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "deepseek_v3")
 
@@ -65,8 +63,6 @@ def read_hf_config(
         if mla and dense_only:
             raise ConfigError("deepseek_v3 is an MLA model, not a dense one")
         if mla:
-            from kvtier.engine.families.mla import MLAConfig
-
             config = MLAConfig(**fields)
         elif window is None:
             config = ModelConfig(**fields)
@@ -77,8 +73,6 @@ def read_hf_config(
                 "dense model; kvtier.engine.load_model reads it as the sliding-window family"
             )
         else:
-            from kvtier.engine.families.swa import SWAConfig
-
             config = SWAConfig(**fields, sliding_window=window, layer_types=layer_types)
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
-from kvtier.engine import graphs, spec
+from kvtier.engine import graphs, speculative
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
@@ -62,7 +62,7 @@ class LLM:
         """``group``: the context-parallel group this rank belongs to (``None`` without
         context parallelism); every rank of it runs the same requests.
         ``speculative_tokens``: draft tokens each decode step of a greedy request proposes
-        with the model's draft head and verifies in one forward (``kvtier.engine.spec``);
+        with the model's draft head and verifies in one forward (``kvtier.engine.speculative``);
         ``0``: off. Needs a draft head (``mtp_layers > 0``) and no context parallelism.
         ``cuda_graphs``: decode steps of the dense model on CUDA replay recorded graphs
         (``kvtier.engine.graphs``); ``False`` runs every forward eagerly."""
@@ -79,7 +79,7 @@ class LLM:
             model = build_model(model)
         self.model_config = model.config
         cp_size = (cache_config or CacheConfig()).cp_size
-        self.speculative_tokens = spec.check_option(speculative_tokens, model, cp_size)
+        self.speculative_tokens = speculative.check_option(speculative_tokens, model, cp_size)
         self._drafts = {"spec_draft_proposed": 0, "spec_draft_accepted": 0}
         self._split_forwards = 0
         """Batched forwards that raised and were run again one request at a time."""
@@ -235,7 +235,7 @@ class LLM:
         for i, w in enumerate(work):
             try:
                 if w.draft:
-                    sampled.append(spec.accept(w, logits[firsts[i] : firsts[i + 1]]))
+                    sampled.append(speculative.accept(w, logits[firsts[i] : firsts[i + 1]]))
                 elif isinstance(drawn[i], Exception):
                     raise drawn[i]
                 else:
@@ -271,7 +271,7 @@ class LLM:
         """Draft tokens for the step's speculating items. A failing draft costs only the
         speculation: the items then decode one token this step."""
         try:
-            spec.propose(self.model, self.cache.kv_buffers, work)
+            speculative.propose(self.model, self.cache.kv_buffers, work)
         except Exception as e:  # noqa: BLE001 - the target forward does not need a draft
             log.warning("draft proposal failed, decoding without it: %s: %s", type(e).__name__, e)
             for w in work:

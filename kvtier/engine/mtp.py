@@ -51,8 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine.batch import ForwardBatch, KVBuffers, SeqSlots
 from kvtier.engine.config import ModelConfig
-from kvtier.engine.model import Attention, CausalLM, DecoderLayer, ForwardBatch, KVBuffers, SeqSlots
+from kvtier.engine.model import Attention, CausalLM, DecoderLayer
 from kvtier.engine.ops import RMSNorm, linear
 from kvtier.errors import ConfigError
 from kvtier.pools import PoolSpec

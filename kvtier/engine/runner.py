@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from kvtier.engine import cp, graphs
-from kvtier.engine.model import CausalLM, SeqSlots
+from kvtier.engine.batch import SeqSlots
+from kvtier.engine.model import CausalLM
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
 from kvtier.errors import IntegrityError

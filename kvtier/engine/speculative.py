@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.model import SeqSlots
+from kvtier.engine.batch import SeqSlots
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
 from kvtier.errors import ConfigError

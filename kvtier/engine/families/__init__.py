@@ -9,25 +9,38 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 
-# preset name -> (module, config factory name, model class name); modules import lazily so a
-# family's code loads only when it is used.
+# preset name -> (config factory's module, config factory name, model class); modules import
+# lazily so a family's code loads only when it is used (its model code only when a model is
+# built).
 _PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny": ("kvtier.engine.config", "tiny_dense", "kvtier.engine.model:CausalLM"),
     "tiny-mtp": ("kvtier.engine.mtp", "tiny_mtp_preset", "kvtier.engine.mtp:MTPCausalLM"),
     "small": ("kvtier.engine.config", "small_dense", "kvtier.engine.model:CausalLM"),
-    "mla": ("kvtier.engine.families.mla", "mla_preset", "kvtier.engine.families.mla:MLAModel"),
-    "dsa": ("kvtier.engine.families.mla", "dsa_preset", "kvtier.engine.families.mla:MLAModel"),
+    "mla": (
+        "kvtier.engine.families.mla_config",
+        "mla_preset",
+        "kvtier.engine.families.mla:MLAModel",
+    ),
+    "dsa": (
+        "kvtier.engine.families.mla_config",
+        "dsa_preset",
+        "kvtier.engine.families.mla:MLAModel",
+    ),
     "dsa-compressed": (
-        "kvtier.engine.families.mla",
+        "kvtier.engine.families.mla_config",
         "dsa_compressed_preset",
         "kvtier.engine.families.mla:MLAModel",
     ),
     "hybrid": (
-        "kvtier.engine.families.hybrid",
+        "kvtier.engine.families.hybrid_config",
         "hybrid_preset",
         "kvtier.engine.families.hybrid:HybridModel",
     ),
-    "swa": ("kvtier.engine.families.swa", "swa_preset", "kvtier.engine.families.swa:SWAModel"),
+    "swa": (
+        "kvtier.engine.families.swa_config",
+        "swa_preset",
+        "kvtier.engine.families.swa:SWAModel",
+    ),
 }
 
 

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine import cp
-from kvtier.engine.model import SeqSlots, linear
-from kvtier.engine.ops import rope
+from kvtier.engine.batch import SeqSlots
+from kvtier.engine.ops import linear, rope
 
 if TYPE_CHECKING:
-    from kvtier.engine.families.mla import MLAConfig
+    from kvtier.engine.families.mla_config import MLAConfig
 
 
 def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 from kvtier.engine.model import MLP
 
 if TYPE_CHECKING:
-    from kvtier.engine.families.mla import MLAConfig
+    from kvtier.engine.families.mla_config import MLAConfig
 
 
 class Router(nn.Module):
