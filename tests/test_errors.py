@@ -195,7 +195,7 @@ def test_missing_mooncake_binary_is_a_config_error() -> None:
 
 def test_model_batch_that_does_not_add_up_is_a_request_error() -> None:
     from kvtier.engine import CausalLM, SeqSlots
-    from kvtier.engine.config import ModelConfig
+    from kvtier.engine.model_config import ModelConfig
 
     model = CausalLM(ModelConfig(num_layers=1))
     locs = torch.arange(3)

@@ -18,9 +18,9 @@ from kvtier.engine.common import (
     yarn_attention_factor,
     yarn_softmax_scale_factor,
 )
-from kvtier.engine.config import LAYER_TYPES, ROPE_TYPES, ModelConfig
 from kvtier.engine.families.mla_config import MLAConfig
 from kvtier.engine.families.swa_config import SWAConfig
+from kvtier.engine.model_config import LAYER_TYPES, ROPE_TYPES, ModelConfig
 from kvtier.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "deepseek_v3")

@@ -17,9 +17,9 @@ from torch import nn
 from kvtier.cache import TieredCache
 from kvtier.config import CacheConfig
 from kvtier.engine import graphs, speculative
-from kvtier.engine.config import ModelConfig
 from kvtier.engine.families import build_model
 from kvtier.engine.model import CausalLM
+from kvtier.engine.model_config import ModelConfig
 from kvtier.engine.request import (
     Request,
     RequestOutput,

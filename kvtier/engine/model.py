@@ -19,7 +19,7 @@ from kvtier.engine import cp
 from kvtier.engine.attention import batched_attention, paged_attention
 from kvtier.engine.batch import ForwardBatch, KVBuffers, SeqSlots
 from kvtier.engine.common import ConfigBase
-from kvtier.engine.config import ModelConfig
+from kvtier.engine.model_config import ModelConfig
 from kvtier.engine.ops import RMSNorm, apply_rope, default_init, linear, shared_rope_tables
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec

@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.batch import ForwardBatch, KVBuffers, SeqSlots
-from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import Attention, CausalLM, DecoderLayer
+from kvtier.engine.model_config import ModelConfig
 from kvtier.engine.ops import RMSNorm, linear
 from kvtier.errors import ConfigError
 from kvtier.pools import PoolSpec

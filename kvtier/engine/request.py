@@ -18,7 +18,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import RequestError
 
 if TYPE_CHECKING:
-    from kvtier.engine.config import ModelConfig
+    from kvtier.engine.model_config import ModelConfig
 
 TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
 """Token ids a request can hold: ``Request.tokens`` is int32 (``array('i')``), the container

@@ -13,9 +13,9 @@ from kvtier.errors import ConfigError
 # lazily so a family's code loads only when it is used (its model code only when a model is
 # built).
 _PRESETS: dict[str, tuple[str, str, str]] = {
-    "tiny": ("kvtier.engine.config", "tiny_dense", "kvtier.engine.model:CausalLM"),
+    "tiny": ("kvtier.engine.model_config", "tiny_dense", "kvtier.engine.model:CausalLM"),
     "tiny-mtp": ("kvtier.engine.mtp", "tiny_mtp_preset", "kvtier.engine.mtp:MTPCausalLM"),
-    "small": ("kvtier.engine.config", "small_dense", "kvtier.engine.model:CausalLM"),
+    "small": ("kvtier.engine.model_config", "small_dense", "kvtier.engine.model:CausalLM"),
     "mla": (
         "kvtier.engine.families.mla_config",
         "mla_preset",

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.batch import ForwardBatch, KVBuffers, SeqSlots
-from kvtier.engine.config import dense_config_of
 from kvtier.engine.families.hybrid_config import HybridConfig
 from kvtier.engine.model import MLP, Attention, DecoderLM
+from kvtier.engine.model_config import dense_config_of
 from kvtier.engine.ops import RMSNorm, linear
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier.engine.common import ConfigBase
-from kvtier.engine.config import dense_config_of
+from kvtier.engine.model_config import dense_config_of
 
 
 @dataclass(frozen=True)

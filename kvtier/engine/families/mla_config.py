@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier.engine.common import DTYPES
-from kvtier.engine.config import ROPE_DEFAULTS, RopeConfig
+from kvtier.engine.model_config import ROPE_DEFAULTS, RopeConfig
 
 VARIANTS = ("mla", "dsa", "dsa-compressed")
 MOE_FIELDS = (

@@ -19,9 +19,9 @@ from torch import nn
 
 from kvtier.engine.attention import decode_attention, expand_heads
 from kvtier.engine.batch import ForwardBatch, SeqSlots
-from kvtier.engine.config import ModelConfig
 from kvtier.engine.families.swa_config import SWAConfig
 from kvtier.engine.model import Attention, CausalLM
+from kvtier.engine.model_config import ModelConfig
 from kvtier.errors import RequestError
 from kvtier.pools import PoolSpec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvtier.engine.config import (
+from kvtier.engine.model_config import (
     LAYER_TYPES,
     ROPE_DEFAULTS,
     DenseBlockConfig,
