@@ -1,7 +1,7 @@
 """Per-file cost of creating empty files, creating and writing, renaming and overwriting, 1,024 each
 (run under `perf record -g` to see where creates go).
 
-    python scripts/probes/file_create_costs.py BYTES
+    python results/file-tier/file_create_costs.py BYTES
 """
 import os, time, sys
 d = "/tmp/fprobe/wm"; os.system(f"rm -rf {d}"); os.makedirs(d); os.sync()

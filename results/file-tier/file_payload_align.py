@@ -5,7 +5,7 @@
 256 MiB sweep with the destination zeroed before it: every file opened, its payload read with
 one ``preadv`` at its offset, closed. Prints GB/s per kind.
 
-    python scripts/probes/file_payload_align.py [REPEATS] [DIR]
+    python results/file-tier/file_payload_align.py [REPEATS] [DIR]
 """
 
 import os

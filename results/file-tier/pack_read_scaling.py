@@ -9,7 +9,7 @@ on T threads, each claiming the next 4 MiB run (open, ``preadv`` per 1 MiB into 
 destination rows, close), optionally digesting each page (``envelope.digest``) right after its
 piece lands. Medians of REPEATS after a 256 MiB sweep each, GB/s.
 
-    python scripts/probes/pack_read_scaling.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4,8]
+    python results/file-tier/pack_read_scaling.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4,8]
 """
 
 import itertools

@@ -1,7 +1,7 @@
 """Python-side cost per object of a 64 KiB batch_set's steps (header pack, reservation plan, paths,
 digest of a cold source), timeit minimums.
 
-    python scripts/probes/file_write_parts.py
+    python results/file-tier/file_write_parts.py
 """
 import sys, timeit, os
 import os

@@ -3,7 +3,7 @@ the bench's plain loop, raw os.open/preadv/close loops with and without the head
 digest, read_object, and batch_get on one thread (kv) and on two with the pool's size floor off
 (kv2).
 
-    python scripts/probes/file_read_loops.py PAGE_BYTES NUM_PAGES REPEATS [CANDIDATE,...]
+    python results/file-tier/file_read_loops.py PAGE_BYTES NUM_PAGES REPEATS [CANDIDATE,...]
 """
 import os, sys, time, statistics
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -6,8 +6,8 @@ digesting what it read with XXH3 (``plain2h``: the ceiling of a verified read th
 then digests). Every side reads files written before the first repeat, from the page cache;
 a 256 MiB sweep runs before each side.
 
-    python scripts/probes/file_read_ceiling.py PAGE_BYTES NUM_PAGES REPEATS CHUNKS
-    python scripts/probes/file_read_ceiling.py 2097152 256 5 1048576,2097152,262144
+    python results/file-tier/file_read_ceiling.py PAGE_BYTES NUM_PAGES REPEATS CHUNKS
+    python results/file-tier/file_read_ceiling.py 2097152 256 5 1048576,2097152,262144
 """
 import os, sys, time, statistics, shutil, threading
 import torch, xxhash

@@ -1,7 +1,7 @@
 """Per-core rate of the L3 envelope's checksum candidates (results/file-tier/README.md).
 
     pip install crc32c==2.9.post0 google-crc32c==1.9.0 xxhash==4.1.0
-    python scripts/probes/checksum_rate.py
+    python results/file-tier/checksum_rate.py
 
 Prints GB/s on a cache-hot 1 MiB buffer (256 passes), on 64 MiB (memory-bound), and whether a
 second thread makes progress while one checksum runs (the GIL is released).

@@ -1,6 +1,6 @@
 """Reads out of the page cache into a buffer on 4 KiB pages and on transparent huge pages.
 
-    python3 scripts/probes/file_read_hugepages.py [DIR] [FILES] [ROUNDS]
+    python3 results/file-tier/file_read_hugepages.py [DIR] [FILES] [ROUNDS]
 
 Writes ``FILES`` (default 64) files of 1 MiB under ``DIR`` (default ``/tmp/kvtier-thp``), then,
 ``ROUNDS`` times (default 5) for each kind of buffer, reads them all (plain ``preadv``, no

@@ -2,7 +2,7 @@
 interleaved in one process (process CPU time is steadier than wall time on a shared host).
 
     git archive <commit> kvtier | tar -x -C /tmp/oldtree
-    NEWT=<io_threads> python scripts/probes/file_tier_ab.py PAGE_BYTES NUM_PAGES REPEATS
+    NEWT=<io_threads> python results/file-tier/file_tier_ab.py PAGE_BYTES NUM_PAGES REPEATS
 """
 import os, sys, time, statistics, importlib, shutil
 import torch

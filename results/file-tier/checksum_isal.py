@@ -1,7 +1,7 @@
 """Digest rates on cache-hot buffers: XXH3-64 (xxhash), ISA-L CRC32 (isal, not a kvtier dependency:
 `pip install --target DIR isal==1.9.1` and put DIR on PYTHONPATH), zlib CRC32.
 
-    python scripts/probes/checksum_isal.py
+    python results/file-tier/checksum_isal.py
 """
 import sys, timeit
 import xxhash, zlib

@@ -2,7 +2,7 @@
 ``read_object`` (header read, then payload), header and payload in one ``preadv``, and that
 opened relative to a directory descriptor. Page cache hot, interleaved, medians of 9.
 
-    python scripts/probes/file_read_variants.py
+    python results/file-tier/file_read_variants.py
 """
 
 import os

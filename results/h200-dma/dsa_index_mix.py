@@ -1,7 +1,7 @@
 """Both directions at once for DSA at page size 1 with a layer-first host, with the indexer
 component's mechanism forced each way beside the other direction.
 
-    python3 scripts/probes/dsa_index_mix.py [--repeats 7] [--family dsa] [--page-size 1]
+    python3 results/h200-dma/dsa_index_mix.py [--repeats 7] [--family dsa] [--page-size 1]
 
 Under ``auto`` the 256-byte indexer rows back up staged (123 KB copy-engine blocks per layer and
 host run) and load by row kernel (blocks under ``plan.SHARED_H2D_DMA_MIN_BYTES``). This runs

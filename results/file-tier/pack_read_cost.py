@@ -14,7 +14,7 @@ after a 256 MiB sweep each:
 
 Prints µs of wall time and of process CPU time per object.
 
-    python scripts/probes/pack_read_cost.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4]
+    python results/file-tier/pack_read_cost.py [REPEATS] [DIR] [THREADS, e.g. 1,2,4]
 """
 
 import ctypes

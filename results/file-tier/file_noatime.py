@@ -1,7 +1,7 @@
 """First read of fresh files with and without O_NOATIME, alternating (relatime updates atime on
 the first read after a write).
 
-    python scripts/probes/file_noatime.py
+    python results/file-tier/file_noatime.py
 """
 import os, time, statistics
 d = "/tmp/fprobe/at"; os.system(f"rm -rf {d}"); os.makedirs(d)

@@ -1,7 +1,7 @@
 """Whether two threads run GIL-free digests in parallel here: XXH3, zlib CRC32 and SHA-1 over a
 cache-resident 512 KiB buffer on one and two threads (wall and process CPU time).
 
-    python scripts/probes/thread_scaling.py
+    python results/file-tier/thread_scaling.py
 """
 import time, xxhash, threading, zlib, hashlib, os
 b = bytearray(512<<10)

@@ -2,7 +2,7 @@
 file reads, kvtier batch_get, and raw reads of kvtier's object files (one preadv per file, with
 or without the digest, on one or two threads).
 
-    python scripts/probes/file_read_threads.py PAGE_BYTES NUM_PAGES [CANDIDATE,...]
+    python results/file-tier/file_read_threads.py PAGE_BYTES NUM_PAGES [CANDIDATE,...]
 """
 import os, sys, time, statistics, threading
 from concurrent.futures import ThreadPoolExecutor

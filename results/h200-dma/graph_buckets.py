@@ -10,7 +10,7 @@ sequences: eager, eager with a 32nd row, a graph of exactly 31 rows and the grap
 padding row (``batch_invariance``: max |difference| against eager and rows whose argmax
 differs). Writes $OUT/graph_buckets.json.
 
-    PROMPT=1024 STRIDE=24 ROUNDS=2 python3 scripts/probes/graph_buckets.py
+    PROMPT=1024 STRIDE=24 ROUNDS=2 python3 results/h200-dma/graph_buckets.py
 """
 import json, os, random, time
 import torch

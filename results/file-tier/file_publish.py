@@ -1,7 +1,7 @@
 """Publishing fresh 64 KiB files, interleaved object by object: plain create+write, named temp +
 rename, O_TMPFILE + linkat (absolute and dir-relative names). Medians and means per method.
 
-    python scripts/probes/file_publish.py
+    python results/file-tier/file_publish.py
 """
 import os, time, statistics, sys
 d = "/tmp/fprobe/pub"; os.system(f"rm -rf {d}"); os.makedirs(d); os.sync()

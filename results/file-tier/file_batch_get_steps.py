@@ -1,7 +1,7 @@
 """batch_get of 1,024 x 64 KiB split into its steps (views, index, paths, prefixes, reads, journal),
 each timed after a 256 MiB sweep, medians of 7.
 
-    python scripts/probes/file_batch_get_steps.py
+    python results/file-tier/file_batch_get_steps.py
 """
 import os, sys, time, statistics
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -4,7 +4,7 @@ for a prompt past the pretraining context (where YaRN's interpolated dims matter
 shorter ones, each generated twice so the second run is a cache hit (it must give the same
 tokens as the first). The same weights with plain RoPE are the control for bfloat16's own drift.
 
-    python3 scripts/checks/yarn_cuda.py
+    python3 results/hf-parity/yarn_cuda.py
 """
 
 from __future__ import annotations

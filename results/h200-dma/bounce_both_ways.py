@@ -4,7 +4,7 @@ and device staging, and CPU threads gather / scatter the host pages to / from th
 buffer. Against two contiguous copies at once in the same run. Writes $OUT/bounce.json after
 every cell.
 
-    THREADS="4 8" PAGE_BYTES="70272 131072" python3 scripts/probes/bounce_both_ways.py
+    THREADS="4 8" PAGE_BYTES="70272 131072" python3 results/h200-dma/bounce_both_ways.py
 """
 import json, os, sys, threading, time
 import torch

@@ -3,7 +3,7 @@ and two threads hashing the same cache-resident buffer (64 KiB, 64 KiB + 1 byte,
 loop; GB/s of wall time and process CPU time over wall time. ``zlib.crc32`` beside it for
 1 MiB (it releases the GIL).
 
-    python scripts/probes/xxhash_gil.py
+    python results/file-tier/xxhash_gil.py
 """
 
 from __future__ import annotations

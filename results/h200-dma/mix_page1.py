@@ -3,7 +3,7 @@ under ``auto`` and with each direction's mechanism forced (``d2h/h2d`` pairs of 
 staged), for FAMILIES; against two contiguous copies at once. Writes $OUT/mix_page1.json
 after every cell.
 
-    FAMILIES=mla,dense,dsa,swa python3 scripts/probes/mix_page1.py
+    FAMILIES=mla,dense,dsa,swa python3 results/h200-dma/mix_page1.py
 """
 
 from __future__ import annotations

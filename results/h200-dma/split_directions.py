@@ -7,7 +7,7 @@ and loads ``KH`` of them by row kernel; exchange Y backs up the other ``KD`` by 
 loads the other ``1 - KH`` staged. ``KD = 0, KH = 1`` is ``plan``'s choice for 70-86 KiB pages
 beside a load (staged backup, kernel load). Writes $OUT/split_directions.json after every cell.
 
-    FAMILIES=mla,dense SPLITS="0:1 0:0.8 0:0.6 0.2:1 0.2:0.8" python3 scripts/probes/split_directions.py
+    FAMILIES=mla,dense SPLITS="0:1 0:0.8 0:0.6 0.2:1 0.2:0.8" python3 results/h200-dma/split_directions.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton compiles on the transfer path: the first copy of each kind in a fresh process, then a
 serving-like mix of batch sizes after it.
 
-    python3 scripts/probes/jit_variants.py [--specialize] [--families mla,dsa] [--page-size 1]
+    python3 results/h200-dma/jit_variants.py [--specialize] [--families mla,dsa] [--page-size 1]
         [--host-layout page_first] [--target-mib 256] [--mix 60] [--kernels]
 
 Each run uses a fresh, empty ``TRITON_CACHE_DIR`` (set before Triton is imported), so every
