@@ -45,7 +45,7 @@ for name, fn in CANDIDATES.items():
     def run(fn=fn) -> None:
         for _ in range(4):
             fn(cold, cold_bytes)
-        done[0] = True
+        done[0] = True  # noqa: B023
 
     th = threading.Thread(target=run)
     th.start()

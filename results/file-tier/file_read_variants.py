@@ -75,7 +75,7 @@ def plain():
 
 fns = {"current": current, "one_preadv": one_preadv, "dirfd": one_preadv_dirfd, "plain_open": plain}
 T = {k: [] for k in fns}
-for r in range(9):
+for _ in range(9):
     for k, fn in fns.items():
         t0 = time.perf_counter()
         fn()

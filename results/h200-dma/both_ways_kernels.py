@@ -23,7 +23,13 @@ from kvtier.transfer.rows import ONE_BLOCK, TILE_WORDS
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = torch.device("cuda")
-SETTINGS = [(64, ONE_BLOCK), (132, ONE_BLOCK), (264, ONE_BLOCK), (64, TILE_WORDS), (132, TILE_WORDS)]
+SETTINGS = [
+    (64, ONE_BLOCK),
+    (132, ONE_BLOCK),
+    (264, ONE_BLOCK),
+    (64, TILE_WORDS),
+    (132, TILE_WORDS),
+]
 CELLS = {
     "gqa page_first ps1": (1, "page_first"),
     "gqa layer_first ps16": (16, "layer_first"),
@@ -75,14 +81,14 @@ def main() -> None:
 
             def qr(s, si, d, di, op, ctas=None, tile=ONE_BLOCK, d2h_set=d2h_set, h2d_set=h2d_set):  # noqa: ANN001, ANN202
                 if ctas is None:
-                    ctas, tile = d2h_set if id(d) in mapped else h2d_set
+                    ctas, tile = d2h_set if id(d) in mapped else h2d_set  # noqa: B023
                 return orig(s, si, d, di, op, ctas, tile)
 
             component.queue_rows = qr
 
             def both(mover: Mover = mover) -> None:
-                bk = mover.device_to_host(src, hother)
-                ld = mover.host_to_device(hpages, dst)
+                bk = mover.device_to_host(src, hother)  # noqa: B023
+                ld = mover.host_to_device(hpages, dst)  # noqa: B023
                 bk.wait(), ld.wait(), bk.complete()
 
             both()

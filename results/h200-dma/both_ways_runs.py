@@ -37,7 +37,16 @@ FORCED: dict[str, str] = {}
 original_choose = plan.choose
 
 
-def forced_choose(geo, direction, host_pages, device_pages, per_layer=False, dma=True, mechanism="auto", shared_link=False):  # noqa: ANN001, ANN201, E501
+def forced_choose(
+    geo,
+    direction,
+    host_pages,
+    device_pages,
+    per_layer=False,
+    dma=True,
+    mechanism="auto",
+    shared_link=False,
+):  # noqa: ANN001, ANN201, E501
     want = FORCED.get(direction)
     if want is None or per_layer:
         return original_choose(geo, direction, host_pages, device_pages, per_layer, dma, mechanism)
@@ -88,12 +97,12 @@ def cell(page_size: int, layout: str, family: str | None) -> dict:
         def alone_d2h(hp=hother) -> None:  # noqa: ANN001
             op = mover.device_to_host(src, hp)
             op.wait(), op.complete()
-            res["paths_d2h"] = op.paths
+            res["paths_d2h"] = op.paths  # noqa: B023
 
         def alone_h2d(hp=hpages) -> None:  # noqa: ANN001
             op = mover.host_to_device(hp, dst)
             op.wait()
-            res["paths_h2d"] = op.paths
+            res["paths_h2d"] = op.paths  # noqa: B023
 
         res["alone_auto"] = {
             "d2h": round(total / timed(alone_d2h) / 1e9 / c1, 3),
@@ -123,7 +132,7 @@ def cell(page_size: int, layout: str, family: str | None) -> dict:
             for s in specs
         )
         out[pname] = res
-    del mover, dpool, hpool
+    mover = dpool = hpool = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()
     return out
 

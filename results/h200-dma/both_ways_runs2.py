@@ -100,9 +100,14 @@ def cell(page_size: int, family: str | None) -> dict:
         b, ld = interleaved(mover, src, hother, hpages, dst)
         b.wait(), ld.wait(), b.complete()
 
-    for name, fn in (("seq", seq), ("inter", inter), ("thread", threaded), ("load_first", load_first)):
+    for name, fn in (
+        ("seq", seq),
+        ("inter", inter),
+        ("thread", threaded),
+        ("load_first", load_first),
+    ):
         out[name] = round(2 * total / timed(fn) / 1e9 / cb, 3)
-    del mover, dpool, hpool
+    mover = dpool = hpool = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()
     return out
 

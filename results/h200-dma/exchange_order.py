@@ -55,7 +55,11 @@ def case(family: str, ps: int, repeats: int = 7) -> dict:
         lop.wait()
         bop.complete()
 
-    fns = {"contiguous": pair.both, "load_first": lambda: run(True), "backup_first": lambda: run(False)}
+    fns = {
+        "contiguous": pair.both,
+        "load_first": lambda: run(True),
+        "backup_first": lambda: run(False),
+    }
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -113,7 +117,10 @@ def profile_first_load_chunk() -> str:
         op.release()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    return f"to first yield (unprofiled order of magnitude, profiled): median {statistics.median(spans):.0f} us\n" + s.getvalue()
+    return (
+        f"to first yield (unprofiled order of magnitude, profiled): median {statistics.median(spans):.0f} us\n"
+        + s.getvalue()
+    )
 
 
 if __name__ == "__main__":

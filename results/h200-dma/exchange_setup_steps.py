@@ -97,8 +97,10 @@ def main() -> None:
         runs = [run(c) for _ in range(10)][1:]
         runs.sort(key=lambda r: r[0])
         window, log = runs[len(runs) // 2]
-        lines.append(f"{spec}: both first copies queued by {window:.0f} us "
-                     f"(min {runs[0][0]:.0f}, max {runs[-1][0]:.0f})")
+        lines.append(
+            f"{spec}: both first copies queued by {window:.0f} us "
+            f"(min {runs[0][0]:.0f}, max {runs[-1][0]:.0f})"
+        )
         seen: list[float] = [0.0]  # starts and ends already passed
         for depth, name, start, dur in log:
             gap = start - max(t for t in seen if t <= start)

@@ -78,7 +78,9 @@ def case(family: str, ps: int) -> dict:
             gap = t0 - last.get(what, t0)
             last[what] = t1
             gbps = nbytes / max(t1 - t0, 1e-6) / 1e6
-            print(f"  {what:9s} {nbytes / 2**20:7.1f} MiB  {t0:7.3f}-{t1:7.3f} ms  {gbps:6.1f} GB/s  gap {gap:6.3f}")
+            print(
+                f"  {what:9s} {nbytes / 2**20:7.1f} MiB  {t0:7.3f}-{t1:7.3f} ms  {gbps:6.1f} GB/s  gap {gap:6.3f}"
+            )
     return out
 
 

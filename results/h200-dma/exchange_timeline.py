@@ -78,7 +78,7 @@ def case(family: str, ps: int) -> dict:
             "first": {},
             "queued": len(LOG),
         }
-        for t, what, nbytes in LOG:
+        for t, what, _nbytes in LOG:
             out[name]["first"].setdefault(what, round(1e3 * t, 2))
         print(family, ps, name, json.dumps(out[name]), flush=True)
     return out

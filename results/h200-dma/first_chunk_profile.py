@@ -43,10 +43,7 @@ def span(direction: str, prof: cProfile.Profile | None) -> float:
     t0 = time.perf_counter()
     if prof:
         prof.enable()
-    if direction == "d2h":
-        op = m.device_to_host(c.src, c.ho)
-    else:
-        op = m.host_to_device(c.hp, c.dst)
+    op = m.device_to_host(c.src, c.ho) if direction == "d2h" else m.host_to_device(c.hp, c.dst)
     if prof:
         prof.disable()
     op.wait()
@@ -60,8 +57,10 @@ for direction in ("d2h", "h2d"):
     for _ in range(3):
         span(direction, None)
     plain = [span(direction, None) for _ in range(20)]
-    text.append(f"{direction}: first copy queued {statistics.median(plain):.0f} us after the call "
-                f"(min {min(plain):.0f}); whole call profiled below")
+    text.append(
+        f"{direction}: first copy queued {statistics.median(plain):.0f} us after the call "
+        f"(min {min(plain):.0f}); whole call profiled below"
+    )
     prof = cProfile.Profile()
     for _ in range(20):
         span(direction, prof)

@@ -12,17 +12,37 @@ differs). Writes $OUT/graph_buckets.json.
 
     PROMPT=1024 STRIDE=24 ROUNDS=2 python3 results/h200-dma/graph_buckets.py
 """
-import json, os, random, time
+
+import json
+import os
+import random
+import time
+
 import torch
+
 from kvtier.bench.compute import _DeviceInitLM
 from kvtier.bench.decode_stall import release_pools
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, graphs
+from kvtier.engine.model import SeqSlots
 
 out = os.environ.get("OUT", "/tmp")
-prompt, stride, batch = int(os.environ.get("PROMPT", "1024")), int(os.environ.get("STRIDE", "24")), 32
-cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                  num_heads=32, num_kv_heads=8, head_dim=128, max_position=4096, dtype="bfloat16")
+prompt, stride, batch = (
+    int(os.environ.get("PROMPT", "1024")),
+    int(os.environ.get("STRIDE", "24")),
+    32,
+)
+cfg = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position=4096,
+    dtype="bfloat16",
+)
 dev = torch.device("cuda")
 with dev:
     model = _DeviceInitLM(cfg)
@@ -35,15 +55,21 @@ pages = batch * -(-longest // 16) + 16
 real_b, real_c = graphs.batch_bucket, graphs.context_bucket
 res = {"prompt": prompt, "stride": stride, "batch": batch, "sides": {}}
 
+
 def side(name):
     graphs.batch_bucket, graphs.context_bucket = real_b, real_c
     if name == "exact":
         graphs.batch_bucket = lambda b: b
         graphs.context_bucket = lambda c: -(-c // 256) * 256
     release_pools()
-    llm = LLM(model, CacheConfig(page_size=16, device_pages=pages, device="cuda", enable_host=False),
-              max_running=batch, max_prefill_tokens=batch * prompt + 1, cuda_graphs=name != "eager")
-    ids = [llm.add_request(p, q) for p, q in zip(prompts, params)]
+    llm = LLM(
+        model,
+        CacheConfig(page_size=16, device_pages=pages, device="cuda", enable_host=False),
+        max_running=batch,
+        max_prefill_tokens=batch * prompt + 1,
+        cuda_graphs=name != "eager",
+    )
+    ids = [llm.add_request(p, q) for p, q in zip(prompts, params, strict=False)]
     llm.step()  # the prefill of every prompt
     torch.cuda.synchronize()
     times, done = [], {}
@@ -53,12 +79,18 @@ def side(name):
             done[o.request_id] = o.output_ids
         times.append(time.perf_counter() - t)
     g = llm.runner.graphs
-    r = {"decode_s": sum(times), "steps": len(times), "slowest_step_ms": max(times) * 1e3,
-         "median_step_ms": sorted(times)[len(times) // 2] * 1e3,
-         "captures": g.captures if g else 0, "replays": g.replays if g else 0,
-         "padded": g.padded if g else 0}
+    r = {
+        "decode_s": sum(times),
+        "steps": len(times),
+        "slowest_step_ms": max(times) * 1e3,
+        "median_step_ms": sorted(times)[len(times) // 2] * 1e3,
+        "captures": g.captures if g else 0,
+        "replays": g.replays if g else 0,
+        "padded": g.padded if g else 0,
+    }
     llm.close()
     return r, [done[i] for i in ids]
+
 
 outs = {}
 for rnd in range(int(os.environ.get("ROUNDS", "1"))):
@@ -67,30 +99,45 @@ for rnd in range(int(os.environ.get("ROUNDS", "1"))):
         r, o = side(name)
         outs[name] = o
         res["sides"].setdefault(name, []).append(r)
-        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        print(
+            name, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True
+        )
         with open(f"{out}/graph_buckets.json", "w") as f:
             json.dump(res, f, indent=1)
     for name in ("buckets", "exact"):
-        same = sum(a == b for a, b in zip(outs[name], outs["eager"]))
+        same = sum(a == b for a, b in zip(outs[name], outs["eager"], strict=False))
         res.setdefault("same_as_eager", {})[name] = same
         print(name, "requests equal to eager:", same, "of", batch, flush=True)
 with open(f"{out}/graph_buckets.json", "w") as f:
     json.dump(res, f, indent=1)
 
 # One step of 31 sequences, four ways.
-from kvtier.engine.model import SeqSlots
+
 graphs.batch_bucket, graphs.context_bucket = real_b, real_c
 release_pools()
-llm = LLM(model, CacheConfig(page_size=16, device_pages=pages, device="cuda", enable_host=False),
-          max_running=batch, cuda_graphs=True)
+llm = LLM(
+    model,
+    CacheConfig(page_size=16, device_pages=pages, device="cuda", enable_host=False),
+    max_running=batch,
+    cuda_graphs=True,
+)
 kv = llm.cache.kv_buffers
 n = 31
 ctx = [kv.slots(llm.cache.alloc(prompt + 7 * i)) for i in range(n + 1)]  # the last: a 32nd row
 ids = [rng.randrange(32000) for _ in range(n + 1)]
+
+
 def eager(rows):
     c, t = ctx[:rows], ids[:rows]
-    return llm.model(torch.tensor(t, device=dev), torch.tensor([x.numel() - 1 for x in c], device=dev),
-                     [SeqSlots(1, x[-1:].cuda(), x.cuda()) for x in c], kv, all_logits=True)[:n].float()
+    return llm.model(
+        torch.tensor(t, device=dev),
+        torch.tensor([x.numel() - 1 for x in c], device=dev),
+        [SeqSlots(1, x[-1:].cuda(), x.cuda()) for x in c],
+        kv,
+        all_logits=True,
+    )[:n].float()
+
+
 ref = eager(n)
 exact = graphs.DecodeGraphs(model, kv, None)
 padded = graphs.DecodeGraphs(model, kv, llm.runner.graphs.pad_slot)
@@ -99,8 +146,13 @@ for name, g in (("graph_31", exact), ("graph_32_padded", padded)):
     g.forward(ctx[:n], ids[:n])
     ways[name] = g.forward(ctx[:n], ids[:n]).float().clone()
 res["batch_invariance"] = {
-    k: {"max_abs_diff": float((v - ref).abs().max()), "argmax_rows_differ": int((v.argmax(-1) != ref.argmax(-1)).sum()),
-        "logit_std": float(ref.std())} for k, v in ways.items()}
+    k: {
+        "max_abs_diff": float((v - ref).abs().max()),
+        "argmax_rows_differ": int((v.argmax(-1) != ref.argmax(-1)).sum()),
+        "logit_std": float(ref.std()),
+    }
+    for k, v in ways.items()
+}
 print(res["batch_invariance"], flush=True)
 with open(f"{out}/graph_buckets.json", "w") as f:
     json.dump(res, f, indent=1)

@@ -19,7 +19,11 @@ from kvtier.transfer.mover import Mover
 
 OUT = os.environ.get("OUT", "/tmp")
 text = io.StringIO()
-for ps, mech, direction in ((16, "copy_engine", "d2h"), (1, "copy_engine", "d2h"), (16, "auto", "h2d")):
+for ps, mech, direction in (
+    (16, "copy_engine", "d2h"),
+    (1, "copy_engine", "d2h"),
+    (16, "auto", "h2d"),
+):
     spec = PoolSpec(name="kv", num_layers=32, row_shape=(2, 8, 128), dtype=torch.bfloat16)
     n = (1 << 30) // spec.page_bytes(ps)
     dpool = DevicePool([spec], 2 * n, ps, torch.device("cuda"))
@@ -31,10 +35,10 @@ for ps, mech, direction in ((16, "copy_engine", "d2h"), (1, "copy_engine", "d2h"
     def go(m: Mover = m, src: torch.Tensor = src, hp: torch.Tensor = hp) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        op = m.device_to_host(src, hp) if direction == "d2h" else m.host_to_device(hp, src)
+        op = m.device_to_host(src, hp) if direction == "d2h" else m.host_to_device(hp, src)  # noqa: B023
         dt = time.perf_counter() - t
         op.wait()
-        if direction == "d2h":
+        if direction == "d2h":  # noqa: B023
             op.complete()
         return dt
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import cProfile
 import io
-import os
 import pstats
 import time
 
@@ -37,8 +36,9 @@ def run(family: str | None, page_size: int) -> None:
     hp, ho = churned(4 * n, [n, n], page_size, seed=1)
     mover = Mover(dpool, hpool)
     for direction in ("d2h", "h2d"):
+
         def call():  # noqa: ANN202
-            if direction == "d2h":
+            if direction == "d2h":  # noqa: B023
                 return mover.device_to_host(src, ho)
             return mover.host_to_device(hp, dst)
 

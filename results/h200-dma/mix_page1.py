@@ -42,9 +42,9 @@ for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
         paths: dict = {}
 
         def both() -> None:
-            b, ld = mover.exchange((src, hback), (hload, dst))
+            b, ld = mover.exchange((src, hback), (hload, dst))  # noqa: B023
             b.wait(), ld.wait(), b.complete()
-            paths.update(d2h=b.paths, h2d=ld.paths)
+            paths.update(d2h=b.paths, h2d=ld.paths)  # noqa: B023
 
         cell[f"{d2h}/{h2d}"] = {
             "ratio": round(2 * n * pb / best_of(both, 3) / 1e9 / cb, 3),
@@ -62,5 +62,5 @@ for fam in os.environ.get("FAMILIES", "mla,dense,dsa,swa").split(","):
         res["cells"][fam] = cell
         with open(f"{OUT}/mix_page1.json", "w") as f:
             json.dump(res, f, indent=1)
-    del mover, dpool, hpool, pair
+    mover = dpool = hpool = pair = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()

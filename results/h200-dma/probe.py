@@ -8,12 +8,15 @@ import time
 import numpy as np
 import torch
 
+from kvtier.transfer.mapped import map_pinned
+
 OUT = os.environ.get("OUT", "/tmp")
 res = {}
 
 
 def save():
-    json.dump(res, open(f"{OUT}/probe.json", "w"), indent=1)
+    with open(f"{OUT}/probe.json", "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def log(*a):
@@ -116,9 +119,6 @@ def setup(chunk, layers, pages):
     return hostbuf, devbuf, hp, dp
 
 
-from kvtier.transfer.mapped import map_pinned
-
-
 def timeit(fn, reps=3):
     fn()
     torch.cuda.synchronize()
@@ -141,52 +141,52 @@ def methods(chunk, layers, pages, stream):
     # pointer tables per layer
     hbase, dbase = hostbuf.data_ptr(), devbuf.data_ptr()
     hptr = [
-        (hbase + hp.numpy().astype(np.uint64) * (layers * chunk) + l * chunk).astype(np.uint64)
-        for l in range(layers)
+        (hbase + hp.numpy().astype(np.uint64) * (layers * chunk) + layer * chunk).astype(np.uint64)
+        for layer in range(layers)
     ]
     dptr = [
-        (dbase + (l * 2 * pages + dp.numpy().astype(np.uint64)) * chunk).astype(np.uint64)
-        for l in range(layers)
+        (dbase + (layer * 2 * pages + dp.numpy().astype(np.uint64)) * chunk).astype(np.uint64)
+        for layer in range(layers)
     ]
     sizes = np.full(pages, chunk, dtype=np.uint64)
     out = {}
 
     def torch_h2d():
         with torch.cuda.stream(stream):
-            for l in range(layers):
-                x = mapped[:, l].index_select(0, hpd)
-                devbuf[l].index_copy_(0, dpd, x)
+            for layer in range(layers):
+                x = mapped[:, layer].index_select(0, hpd)
+                devbuf[layer].index_copy_(0, dpd, x)
 
     def torch_d2h():
         with torch.cuda.stream(stream):
-            for l in range(layers):
-                x = devbuf[l].index_select(0, dpd)
-                mapped[:, l].index_copy_(0, hpd, x)
+            for layer in range(layers):
+                x = devbuf[layer].index_select(0, dpd)
+                mapped[:, layer].index_copy_(0, hpd, x)
 
     def dma_h2d(flags=0):
         with torch.cuda.stream(stream):
-            for l in range(layers):
-                batch_copy(dptr[l], hptr[l], sizes, stream, flags)
+            for layer in range(layers):
+                batch_copy(dptr[layer], hptr[layer], sizes, stream, flags)
 
     def dma_d2h(flags=0):
         with torch.cuda.stream(stream):
-            for l in range(layers):
-                batch_copy(hptr[l], dptr[l], sizes, stream, flags)
+            for layer in range(layers):
+                batch_copy(hptr[layer], dptr[layer], sizes, stream, flags)
 
-    src_off = [(hp * (layers * words) + l * words).to(dev) for l in range(layers)]
-    dst_off = [((l * 2 * pages) * words + dp * words).to(dev) for l in range(layers)]
+    src_off = [(hp * (layers * words) + layer * words).to(dev) for layer in range(layers)]
+    dst_off = [((layer * 2 * pages) * words + dp * words).to(dev) for layer in range(layers)]
     hflat, dflat = mapped.view(-1), devbuf.view(-1)
 
     def tri(ctas, h2d=True):
         def f():
             with torch.cuda.stream(stream):
-                for l in range(layers):
+                for layer in range(layers):
                     if h2d:
                         _copy_chunks[(min(ctas, pages),)](
                             hflat,
                             dflat,
-                            src_off[l],
-                            dst_off[l],
+                            src_off[layer],
+                            dst_off[layer],
                             pages,
                             CHUNK=words,
                             BLOCK=min(1024, triton.next_power_of_2(words)),
@@ -196,8 +196,8 @@ def methods(chunk, layers, pages, stream):
                         _copy_chunks[(min(ctas, pages),)](
                             dflat,
                             hflat,
-                            dst_off[l],
-                            src_off[l],
+                            dst_off[layer],
+                            src_off[layer],
                             pages,
                             CHUNK=words,
                             BLOCK=min(1024, triton.next_power_of_2(words)),
@@ -265,7 +265,7 @@ def methods(chunk, layers, pages, stream):
 
         return f
 
-    del csrc, cdst
+    csrc = cdst = None  # freed (the closures above refer to these names)
     return out, (hostbuf, devbuf, hp, dp, hptr, dptr, sizes, mapped, hpd, dpd, src_off, dst_off)
 
 
@@ -291,34 +291,36 @@ hostbuf, devbuf, hp, dp, hptr, dptr, sizes, mapped, hpd, dpd, src_off, dst_off =
 hp2 = torch.tensor(sorted(set(range(2 * pages)) - set(hp.tolist())))[:pages]
 dp2 = torch.tensor(sorted(set(range(2 * pages)) - set(dp.tolist())))[:pages]
 hptr2 = [
-    (hostbuf.data_ptr() + hp2.numpy().astype(np.uint64) * (layers * chunk) + l * chunk).astype(
+    (hostbuf.data_ptr() + hp2.numpy().astype(np.uint64) * (layers * chunk) + layer * chunk).astype(
         np.uint64
     )
-    for l in range(layers)
+    for layer in range(layers)
 ]
 dptr2 = [
-    (devbuf.data_ptr() + (l * 2 * pages + dp2.numpy().astype(np.uint64)) * chunk).astype(np.uint64)
-    for l in range(layers)
+    (devbuf.data_ptr() + (layer * 2 * pages + dp2.numpy().astype(np.uint64)) * chunk).astype(
+        np.uint64
+    )
+    for layer in range(layers)
 ]
 s2 = torch.cuda.Stream()
 nbytes = chunk * layers * pages
 
 
 def both_dma():
-    for l in range(layers):
-        batch_copy(dptr[l], hptr[l], sizes, stream)
-        batch_copy(hptr2[l], dptr2[l], sizes, s2)
+    for layer in range(layers):
+        batch_copy(dptr[layer], hptr[layer], sizes, stream)
+        batch_copy(hptr2[layer], dptr2[layer], sizes, s2)
 
 
 hp2d, dp2d = hp2.to(dev), dp2.to(dev)
 
 
 def both_torch():
-    for l in range(layers):
+    for layer in range(layers):
         with torch.cuda.stream(stream):
-            devbuf[l].index_copy_(0, dpd, mapped[:, l].index_select(0, hpd))
+            devbuf[layer].index_copy_(0, dpd, mapped[:, layer].index_select(0, hpd))
         with torch.cuda.stream(s2):
-            mapped[:, l].index_copy_(0, hp2d, devbuf[l].index_select(0, dp2d))
+            mapped[:, layer].index_copy_(0, hp2d, devbuf[layer].index_select(0, dp2d))
 
 
 res["both64k"] = {
@@ -343,14 +345,16 @@ mapped = map_pinned(hostbuf, dev)
 hpd, dpd = hp.to(dev), dp.to(dev)
 words = chunk // 8
 hptr = [
-    (hostbuf.data_ptr() + hp.numpy().astype(np.uint64) * (layers * chunk) + l * chunk).astype(
+    (hostbuf.data_ptr() + hp.numpy().astype(np.uint64) * (layers * chunk) + layer * chunk).astype(
         np.uint64
     )
-    for l in range(layers)
+    for layer in range(layers)
 ]
 dptr = [
-    (devbuf.data_ptr() + (l * 2 * pages + dp.numpy().astype(np.uint64)) * chunk).astype(np.uint64)
-    for l in range(layers)
+    (devbuf.data_ptr() + (layer * 2 * pages + dp.numpy().astype(np.uint64)) * chunk).astype(
+        np.uint64
+    )
+    for layer in range(layers)
 ]
 sizes = np.full(pages, chunk, dtype=np.uint64)
 nbytes = chunk * layers * pages
@@ -367,11 +371,11 @@ cstream = torch.cuda.Stream(priority=-1)
 def compute(events=None, sdpa=False):
     with torch.cuda.stream(cstream):
         x = x0
-        for l in range(layers):
+        for layer in range(layers):
             if events is not None:
-                cstream.wait_event(events[l])
+                cstream.wait_event(events[layer])
             q = (x @ Wq).view(16, 32, 128)
-            ctx = kvv[l].index_select(0, locs)
+            ctx = kvv[layer].index_select(0, locs)
             if sdpa:
                 k = ctx[:, 0].transpose(0, 1)[None]
                 v = ctx[:, 1].transpose(0, 1)[None]
@@ -393,13 +397,13 @@ def load(kind, ev=True):
     events = []
     with torch.cuda.stream(stream):
         stream.wait_stream(torch.cuda.current_stream())
-        for l in range(layers):
+        for layer in range(layers):
             if kind == "dma":
-                batch_copy(dptr[l], hptr[l], sizes, stream)
+                batch_copy(dptr[layer], hptr[layer], sizes, stream)
             elif kind == "dma_flag":
-                batch_copy(dptr[l], hptr[l], sizes, stream, 1)
+                batch_copy(dptr[layer], hptr[layer], sizes, stream, 1)
             elif kind == "torch":
-                devbuf[l].index_copy_(0, dpd, mapped[:, l].index_select(0, hpd))
+                devbuf[layer].index_copy_(0, dpd, mapped[:, layer].index_select(0, hpd))
             e = torch.cuda.Event()
             e.record(stream)
             events.append(e)
@@ -408,12 +412,12 @@ def load(kind, ev=True):
 
 cont = {}
 for sd in (False, True):
-    cont[f"compute_ms_sdpa{int(sd)}"] = timeit(lambda: compute(sdpa=sd)) * 1e3
+    cont[f"compute_ms_sdpa{int(sd)}"] = timeit(lambda: compute(sdpa=sd)) * 1e3  # noqa: B023
 for kind in ("torch", "dma", "dma_flag"):
-    cont[f"load_ms_{kind}"] = timeit(lambda: load(kind)) * 1e3
+    cont[f"load_ms_{kind}"] = timeit(lambda: load(kind)) * 1e3  # noqa: B023
     for sd in (False, True):
         cont[f"overlap_ms_{kind}_sdpa{int(sd)}"] = (
-            timeit(lambda: compute(load(kind), sdpa=sd)) * 1e3
+            timeit(lambda: compute(load(kind), sdpa=sd)) * 1e3  # noqa: B023
         )
 cs = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 cd = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -427,7 +431,7 @@ save()
 def decode_step():
     with torch.cuda.stream(cstream):
         x = torch.randn(256, 4096, dtype=torch.bfloat16, device=dev)
-        for l in range(layers):
+        for _layer in range(layers):
             x = x + (torch.nn.functional.silu(x @ W1) * (x @ W2)) @ W3
 
 
@@ -442,18 +446,18 @@ st_["decode_ms"] = timeit(steps) * 1e3 / 20
 
 def backup(kind):
     with torch.cuda.stream(stream):
-        for l in range(layers):
+        for layer in range(layers):
             if kind == "dma":
-                batch_copy(hptr[l], dptr[l], sizes, stream)
+                batch_copy(hptr[layer], dptr[layer], sizes, stream)
             else:
-                mapped[:, l].index_copy_(0, hpd, devbuf[l].index_select(0, dpd))
+                mapped[:, layer].index_copy_(0, hpd, devbuf[layer].index_select(0, dpd))
 
 
 for kind in ("torch", "dma"):
-    st_[f"backup_ms_{kind}"] = timeit(lambda: backup(kind)) * 1e3
+    st_[f"backup_ms_{kind}"] = timeit(lambda: backup(kind)) * 1e3  # noqa: B023
 
     def both():
-        backup(kind)
+        backup(kind)  # noqa: B023
         steps(20)
         cstream.synchronize()
         return

@@ -21,10 +21,13 @@ g = torch.Generator().manual_seed(0)
 hp = torch.randperm(2 * P, generator=g)[:P].numpy().astype(np.uint64)
 dp = torch.randperm(2 * P, generator=g)[:P].numpy().astype(np.uint64)
 hptr = [
-    np.uint64(host.data_ptr()) + (hp * np.uint64(L) + np.uint64(l)) * np.uint64(RB)
-    for l in range(L)
+    np.uint64(host.data_ptr()) + (hp * np.uint64(L) + np.uint64(layer)) * np.uint64(RB)
+    for layer in range(L)
 ]
-dptr = [np.uint64(devb.data_ptr()) + (np.uint64(l * 2 * P) + dp) * np.uint64(RB) for l in range(L)]
+dptr = [
+    np.uint64(devb.data_ptr()) + (np.uint64(layer * 2 * P) + dp) * np.uint64(RB)
+    for layer in range(L)
+]
 sizes = np.full(P, RB, dtype=np.uint64)
 s = torch.cuda.Stream()
 
@@ -55,11 +58,11 @@ def call(d, sr, z, stream, hints=False, flags=0):
 
 def issue(batch, hints=False, flags=0):
     t0 = time.perf_counter()
-    for l in range(L):
+    for layer in range(L):
         for lo in range(0, P, batch):
             rc = call(
-                dptr[l][lo : lo + batch],
-                hptr[l][lo : lo + batch],
+                dptr[layer][lo : lo + batch],
+                hptr[layer][lo : lo + batch],
                 sizes[lo : lo + batch],
                 s,
                 hints,
@@ -123,9 +126,9 @@ res["forward_alone_ms"] = (time.perf_counter() - t0) * 1e3
 
 
 def worker():
-    for l in range(L):
+    for layer in range(L):
         for lo in range(0, P, 512):
-            call(dptr[l][lo : lo + 512], hptr[l][lo : lo + 512], sizes[lo : lo + 512], s)
+            call(dptr[layer][lo : lo + 512], hptr[layer][lo : lo + 512], sizes[lo : lo + 512], s)
 
 
 t0 = time.perf_counter()
@@ -149,4 +152,5 @@ torch.cuda.synchronize()
 s.synchronize()
 res["serial_ms"] = (time.perf_counter() - t0) * 1e3
 print(res, flush=True)
-json.dump(res, open(f"{OUT}/probe2.json", "w"), indent=1)
+with open(f"{OUT}/probe2.json", "w") as fh:
+    json.dump(res, fh, indent=1)

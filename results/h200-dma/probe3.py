@@ -85,14 +85,14 @@ for fam, ps in [
     row = {
         "pages": n,
         "page_bytes": dpool.page_bytes,
-        "contig_d2h": timed(lambda: chost.copy_(cdev, non_blocking=True), total)[0],
-        "contig_h2d": timed(lambda: cdev.copy_(chost, non_blocking=True), total)[0],
+        "contig_d2h": timed(lambda: chost.copy_(cdev, non_blocking=True), total)[0],  # noqa: B023
+        "contig_h2d": timed(lambda: cdev.copy_(chost, non_blocking=True), total)[0],  # noqa: B023
     }
     for variant in ("base", "first4", "flat", "wide"):
         patch(variant)
         mover = Mover(dpool, hpool)
-        d2h = timed(lambda: mover.device_to_host(src, hp), total)
-        h2d = timed(lambda: mover.host_to_device(hp, src), total)
+        d2h = timed(lambda: mover.device_to_host(src, hp), total)  # noqa: B023
+        h2d = timed(lambda: mover.host_to_device(hp, src), total)  # noqa: B023
         op = mover.device_to_host(src[:4], hp[:4])
         op.wait()
         paths = dict(op.paths)
@@ -105,7 +105,7 @@ for fam, ps in [
         print(fam, ps, variant, row[variant], flush=True)
     row["paths_small_batch"] = paths
     res[f"{fam}/{ps}"] = row
-    del dpool, hpool, cdev, chost, mover
+    dpool = hpool = cdev = chost = mover = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()
 
 # Device-local gather rate of staging kernels (GB/s of rows copied).
@@ -129,4 +129,5 @@ for name, words in [("mla_ps16_row", 16 * 576 * 2 // 8), ("state_row", 77824 * 2
             gathers[f"{name} ctas {ctas} tile_words {tw}"] = round(gb, 1)
             print(name, ctas, tw, round(gb, 1), flush=True)
 res["gathers"] = gathers
-json.dump(res, open(f"{OUT}/probe3.json", "w"), indent=1)
+with open(f"{OUT}/probe3.json", "w") as fh:
+    json.dump(res, fh, indent=1)

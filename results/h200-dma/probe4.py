@@ -33,7 +33,9 @@ def measure(fn, total, hold):
         e1.record()
         e1.synchronize()
         t2 = time.perf_counter()
-        out.append((total / (e0.elapsed_time(e1) / 1e3) / 1e9, total / (t2 - t0) / 1e9, (t1 - t0) * 1e3))
+        out.append(
+            (total / (e0.elapsed_time(e1) / 1e3) / 1e9, total / (t2 - t0) / 1e9, (t1 - t0) * 1e3)
+        )
     best = max(out[1:])
     return [round(x, 2) for x in best]
 
@@ -52,15 +54,22 @@ for fam in ("mla", "dense", "hybrid"):
     chost = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     row = {}
     for hold in (False, True):
-        row[f"contig hold={hold}"] = measure(lambda: chost.copy_(cdev, non_blocking=True), total, hold)
+        row[f"contig hold={hold}"] = measure(
+            lambda: chost.copy_(cdev, non_blocking=True),  # noqa: B023
+            total,
+            hold,
+        )
         for first in (4 << 20, 16 << 20, 1 << 50):
             plan.FIRST_SLICE_BYTES = first
             m = Mover(dpool, hpool)
             row[f"staged first={first >> 20}MiB hold={hold}"] = measure(
-                lambda: m.device_to_host(src, hp), total, hold
+                lambda: m.device_to_host(src, hp),  # noqa: B023
+                total,
+                hold,
             )
     print(fam, json.dumps(row), flush=True)
     res[fam] = row
-    del dpool, hpool, cdev, chost
+    dpool = hpool = cdev = chost = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()
-json.dump(res, open(f"{OUT}/probe4.json", "w"), indent=1)
+with open(f"{OUT}/probe4.json", "w") as fh:
+    json.dump(res, fh, indent=1)

@@ -59,4 +59,5 @@ for name, feed, dma in (("whole", False, True), ("fed", True, True), ("kernels",
         }
         print(res["fed backups=4, caller busy"], flush=True)
     m.close()
-json.dump(res, open(f"{OUT}/probe5.json", "w"), indent=1)
+with open(f"{OUT}/probe5.json", "w") as fh:
+    json.dump(res, fh, indent=1)

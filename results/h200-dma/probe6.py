@@ -77,8 +77,14 @@ res["mover kernel h2d"] = best(lambda: m.host_to_device(hp, dp).wait())
 m.dma = True
 res["mover chosen d2h"] = best(lambda: m.device_to_host(dp, hp).wait())
 res["mover chosen h2d"] = best(lambda: m.host_to_device(hp, dp).wait())
-for k in ("blocks d2h", "blocks h2d", "mover kernel d2h", "mover kernel h2d", "mover chosen d2h",
-          "mover chosen h2d"):
+for k in (
+    "blocks d2h",
+    "blocks h2d",
+    "mover kernel d2h",
+    "mover kernel h2d",
+    "mover chosen d2h",
+    "mover chosen h2d",
+):
     print(k, res[k], flush=True)
 # Where the mover's time goes: wall time of the call, of the wait, and the GPU ops it ran.
 m.dma = False
@@ -95,4 +101,5 @@ with torch.profiler.profile(
 ) as prof:
     m.device_to_host(dp, hp).wait()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-json.dump(res, open(f"{OUT}/probe6.json", "w"), indent=1)
+with open(f"{OUT}/probe6.json", "w") as fh:
+    json.dump(res, fh, indent=1)

@@ -92,7 +92,7 @@ def best(fn, nbytes):  # noqa: ANN001, ANN201
 
 res["contiguous d2h"] = best(lambda: b.copy_(a, non_blocking=True), TOTAL // 2)
 res["contiguous h2d"] = best(lambda: a.copy_(b, non_blocking=True), TOTAL // 2)
-del a, b
+a = b = None  # freed (the closures above refer to these names)
 print("contiguous", res["contiguous d2h"], res["contiguous h2d"], flush=True)
 dbuf = torch.empty(TOTAL // 8, dtype=torch.int64, device=dev)
 hbuf = torch.empty(TOTAL // 8, dtype=torch.int64, pin_memory=True)
@@ -109,10 +109,10 @@ for kib in (2, 4, 8, 16, 32, 64, 128, 256):
     drg, hrg = dr.to(dev), hr.to(dev)
     nb = TOTAL // 2
     r = {
-        "blocks d2h": best(lambda: dma.copy_blocks(ha, da, z, side), nb),
-        "blocks h2d": best(lambda: dma.copy_blocks(da, ha, z, side), nb),
-        "kernel d2h": best(lambda: rows.copy_rows(dv, drg, mv, hrg, rows.PCIE_CTAS), nb),
-        "kernel h2d": best(lambda: rows.copy_rows(mv, hrg, dv, drg, rows.PCIE_CTAS), nb),
+        "blocks d2h": best(lambda: dma.copy_blocks(ha, da, z, side), nb),  # noqa: B023
+        "blocks h2d": best(lambda: dma.copy_blocks(da, ha, z, side), nb),  # noqa: B023
+        "kernel d2h": best(lambda: rows.copy_rows(dv, drg, mv, hrg, rows.PCIE_CTAS), nb),  # noqa: B023
+        "kernel h2d": best(lambda: rows.copy_rows(mv, hrg, dv, drg, rows.PCIE_CTAS), nb),  # noqa: B023
     }
     res[f"rows {kib} KiB"] = r
     print(f"rows {kib} KiB", r, flush=True)
@@ -124,8 +124,11 @@ hp2 = HostPool([spec], 1024, 16, layout="layer_first", pin=True)
 m2 = Mover(dp2, hp2)
 dpg, hpg = torch.randperm(1024)[:512], torch.randperm(1024)[:512]
 for direction in ("d2h", "h2d"):
-    call = (lambda: m2.device_to_host(dpg, hpg)) if direction == "d2h" else (
-        lambda: m2.host_to_device(hpg, dpg))
+    call = (
+        (lambda: m2.device_to_host(dpg, hpg))
+        if direction == "d2h"
+        else (lambda: m2.host_to_device(hpg, dpg))
+    )
     call().wait()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -140,4 +143,5 @@ for direction in ("d2h", "h2d"):
     res[f"mover {direction} call ms"] = [round(c, 3) for c in calls]
     print(direction, op.paths, "call ms", res[f"mover {direction} call ms"], flush=True)
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-json.dump(res, open(f"{OUT}/probe7.json", "w"), indent=1)
+with open(f"{OUT}/probe7.json", "w") as fh:
+    json.dump(res, fh, indent=1)

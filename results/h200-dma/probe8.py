@@ -24,14 +24,28 @@ from kvtier.engine import LLM, ModelConfig, SamplingParams
 
 OUT = os.environ.get("OUT", "/tmp")
 dev = torch.device("cuda")
-cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                  num_heads=32, num_kv_heads=8, head_dim=128, max_position=4096, dtype="bfloat16")
+cfg = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position=4096,
+    dtype="bfloat16",
+)
 with dev:
     model = _DeviceInitLM(cfg)
 model.fill_random(0)
 pages = 2048 + 8
-cache = CacheConfig(page_size=16, device_pages=pages + DECODE_PAGES, host_pages=2 * pages,
-                    device="cuda", host_layout="page_first")
+cache = CacheConfig(
+    page_size=16,
+    device_pages=pages + DECODE_PAGES,
+    host_pages=2 * pages,
+    device="cuda",
+    host_layout="page_first",
+)
 llm = LLM(model, cache, max_running=DECODE_BATCH)
 mover = llm.cache.controller.mover
 pacer = mover.pacer
@@ -133,4 +147,5 @@ else:
     run("paced", k)
     run("paced kernels", k, use_dma=False)
     run("unpaced", k, paced=False)
-json.dump(res, open(f"{OUT}/probe8{'_shares' if SHARES else ''}.json", "w"), indent=1)
+with open(f"{OUT}/probe8{'_shares' if SHARES else ''}.json", "w") as fh:
+    json.dump(res, fh, indent=1)

@@ -35,9 +35,10 @@ for cell, kw in cells.items():
     for kind in ("chosen", "kernels", "copy engines"):
         mover_mod.choose = chosen if kind == "chosen" else forced(kind)
         r = bench_transfer(target_mib=1024, repeats=3, **kw)
-        runs = r["families"] if "families" in r else {cell: r}
+        runs = r.get("families", {cell: r})
         for name, run in runs.items():
             row = {d: (round(run[d]["ratio"], 2), run[d]["paths"]) for d in ("d2h", "h2d", "both")}
             res[f"{cell} {name} {kind}"] = row
             print(cell, name, kind, row, flush=True)
-json.dump(res, open(f"{OUT}/probe9.json", "w"), indent=1)
+with open(f"{OUT}/probe9.json", "w") as fh:
+    json.dump(res, fh, indent=1)

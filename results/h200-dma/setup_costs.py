@@ -45,28 +45,33 @@ for _ in range(22):
     t_all = time.perf_counter()
     pages, op = step("begin", lambda: mover._begin("d2h", src, ho))
     part = pages["kv"]
-    step("choose", lambda: choose(geo, "d2h", part.host, part.device))
+    step("choose", lambda: choose(geo, "d2h", part.host, part.device))  # noqa: B023
     with torch.cuda.stream(stream):
         layers, page_bytes = geo.layers, geo.layers * geo.row_bytes
-        slices = step("slices", lambda: staging_slices(n, page_bytes, STAGING_BYTES, "d2h"))
-        hg, dg = step("on_gpu", lambda: part.on_gpu(DEV, op))
-        rows = step("device_rows", lambda: geo.device_rows(dg, page_major=True))
+        slices = step("slices", lambda: staging_slices(n, page_bytes, STAGING_BYTES, "d2h"))  # noqa: B023
+        hg, dg = step("on_gpu", lambda: part.on_gpu(DEV, op))  # noqa: B023
+        rows = step("device_rows", lambda: geo.device_rows(dg, page_major=True))  # noqa: B023
         largest = max(slices)
-        st = step("stage_rows", lambda: torch.arange(largest * layers, device=DEV))
+        st = step("stage_rows", lambda: torch.arange(largest * layers, device=DEV))  # noqa: B023
         words = r.device.shape[1]
         bufs = step(
             "buffers",
-            lambda: [torch.empty((largest * layers, words), dtype=r.device.dtype, device=DEV) for _ in range(2)],
+            lambda: [
+                torch.empty((largest * layers, words), dtype=r.device.dtype, device=DEV)  # noqa: B023
+                for _ in range(2)
+            ],
         )
         step("wait_stream", lambda: helper.wait_stream(stream))
         k = slices[0]
 
         def first() -> None:
-            host_at = _addresses(r.host, part.host[:k], page_bytes)
-            stage_at = np.uint64(bufs[0].data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(page_bytes)
-            sizes = np.full(k, page_bytes, dtype=np.uint64)
+            host_at = _addresses(r.host, part.host[:k], page_bytes)  # noqa: B023
+            stage_at = np.uint64(bufs[0].data_ptr()) + np.arange(k, dtype=np.uint64) * np.uint64(  # noqa: B023
+                page_bytes  # noqa: B023
+            )
+            sizes = np.full(k, page_bytes, dtype=np.uint64)  # noqa: B023
             with torch.cuda.stream(helper):
-                queue_rows(r.device, rows[: k * layers], bufs[0], st[: k * layers], op, 64)
+                queue_rows(r.device, rows[: k * layers], bufs[0], st[: k * layers], op, 64)  # noqa: B023
                 ready = _record(helper)
             stream.wait_event(ready)
             dma.copy_blocks(*dma.coalesce(host_at, stage_at, sizes), stream)

@@ -53,23 +53,23 @@ for fam in os.environ.get("FAMILIES", "mla,dense").split(","):
             local.forced = forced
             b, ld = mover.exchange(backup, load)
             b.wait(), ld.wait(), b.complete()
-            paths[tag] = {"d2h": b.paths, "h2d": ld.paths, "pages": [b.num_pages, ld.num_pages]}
+            paths[tag] = {"d2h": b.paths, "h2d": ld.paths, "pages": [b.num_pages, ld.num_pages]}  # noqa: B023
 
         def both() -> None:
             # Y (kernel backup, staged load) from the worker; X (staged backup, kernel load) here.
             fy = pool.submit(
                 half,
-                y,
+                y,  # noqa: B023
                 {"d2h": plan.KERNEL, "h2d": plan.STAGED},
-                (src[j:], hback[j:]),
-                (hload[k:], dst[k:]),
+                (src[j:], hback[j:]),  # noqa: B023
+                (hload[k:], dst[k:]),  # noqa: B023
                 "y",
             )
             half(
-                x,
+                x,  # noqa: B023
                 {"d2h": plan.STAGED, "h2d": plan.KERNEL},
-                (src[:j], hback[:j]),
-                (hload[:k], dst[:k]),
+                (src[:j], hback[:j]),  # noqa: B023
+                (hload[:k], dst[:k]),  # noqa: B023
                 "x",
             )
             fy.result()
@@ -88,5 +88,5 @@ for fam in os.environ.get("FAMILIES", "mla,dense").split(","):
         res["cells"][fam] = cell
         with open(f"{OUT}/split_directions.json", "w") as f:
             json.dump(res, f, indent=1)
-    del x, y, dpool, hpool, pair
+    x = y = dpool = hpool = pair = None  # freed (the closures above refer to these names)
     torch.cuda.empty_cache()

@@ -17,7 +17,8 @@ import torch
 from kvtier.bench import ttft as bt
 from kvtier.bench.decode_stall import release_pools
 from kvtier.config import CacheConfig
-from kvtier.engine import LLM, ModelConfig, SamplingParams, graphs, llm as llm_mod, runner
+from kvtier.engine import LLM, ModelConfig, SamplingParams, graphs, runner
+from kvtier.engine import llm as llm_mod
 
 OUT = os.environ.get("OUT", "/tmp")
 PS, PAGES, BATCH, STEPS = 16, 2048, 32, 24
@@ -67,7 +68,10 @@ def main() -> None:
     torch.cuda.CUDAGraph.replay = replay
     res = {}
     rng = random.Random(0)
-    for label, share, in_flight in (("alone", 0.8, 0), ("paced", float(os.environ.get("SHARE", "0.8")), 2)):
+    for label, share, in_flight in (
+        ("alone", 0.8, 0),
+        ("paced", float(os.environ.get("SHARE", "0.8")), 2),
+    ):
         release_pools()
         c = CacheConfig(
             page_size=PS, device_pages=(in_flight + 1) * PAGES + 512,
@@ -112,7 +116,9 @@ def main() -> None:
             torch.cuda.synchronize()
             row = {k: round(v / STEPS * 1e3, 3) for k, v in acc.items()}
             row["step_ms"] = round(total / STEPS * 1e3, 3)
-            row["graph_gpu_ms"] = round(sum(a.elapsed_time(b) for a, b in gpu) / max(1, len(gpu)), 3)
+            row["graph_gpu_ms"] = round(
+                sum(a.elapsed_time(b) for a, b in gpu) / max(1, len(gpu)), 3
+            )
             row["graphs_replayed"] = len(gpu)
             row["backup_gbps"] = round((llm.cache.stats()["backup_bytes"] - done0) / total / 1e9, 1)
             print(label, rep, row, flush=True)
