@@ -73,7 +73,7 @@ WRITE_CHUNK = 1 << 20
 """Payload bytes per write syscall: each piece is digested just before it is written, so the
 write copies it from the core's cache. Against 256 KiB pieces, 1 MiB pieces measured writes
 of 1.01 against 0.94 of plain I/O for 1 MiB objects and 0.99 against 0.75 for 2 MiB ones
-(``scripts/probes/file_tier_ab.py``, CHUNK=...); a single write of 2 MiB or more into a new
+(``results/file-tier/file_tier_ab.py``, CHUNK=...); a single write of 2 MiB or more into a new
 file ran at times ten times slower than 1 MiB pieces here (``results/file-tier/``, run w)."""
 
 READ_CHUNK = 2 << 20
@@ -81,7 +81,7 @@ READ_CHUNK = 2 << 20
 (one ``preadv`` and one digest for objects up to this size). Reading 2 MiB objects in one
 piece instead of two 1 MiB pieces measured 6.96-7.36 against 6.65-6.85 GB/s on two I/O
 threads in four runs, and 4 MiB objects in 2 MiB pieces 7.14 against 6.84 (1 MiB pieces;
-``scripts/probes/file_read_ceiling.py``, ``results/file-tier/`` run x); 256 KiB pieces were
+``results/file-tier/file_read_ceiling.py``, ``results/file-tier/`` run x); 256 KiB pieces were
 slower at both sizes."""
 
 
@@ -117,7 +117,7 @@ ALIGNED_MIN = 128 << 10
 """Payloads of at least this many bytes start at ``PAYLOAD_ALIGN`` in their file, after the
 header and zeros: the page cache copies page-aligned file ranges into page-aligned buffers
 faster (1 MiB files read 8.5 / 7.8 GB/s with the payload 112 bytes in, 10.8 / 9.5 at 4096,
-two runs on the 2-core reference host; ``scripts/probes/file_payload_align.py``). Smaller
+two runs on the 2-core reference host; ``results/file-tier/file_payload_align.py``). Smaller
 ones follow the header: a page of padding would be a large share of them (and large rounds
 of them are packs, ``file_pack``, aligned as a whole)."""
 PAYLOAD_ALIGN = 4096

@@ -19,7 +19,7 @@ Packs are published whole (``file_io.publish``) and never modified; they leave t
 
 Payloads start on a page boundary: the page cache copies page-aligned file ranges into
 page-aligned buffers about a fifth faster than ranges 16 + 112 * count bytes off
-(``scripts/probes/pack_read_scaling.py``). Version 1 packs, without the padding or group
+(``results/file-tier/pack_read_scaling.py``). Version 1 packs, without the padding or group
 digests, read as a ``format`` fault and are deleted at start-up.
 
 Group digests are a shortcut, never the authority: a read of a whole group into back-to-back
