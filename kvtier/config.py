@@ -201,8 +201,8 @@ class CacheConfig:
     block lists; a CUDA driver without batched copies then fails at start). CPU caches copy
     synchronously whatever the choice."""
     compaction: str = "auto"
-    """When a window pool's device arena (``kvtier.pools.arena``) relocates pages to close its
-    holes: ``auto`` when an allocation finds room only in pieces, ``eager`` before every
+    """When a window pool's device arena (``kvtier.pools.unified_pool``) relocates pages to
+    close its holes: ``auto`` when an allocation finds room only in pieces, ``eager`` before every
     allocation (moves pages as often as possible: for testing), ``off`` never (an allocation
     that finds room only in pieces fails, and pages are evicted instead)."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)

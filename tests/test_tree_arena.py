@@ -11,7 +11,7 @@ from tree_helpers import NS, PS, snapshot
 
 from kvtier.errors import IntegrityError
 from kvtier.tree import RadixTree
-from kvtier.tree.arena import TokenArena
+from kvtier.tree.token_arena import TokenArena
 from kvtier.tree.tokens import TOKEN_BYTES
 
 

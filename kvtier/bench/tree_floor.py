@@ -39,9 +39,8 @@ import time
 import numpy as np
 
 from kvtier.bench.tree_sides import KvtierSide, Workload, packed
-from kvtier.tree.arena import memequal
 from kvtier.tree.node import Node
-from kvtier.tree.tokens import TOKEN_BYTES
+from kvtier.tree.tokens import TOKEN_BYTES, memequal
 
 
 def floors(seed: int = 0, n_ops: int = 40) -> dict:

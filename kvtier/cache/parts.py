@@ -22,10 +22,10 @@ from kvtier.keys import Namespace, cache_namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities, create_backend
 from kvtier.transfer.translate import DeviceKV, PageTranslator, device_view

@@ -49,16 +49,15 @@ from kvtier.metrics import prometheus_registry
 from kvtier.paging import align_down
 from kvtier.parallel.acks import all_ranks
 from kvtier.parallel.group import Group
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.results import truncate_match
-from kvtier.tree.tails import unpin_tail
 
 
 class TieredCache:
@@ -246,7 +245,7 @@ class TieredCache:
                 locs, h.tail_copy = copied
             # Either way the request no longer reads the cached tail: unpinned, it can be
             # evicted for the request's own pages (a pool sized for the request still fits).
-            h.node = unpin_tail(self.tree, h.node)
+            h.node = self.tree.unpin_tail(h.node)
         ld = LoadResult(locs, *served.tokens, layer_events=layer_events, state_source=served.last)
         h.load_result, h.moved_nodes = ld, served.moved
         return ld

@@ -3,7 +3,8 @@ rows between the engine's pages and cached ones (their figures and invariants: `
 
 A pool set with a ``window`` component (sliding-window layers) lives in a ``UnifiedPool``: the
 anchor and the window component share one byte arena, a page's window rows exist only while a
-query's window may read them, and the arena may relocate pages (``kvtier.pools.arena``).
+query's window may read them, and the arena may relocate pages
+(``kvtier.pools.unified_pool``).
 
 Who knows where a page's window rows are (one owner per tier):
 
@@ -26,7 +27,7 @@ from kvtier.pools.spec import PoolSpec
 
 if TYPE_CHECKING:
     from kvtier.config import CacheConfig
-    from kvtier.pools.arena import UnifiedPool
+    from kvtier.pools.unified_pool import UnifiedPool
     from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
 

@@ -24,8 +24,8 @@ from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.host import HostPool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node

@@ -35,9 +35,9 @@ from kvtier.parallel.alloc import check_tree_owners
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover

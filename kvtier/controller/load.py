@@ -16,8 +16,8 @@ from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.errors import IntegrityError
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree

@@ -19,7 +19,7 @@ import torch
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
-from kvtier.pools.arena import UnifiedPool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree

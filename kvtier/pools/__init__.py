@@ -27,9 +27,9 @@ So with ``page_size=16`` and a 64-token sidecar, ``device_pages=256`` holds 256 
 """
 
 from kvtier.pools.allocator import PageAllocator
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec
+from kvtier.pools.unified_pool import UnifiedPool
 
 __all__ = ["DevicePool", "HostPool", "PageAllocator", "PoolSpec", "UnifiedPool"]

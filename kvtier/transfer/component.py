@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import bytes_view
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer import dma
 from kvtier.transfer.chunks import queue_all
 from kvtier.transfer.mapped import map_pinned

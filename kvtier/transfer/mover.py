@@ -20,9 +20,9 @@ import torch
 
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.paging import check_page_ids
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.chunks import interleave, queue_all
 from kvtier.transfer.component import component_rows
 from kvtier.transfer.mechanisms import Mechanisms
@@ -52,7 +52,7 @@ class Mover:
     (both sides, once per batch, before any mechanism sees them). ``mechanism`` is one of
     ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``.
 
-    A :class:`~kvtier.pools.arena.UnifiedPool` is translated per component (its
+    A :class:`~kvtier.pools.unified_pool.UnifiedPool` is translated per component (its
     ``ArenaTranslator``, the default for it): each component copies only the pages holding an
     envelope of it (a page without a window envelope keeps its host window rows untouched).
     Every op on it leases its logical device pages once validated, so compaction cannot move

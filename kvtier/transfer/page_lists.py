@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.pools.arena import UnifiedPool
+from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.staging import host_breaks
 from kvtier.transfer.streams import recorded

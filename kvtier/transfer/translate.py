@@ -19,10 +19,10 @@ import torch
 
 from kvtier.config import TRANSFER_MECHANISMS
 from kvtier.errors import ConfigError, IntegrityError
-from kvtier.pools.arena import UnifiedPool
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec
+from kvtier.pools.unified_pool import UnifiedPool
 
 MECHANISMS = TRANSFER_MECHANISMS
 """``CacheConfig.transfer_mechanism`` choices (see ``kvtier.transfer.plan.choose``)."""
@@ -99,8 +99,8 @@ class PermutationTranslator:
 
 
 class ArenaTranslator:
-    """A :class:`~kvtier.pools.arena.UnifiedPool`: device pages are the base units of each
-    component's envelope (``-1`` where a page has none; they move when the pool compacts,
+    """A :class:`~kvtier.pools.unified_pool.UnifiedPool`: device pages are the base units of
+    each component's envelope (``-1`` where a page has none; they move when the pool compacts,
     so translate again for every transfer), host pages are the identity."""
 
     __slots__ = ("pool",)

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvtier.errors import IntegrityError
+from kvtier.tree.eviction import EvictionIndex, IndexedTree
 from kvtier.tree.tokens import TOKEN_BYTES
 
 if TYPE_CHECKING:
-    from kvtier.tree.radix import RadixTree
+    from kvtier.tree.node import CopyTier
 
 
-def check_tree(tree: RadixTree) -> None:
+class CheckedTree(IndexedTree, Protocol):
+    """What the checks read of a tree (``RadixTree`` is one)."""
+
+    eviction: EvictionIndex
+
+    def held_pages(self, tier: CopyTier) -> torch.Tensor:
+        """All page ids the tree holds in ``tier``."""
+        ...
+
+
+def check_tree(tree: CheckedTree) -> None:
     """Structure, residency, partial-tail and reference-count invariants of ``tree``; raises
     ``IntegrityError`` naming the node.
 
@@ -46,7 +57,7 @@ def check_tree(tree: RadixTree) -> None:
             raise IntegrityError(f"{ctx}: no copy in any tier")
         pages = n.num_pages(ps)
         for tier in ("device", "host"):
-            c = tree._copy(n, tier)
+            c = n.device if tier == "device" else n.host
             if c is not None and c.numel() != pages:
                 raise IntegrityError(f"{ctx}: {tier} copy has {c.numel()} pages, not {pages}")
         if n.ckpt is not None and n.ckpt.numel() != pages:

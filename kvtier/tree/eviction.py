@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,14 +27,32 @@ from kvtier.tree.results import Evicted
 from kvtier.tree.tokens import TOKEN_BYTES
 
 if TYPE_CHECKING:
-    from kvtier.tree.radix import RadixTree
+    from kvtier.tree.eviction_order import EvictionPolicy
+    from kvtier.tree.token_arena import TokenArena
+
+
+class IndexedTree(Protocol):
+    """What the eviction index reads of its tree (``RadixTree`` is one)."""
+
+    page_size: int
+    root: Node
+    policy: EvictionPolicy
+    arena: TokenArena
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node except the root."""
+        ...
+
+    def subtree(self, node: Node) -> Iterator[Node]:
+        """``node`` and every node below it."""
+        ...
 
 
 class EvictionIndex:
     """The eviction queues of one ``RadixTree`` (``tree``) and the residency changes that
     keep them current."""
 
-    def __init__(self, tree: RadixTree) -> None:
+    def __init__(self, tree: IndexedTree) -> None:
         self.tree = tree
         self.device_leaves: set[Node] = set()
         self._device_heap: list[tuple] = []

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from kvtier.keys import PageKey
 from kvtier.tree.tokens import TOKEN_BYTES, to_tuple
+
+CopyTier = Literal["device", "host"]
+"""The tiers that hold page copies a node records (storage holds objects, by key)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -58,7 +62,7 @@ class Node:
     tails: int = 0
     addr: int = 0
     """Address of ``buf``'s first byte when ``buf`` is a run in the tree's token arena (a
-    read-only ``memoryview``, ``kvtier.tree.arena``); 0 when ``buf`` is ``bytes``."""
+    read-only ``memoryview``, ``kvtier.tree.token_arena``); 0 when ``buf`` is ``bytes``."""
 
     @property
     def num_tokens(self) -> int:

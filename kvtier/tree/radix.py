@@ -8,41 +8,91 @@ Lock protocol: ``match`` is read-only and returns a ``TreeMatch``; the caller ``
 before any other tree call (which may split the matched node so the lock covers exactly the
 matched pages) and ``unlock``s it when done. A locked node keeps a usable copy in some tier.
 Residency changes and eviction are in ``kvtier.tree.eviction``.
+
+Partial tails: lookups of the children that hold a leaf's last, partial page. A partial tail is
+a page with fewer than ``page_size`` valid tokens (the rest of the physical page is padding); it
+is always the last page of a leaf. A node consisting of one partial page is keyed in its
+parent's ``children`` by all its packed tokens (a key shorter than a page), so a whole-page
+lookup never finds it; ``Node.tails`` counts such children so that nodes without any skip these
+scans (``tail_child``, ``shorter_tail``).
+
+Rules (``RadixTree.match`` / ``insert``)::
+
+    request tokens vs a cached tail of r valid tokens    match        insert (device tier)
+    equal on all r, and run on past them                 r tokens     replaces the tail *
+    equal on all r, and end there                        r tokens     duplicate (freed)
+    end inside the tail (fewer than r follow)            0 of it      new sibling tail
+    diverge inside the tail                              0 of it      new sibling
+
+    * the tail node is dropped with every copy (device, host) when unlocked and idle
+      (no lock, no device or host I/O); otherwise the caller's pages from that page on are
+      duplicates. Host-tier inserts (storage fetches) never drop a tail.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Literal
 
 import torch
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
-from kvtier.tree.arena import TokenArena, memequal
 from kvtier.tree.checks import check_tree
 from kvtier.tree.eviction import EvictionIndex
-from kvtier.tree.node import Node
-from kvtier.tree.policy import EvictionPolicy, make_policy
+from kvtier.tree.eviction_order import EvictionPolicy, make_policy
+from kvtier.tree.node import CopyTier, Node
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch, add_range
-from kvtier.tree.split import split_node
-from kvtier.tree.tails import shorter_tail, tail_child
-from kvtier.tree.tokens import TOKEN_BYTES, Tokens, address, common_len, list_head, packed, unpack
+from kvtier.tree.token_arena import TokenArena
+from kvtier.tree.tokens import (
+    TOKEN_BYTES,
+    Tokens,
+    address,
+    common_len,
+    list_head,
+    memequal,
+    packed,
+    unpack,
+)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-CopyTier = Literal["device", "host"]
-"""The tiers that hold page copies a node records (storage holds objects, by key)."""
 
 SplitHook = Callable[[Node, Node, int], None]
 """Called as ``hook(prefix, suffix, n_pages)`` after ``suffix`` lost its first pages to a new
 parent ``prefix``; owners of in-flight work on ``suffix`` re-attribute it."""
 
 
+def tail_child(node: Node, qm: memoryview, pos: int, page_size: int) -> Node | None:
+    """The longest single-page partial-tail child of ``node`` whose tokens all equal the
+    query's first ones from token ``pos`` on (``qm``: the query's packed bytes,
+    ``kvtier.tree.tokens``), or ``None``."""
+    if not node.tails:
+        return None
+    w = qm[pos * TOKEN_BYTES : (pos + page_size - 1) * TOKEN_BYTES].tobytes()
+    get = node.children.get
+    for end in range(len(w), 0, -TOKEN_BYTES):
+        child = get(w[:end])
+        if child is not None:
+            return child
+    return None
+
+
+def shorter_tail(node: Node, key: bytes, page_size: int) -> Node | None:
+    """The longest single-page partial-tail child of ``node`` whose tokens are a proper
+    prefix of ``key`` (the packed next page, whole or partial, of an insert), or ``None``."""
+    if not node.tails:
+        return None
+    get = node.children.get
+    for end in range(min(len(key), page_size * TOKEN_BYTES) - TOKEN_BYTES, 0, -TOKEN_BYTES):
+        child = get(key[:end])
+        if child is not None:
+            return child
+    return None
+
+
 class RadixTree:
     """Pages of ``page_size`` tokens; nodes split only on page boundaries. Lengths count
-    valid tokens: a leaf's last page may be a partial tail (``kvtier.tree.tails``)."""
+    valid tokens: a leaf's last page may be a partial tail (see the module docstring)."""
 
     def __init__(
         self, page_size: int, policy: EvictionPolicy | str = "lru", host_flags: bool = False
@@ -59,7 +109,7 @@ class RadixTree:
         self.eviction = EvictionIndex(self)
         """The eviction queues, told of every residency, lock and shape change."""
         self.arena = TokenArena()
-        """Where long nodes keep their tokens (``kvtier.tree.arena``)."""
+        """Where long nodes keep their tokens (``kvtier.tree.token_arena``)."""
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: Tokens) -> TreeMatch:
@@ -162,7 +212,7 @@ class RadixTree:
         ``checkpoints`` (bool per page, state models) says which pages' state rows are valid; a
         node adopting a copy keeps a checkpoint only where both copies have one.
 
-        Partial tails (``kvtier.tree.tails``): tokens that run on past a cached partial tail
+        Partial tails (the module docstring): tokens that run on past a cached partial tail
         (a longer tail, or a whole page) replace it when ``tier`` is ``device`` and the tail is
         unlocked and idle: its node is dropped with every copy (``dropped``, the caller frees
         them). Otherwise the caller's pages from that page on are returned as duplicates.
@@ -282,8 +332,39 @@ class RadixTree:
             raise IntegrityError(f"unknown tier {tier!r}")
 
     def _split(self, node: Node, n: int) -> Node:
-        """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent."""
-        return split_node(self, node, n)
+        """Move the first ``n`` pages of ``node`` into a new parent; returns the new parent.
+        Both parts keep the locks, I/O counts and copies (sliced); split hooks run last."""
+        page = self.page_size * TOKEN_BYTES
+        cut = n * page
+        parent = node.parent
+        if parent is None:
+            raise IntegrityError(f"split of a node outside the tree: {node!r}")
+        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut], addr=node.addr)
+        new.device = node.device[:n] if node.device is not None else None
+        new.host = node.host[:n] if node.host is not None else None
+        new.keys = node.keys[:n] if node.keys is not None else None
+        new.ckpt = node.ckpt[:n] if node.ckpt is not None else None
+        new.in_storage, new.origin = node.in_storage, node.origin
+        self.eviction.hosted += new.host is not None
+        new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
+        new.last_access, new.hits = node.last_access, node.hits
+        parent.children[bytes(node.buf[:page])] = new
+        node.buf = node.buf[cut:]  # an arena run: a view of the same bytes, no copy
+        node.addr += cut if node.addr else 0
+        node.device = node.device[n:] if node.device is not None else None
+        node.host = node.host[n:] if node.host is not None else None
+        node.keys = node.keys[n:] if node.keys is not None else None
+        node.ckpt = node.ckpt[n:] if node.ckpt is not None else None
+        node.parent = new
+        new.children[bytes(node.buf[:page])] = node
+        new.tails = int(len(node.buf) < page)
+        self.arena.adopt(new)
+        self.eviction.refresh_leaf(new)
+        if new.host is not None:
+            self.eviction.queue_host(new)
+        for hook in self.split_hooks:
+            hook(new, node, n)
+        return new
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
         """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""
@@ -323,6 +404,26 @@ class RadixTree:
         if not 0 < pages < node.num_pages(self.page_size):
             raise IntegrityError(f"split of {node!r} at page {pages}")
         return self._split(node, pages)
+
+    def unpin_tail(self, node: Node) -> Node:
+        """Move a request's lock off the partial tail ending at ``node`` (its lock node) once
+        the request no longer reads it (it got a tail copy, or recomputes the tail): the tail
+        becomes evictable and replaceable, so the request needs no page beyond its own. Splits
+        a node that has whole pages before its tail. Returns the new lock node (the root when
+        nothing is left). A tail still being loaded from host (``host_io``) keeps the lock: its
+        device pages must not be reused under the copy."""
+        ps = self.page_size
+        if node is self.root or not node.tail(ps) or node.host_io:
+            return node
+        if node.num_pages(ps) > 1:
+            self.split(node, node.num_pages(ps) - 1)
+        parent = node.parent
+        if parent is None:
+            raise IntegrityError(f"unpin of a detached tail {node!r}")
+        self.unlock(node)
+        if parent is not self.root:
+            self.lock_node(parent, hit=False)
+        return parent
 
     # ---- residency (kept current in the eviction queues) --------------------------------
     def set_device(self, node: Node, pages: torch.Tensor) -> None:

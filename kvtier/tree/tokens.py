@@ -16,6 +16,8 @@ and cast once by numpy; lists and tuples are packed once by ``struct``.
 from __future__ import annotations
 
 import array
+import ctypes
+import ctypes.util
 import struct
 from collections.abc import Sequence
 from typing import Union
@@ -24,12 +26,32 @@ import numpy as np
 import torch
 
 from kvtier.errors import RequestError
-from kvtier.tree.arena import memequal
 
 TOKEN_BYTES = 4
 """Bytes per stored token (int32)."""
 TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
 """The token ids the tree can hold (int32)."""
+
+
+def _libc_fn(name: str, restype: type, argtypes: list) -> object | None:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(lib, name)
+    except (OSError, AttributeError, TypeError):  # no C library to load (not a POSIX system)
+        return None
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+_memcmp = _libc_fn("memcmp", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t])
+HAS_MEMCMP = _memcmp is not None
+"""Whether ``memequal`` works here (a C library to load); without it the token arena is off."""
+
+
+def memequal(a: int, b: int, n: int) -> bool:
+    """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal (callers keep both alive)."""
+    return _memcmp(a, b, n) == 0  # type: ignore[misc,operator]
+
 
 Tokens = Union[Sequence[int], np.ndarray, torch.Tensor, "array.array[int]"]
 """Token containers the tree accepts: lists, tuples, ``array('i')`` (or any integer typecode),
@@ -136,7 +158,7 @@ def common_len(
     query's packed bytes): all of them (a partial last page included) when they all match,
     else its whole pages before the first differing token (or before the query's end).
     ``addr``/``qaddr``: the addresses of ``buf`` and ``qm`` when ``buf`` is an arena run
-    (``kvtier.tree.arena``), compared by ``memcmp``; else ``buf`` is ``bytes``. ``differs``:
+    (``kvtier.tree.token_arena``), compared by ``memcmp``; else ``buf`` is ``bytes``. ``differs``:
     the caller already found that not all of ``buf`` matches (skips that compare)."""
     at, size = pos * TOKEN_BYTES, len(buf)
     avail = min(size, len(qm) - at)

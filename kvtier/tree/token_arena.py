@@ -1,11 +1,12 @@
 """Token arena: long token runs packed into large, huge-page-backed chunks.
 
-A node's tokens are packed int32 bytes (``kvtier.tree.tokens``). Short runs are ``bytes``
-objects. A long run (``MIN_RUN`` bytes or more: a long prompt) is copied into the arena instead
-and the node holds a read-only ``memoryview`` of it plus its address (``Node.addr``, for
-``memcmp``). Why: a fresh ``bytes`` object of a few hundred KiB is a fresh ``mmap`` that faults
-in one 4 KiB page at a time, and storing a long prompt's tokens costs far more in page faults
-than in copying; a chunk advised for transparent huge pages faults once per 2 MiB.
+A node's tokens are packed int32 bytes (``kvtier.tree.tokens``, which also compares arena runs
+by address: ``memequal``). Short runs are ``bytes`` objects. A long run (``MIN_RUN`` bytes or
+more: a long prompt) is copied into the arena instead and the node holds a read-only
+``memoryview`` of it plus its address (``Node.addr``, for ``memcmp``). Why: a fresh ``bytes``
+object of a few hundred KiB is a fresh ``mmap`` that faults in one 4 KiB page at a time, and
+storing a long prompt's tokens costs far more in page faults than in copying; a chunk advised
+for transparent huge pages faults once per 2 MiB.
 
 Chunks are anonymous memory maps of ``CHUNK`` bytes (outside the Python heap, so ``tracemalloc``
 does not see them: ``held_bytes`` says what they take), filled front to back. Each chunk counts its live bytes and knows its nodes. A chunk whose last node left is
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import IntegrityError
+from kvtier.tree.tokens import HAS_MEMCMP
 
 if TYPE_CHECKING:
     from kvtier.tree.node import Node
@@ -37,24 +38,6 @@ MIN_RUN = 64 << 10
 """Runs of at least this many bytes (16,384 tokens) go to the arena; shorter ones stay ``bytes``."""
 CHUNK = 4 << 20
 """Bytes per chunk (a run longer than that gets a chunk of its own size)."""
-
-
-def _libc_fn(name: str, restype: type, argtypes: list) -> object | None:
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = getattr(lib, name)
-    except (OSError, AttributeError, TypeError):  # no C library to load (not a POSIX system)
-        return None
-    fn.restype, fn.argtypes = restype, argtypes
-    return fn
-
-
-_memcmp = _libc_fn("memcmp", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t])
-
-
-def memequal(a: int, b: int, n: int) -> bool:
-    """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal (callers keep both alive)."""
-    return _memcmp(a, b, n) == 0  # type: ignore[misc,operator]
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +56,7 @@ class TokenArena:
     """The long token runs of one tree (see the module docstring)."""
 
     def __init__(self, min_run: int = MIN_RUN, chunk: int = CHUNK) -> None:
-        if _memcmp is None or not hasattr(mmap, "MAP_ANONYMOUS"):  # every run stays ``bytes``
+        if not HAS_MEMCMP or not hasattr(mmap, "MAP_ANONYMOUS"):  # every run stays ``bytes``
             min_run = 1 << 62
         self.min_run, self.chunk = min_run, chunk
         self._chunks: dict[int, _Chunk] = {}

@@ -1,4 +1,5 @@
-"""Eviction policies: which unlocked leaf goes first. Smaller priority is evicted first."""
+"""Eviction order: the policies (LRU, LFU) that say which unlocked leaf goes first. Smaller
+priority is evicted first."""
 
 from __future__ import annotations
 
