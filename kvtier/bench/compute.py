@@ -27,19 +27,17 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
 import time
 
 import torch
 
 from kvtier.bench.decode_stall import release_pools
+from kvtier.bench.helpers import logger
 from kvtier.bench.ttft import _DeviceInitLM
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 
-
-def _log(msg: str) -> None:
-    print(f"[bench compute] {msg}", file=sys.stderr, flush=True)
+_log = logger("compute")
 
 
 def _sync(dev: torch.device) -> None:

@@ -18,7 +18,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,14 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvtier.bench.helpers import check_equal, gbps, logger
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.file import FileBackend
 
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / max(seconds, 1e-9) / 1e9
+_log = logger("storage")
 
 
 def _clock() -> tuple[float, float]:
@@ -44,15 +42,6 @@ def _clock() -> tuple[float, float]:
 def _since(t0: tuple[float, float]) -> tuple[float, float]:
     wall, cpu = _clock()
     return wall - t0[0], cpu - t0[1]
-
-
-def _check(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
-    if not torch.equal(src, dst):
-        raise RuntimeError(f"{what}: bytes read back differ from the bytes written")
-
-
-def _log(msg: str) -> None:
-    print(f"[bench storage] {msg}", file=sys.stderr, flush=True)
 
 
 def _on_threads(
@@ -229,7 +218,7 @@ def bench_file(
             dt = _since(t0)
             if n != num_pages:
                 raise RuntimeError(f"batch_get read {n}/{num_pages}: {dict(backends[r].errors)}")
-            _check(src, dst, "file backend")
+            check_equal(src, dst, "file backend")
             return dt
 
         plain_dirs = [os.path.join(work, f"plain{r}") for r in range(repeats)]
@@ -248,7 +237,7 @@ def bench_file(
                 with open(os.path.join(plain_dirs[r], str(i)), "rb", buffering=0) as f:
                     f.readinto(dst[i].numpy())
             dt = _since(t0)
-            _check(src, dst, "plain I/O")
+            check_equal(src, dst, "plain I/O")
             return dt
 
         parallel_dirs = [os.path.join(work, f"parallel{r}") for r in range(repeats)]
@@ -277,7 +266,7 @@ def bench_file(
             t0 = _clock()
             _on_threads(pool, threads, num_pages, job)
             dt = _since(t0)
-            _check(src, dst, "parallel plain I/O" + (" with digests" if digest else ""))
+            check_equal(src, dst, "parallel plain I/O" + (" with digests" if digest else ""))
             return dt
 
         phases: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
@@ -305,7 +294,7 @@ def bench_file(
                 times.setdefault(name, []).append(dt)
                 cpus.setdefault(name, []).append(dcpu)
                 _log(
-                    f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
+                    f"repeat {r} {name}: {gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
                 )
             backends[r].close()
             shutil.rmtree(backends[r].dir)
@@ -323,9 +312,9 @@ def bench_file(
                 for side in ("write", "read"):
                     times.setdefault(f"sglang_{side}", []).append(got[f"{side}_s"])
                     cpus.setdefault(f"sglang_{side}", []).append(got[f"{side}_cpu_s"])
-                    _log(f"repeat {r} sglang_{side}: {_gbps(total, got[f'{side}_s']):.2f} GB/s")
-        gbps = {name: _gbps(total, statistics.median(dts)) for name, dts in times.items()}
-        per_cpu = {name: _gbps(total, statistics.median(dts)) for name, dts in cpus.items()}
+                    _log(f"repeat {r} sglang_{side}: {gbps(total, got[f'{side}_s']):.2f} GB/s")
+        rates = {name: gbps(total, statistics.median(dts)) for name, dts in times.items()}
+        per_cpu = {name: gbps(total, statistics.median(dts)) for name, dts in cpus.items()}
     finally:
         torch.set_num_threads(torch_threads)
         if pool is not None:
@@ -338,22 +327,22 @@ def bench_file(
         "total_bytes": total,
         "repeats": repeats,
         "statistic": "median",
-        "file_backend": {"write_gbps": gbps["file_write"], "read_gbps": gbps["file_read"]},
-        "plain_io": {"write_gbps": gbps["plain_write"], "read_gbps": gbps["plain_read"]},
+        "file_backend": {"write_gbps": rates["file_write"], "read_gbps": rates["file_read"]},
+        "plain_io": {"write_gbps": rates["plain_write"], "read_gbps": rates["plain_read"]},
         "io_threads": threads,
         "parallel_plain_io": {
-            "write_gbps": gbps["parallel_plain_write"],
-            "read_gbps": gbps["parallel_plain_read"],
+            "write_gbps": rates["parallel_plain_write"],
+            "read_gbps": rates["parallel_plain_read"],
         },
         "ratio": {
-            "write": gbps["file_write"] / gbps["plain_write"],
-            "read": gbps["file_read"] / gbps["plain_read"],
+            "write": rates["file_write"] / rates["plain_write"],
+            "read": rates["file_read"] / rates["plain_read"],
         },
         "ratio_vs_parallel_plain": {
-            d: gbps[f"file_{d}"] / gbps[f"parallel_plain_{d}"] for d in ("write", "read")
+            d: rates[f"file_{d}"] / rates[f"parallel_plain_{d}"] for d in ("write", "read")
         },
-        "verified_read_ceiling": {"read_gbps": gbps["verified_read_ceiling"]},
-        "ratio_vs_verified_ceiling": {"read": gbps["file_read"] / gbps["verified_read_ceiling"]},
+        "verified_read_ceiling": {"read_gbps": rates["verified_read_ceiling"]},
+        "ratio_vs_verified_ceiling": {"read": rates["file_read"] / rates["verified_read_ceiling"]},
     }
     sides = {"file_backend": "file", "plain_io": "plain", "parallel_plain_io": "parallel_plain"}
     if "sglang_write" in per_cpu:
@@ -367,18 +356,18 @@ def bench_file(
             d: per_cpu[f"file_{d}"] / per_cpu[f"sglang_{d}"] for d in ("write", "read")
         }
     if peer_python is not None:
-        if "sglang_write" in gbps:
+        if "sglang_write" in rates:
             out["sglang_hicache_file"] = {
                 "version": peer_version,
-                "write_gbps": gbps["sglang_write"],
-                "read_gbps": gbps["sglang_read"],
+                "write_gbps": rates["sglang_write"],
+                "read_gbps": rates["sglang_read"],
             }
             out["ratio_vs_sglang"] = {
-                "write": gbps["file_write"] / gbps["sglang_write"],
-                "read": gbps["file_read"] / gbps["sglang_read"],
+                "write": rates["file_write"] / rates["sglang_write"],
+                "read": rates["file_read"] / rates["sglang_read"],
             }
             out["parallel_plain_vs_sglang"] = {
-                d: gbps[f"parallel_plain_{d}"] / gbps[f"sglang_{d}"] for d in ("write", "read")
+                d: rates[f"parallel_plain_{d}"] / rates[f"sglang_{d}"] for d in ("write", "read")
             }
         else:
             out["sglang_hicache_file"] = {"error": peer_error}

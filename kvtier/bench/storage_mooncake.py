@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.bench.storage import _check, _gbps, _log
+from kvtier.bench.helpers import check_equal, gbps, logger
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage.envelope import HEADER_BYTES
+
+_log = logger("storage")
 
 
 def bench_mooncake(
@@ -96,14 +98,14 @@ def bench_mooncake(
                 fn()
                 dt = time.perf_counter() - t0
                 if name.endswith("read"):
-                    _check(src, dst, name)
+                    check_equal(src, dst, name)
                 best[name] = min(best.get(name, dt), dt)
                 _log(
-                    f"repeat {r} {name}: {_gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
+                    f"repeat {r} {name}: {gbps(total, dt):.2f} GB/s ({num_pages} x {page_bytes} B)"
                 )
             be.close()
             raw.batch_remove([be.store_key(k) for k in keys] + raw_keys, True)
-    res = {name: _gbps(total, dt) for name, dt in best.items()}
+    res = {name: gbps(total, dt) for name, dt in best.items()}
     out = {
         "bench": "storage",
         "backend": "mooncake",

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.helpers import gbps, logger
 from kvtier.bench.host_runs import churned, mean_run
 from kvtier.bench.pool_sets import family_pool_set
 from kvtier.errors import ConfigError, IntegrityError
@@ -21,6 +21,8 @@ from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.plan import STAGING_BYTES
+
+_log = logger("transfer")
 
 CPU_TRANSFER_BYTES = 64 << 20
 """Bytes moved per copy on CPU (sizes shrink to fit), which keeps the CPU run to seconds."""
@@ -32,14 +34,6 @@ MIN_CPU_PAGES = 16
 """Pages kept on CPU before layers are cut instead."""
 SEED = 0
 HOST_PAGES = ("churned", "random")
-
-
-def _log(msg: str) -> None:
-    print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / max(seconds, 1e-9) / 1e9
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -273,14 +267,14 @@ def bench_transfer(
             sync()
             dt = time.perf_counter() - t0
             times[name].append(dt)
-            _log(f"repeat {r} {name}: {_gbps(2 * total if 'both' in name else total, dt):.2f} GB/s")
+            _log(f"repeat {r} {name}: {gbps(2 * total if 'both' in name else total, dt):.2f} GB/s")
 
     def direction(name: str) -> dict:
         nbytes = 2 * total if "both" in name else total
-        best = _gbps(nbytes, min(times[name]))
-        med = _gbps(nbytes, statistics.median(times[name]))
+        best = gbps(nbytes, min(times[name]))
+        med = gbps(nbytes, statistics.median(times[name]))
         c = f"contiguous_{name}"
-        cbest, cmed = _gbps(nbytes, min(times[c])), _gbps(nbytes, statistics.median(times[c]))
+        cbest, cmed = gbps(nbytes, min(times[c])), gbps(nbytes, statistics.median(times[c]))
         return {
             "paths": paths.get(name, {}),
             "gbps": best,

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
+from kvtier.bench.helpers import logger
 from kvtier.errors import ConfigError
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
+
+_log = logger("tree")
 
 VOCAB = 50_000
 """Token ids are drawn from ``[0, VOCAB)``."""
@@ -38,10 +40,6 @@ EVICT_BATCH = 16
 PROMPT_REPEATS = 10
 
 FlatTable = dict[int, int]
-
-
-def _log(msg: str) -> None:
-    print(f"[bench tree] {msg}", file=sys.stderr, flush=True)
 
 
 @contextmanager

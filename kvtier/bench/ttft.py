@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import sys
 import tempfile
 import time
 
@@ -33,15 +32,14 @@ from kvtier.bench.decode_stall import (
     backup_during_decode,
     release_pools,
 )
+from kvtier.bench.helpers import logger
 from kvtier.bench.raw_read import read_dir
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine.model import CausalLM
 from kvtier.transfer import dma
 
-
-def _log(msg: str) -> None:
-    print(f"[bench ttft] {msg}", file=sys.stderr, flush=True)
+_log = logger("ttft")
 
 
 class _DeviceInitLM(CausalLM):

@@ -2,6 +2,6 @@
 backups, host → device loads, storage → host prefetches and the L3 I/O thread."""
 
 from kvtier.controller.core import Controller
-from kvtier.controller.prefetch import PrefetchOp
+from kvtier.controller.records import PrefetchOp
 
 __all__ = ["Controller", "PrefetchOp"]

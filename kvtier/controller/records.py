@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import torch
 
+from kvtier.keys import PageKey
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.transfer.op import TransferOp
 from kvtier.tree.node import Node
@@ -102,3 +104,59 @@ class Flights:
     def pinned(self) -> list[tuple[Node, str]]:
         """``(node, tier)`` once for every pin the copies in flight hold."""
         return [(sp.node, f.tier) for f in self.flights for sp in f.spans]
+
+
+@dataclass(slots=True, eq=False)
+class PrefetchOp:
+    """Storage → host fetch of ``keys`` into ``pages``.
+
+    ``prefix`` holds the tokens before the fetched range (from the root), ``tokens`` the range
+    itself. ``anchor`` is the locked node ending at ``prefix``; it is ``None`` while ``prefix``
+    is still being fetched by the ops in ``deps`` (in-flight fetches of the same pages are
+    shared, not repeated) and is resolved when they have committed. The I/O thread advances
+    ``done_pages`` after each verified chunk; the scheduling thread commits
+    ``[committed_pages, done_pages)`` into the tree and moves the anchor down.
+    """
+
+    anchor: Node | None
+    prefix: tuple[int, ...]
+    tokens: tuple[int, ...]
+    keys: list[PageKey]
+    pages: torch.Tensor
+    deadline: float
+    deps: list[PrefetchOp] = field(default_factory=list)
+    ckpt: torch.Tensor | None = None
+    done_pages: int = 0
+    committed_pages: int = 0
+    released: bool = False
+    closed: bool = False
+    cancel: bool = False
+    future: Future | None = None
+    fences: list[Future] = field(default_factory=list)
+    """``read_fence``s of short reads: until they are done an abandoned backend call may still
+    write into pages past ``done_pages`` (or into ``staging``), so those stay allocated."""
+    staging: list[torch.Tensor] = field(default_factory=list)
+    agreed_done: int = 0
+    """CP group: ``done_pages`` as every rank has it (the MIN at the last sync)."""
+    agreed_settled: bool = False
+    """CP group: whether the fetch could close on every rank at the last sync."""
+
+    def io_done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def unfenced(self) -> bool:
+        """Whether no abandoned read can still write into this fetch's buffers."""
+        return all(f.done() for f in self.fences)
+
+    def pending_futures(self) -> list[Future]:
+        """I/O futures of this fetch and the fetches it waits on that are still running."""
+        own = [self.future] if self.future is not None and not self.future.done() else []
+        return own + [f for d in self.deps for f in d.pending_futures()]
+
+    def ready(self, policy: str) -> bool:
+        """Whether a request waiting on this fetch may proceed under ``policy``."""
+        if policy == "best_effort":
+            return True
+        if self.io_done() and all(d.ready(policy) for d in self.deps):
+            return True
+        return policy == "timeout" and time.monotonic() >= self.deadline

@@ -12,11 +12,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.controller.records import Span, agree_all, finished, split_spans
+from kvtier.controller.records import PrefetchOp, Span, agree_all, finished, split_spans
 from kvtier.errors import IntegrityError
 from kvtier.keys import PageKey, state_key
 from kvtier.metrics import Metrics
@@ -28,9 +27,6 @@ from kvtier.storage.base import StorageBackend
 from kvtier.transfer.objects import ObjectCodec
 from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.node import Node
-
-if TYPE_CHECKING:
-    from kvtier.controller.prefetch import PrefetchOp
 
 CHUNK_PAGES = 32
 """Pages per backend call of a prefetch: the granularity at which fetched pages become visible."""

@@ -16,29 +16,47 @@ through the device view of the pinned host pool (a pageable one takes the plain 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.transfer.component import queue_rows
+from kvtier.transfer.component import ComponentRows, queue_rows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.rows import copy_rows
 from kvtier.transfer.streams import recorded
 
 if TYPE_CHECKING:
-    from kvtier.transfer.mover import Mover
+    from kvtier.pools.spec import PoolSpec
 
 
 class Layered:
-    """One per-layer backup of a fixed page list (physical pages, this rank's shard)."""
+    """One per-layer backup of a fixed page list (physical pages, this rank's shard).
 
-    def __init__(self, mover: Mover, pages: PageLists, op: TransferOp) -> None:
-        self.mover = mover
+    It copies through ``rows`` (each component's rows, by name) of the device pool whose
+    components are ``specs`` (anchor first) on ``device``; on CUDA the copies queue on
+    ``backup_stream``.
+    """
+
+    def __init__(
+        self,
+        pages: PageLists,
+        op: TransferOp,
+        *,
+        rows: Mapping[str, ComponentRows],
+        specs: Sequence[PoolSpec],
+        device: torch.device,
+        backup_stream: torch.cuda.Stream | None,
+    ) -> None:
         self.pages = pages
         self.op = op
-        specs = mover.dev.specs
+        self.rows = rows
+        self.specs = tuple(specs)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.backup_stream = backup_stream
         self.anchor_layers = specs[0].num_layers
         self._done: dict[str, set[int]] = {s.name: set() for s in specs}
         self._finished = False
@@ -54,7 +72,7 @@ class Layered:
             raise IntegrityError(f"layer_done({layer}): the anchor has {self.anchor_layers}")
         if not self.op.num_pages:
             return
-        anchor = self.mover.dev.specs[0].name
+        anchor = self.specs[0].name
         if layer not in self._done[anchor]:
             self._copy({anchor: [layer]})
 
@@ -66,32 +84,32 @@ class Layered:
         if self.op.num_pages:
             rest = {
                 s.name: [j for j in range(s.num_layers) if j not in self._done[s.name]]
-                for s in self.mover.dev.specs
+                for s in self.specs
             }
             self._copy({n: ls for n, ls in rest.items() if ls})
-        if self.mover.cuda and self.op.num_pages:
-            self.op.event = recorded(self.mover.backup_stream)
+        if self.cuda and self.op.num_pages:
+            self.op.event = recorded(self.backup_stream)
         return self.op
 
     def _copy(self, layers: dict[str, list[int]]) -> None:
-        m, pages = self.mover, self.pages
+        pages = self.pages
         for name, ls in layers.items():
             self._done[name].update(ls)
-        if not m.cuda:
+        if not self.cuda:
             for name, ls in layers.items():
-                r = m.rows[name]
+                r = self.rows[name]
                 for j in ls:
                     h, d = r.geo.host_rows(pages.host, j), r.geo.device_rows(pages.device, j)
                     copy_rows(r.device, d, r.host, h)
             return
-        stream = m.backup_stream
-        compute = torch.cuda.current_stream(m.dev.device)
-        with torch.cuda.device(m.dev.device):
+        stream = self.backup_stream
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(self.device):
             stream.wait_stream(compute)  # the layer's rows were written on the compute stream
             with torch.cuda.stream(stream):
-                hg, dg = pages.on_gpu(m.dev.device, self.op)
+                hg, dg = pages.on_gpu(self.device, self.op)
                 for name, ls in layers.items():
-                    r = m.rows[name]
+                    r = self.rows[name]
                     if r.mapped is None:
                         raise IntegrityError(f"per-layer backup of {name} without a mapped host")
                     for j in ls:

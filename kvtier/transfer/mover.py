@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +24,7 @@ from kvtier.pools.host import HostPool
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.chunks import interleave, queue_all
 from kvtier.transfer.component import component_rows
+from kvtier.transfer.layers import Layered
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import EventMark, Pacer
@@ -38,9 +38,6 @@ from kvtier.transfer.translate import (
     PageTranslator,
 )
 from kvtier.transfer.uploads import Uploads
-
-if TYPE_CHECKING:
-    from kvtier.transfer.layers import Layered
 
 __all__ = ["Mover", "TransferOp"]
 
@@ -194,14 +191,19 @@ class Mover:
         """A device → host copy made layer by layer while a forward writes the pages
         (``kvtier.transfer.layers``); ``None`` on CUDA with a pageable host pool (the rows
         kernel needs the pinned pool's device view): back up at insertion instead."""
-        from kvtier.transfer.layers import Layered
-
         if self.arena is not None:
             raise IntegrityError("per-layer backups are not supported for a unified device pool")
         if self.cuda and not self.pinned:
             return None
         lists, op = self._begin("d2h", device_pages, host_pages, copy=False)
-        return Layered(self, lists[self.dev.specs[0].name], op)
+        return Layered(
+            lists[self.dev.specs[0].name],
+            op,
+            rows=self.rows,
+            specs=self.dev.specs,
+            device=self.dev.device,
+            backup_stream=self.backup_stream,
+        )
 
     def _names(self, components: Sequence[str] | None) -> list[str]:
         """Components a copy moves, in pool order; an unknown name raises ``RequestError``."""
