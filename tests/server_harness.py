@@ -17,7 +17,7 @@ import openai
 from kvtier.config import CacheConfig
 from kvtier.engine import SamplingParams
 from kvtier.server.engine_loop import engine_state
-from kvtier.server.serve import Server, build_llm, load_chat_template
+from kvtier.server.lifecycle import Server, build_llm, load_chat_template
 
 BASE = CacheConfig(page_size=4, device_pages=128, device="cpu", debug_checks=True)
 DEADLINE_S = 20.0

@@ -13,7 +13,7 @@ from server_harness import cache_config, client, cold, http, idle, metric, start
 
 from kvtier.engine import SamplingParams
 from kvtier.engine.families import build_model, preset
-from kvtier.server.serve import build_llm
+from kvtier.server.lifecycle import build_llm
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from server_harness import cache_config
 from kvtier.engine import SamplingParams
 from kvtier.errors import RequestError
 from kvtier.server.engine_loop import engine_state
-from kvtier.server.serve import build_llm
+from kvtier.server.lifecycle import build_llm
 
 P = list(range(40, 63))  # 23 tokens: 5 whole pages and a tail of 3
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

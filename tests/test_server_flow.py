@@ -25,7 +25,7 @@ from server_harness import (
 from kvtier.engine import SamplingParams
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.weights import save_hf_checkpoint
-from kvtier.server.serve import build_llm
+from kvtier.server.lifecycle import build_llm
 
 P = [7, 3, 9, 12, 44, 101, 5, 6, 200, 13, 17]
 

@@ -22,7 +22,7 @@ from server_harness import idle, metric, wait_ready, wait_until
 
 from kvtier.config import CacheConfig
 from kvtier.engine import SamplingParams
-from kvtier.server.serve import Server, build_llm
+from kvtier.server.lifecycle import Server, build_llm
 from kvtier.types import TIERS
 
 CLIENTS = 4

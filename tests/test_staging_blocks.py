@@ -1,5 +1,5 @@
 """Staged copies worked out on the CPU: their slices (``plan.staging_slices``) and each slice's
-copy-engine blocks (``kvtier.transfer.staging``)."""
+copy-engine blocks (``kvtier.transfer.staged_blocks``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvtier.transfer.plan import RowGeometry, staging_slices
-from kvtier.transfer.staging import host_breaks, slice_blocks
+from kvtier.transfer.staged_blocks import host_breaks, slice_blocks
 
 
 def geo(layout: str, layers: int = 2, row_bytes: int = 10) -> RowGeometry:

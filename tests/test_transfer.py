@@ -22,7 +22,7 @@ from kvtier.transfer.component import ComponentRows
 from kvtier.transfer.dma import coalesce
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose
-from kvtier.transfer.staging import host_breaks, slice_blocks
+from kvtier.transfer.staged_blocks import host_breaks, slice_blocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

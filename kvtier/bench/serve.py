@@ -301,7 +301,7 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
 
 def _start_server(cfg: ServeBenchConfig, storage_dir: str) -> Any:
     from kvtier.config import CacheConfig
-    from kvtier.server.serve import Server, build_llm
+    from kvtier.server.lifecycle import Server, build_llm
 
     cache = CacheConfig(
         page_size=cfg.page_size,
@@ -348,7 +348,7 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         if server is not None:
             # As ``kvtier serve`` does before it listens; given back after the run, so that a
             # caller's later garbage is collected as before.
-            from kvtier.server.serve import freeze_startup_objects
+            from kvtier.server.lifecycle import freeze_startup_objects
 
             frozen = freeze_startup_objects()
         try:

@@ -23,11 +23,11 @@ import torch
 from kvtier.config import CacheConfig
 from kvtier.controller.backup import Backups
 from kvtier.controller.load import Loads
-from kvtier.controller.policy import make_policy
 from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.staging import Staging
 from kvtier.controller.storage_io import StorageIO
 from kvtier.controller.window_backup import WindowBackups
+from kvtier.controller.write_policy import make_policy
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics

@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.server import protocol as P
+from kvtier.server.api_errors import APIError, error_body, invalid, server_error, unauthorized
 from kvtier.server.chat import ChatTemplate, check_messages
 from kvtier.server.engine_loop import EngineLoop, Ticket
-from kvtier.server.errors import APIError, error_body, invalid, server_error, unauthorized
-from kvtier.server.metrics import ServerMetrics
+from kvtier.server.prometheus import ServerMetrics
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.server.errors import invalid
+from kvtier.server.api_errors import invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -14,8 +14,8 @@ def serve(args: argparse.Namespace) -> int:
     from kvtier.errors import KvtierError
 
     try:
+        from kvtier.server.lifecycle import Server, build_llm, load_chat_template
         from kvtier.server.options import cache_config_from_args
-        from kvtier.server.serve import Server, build_llm, load_chat_template
 
         cache_config = cache_config_from_args(args)
         template = load_chat_template(args.model)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import RequestError
-from kvtier.server.errors import APIError, overloaded, server_error, unavailable
+from kvtier.server.api_errors import APIError, overloaded, server_error, unavailable
 
 if TYPE_CHECKING:
     from kvtier.engine import LLM, RequestOutput, SamplingParams
-    from kvtier.server.metrics import ServerMetrics
+    from kvtier.server.prometheus import ServerMetrics
 
 log = logging.getLogger("kvtier.server")
 

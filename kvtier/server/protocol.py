@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtier.engine import RequestOutput, SamplingParams
 from kvtier.errors import RequestError
-from kvtier.server.errors import APIError, invalid, unsupported
+from kvtier.server.api_errors import APIError, invalid, unsupported
 from kvtier.types import TIERS
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")

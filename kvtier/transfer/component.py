@@ -34,7 +34,7 @@ from kvtier.transfer.rows import (
     copy_page_rows,
     copy_rows,
 )
-from kvtier.transfer.staging import slice_blocks
+from kvtier.transfer.staged_blocks import slice_blocks
 from kvtier.transfer.streams import on, recorded
 
 
@@ -186,7 +186,7 @@ class ComponentRows:
 
         A slice's staging buffer has the byte layout of its host pages laid side by side, so a
         run of consecutive host pages is one copy-engine block (per layer for a layer-first
-        host; ``kvtier.transfer.staging``). The rows are gathered (d2h) or scattered (h2d) on
+        host; ``kvtier.transfer.staged_blocks``). The rows are gathered (d2h) or scattered (h2d) on
         ``helper`` by one launch per slice that reads the slice's device pages
         (``rows.copy_page_rows``), so the copy engine moves one slice while the other buffer is
         filled or emptied:

@@ -13,7 +13,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.op import TransferOp
-from kvtier.transfer.staging import host_breaks
+from kvtier.transfer.staged_blocks import host_breaks
 from kvtier.transfer.streams import recorded
 from kvtier.transfer.uploads import Uploads
 

@@ -81,7 +81,7 @@ class Server:
     ) -> None:
         from kvtier.server.app import ServerState, create_app
         from kvtier.server.engine_loop import EngineLoop
-        from kvtier.server.metrics import ServerMetrics
+        from kvtier.server.prometheus import ServerMetrics
         from kvtier.server.protocol import ModelInfo
 
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
