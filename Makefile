@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvtier-installed
 PEER_VENV ?= .peer-venv
 PEER_STAMP := $(PEER_VENV)/.kvtier-peer-installed
 
-.PHONY: setup demo test lint format bench clean peer-venv peer-file
+.PHONY: setup demo test test-fast lint format bench clean peer-venv peer-file
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
+# Every test, spread over the machine's cores (pytest-xdist; tests share no port, dir or global).
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n auto --dist worksteal tests
+
+# The inner loop: everything not marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n auto --dist worksteal -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -20,9 +20,9 @@ from test_admission import MODEL as ADMISSION_MODEL
 from test_admission import _workload, cold, replay
 
 from kvtier.config import CacheConfig
+from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.errors import ConfigError
-from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.storage.file import FileBackend
 
 TOKENS = list(range(100, 148))  # 48 tokens: 12 whole pages of 4

@@ -15,9 +15,9 @@ import torch
 from childproc import run_json
 
 from kvtier.config import CacheConfig
+from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
-from kvtier.demo.oracle import Expected, compare, default_tolerance
 
 FAMILIES = ["tiny", "mla", "dsa", "dsa-compressed", "hybrid", "swa"]
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)

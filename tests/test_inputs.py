@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.config import resolve_device
-from kvtier.config import CacheConfig
+from kvtier.config import CacheConfig, resolve_device
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine.request import Request, checked_tokens, token_ids
 from kvtier.errors import ConfigError, RequestError

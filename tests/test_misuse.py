@@ -8,8 +8,7 @@ import logging
 import pytest
 import torch
 
-from kvtier.cache import slot_checks
-from kvtier.cache import TieredCache
+from kvtier.cache import TieredCache, slot_checks
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.engine.request import Request

@@ -13,8 +13,8 @@ import torch
 from childproc import run_json
 
 from kvtier.config import CacheConfig
-from kvtier.engine import LLM, ModelConfig, SamplingParams
 from kvtier.demo.oracle import Expected, compare, default_tolerance
+from kvtier.engine import LLM, ModelConfig, SamplingParams
 
 MODEL = ModelConfig(num_layers=3, max_position=1024, seed=7)
 PS = 16

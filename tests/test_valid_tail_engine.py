@@ -33,8 +33,8 @@ def _llm(storage_dir: str | None, **kw):
 def test_engine_outputs_equal_cold_and_recompute_less(tmp_path, where):
     import random
 
-    from kvtier.engine import SamplingParams
     from kvtier.demo.oracle import Expected, compare, default_tolerance
+    from kvtier.engine import SamplingParams
 
     greedy = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
     rng = random.Random(3)

@@ -10,10 +10,10 @@ import torch
 
 from kvtier import TieredCache
 from kvtier.config import CacheConfig
+from kvtier.demo.oracle import Expected, compare
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 from kvtier.errors import ConfigError
-from kvtier.demo.oracle import Expected, compare
 
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)

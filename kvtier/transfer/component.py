@@ -90,7 +90,7 @@ class ComponentRows:
         Why the launch: CUDA loads a kernel's module at its first launch (lazy loading, the
         default), and the first transfer by row kernel, a small one that came after the large
         ones had staged, spent 0.03-0.06 s loading those three on an H200
-        (``scripts/probes/jit_variants.py --kernels``, ``results/h200-dma/run19/``)."""
+        (``results/h200-dma/jit_variants.py --kernels``, ``results/h200-dma/run19/``)."""
         geo = self.geo
         compile_kernels(
             self.device.shape[1],

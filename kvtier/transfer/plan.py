@@ -39,7 +39,7 @@ D2H_DMA_MIN_BYTES = 256 << 10
 SHARED_D2H_DMA_MIN_BYTES = 64 << 10
 """The same beside a host → device copy (``Mover.exchange``). Both ways at once through
 ``exchange`` with random host pages at page size 1 on an H200 (``results/h200-dma/run14/``,
-``scripts/probes/mix_page1.py``, two machines), as fractions of two contiguous copies:
+``results/h200-dma/mix_page1.py``, two machines), as fractions of two contiguous copies:
 
     pages                    d2h staged + h2d kernel   d2h kernel + h2d staged   staged both
     70-86 KiB (MLA, DSA)     0.65-0.79                 0.54-0.68                 0.41-0.54
@@ -53,7 +53,7 @@ load goes by row kernel and leaves the copy engines to the backup (see above). B
 pages above and 120 KiB: DSA at page size 1 with a layer-first host, whose 256-byte indexer
 rows make 120 KiB blocks per layer and host run beside the latent cache's staged copies, moved
 0.938 / 0.945 (best / median) of two contiguous copies with its load staged, 0.883-0.891 /
-0.902-0.913 with it by kernel (``results/h200-dma/run18/``, ``scripts/probes/dsa_index_mix.py``)."""
+0.902-0.913 with it by kernel (``results/h200-dma/run18/``, ``results/h200-dma/dsa_index_mix.py``)."""
 STAGING_BYTES = 256 << 20
 """Device staging per staged transfer; larger batches go through it in slices."""
 FIRST_SLICE_BYTES = 16 << 20

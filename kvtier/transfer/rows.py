@@ -159,7 +159,7 @@ def compile_kernels(
     by row kernel, say) held a transfer 0.08-0.37 s in the middle of a mix of batch sizes, in
     three to four of six families on an H200. Compiled here, making a ``Mover`` took 0.3-0.6 s
     (3-6 variants; 1.5-1.8 s for the first, with Triton's start) and no transfer compiled
-    (``scripts/probes/jit_variants.py``, ``results/h200-dma/run18/``)."""
+    (``results/h200-dma/jit_variants.py``, ``results/h200-dma/run18/``)."""
     if device.type != "cuda" or _kernels() is None:
         return
     a = torch.zeros((layers, words), dtype=dtype, device=device)

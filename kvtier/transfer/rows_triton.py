@@ -15,7 +15,7 @@ def _jit(*varying: str):  # noqa: ANN202
     lists aligned to 16 bytes, on the transfer path the first time a combination comes up: on
     an H200, after each family's first copies, 27 compiles in 22-23 of 360 transfers of random
     sizes, the slowest of those transfers 0.54-0.56 s against 0.01 s without a compile
-    (``scripts/probes/jit_variants.py``, ``results/h200-dma/run18/``). The data pointers stay
+    (``results/h200-dma/jit_variants.py``, ``results/h200-dma/run18/``). The data pointers stay
     specialised."""
     names = list(varying)
     try:
