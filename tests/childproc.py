@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 
 
 def run_json(script: str, *args: str, timeout: float = 300) -> dict:
-    """``python tests/<script> args...`` with ``tests/`` importable; its last stdout line as
+    """``python tests/<script> args...`` (``script`` relative to ``tests/``) with ``tests/`` importable; its last stdout line as
     JSON. A non-zero exit fails the calling test with the child's stderr."""
     env = {
         **os.environ,

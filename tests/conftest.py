@@ -1,56 +1,14 @@
-"""Shared fixtures: a tiny cache, a helper that plays one request through it, and an empty
-radix tree with the tree tests' page size."""
+"""Shared fixtures: a tiny cache, an empty radix tree with the tree tests' page size, and the
+integrity check of every cache a test made, run after the test (``check_integrity()``: free +
+used == capacity, lock counts, residency across tiers). A test that breaks a cache on purpose is
+marked ``corrupts``."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-
 import pytest
-import torch
+from factories import make_cache
 
-from kvtier import CacheConfig, PoolSpec, TieredCache
-
-SPEC = PoolSpec("kv", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32)
-PS = 4
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
-"""Where L1 lives in tests; ``KVTIER_TEST_DEVICE=cuda`` runs the tier tests on a GPU."""
-
-
-def make_cache(tmp_path, **overrides) -> TieredCache:
-    base = CacheConfig(
-        page_size=PS,
-        device_pages=8,
-        host_pages=16,
-        device=DEVICE,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        model_fingerprint="test-model",
-        prefetch_policy="wait_complete",
-    )
-    return TieredCache(replace(base, **overrides), [SPEC])
-
-
-def run_request(cache: TieredCache, tokens: list[int], seed: int = 0) -> dict:
-    """Match, lock, load, allocate, write deterministic KV for the new tokens, finish.
-
-    Returns ``{"load": LoadResult, "locs": slots of every token}``.
-    """
-    m = cache.match(tokens)
-    cache.lock(m.handle)
-    ld = cache.load(m)
-    prefix = ld.locs.numel()
-    new = cache.alloc(len(tokens) - prefix)[: len(tokens) - prefix]
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randn((SPEC.num_layers, new.numel(), *SPEC.row_shape), generator=g)
-    cache.device_pool.anchor[:, new] = rows.to(cache.device)
-    locs = torch.cat([ld.locs, new])
-    cache.finish(tokens, locs, prefix, m.handle)
-    return {"load": ld, "locs": locs}
-
-
-def kv_of(cache: TieredCache, locs: torch.Tensor) -> torch.Tensor:
-    return cache.device_pool.anchor[:, locs].cpu()
+from kvtier import TieredCache
 
 
 @pytest.fixture
@@ -67,3 +25,22 @@ def tree():  # noqa: ANN201 - a RadixTree
     from kvtier.tree import RadixTree
 
     return RadixTree(TREE_PS)
+
+
+@pytest.fixture(autouse=True)
+def _caches_keep_their_integrity(request, monkeypatch):
+    """Every ``TieredCache`` built in this process during the test passes ``check_integrity()``
+    once the test is over (closed or not)."""
+    made: list[TieredCache] = []
+    build = TieredCache.__init__
+
+    def init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        build(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(TieredCache, "__init__", init)
+    yield
+    if request.node.get_closest_marker("corrupts") is not None:
+        return
+    for c in made:
+        c.check_integrity()

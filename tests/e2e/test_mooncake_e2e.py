@@ -17,7 +17,6 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
-HERE = Path(__file__).parent
 
 
 def make_llm(family: str, url: str | None, **cache) -> LLM:
@@ -53,7 +52,7 @@ def cold(family: str, ps: list[list[int]]) -> list[list[int]]:
 def run_child(family: str, url: str, case: dict, tmp_path: Path) -> dict:
     path = tmp_path / f"case-{random.random()}.pt"
     torch.save(case, path)
-    return run_json("mooncake_child.py", family, url, str(path))
+    return run_json("e2e/mooncake_child.py", family, url, str(path))
 
 
 @pytest.mark.parametrize("family", ["tiny", "hybrid"])

@@ -206,7 +206,7 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
         },
         case,
     )
-    result = run_json("family_oracle_child.py", family, storage, str(case))
+    result = run_json("e2e/family_oracle_child.py", family, storage, str(case))
     assert result["outputs"] == [e.tokens for e in expected]
     assert result["max_logit_diff"] <= tol
     assert result["rows_equal"]

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-from conftest import kv_of, run_request
-from conftest import make_cache as _make_cache
+from factories import kv_of, run_request
+from factories import make_cache as _make_cache
 
 from kvtier.controller import prefetch as prefetch_mod
 from kvtier.storage.file import FileBackend

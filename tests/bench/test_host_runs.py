@@ -38,7 +38,7 @@ def test_the_cache_backs_nodes_up_into_consecutive_host_pages(tmp_path):
     import random
 
     import numpy as np
-    from conftest import make_cache, run_request
+    from factories import make_cache, run_request
 
     c = make_cache(
         tmp_path, write_policy="write_through", storage=None, device_pages=64, host_pages=96

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import DEVICE
+from factories import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

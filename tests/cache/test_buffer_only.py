@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from childproc import run_json
-from conftest import kv_of, run_request
-from conftest import make_cache as _make_cache
-from test_admission import MODEL as ADMISSION_MODEL
-from test_admission import _workload, cold, replay
+from factories import kv_of, run_request
+from factories import make_cache as _make_cache
+from workloads import MODEL as ADMISSION_MODEL
+from workloads import chat_workload, cold, replay
 
 from kvtier.config import CacheConfig
 from kvtier.demo.oracle import Expected, compare, default_tolerance
@@ -251,7 +251,7 @@ def test_engine_under_pressure_finishes_with_cold_outputs(
     """Multi-turn conversations over a device pool just large enough for the longest request
     and a buffer of a few pages, replayed in a fresh engine from storage: every request
     finishes within the step budget with the cold outputs, and a drain empties the buffer."""
-    w = _workload(ps, 40, 3, 2, 4, seed)
+    w = chat_workload(ps, 40, 3, 2, 4, seed)
     cfg = CacheConfig(
         page_size=ps,
         device_pages=-(-w.longest() // ps) + 1,
@@ -352,7 +352,9 @@ def test_engine_oracle_with_a_buffer_smaller_than_one_request(tmp_path: Path) ->
     case = tmp_path / "case.pt"
     torch.save({"prompt": prompt, "tokens": cold.output_ids, "logits": cold.logits}, case)
     torch.save(written[:, : HOST_PAGES * PS], tmp_path / "written.pt")
-    result = run_json("buffer_oracle_child.py", storage, str(case), str(tmp_path / "written.pt"))
+    result = run_json(
+        "cache/buffer_oracle_child.py", storage, str(case), str(tmp_path / "written.pt")
+    )
     assert result["outputs"] == list(cold.output_ids)
     assert result["logit_diff"] <= TOL
     # the fallback: the leading pages the buffer stages come from storage, the rest is computed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PS, SPEC, kv_of, make_cache, run_request
+from factories import PS, SPEC, kv_of, make_cache, run_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
-from conftest import PS, kv_of, make_cache, run_request
+from factories import PS, kv_of, make_cache, run_request
 
 from kvtier.keys import chain_keys
 from kvtier.storage.file import HEADER_BYTES

@@ -10,7 +10,7 @@ from typing import Any
 
 import mooncake_harness
 import torch
-from conftest import kv_of, make_cache, run_request
+from factories import kv_of, make_cache, run_request
 from mooncake_harness import MooncakeCluster
 
 from kvtier.keys import Namespace, PageKey

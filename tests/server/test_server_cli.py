@@ -19,7 +19,7 @@ from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.server.options import cache_config_from_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_cache_config_field_has_a_flag() -> None:

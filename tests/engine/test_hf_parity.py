@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DEVICE
+from factories import DEVICE
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, SeqSlots, save_hf_checkpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PS, SPEC, kv_of, make_cache, run_request
+from factories import PS, SPEC, kv_of, make_cache, run_request
 
 TOKENS = list(range(100, 117))  # 17 tokens: 4 whole pages + a valid tail of 1 (5 pages)
 

@@ -15,7 +15,7 @@ from kvtier.config import CacheConfig
 from kvtier.engine import ModelConfig
 from kvtier.engine.families import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 USERS = sorted([*(ROOT / "kvtier/bench").glob("*.py"), *(ROOT / "kvtier/engine").rglob("*.py")])
 INTERNAL = re.compile(r"\.(controller|device_pool|host_pool|allocator|mover|pacer|_cache)\b")
 

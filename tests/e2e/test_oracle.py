@@ -127,7 +127,7 @@ def test_content_oracle_device_host_storage(tmp_path: Path) -> None:
         },
         case,
     )
-    result = run_json("oracle_child.py", storage, str(case))
+    result = run_json("e2e/oracle_child.py", storage, str(case))
     assert result["outputs"] == [c.tokens for c in cold]
     assert max(result["logit_diffs"]) <= TOL
     assert result["pages_equal"] == [True] * len(DEPTHS)

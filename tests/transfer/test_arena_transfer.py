@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from factories import DEVICE
 
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.pools import DevicePool, HostPool, PoolSpec, UnifiedPool

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import DEVICE, PS, SPEC
+from factories import DEVICE, PS, SPEC
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import ConfigError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SPEC
+from factories import SPEC
 
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.parallel.layout import CPLayout, CPTranslator
