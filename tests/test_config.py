@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import SPEC
 
 from kvtier import CacheConfig, PoolSpec, TieredCache
 from kvtier.errors import ConfigError
-
-SPEC = PoolSpec("kv", 2, (2, 1, 4), torch.float32)
 
 
 @pytest.mark.parametrize(

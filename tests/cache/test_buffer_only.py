@@ -7,15 +7,14 @@ device hit and a storage restore in a fresh process give the cold run's greedy t
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from childproc import run_json
-from factories import kv_of, run_request
+from factories import engine_config, kv_of, run_request
 from factories import make_cache as _make_cache
+from factories import make_llm as _make_llm
 from workloads import MODEL as ADMISSION_MODEL
 from workloads import chat_workload, cold, replay
 
@@ -252,16 +251,15 @@ def test_engine_under_pressure_finishes_with_cold_outputs(
     and a buffer of a few pages, replayed in a fresh engine from storage: every request
     finishes within the step budget with the cold outputs, and a drain empties the buffer."""
     w = chat_workload(ps, 40, 3, 2, 4, seed)
-    cfg = CacheConfig(
+    cfg = engine_config(
+        tmp_path,
         page_size=ps,
         device_pages=-(-w.longest() // ps) + 1,
         device="cpu",
-        storage="file",
-        storage_dir=str(tmp_path),
+        prefetch_policy="timeout",
         write_policy=write_policy,
         host_mode="buffer_only",
         host_pages=host_pages,
-        debug_checks=True,
     )
     live = LLM(ADMISSION_MODEL, cfg, max_running=max_running)
     record = replay(live, w, len(w.turns) - 1)
@@ -299,18 +297,10 @@ def oracle_prompt() -> list[int]:
 
 
 def make_llm(storage_dir: str | None) -> LLM:
-    cfg = CacheConfig(
-        page_size=PS,
-        device_pages=64,
-        device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
-        storage="file" if storage_dir else None,
-        storage_dir=storage_dir or "unused",
-        prefetch_policy="wait_complete",
-        debug_checks=True,
-    )
-    if storage_dir:
-        cfg = replace(cfg, host_mode="buffer_only", host_pages=HOST_PAGES)
-    return LLM(MODEL, cfg, max_running=1)
+    """The oracle's engine (also ``buffer_oracle_child``'s): with storage, a buffer-only host
+    tier of ``HOST_PAGES`` pages."""
+    buffer = {"host_mode": "buffer_only", "host_pages": HOST_PAGES} if storage_dir else {}
+    return _make_llm(MODEL, storage_dir, max_running=1, **buffer)
 
 
 def first_pages_bytes(llm: LLM, tokens: list[int], pages: int) -> torch.Tensor:

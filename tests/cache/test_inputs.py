@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from factories import make_llm as _make_llm
 
 from kvtier.config import CacheConfig, resolve_device
 from kvtier.engine import LLM, ModelConfig, SamplingParams
@@ -19,10 +20,11 @@ MODEL = ModelConfig(num_layers=2, max_position=512)
 PS = 4
 
 
-def make_llm(**kw) -> LLM:
-    limits = {k: kw.pop(k) for k in ("max_running",) if k in kw}
-    cfg = CacheConfig(page_size=PS, device_pages=kw.pop("device_pages", 96), device="cpu", **kw)
-    return LLM(MODEL, cfg, **limits)
+def make_llm(max_running: int = 16, **kw) -> LLM:
+    base = dict(
+        page_size=PS, device_pages=96, device="cpu", prefetch_policy="timeout", debug_checks=False
+    )
+    return _make_llm(MODEL, max_running=max_running, **{**base, **kw})
 
 
 def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:

@@ -3,34 +3,17 @@ draft KV moving in lockstep with the target's pages through every tier."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from factories import make_cache, make_llm
 
 from kvtier import CacheConfig, PoolSpec, TieredCache
 from kvtier.engine import LLM, SamplingParams
-from kvtier.engine.families import preset
 from kvtier.errors import ConfigError
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True, return_logits=True)
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
-
-
-def _llm(tmp_path, timing: str, model: str = "tiny", spec: int = 0, **kw) -> LLM:
-    cfg = CacheConfig(
-        page_size=16,
-        device_pages=64,
-        device=DEVICE,
-        storage="file",
-        storage_dir=str(tmp_path / timing),
-        prefetch_policy="wait_complete",
-        backup_timing=timing,
-        debug_checks=True,
-        **kw,
-    )
-    return LLM(preset(model), cfg, max_running=2, speculative_tokens=spec)
 
 
 def _prompts() -> list[list[int]]:
@@ -52,8 +35,12 @@ def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path,
     """Also with speculative decoding (draft KV as two sidecars; rejected positions are
     written by the verify forward and must not be what reaches the host)."""
     ps = _prompts()
-    at_insert = _llm(tmp_path, "at_insert", model, spec)
-    per_layer = _llm(tmp_path, "per_layer", model, spec)
+    at_insert = make_llm(
+        model, tmp_path / "at_insert", backup_timing="at_insert", speculative_tokens=spec
+    )
+    per_layer = make_llm(
+        model, tmp_path / "per_layer", backup_timing="per_layer", speculative_tokens=spec
+    )
     # One at a time on both: the shared prefix is then cached, and the batches (hence the
     # float bytes on CUDA) are the same on both sides.
     cold = [at_insert.generate([p], GREEDY)[0].output_ids for p in ps]
@@ -103,7 +90,7 @@ def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path,
 
 
 def test_a_failed_forward_releases_its_reservation(tmp_path):
-    llm = _llm(tmp_path, "per_layer")
+    llm = make_llm("tiny", tmp_path / "per_layer", backup_timing="per_layer")
     ps = _prompts()
     calls = {"n": 0}
     real = llm.model.forward
@@ -142,18 +129,7 @@ PS = 4
 
 
 def _cache(tmp_path, **kw) -> TieredCache:
-    base = dict(
-        page_size=PS,
-        device_pages=8,
-        host_pages=16,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        model_fingerprint="test-model",
-        prefetch_policy="wait_complete",
-        debug_checks=True,
-    )
-    cfg = CacheConfig(**{**base, "device": DEVICE, **kw})
-    return TieredCache(cfg, [KV, DRAFT])
+    return make_cache(tmp_path, (KV, DRAFT), **{"debug_checks": True, **kw})
 
 
 def _fill(cache: TieredCache, tokens: list[int], seed: int) -> torch.Tensor:

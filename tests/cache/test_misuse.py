@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from factories import cache_config, engine_config
 
 from kvtier.cache import TieredCache, slot_checks
 from kvtier.config import CacheConfig
@@ -21,7 +22,14 @@ TOKENS = list(range(100, 100 + 3 * PS))
 
 
 def make() -> TieredCache:
-    return TieredCache(CacheConfig(page_size=PS, device_pages=12, device="cpu"), [KV])
+    cfg = cache_config(
+        device_pages=12,
+        host_pages=None,
+        device="cpu",
+        model_fingerprint="",
+        prefetch_policy="timeout",
+    )
+    return TieredCache(cfg, [KV])
 
 
 def snapshot(c: TieredCache) -> tuple:
@@ -118,7 +126,7 @@ def test_a_closed_cache_and_engine_refuse_calls() -> None:
 
 def test_a_request_failing_in_a_step_ends_alone(monkeypatch, caplog) -> None:
     model = ModelConfig(num_layers=1, max_position=256)
-    cfg = CacheConfig(page_size=PS, device_pages=64, device="cpu", debug_checks=True)
+    cfg = engine_config(page_size=PS, device="cpu", prefetch_policy="timeout")
     prompts = [[i + 1] * (5 + i) for i in range(4)]
     params = SamplingParams(max_tokens=6)
     expected = [o.output_ids for o in LLM(model, cfg).generate(prompts, params)]

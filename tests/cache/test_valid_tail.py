@@ -5,17 +5,14 @@ recomputes fewer tokens (``test_valid_tail_engine``)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-
 import pytest
 import torch
+from factories import cache_config, make_cache
 
 from kvtier import CacheConfig, PoolSpec, TieredCache
 from kvtier.errors import ConfigError
 from kvtier.keys import chain_keys, tail_key
 
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 KV = PoolSpec("kv", 2, (2, 1, 4), torch.float32)
 IDX = PoolSpec("index_rows", 2, (8,), torch.bfloat16, kind="sidecar", tokens_per_row=64)
 STATE = PoolSpec("state", 3, (6,), torch.float32, kind="state")
@@ -23,19 +20,8 @@ T = list(range(100, 121))  # 21 tokens: one page of 16 and a tail of 5
 
 
 def make(tmp_path, page_size: int = 16, specs=(KV,), **kw) -> TieredCache:
-    cfg = CacheConfig(
-        page_size=page_size,
-        device_pages=8,
-        host_pages=16,
-        device=DEVICE,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        model_fingerprint="test-model",
-        prefetch_policy="wait_complete",
-        write_policy="write_back",
-        debug_checks=True,
-    )
-    return TieredCache(replace(cfg, **kw), list(specs))
+    base = dict(page_size=page_size, write_policy="write_back", debug_checks=True)
+    return make_cache(tmp_path, specs, **{**base, **kw})
 
 
 def rows(cache: TieredCache, pages: list[int]) -> dict[str, torch.Tensor]:
@@ -316,15 +302,13 @@ def test_context_parallel_keeps_the_page_aligned_behaviour(tmp_path):
     from kvtier.parallel.group import LocalWorld
 
     def rank(g) -> tuple:
-        cfg = CacheConfig(
+        cfg = cache_config(
+            tmp_path,
             page_size=16,
-            device_pages=8,
-            host_pages=16,
+            device=None,
+            prefetch_policy="timeout",
             cp_size=2,
             cp_rank=g.rank,
-            storage="file",
-            storage_dir=str(tmp_path),
-            model_fingerprint="test-model",
             debug_checks=True,
         )
         with TieredCache(cfg, [KV], group=g) as c:

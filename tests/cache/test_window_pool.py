@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from factories import DEVICE, make_llm
 
 from kvtier import TieredCache
 from kvtier.config import CacheConfig
@@ -15,18 +15,15 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 from kvtier.errors import ConfigError
 
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)
 PS = 16
 
 
 def make(window_pool: bool = True, storage: str | None = None, **cache) -> LLM:
     cfg = preset("swa", sliding_window=48, window_pool=window_pool)
-    opts = dict(page_size=PS, device_pages=64, device=DEVICE, debug_checks=True)
-    if storage is not None:
-        opts.update(storage="file", storage_dir=storage, prefetch_policy="wait_complete")
-    opts.update(cache)
-    return LLM(cfg, CacheConfig(**opts), max_running=1)
+    if storage is None:  # without storage the prefetch policy stays the default
+        cache = {"prefetch_policy": "timeout", **cache}
+    return make_llm(cfg, storage, max_running=1, **cache)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -156,8 +153,7 @@ def test_preempted_requests_back_up_and_resume_through_the_window_pool() -> None
         expected.append(Expected(list(o.output_ids), o.logits))
     ref.close()
     cfg = preset("swa", sliding_window=48)
-    cache = CacheConfig(page_size=PS, device_pages=12, device=DEVICE, debug_checks=True)
-    llm = LLM(cfg, cache, max_running=4)
+    llm = make_llm(cfg, max_running=4, device_pages=12, prefetch_policy="timeout")
     outs = llm.generate(prompts, params)
     same(outs, expected)
     # a decode that found no page preempted a request: its pages went to the cache (and to

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import make_llm
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, decode_kernel, graphs
@@ -26,11 +27,15 @@ def _llm(cuda_graphs: bool) -> LLM:
         max_position=2048,
         dtype="bfloat16",
     )
-    return LLM(
+    return make_llm(
         cfg,
-        CacheConfig(page_size=16, device_pages=256, device="cuda", enable_host=False),
         max_running=8,
         cuda_graphs=cuda_graphs,
+        device="cuda",
+        device_pages=256,
+        enable_host=False,
+        prefetch_policy="timeout",
+        debug_checks=False,
     )
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
+from factories import DEVICE
 
 from kvtier.engine.attention import batched_attention, cached_decode_plan, paged_attention
 from kvtier.engine.batch import SeqSlots
@@ -98,7 +98,6 @@ def test_plan_is_built_once_per_batch() -> None:
     assert cached_decode_plan(other, torch.device("cpu")) is None
 
 
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 CASES = {
     "decode_equal": ([40, 40, 40], [1, 1, 1]),
     "decode_unequal": ([3, 70, 17, 40], [1, 1, 1, 1]),

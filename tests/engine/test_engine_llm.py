@@ -4,8 +4,8 @@ import random
 from pathlib import Path
 
 import pytest
+from factories import make_llm as _make_llm
 
-from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, save_hf_checkpoint
 from kvtier.errors import ConfigError, RequestError
 
@@ -14,14 +14,9 @@ PS = 4
 GREEDY = SamplingParams(max_tokens=12)
 
 
-def cache_cfg(**kw) -> CacheConfig:
-    base = dict(page_size=PS, device_pages=96, device="cpu", debug_checks=True)
-    return CacheConfig(**{**base, **kw})
-
-
-def make_llm(model: ModelConfig = MODEL, **kw) -> LLM:
-    limits = {k: kw.pop(k) for k in ("max_running", "max_prefill_tokens") if k in kw}
-    return LLM(model, cache_cfg(**kw), **limits)
+def make_llm(model: object = MODEL, max_running: int = 16, **kw) -> LLM:
+    base = dict(page_size=PS, device_pages=96, device="cpu", prefetch_policy="timeout")
+    return _make_llm(model, max_running=max_running, **{**base, **kw})
 
 
 def prompts(n: int, lo: int = 5, hi: int = 30, seed: int = 0) -> list[list[int]]:
@@ -168,11 +163,11 @@ def test_engine_limits_are_validated() -> None:
 def test_engine_from_checkpoint(tmp_path: Path) -> None:
     model = CausalLM(ModelConfig(num_layers=2, max_position=512, qk_norm=True, seed=4))
     save_hf_checkpoint(model, tmp_path)
-    llm = LLM(tmp_path, cache_cfg())
+    llm = make_llm(tmp_path)
     assert llm.tokenizer is None
     assert llm.cache.config.model_fingerprint == llm.model_config.fingerprint()
     p = prompts(1, seed=9)[0]
-    want = LLM(model, cache_cfg()).generate([p], GREEDY)[0].output_ids
+    want = make_llm(model).generate([p], GREEDY)[0].output_ids
     assert llm.generate([p], GREEDY)[0].output_ids == want
 
 

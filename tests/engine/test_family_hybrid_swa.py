@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from factories import engine_config
 
-from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, SamplingParams, SeqSlots
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.families.hybrid import HybridModel
@@ -143,7 +143,8 @@ def test_swa_engine_prefix_hit_equals_cold() -> None:
     a, b = shared + [1, 2, 3], shared + [9, 8, 7, 6]
 
     def engine() -> LLM:
-        return LLM(SWAModel(cfg), CacheConfig(page_size=16, device_pages=64, device="cpu"))
+        cache = engine_config(device="cpu", prefetch_policy="timeout", debug_checks=False)
+        return LLM(SWAModel(cfg), cache)
 
     cold = engine().generate([b], params)[0]
     llm = engine()

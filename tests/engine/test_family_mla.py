@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from factories import engine_config
 
-from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams, SeqSlots
 from kvtier.engine.families import build_model, preset
 from kvtier.engine.families.mla import MLAModel
@@ -264,7 +264,7 @@ def test_config_validation_names_the_field(field: str, value: object) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_engine_prefix_hit_matches_cold(variant: str) -> None:
-    cache = CacheConfig(page_size=16, device_pages=64, device="cpu", debug_checks=True)
+    cache = engine_config(device="cpu", prefetch_policy="timeout")
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     shared = tokens(150, seed=10)
     a, b = shared + tokens(20, seed=11), shared + tokens(30, seed=12)
@@ -281,22 +281,16 @@ def test_engine_prefix_hit_matches_cold(variant: str) -> None:
 def test_engine_host_and_storage_restores_match_cold(variant: str, tmp_path) -> None:
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     target = tokens(140, seed=20)
-    base = dict(page_size=16, device="cpu", debug_checks=True)
-    cold = LLM(preset(variant), CacheConfig(device_pages=64, **base)).generate([target], greedy)
-    small = CacheConfig(device_pages=12, host_ratio=4.0, **base)
+    base = dict(device="cpu", prefetch_policy="timeout")
+    cold = LLM(preset(variant), engine_config(**base)).generate([target], greedy)
+    small = engine_config(device_pages=12, host_ratio=4.0, **base)
     llm = LLM(preset(variant), small, max_running=1)
     llm.generate([target], greedy)
     others = [tokens(150, seed=21 + i) for i in range(3)]  # push target out of the device tier
     llm.generate(others, SamplingParams(max_tokens=2, ignore_eos=True))
     from_host = llm.generate([target], greedy)[0]
     assert from_host.cached_host == 128 and from_host.output_ids == cold[0].output_ids
-    stored = CacheConfig(
-        device_pages=64,
-        storage="file",
-        storage_dir=str(tmp_path),
-        prefetch_policy="wait_complete",
-        **base,
-    )
+    stored = engine_config(tmp_path, device="cpu")
     with LLM(preset(variant), stored) as first:
         first.generate([target], greedy)
     with LLM(preset(variant), stored) as fresh:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from factories import engine_config
 
 from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, speculative
@@ -15,15 +15,13 @@ from kvtier.engine.families import build_model, preset
 from kvtier.engine.mtp import DRAFT_HIDDEN, DRAFT_KV, MTPCausalLM
 from kvtier.errors import ConfigError
 
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
-
 MODEL = preset("tiny-mtp", max_position=512)
 GREEDY = SamplingParams(max_tokens=20)
 
 
 def cache_cfg(page_size: int = 4, **kw) -> CacheConfig:
-    base = dict(page_size=page_size, device_pages=384 // page_size, device=DEVICE)
-    return CacheConfig(**{**base, "debug_checks": True, **kw})
+    base = dict(page_size=page_size, device_pages=384 // page_size, prefetch_policy="timeout")
+    return engine_config(**{**base, **kw})
 
 
 def prompts(n: int, lo: int = 5, hi: int = 30, seed: int = 0) -> list[list[int]]:

@@ -4,29 +4,15 @@ tail's tokens fewer."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-from kvtier import CacheConfig
-
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+from factories import make_llm
 
 
 def _llm(storage_dir: str | None, **kw):
-    from kvtier.engine import LLM, ModelConfig
+    from kvtier.engine import ModelConfig
 
-    cfg = CacheConfig(
-        page_size=16,
-        device_pages=64,
-        device=DEVICE,
-        storage="file" if storage_dir else None,
-        storage_dir=storage_dir or "unused",
-        prefetch_policy="wait_complete",
-        debug_checks=True,
-        **kw,
-    )
-    return LLM(ModelConfig(num_layers=3, max_position=1024, seed=7), cfg, max_running=1)
+    model = ModelConfig(num_layers=3, max_position=1024, seed=7)
+    return make_llm(model, storage_dir, max_running=1, **kw)
 
 
 @pytest.mark.parametrize("where", ["device", "host", "storage"])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import engine_config
 
-from kvtier.config import CacheConfig
 from kvtier.engine import LLM, CausalLM, ModelConfig, SamplingParams, common, save_hf_checkpoint
 from kvtier.engine.common import DIGEST_FILE, weights_digest
 from kvtier.engine.hf_config import read_hf_config
@@ -124,14 +124,7 @@ def test_progress_only_for_large_checkpoints(
 
 def test_fine_tunes_never_share_storage_hits(tmp_path: Path) -> None:
     a, b = _checkpoint(tmp_path / "a", 1), _checkpoint(tmp_path / "b", 2)
-    cache = CacheConfig(
-        device="cpu",
-        page_size=4,
-        device_pages=64,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        prefetch_policy="wait_complete",
-    )
+    cache = engine_config(tmp_path / "l3", page_size=4, device="cpu", debug_checks=False)
     prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
     first = LLM(a, cache)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import PS, SPEC, cache_config
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import ConfigError, IntegrityError, RequestError
@@ -13,24 +14,13 @@ from kvtier.parallel.group import LocalWorld, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools import PoolSpec
 
-PS = 4
-SPEC = PoolSpec("kv", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32)
 TOKENS = list(range(100, 140))  # 10 pages
 
 
 def _config(tmp_path, cp: int, rank: int, **kw) -> CacheConfig:
-    base = dict(
-        page_size=PS,
-        device_pages=12,
-        host_pages=16,
-        cp_size=cp,
-        cp_rank=rank,
-        storage="file",
-        storage_dir=str(tmp_path),
-        model_fingerprint="test-model",
-        debug_checks=True,
-    )
-    return CacheConfig(**{**base, **kw})
+    # device=None (CUDA when present) and the default prefetch policy: as these tests always ran
+    base = dict(device_pages=12, device=None, prefetch_policy="timeout", debug_checks=True)
+    return cache_config(tmp_path, **{**base, "cp_size": cp, "cp_rank": rank, **kw})
 
 
 def _value(pos: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ import os
 
 import pytest
 import torch
+from factories import make_cache
 
-from kvtier import CacheConfig, PoolSpec, TieredCache
+from kvtier import PoolSpec, TieredCache
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.keys import chain_keys, state_key
 from kvtier.storage.base import StorageCapabilities
@@ -20,22 +21,12 @@ PS = 4  # KV page
 KV = PoolSpec("kv", 2, (2, 1, 4), torch.float32)
 IDX = PoolSpec("index_rows", 2, (8,), torch.bfloat16, kind="sidecar", tokens_per_row=16)
 STATE = PoolSpec("state", 3, (6,), torch.float32, kind="state")
-DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 
 
 def make(tmp_path, specs, **kw) -> TieredCache:
-    cfg = dict(
-        page_size=PS,
-        device_pages=16,
-        host_pages=32,
-        device=DEVICE,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        model_fingerprint="test-model",
-        prefetch_policy="wait_complete",
-        debug_checks=True,
+    return make_cache(
+        tmp_path, specs, **{"device_pages": 16, "host_pages": 32, "debug_checks": True, **kw}
     )
-    return TieredCache(CacheConfig(**{**cfg, **kw}), specs)
 
 
 def fill(cache: TieredCache, tokens: list[int], ckpt: list[bool] | None = None, seed: int = 0):

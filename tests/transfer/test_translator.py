@@ -7,11 +7,9 @@ through every tier (device → host → storage → a fresh cache's host → dev
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from factories import DEVICE, PS, SPEC
+from factories import DEVICE, PS, SPEC, cache_config, engine_config
 
 from kvtier import CacheConfig, TieredCache
 from kvtier.errors import ConfigError
@@ -23,20 +21,6 @@ DEVICE_MAP = [3, 7, 0, 5, 1, 6, 2, 4]
 HOST_MAP = [9, 4, 15, 0, 12, 1, 14, 2, 11, 3, 13, 5, 10, 6, 8, 7]
 OTHER_HOST_MAP = [6, 13, 2, 10, 0, 15, 7, 11, 1, 9, 3, 14, 4, 12, 5, 8]
 TOKENS = list(range(200, 212))  # three whole pages
-
-
-def config(tmp_path, **overrides) -> CacheConfig:
-    base = CacheConfig(
-        page_size=PS,
-        device_pages=8,
-        host_pages=16,
-        device=DEVICE,
-        storage="file",
-        storage_dir=str(tmp_path / "l3"),
-        model_fingerprint="test-model",
-        prefetch_policy="wait_complete",
-    )
-    return replace(base, **overrides)
 
 
 def rows_for(n: int, seed: int) -> torch.Tensor:
@@ -73,7 +57,7 @@ MECHANISMS = ["auto", "kernel", "copy_engine"] if DEVICE.startswith("cuda") else
 def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout, mechanism):
     t = PermutationTranslator(device=DEVICE_MAP, host=HOST_MAP)
     options = {"host_layout": layout, "transfer_mechanism": mechanism}
-    c = TieredCache(config(tmp_path, **options), [SPEC], translator=t)
+    c = TieredCache(cache_config(tmp_path / "l3", **options), [SPEC], translator=t)
     m = c.match(TOKENS)
     c.lock(m.handle)
     ld = c.load(m)
@@ -111,7 +95,7 @@ def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout, mechanism
 
     # A fresh cache with another host permutation restores the storage objects.
     t2 = PermutationTranslator(device=DEVICE_MAP[::-1], host=OTHER_HOST_MAP)
-    c2 = TieredCache(config(tmp_path, **options), [SPEC], translator=t2)
+    c2 = TieredCache(cache_config(tmp_path / "l3", **options), [SPEC], translator=t2)
     m = c2.match(TOKENS)
     assert m.storage_len == 12
     pf = c2.prefetch(m)
@@ -139,7 +123,7 @@ def test_permuted_pages_roundtrip_through_every_tier(tmp_path, layout, mechanism
 
 
 def test_identity_cache_hands_out_its_slots_unchanged(tmp_path):
-    c = TieredCache(config(tmp_path, storage=None), [SPEC])
+    c = TieredCache(cache_config(tmp_path / "l3", storage=None), [SPEC])
     locs = torch.tensor([8, 9, 10, 11])
     assert c.kv_buffers.slots(locs) is locs
     c.close()
@@ -186,10 +170,12 @@ def test_storage_codec_gathers_and_scatters_physical_pages():
 
 def test_translator_must_be_a_permutation_of_each_pool(tmp_path):
     with pytest.raises(ConfigError, match="device table must be a permutation of the 8"):
-        TieredCache(config(tmp_path), [SPEC], translator=PermutationTranslator(device=[0, 1]))
+        TieredCache(
+            cache_config(tmp_path / "l3"), [SPEC], translator=PermutationTranslator(device=[0, 1])
+        )
     bad = PermutationTranslator(host=[0] * 16)
     with pytest.raises(ConfigError, match="host table must be a permutation of the 16"):
-        TieredCache(config(tmp_path), [SPEC], translator=bad)
+        TieredCache(cache_config(tmp_path / "l3"), [SPEC], translator=bad)
 
 
 def test_transfer_mechanism_is_validated():
@@ -228,15 +214,10 @@ def test_engine_addresses_the_device_pool_through_the_translator(tmp_path, monke
             monkeypatch.setattr(
                 llm_mod, "TieredCache", lambda c, s: TieredCache(c, s, translator=perm)
             )
-        cfg = CacheConfig(
-            page_size=16,
+        cfg = engine_config(
+            tmp_path / ("l3-perm" if translated else "l3-id"),
             device_pages=DEVICE_PAGES,
             host_pages=HOST_PAGES,
-            device=DEVICE,
-            storage="file",
-            storage_dir=str(tmp_path / ("l3-perm" if translated else "l3-id")),
-            prefetch_policy="wait_complete",
-            debug_checks=True,
         )
         outs = []
         with LLM(model, cfg, max_running=1) as llm:
