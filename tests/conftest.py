@@ -5,10 +5,19 @@ marked ``corrupts``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from factories import make_cache
 
 from kvtier import TieredCache
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core: a worker's (and its child processes') torch ops run on one thread,
+    # else two workers' thread pools fight over the same cores and every test runs slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
