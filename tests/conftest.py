@@ -20,6 +20,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Child processes and servers (``tests/e2e/``) and a real Mooncake Store are ``slow``;
+    ``gpu`` tests skip without CUDA."""
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if "e2e" in item.path.parts or item.get_closest_marker("mooncake") is not None:
+            item.add_marker(pytest.mark.slow)
+        if not cuda and item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 @pytest.fixture
 def cache(tmp_path):
     c = make_cache(tmp_path)

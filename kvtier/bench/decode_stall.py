@@ -61,12 +61,15 @@ def backup_during_decode(
     rounds: int = STALL_ROUNDS,
     log: Callable[[str], None] | None = None,
     others: bool = True,
+    in_flight: int | None = None,
 ) -> dict:
     """Mean decode step time of ``batch`` requests alone and under back-to-back backups of
     ``num_pages`` pages each, on engines of their own (``base`` without storage; pools sized
     for the backups kept waiting); see the module docstring. Completed backup bytes are the
     cache's ``backup_bytes`` counter. ``log``, when given, is called with a summary line.
-    ``others=False`` leaves out the variants other than ``paced`` (for probes)."""
+    ``others=False`` leaves out the variants other than ``paced`` (for probes). ``in_flight``
+    fixes how many backups wait before each step; ``None`` measures it (more than the link moves
+    in one step), which on a loaded host with fast backups can mean hundreds."""
     ps = base.page_size
 
     def engine(in_flight: int, **options: object) -> LLM:
@@ -163,8 +166,9 @@ def backup_during_decode(
     finally:
         llm.close()
     del llm
-    # More backup work waiting before each step than the link moves in it.
-    in_flight = math.ceil(first_alone / one) + 1
+    if in_flight is None:
+        # More backup work waiting before each step than the link moves in it.
+        in_flight = math.ceil(first_alone / one) + 1
     alone_s: list[float] = []
     paced_runs: list[dict] = []
     for r in range(max(1, rounds)):

@@ -57,11 +57,20 @@ def test_backup_during_decode_runs_through_the_public_api_on_cpu(tmp_path):
     base = CacheConfig(page_size=16, device="cpu", debug_checks=True)
     lines: list[str] = []
     out = backup_during_decode(
-        model, base, random.Random(0), 256, 4, batch=2, num_steps=3, rounds=2, log=lines.append
+        model,
+        base,
+        random.Random(0),
+        256,
+        4,
+        batch=2,
+        num_steps=3,
+        rounds=2,
+        log=lines.append,
+        in_flight=2,  # measured, it grows with the host's load (hundreds on a busy one)
     )
     page_bytes = 2 * 16 * 2 * 1 * 16 * 4  # layers x tokens x (k, v) x heads x head_dim x fp32
     assert out["backup_bytes"] == 4 * page_bytes
-    assert (out["batch"], out["steps"]) == (2, 3) and out["backups_in_flight"] >= 2
+    assert (out["batch"], out["steps"], out["backups_in_flight"]) == (2, 3, 2)
     assert {k: out[k]["transfer_mechanism"] for k in ("paced", "paced_kernels", "unpaced")} == {
         "paced": "auto",
         "paced_kernels": "kernel",

@@ -8,7 +8,14 @@ import gc
 import json
 
 import pytest
+
+# The server extra (pip install -e ".[server]") and the official client the tests drive it with.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 from server_harness import start
+
+pytestmark = pytest.mark.slow  # a live server per test
 
 from kvtier.bench.serve import ServeBenchConfig, bench_serve, percentile, served_by
 from kvtier.cli import main

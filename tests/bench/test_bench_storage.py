@@ -133,6 +133,7 @@ def test_bench_storage_missing_peer_is_reported(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.mooncake
 def test_bench_storage_mooncake_tiny() -> None:
     from mooncake_harness import IMPORT_ERROR
 

@@ -21,6 +21,7 @@ OPS = (
 )
 
 
+@pytest.mark.slow
 def test_kvtier_side_reports_every_scenario_and_its_memory() -> None:
     out = bench_tree_sides(rounds=1, scale=64)
     assert sorted(out["kvtier"]) == sorted(OPS)
@@ -46,6 +47,7 @@ def test_each_side_gets_the_same_tokens_in_its_engines_container() -> None:
     assert mine.tolist() == theirs.tolist() == [int(x) for p in parts for x in p]
 
 
+@pytest.mark.slow
 def test_a_peer_interpreter_without_sglang_fails_loudly() -> None:
     with pytest.raises(RuntimeError, match="sglang long exited"):
         bench_tree_sides(peer_python=sys.executable, rounds=1, scale=64)

@@ -316,6 +316,7 @@ def first_pages_bytes(llm: LLM, tokens: list[int], pages: int) -> torch.Tensor:
     return kv
 
 
+@pytest.mark.slow
 def test_engine_oracle_with_a_buffer_smaller_than_one_request(tmp_path: Path) -> None:
     prompt = oracle_prompt()
     cold_llm = make_llm(None)

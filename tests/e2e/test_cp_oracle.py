@@ -102,6 +102,7 @@ def test_file_l3_written_at_cp2_restores_at_cp1_and_cp4(tmp_path):
     _cross_size(str(tmp_path / "l3"), "mla")
 
 
+@pytest.mark.mooncake
 def test_mooncake_l3_written_at_cp2_restores_at_cp1_and_cp4(mooncake_cluster):  # noqa: F811
     _cross_size(mooncake_cluster.url(timeout_s=5), "dsa")
 

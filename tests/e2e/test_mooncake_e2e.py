@@ -16,6 +16,8 @@ from kvtier.config import CacheConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 
+pytestmark = pytest.mark.mooncake
+
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 
 

@@ -17,6 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
+# The server extra (pip install -e ".[server]") and the HTTP client the clients use.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 import httpx2 as httpx
 from server_harness import idle, metric, wait_ready, wait_until
 

@@ -10,9 +10,12 @@ from kvtier.config import CacheConfig
 from kvtier.engine import LLM, ModelConfig, SamplingParams, decode_kernel, graphs
 from kvtier.engine.batch import SeqSlots
 
-cuda = pytest.mark.skipif(
-    decode_kernel.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton"
-)
+
+def cuda(test):  # noqa: ANN001, ANN201 - a test function
+    """On CUDA with Triton only."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(decode_kernel.triton is None, reason="needs Triton")(test)
+    )
 
 
 def _llm(cuda_graphs: bool) -> LLM:
@@ -138,7 +141,7 @@ def test_cuda_graphs_option_is_validated() -> None:
         LLM(ModelConfig(), CacheConfig(), cuda_graphs="yes")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_the_argmax_read_with_the_logits_is_the_hosts() -> None:
     llm = _llm(cuda_graphs=False)
     runner = llm.runner

@@ -12,9 +12,10 @@ import torch
 from kvtier.engine import decode_kernel
 from kvtier.engine.attention import decode_attention
 
-pytestmark = pytest.mark.skipif(
-    decode_kernel.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(decode_kernel.triton is None, reason="needs Triton"),
+]
 
 
 def _reference(q, kv, locs, lens):  # noqa: ANN001, ANN202

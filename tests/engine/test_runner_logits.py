@@ -11,7 +11,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Work
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def _work(params: SamplingParams, draft: list[int] | None = None) -> Work:

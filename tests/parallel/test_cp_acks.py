@@ -60,6 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "timeout"), [("dead", 5.0), ("stuck", 1.0)])
 def test_two_gloo_processes_agree_and_a_lost_rank_is_named(tmp_path, mode, timeout):
     args = (_free_port(), str(tmp_path), mode, timeout)

@@ -9,7 +9,14 @@ import random
 
 import openai
 import pytest
+
+# The server extra (pip install -e ".[server]") and the official client the tests drive it with.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 from server_harness import cache_config, client, cold, http, idle, metric, start
+
+pytestmark = pytest.mark.slow  # a live server per test
 
 from kvtier.engine import SamplingParams
 from kvtier.engine.families import build_model, preset

@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The server extra (pip install -e ".[server]") and the official client the tests drive it with.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 from server_harness import DEADLINE_S, http, wait_ready
+
+pytestmark = pytest.mark.slow  # a live server per test
 
 from kvtier.cli import build_parser, main
 from kvtier.config import CacheConfig

@@ -4,7 +4,14 @@ running or a waiting request (its lock, pages and prefetch given back), request 
 from __future__ import annotations
 
 import pytest
+
+# The server extra (pip install -e ".[server]") and the official client the tests drive it with.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 from server_harness import cache_config
+
+pytestmark = pytest.mark.slow  # a live server per test
 
 from kvtier.engine import SamplingParams
 from kvtier.errors import RequestError

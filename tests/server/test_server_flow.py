@@ -10,6 +10,11 @@ import threading
 
 import openai
 import pytest
+
+# The server extra (pip install -e ".[server]") and the official client the tests drive it with.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
 from server_harness import (
     cache_config,
     client,
@@ -21,6 +26,8 @@ from server_harness import (
     start,
     wait_until,
 )
+
+pytestmark = pytest.mark.slow  # a live server per test
 
 from kvtier.engine import SamplingParams
 from kvtier.engine.families import build_model, preset

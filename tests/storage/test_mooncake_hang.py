@@ -9,12 +9,15 @@ import time
 from typing import Any
 
 import mooncake_harness
+import pytest
 import torch
 from factories import kv_of, make_cache, run_request
 from mooncake_harness import MooncakeCluster
 
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage.mooncake import MooncakeBackend
+
+pytestmark = pytest.mark.mooncake
 
 mooncake_cluster = mooncake_harness.mooncake_cluster
 NS = Namespace("c" * 32)

@@ -21,6 +21,8 @@ from kvtier.storage import envelope
 from kvtier.storage.mooncake import MooncakeBackend
 from kvtier.storage.mooncake_url import parse_storage_url
 
+pytestmark = pytest.mark.mooncake
+
 mooncake_cluster = mooncake_harness.mooncake_cluster
 NS_A = Namespace("a" * 32)
 NS_B = Namespace("b" * 32)

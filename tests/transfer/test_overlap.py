@@ -15,7 +15,7 @@ from kvtier.engine.families import build_model, preset
 from kvtier.pools import DevicePool, HostPool, PoolSpec
 from kvtier.transfer import Mover
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(("family", "expect"), [("tiny", [0, 1, 2, 3]), ("hybrid", [0, 0, 0, 1])])

@@ -17,7 +17,7 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.pacer import Pacer
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 class FakeMark:

@@ -15,9 +15,8 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 PRELUDE = """
 import os, pathlib, tempfile

@@ -24,7 +24,7 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, RowGeometry, choose
 from kvtier.transfer.staged_blocks import host_breaks, slice_blocks
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def geo(layout: str, row_bytes: int = 4096, layers: int = 3) -> RowGeometry:
