@@ -20,10 +20,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 if [ "${TESTS:-1}" = 1 ]; then
   KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -W ignore \
-      tests/test_cache_tiers.py tests/test_cache_storage_faults.py tests/test_oracle.py \
-      tests/test_pool_sets.py tests/test_family_oracle.py tests/test_transfer.py tests/test_overlap.py tests/test_pacer.py \
-      tests/test_translator.py tests/test_engine_attention.py tests/test_transfer_exchange.py \
-      tests/test_layer_backup.py tests/test_arena_transfer.py \
+      tests/cache/test_cache_tiers.py tests/cache/test_cache_storage_faults.py \
+      tests/cache/test_layer_backup.py tests/cache/test_buffer_only.py tests/pools/test_pool_sets.py \
+      tests/controller/test_controller.py tests/transfer/test_transfer.py tests/transfer/test_overlap.py \
+      tests/transfer/test_pacer.py tests/transfer/test_translator.py tests/transfer/test_transfer_exchange.py \
+      tests/transfer/test_arena_transfer.py tests/transfer/test_staged_blocks.py \
+      tests/transfer/test_row_kernel_variants.py tests/engine/test_engine_attention.py \
+      tests/engine/test_decode_kernel.py tests/engine/test_decode_graphs.py tests/engine/test_runner_logits.py \
+      tests/engine/test_family_mla.py tests/engine/test_family_hybrid_swa.py tests/engine/test_spec_decode.py \
+      tests/e2e/test_oracle.py tests/e2e/test_family_oracle.py \
       2>&1 | tail -3
 fi
 
