@@ -12,6 +12,7 @@
 #              matmul rate and copy rate
 #   DEMOS=0    skip every family's demo on CUDA
 #   TESTS=0    skip the CUDA tests
+#   CP=0       skip the context-parallel tests (CP oracle, parallel/, CP engine) on CUDA
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 J="$OUT/json"
@@ -30,6 +31,13 @@ if [ "${TESTS:-1}" = 1 ]; then
       tests/engine/test_family_mla.py tests/engine/test_family_hybrid_swa.py tests/engine/test_spec_decode.py \
       tests/e2e/test_oracle.py tests/e2e/test_family_oracle.py \
       2>&1 | tail -3
+fi
+if [ "${CP:-1}" = 1 ]; then
+  # Context parallelism with L1 on CUDA: gloo ranks share the GPU, so copies complete
+  # asynchronously for real and ranks see them at different times.
+  KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -W ignore -rs \
+      tests/e2e/test_cp_oracle.py tests/parallel/ tests/engine/test_cp_engine.py \
+      2>&1 | tee "$OUT/cp_tests.log" | tail -3
 fi
 
 summary() {  # one line per configuration of a bench transfer JSON file
