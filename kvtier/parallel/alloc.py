@@ -23,6 +23,7 @@ from kvtier.parallel.layout import CPLayout
 from kvtier.parallel.meta import CPNodeMeta
 
 if TYPE_CHECKING:
+    from kvtier.tree.node import Node
     from kvtier.tree.radix import RadixTree
 
 
@@ -47,6 +48,25 @@ def verify_owners(
         )
 
 
+def node_meta(node: Node, layout: CPLayout, page_size: int) -> CPNodeMeta | None:
+    """This rank's seed-003 record of ``node``'s host copy (``None`` without one), derived from
+    the tree: the owners of its sequence pages and the host pages on this rank's lane.
+
+    kvtier keeps the record derived rather than stored: every rank's tree holds the node's whole
+    logical host copy (the same ids on every rank), and a logical id names its lane, so the
+    owned positions and this rank's host slots follow from ``node.host`` alone. The tree's split
+    slices ``node.host`` at a page boundary; the records derived from the two halves are exactly
+    ``CPNodeMeta.split`` of the record before it (``tests/parallel/test_cp_meta.py``), so there is
+    no second copy to keep in step."""
+    if node.host is None or node.parent is None:
+        return None
+    n = node.num_tokens // page_size
+    first = node.depth_tokens() // page_size - n
+    owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
+    mine = node.host[owners == layout.rank]
+    return CPNodeMeta.build(node.id, layout.rank, page_size, owners, layout.physical(mine))
+
+
 def check_tree_owners(tree: RadixTree, layout: CPLayout) -> None:
     """Every copy of a node's page sits on the lane of the page's sequence owner (so each rank
     holds exactly its shard), and this rank's host shard of the node is a consistent seed-003
@@ -61,7 +81,6 @@ def check_tree_owners(tree: RadixTree, layout: CPLayout) -> None:
         for pages in (node.device, node.host):
             if pages is not None:
                 verify_owners(layout, pages, owners, node.id)
-        if node.host is not None:
-            mine = node.host[owners == layout.rank]
-            meta = CPNodeMeta.build(node.id, layout.rank, ps, owners, layout.physical(mine))
+        meta = node_meta(node, layout, ps)
+        if meta is not None:
             meta.check(node.num_tokens)

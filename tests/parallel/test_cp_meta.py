@@ -140,3 +140,37 @@ def test_a_saved_node_loads_on_its_owners_into_partly_used_lanes():
     # A lane short of pages: nothing is taken and the shortfall names the lane.
     assert alloc.shortfall(meta.page_owners.tolist()) == {0: 2, 1: 1}
     assert alloc.alloc_owned(meta.page_owners.tolist()) is None and alloc.available == 1
+
+
+@pytest.mark.parametrize(("cp", "pattern"), [(2, "round_robin"), (3, "zigzag"), (4, "zigzag")])
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_a_tree_split_keeps_each_ranks_record_equal_to_the_seeds_split(cp, pattern, at):
+    """A node with host copies on every rank's lane, starting mid-sequence, split in the tree:
+    the records each rank derives from the two halves are the seed's ``CPNodeMeta.split`` of
+    the record before."""
+    from kvtier.parallel.alloc import node_meta
+    from kvtier.tree import RadixTree
+
+    layouts = [CPLayout(cp, r, pattern) for r in range(cp)]
+    owners = layouts[0].owners(0, 9)
+    host = torch.tensor([o + cp * (20 + i) for i, o in enumerate(owners)], dtype=torch.int64)
+    tree = RadixTree(PS)
+    tokens = list(range(9 * PS))
+    tree.insert(tokens[: 2 * PS], host[:2], tier="host")
+    tree.insert(tokens, host, tier="host")
+    node = tree.match(tokens).path[-1]
+    assert node.num_tokens == 7 * PS and node.depth_tokens() == 9 * PS
+    before = [node_meta(node, lay, PS) for lay in layouts]
+    assert sum(m.owned_count for m in before) == 7  # every page on exactly one rank
+    parent = tree.split(node, at)
+    tree.check_integrity()
+    for lay, m in zip(layouts, before, strict=True):
+        want_parent, want_child = m.split(at, parent_node=parent.id)
+        for want, got in (
+            (want_parent, node_meta(parent, lay, PS)),
+            (want_child, node_meta(node, lay, PS)),
+        ):
+            assert got is not None and (got.node, got.logical_len) == (want.node, want.logical_len)
+            assert got.page_owners.tolist() == want.page_owners.tolist()
+            assert got.owned_pages.tolist() == want.owned_pages.tolist(), (lay.rank, got, want)
+            assert got.host_pages.tolist() == want.host_pages.tolist(), (lay.rank, got, want)
