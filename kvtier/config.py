@@ -205,6 +205,15 @@ class CacheConfig:
     close its holes: ``auto`` when an allocation finds room only in pieces, ``eager`` before every
     allocation (moves pages as often as possible: for testing), ``off`` never (an allocation
     that finds room only in pieces fails, and pages are evicted instead)."""
+    test_completion_polls: int = 0
+    """For tests only, never in production: every device <-> host copy and every storage I/O
+    completes, as ``poll`` sees it, only after a random number (0 to this many) of completion
+    queries more, drawn per rank from ``test_completion_seed`` and ``cp_rank``, so the ranks of
+    a CP group see completions at different times (``kvtier.transfer.delays``). A poll that
+    sees a storage I/O end waits for it, so a schedule of calls completes at the same polls in
+    every run. 0 (the default): completions are seen as they happen."""
+    test_completion_seed: int = 0
+    """Seed of ``test_completion_polls``' draws (mixed with ``cp_rank``)."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)
     """Additional strings mixed into the key namespace."""
 
@@ -262,6 +271,8 @@ class CacheConfig:
                 "use backup_timing='at_insert' under context parallelism"
             )
         _flag("debug_checks", self.debug_checks)
+        _integer("test_completion_polls", self.test_completion_polls, 0)
+        _integer("test_completion_seed", self.test_completion_seed, 0)
         _flag("unbound_namespace", self.unbound_namespace)
         share = self.backup_share
         if (

@@ -39,6 +39,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
+from kvtier.transfer.delays import CompletionDelays
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.translate import PageTranslator
@@ -75,6 +76,10 @@ class Controller:
             else None
         )
         self.translator = translator
+        self.delays = CompletionDelays(
+            config.test_completion_polls, f"{config.test_completion_seed}/{config.cp_rank}"
+        )
+        """Test completion delays of copies and storage I/O (off unless configured)."""
         self.tree = tree
         self.dev = device_pool
         self.host = host_pool
@@ -89,6 +94,7 @@ class Controller:
                 debug_checks=config.debug_checks,
                 backup_share=config.backup_share,
                 mechanism=config.transfer_mechanism,
+                delays=self.delays,
             )
             self.backups = Backups(
                 tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics, self.group
@@ -127,6 +133,7 @@ class Controller:
             self.translator,
             self.layout,
             self.group,
+            self.delays,
         )
         self.backups.io = self.io
         self.prefetcher = Prefetcher(

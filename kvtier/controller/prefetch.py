@@ -197,7 +197,10 @@ class Prefetcher:
     def _sync(self, ops: list[PrefetchOp]) -> None:
         """CP group: agree on what ``ops`` fetched and whether they can close, so that every
         rank commits the same pages (only what every rank verified its shard of) and closes
-        the same fetches. The I/O thread moves on meanwhile; what it adds is seen next sync."""
+        the same fetches. The I/O thread moves on meanwhile; what it adds is seen next sync.
+        Every sync counts down the fetches' test completion delays (``PrefetchOp.tick``)."""
+        for op in ops:
+            op.tick()
         if self.group.size == 1 or not ops:
             return
         # Settled before done: pages counted after the I/O ended are final on that rank.
@@ -222,6 +225,7 @@ class Prefetcher:
 
     def wait_all(self) -> None:
         for op in list(self.ops):
+            op.tick(force=True)
             if op.future is not None:
                 op.future.result()
 

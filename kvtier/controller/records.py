@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -140,9 +140,31 @@ class PrefetchOp:
     """CP group: ``done_pages`` as every rank has it (the MIN at the last sync)."""
     agreed_settled: bool = False
     """CP group: whether the fetch could close on every rank at the last sync."""
+    hold: int = -1
+    """Test completion delay (``CacheConfig.test_completion_polls``): syncs left before the
+    poll sees what the I/O verified (kept in ``landed`` meanwhile); -1: none."""
+    landed: int = 0
+
+    def publish(self, pages: int) -> None:
+        """I/O thread: the first ``pages`` are verified (held back while ``hold`` lasts)."""
+        if self.hold > 0:
+            self.landed = pages
+        else:
+            self.done_pages = pages
+
+    def tick(self, force: bool = False) -> None:
+        """A sync queried this fetch: one query fewer to hold (``force``: none). When the hold
+        ends, wait for the I/O and publish what it verified."""
+        if self.hold <= 0:
+            return
+        self.hold = 0 if force else self.hold - 1
+        if self.hold == 0:
+            if self.future is not None:
+                wait([self.future])
+            self.done_pages = max(self.done_pages, self.landed)
 
     def io_done(self) -> bool:
-        return self.future is not None and self.future.done()
+        return self.hold <= 0 and self.future is not None and self.future.done()
 
     def unfenced(self) -> bool:
         """Whether no abandoned read can still write into this fetch's buffers."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +24,7 @@ from kvtier.parallel.group import Group, SoloGroup
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.host import HostPool
 from kvtier.storage.base import StorageBackend
+from kvtier.transfer.delays import CompletionDelays
 from kvtier.transfer.objects import ObjectCodec
 from kvtier.transfer.translate import PageTranslator
 from kvtier.tree.node import Node
@@ -46,6 +47,8 @@ class WriteOp:
     """Under CP: how many of the pages are this rank's to write (-1: all of them)."""
     stored_here: int = 0
     """Under CP: how many of those this rank stored."""
+    hold: int = -1
+    """Test completion delay: reaps left before this write is seen done (-1: none)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +61,8 @@ class TouchOp:
     keys: list[PageKey] = field(default_factory=list)
     runs: list[range] = field(default_factory=list)
     future: Future | None = None
+    hold: int = -1
+    """Test completion delay: reaps left before this touch is seen done (-1: none)."""
 
 
 class StorageIO:
@@ -72,11 +77,14 @@ class StorageIO:
         translator: PageTranslator | None = None,
         layout: CPLayout | None = None,
         group: Group | None = None,
+        delays: CompletionDelays | None = None,
     ) -> None:
         """With a CP ``layout`` this rank writes, reads and touches only the page objects it
         owns (objects are per logical page and do not name the rank, so any CP size reads
-        them), and reaping agrees with the ``group``."""
+        them), and reaping agrees with the ``group``. ``delays`` (tests only) holds every
+        completion back for a few reaps (``kvtier.transfer.delays``)."""
         self.backend = backend
+        self.delays = delays or CompletionDelays()
         self.layout = layout
         self.group: Group = group or SoloGroup()
         self.host = host
@@ -106,6 +114,7 @@ class StorageIO:
                 ckpts.append(node.ckpt)
             pos += len(ks)
         op = WriteOp(spans, flat, torch.cat(pages), torch.cat(ckpts) if ckpts else None)
+        op.hold = self.delays.draw()
         op.future = self._pool.submit(self._do_write, op)
         self._writes.append(op)
         return op
@@ -155,7 +164,7 @@ class StorageIO:
         """Spans of the finished writes, each with whether all its pages are now stored (the
         caller unpins the nodes and records that in the tree)."""
         out: list[tuple[Span, bool]] = []
-        ops = finished(self._writes, lambda w: w.future is not None and w.future.done(), self.group)
+        ops = finished(self._writes, self._landed, self.group)
         for op in ops:
             self._writes.remove(op)
             done = op.future.result()
@@ -202,14 +211,13 @@ class StorageIO:
         op.future = self._pool.submit(
             lambda: [self.backend.touch(op.keys[r.start : r.stop]) if r else 0 for r in op.runs]
         )
+        op.hold = self.delays.draw()
         self._touches.append(op)
 
     def reap_touches(self) -> list[Node]:
         """Nodes (still in the tree) with an object that a finished touch found gone."""
         lost: list[bool] = []
-        ops = finished(
-            self._touches, lambda t: t.future is not None and t.future.done(), self.group
-        )
+        ops = finished(self._touches, self._landed, self.group)
         spans: list[Span] = []
         for op in ops:
             self._touches.remove(op)
@@ -227,9 +235,24 @@ class StorageIO:
         kept = agree_all([not h for h in lost], self.group)
         return [sp.node for sp, k in zip(spans, kept, strict=True) if not k and sp.node.parent]
 
+    def _landed(self, op: WriteOp | TouchOp) -> bool:
+        """Whether a write or touch is seen done by this reap. Under a test delay it is not
+        for ``op.hold`` reaps; then the reap waits for it, so it is seen done at that reap
+        whatever the I/O thread's speed."""
+        if op.future is None:
+            return False
+        if op.hold > 0:
+            op.hold -= 1
+            return False
+        if op.hold == 0:
+            wait([op.future])
+        return op.future.done()
+
     # ---- prefetch -------------------------------------------------------------------------
     def read(self, op: PrefetchOp) -> None:
         """Submit the reads of ``op``'s keys into its pages (``op.future`` completes after)."""
+        if self.delays.on:  # at least one sync: a poll never sees the I/O as it happens
+            op.hold = self.delays.draw() + 1
         if op.keys:
             op.future = self._pool.submit(self._do_prefetch, op)
         else:
@@ -247,7 +270,7 @@ class StorageIO:
                 got = self._read_mine(op.keys[lo:hi], op.pages[lo:hi], op)
                 if self.states is not None and got:
                     got = self._read_states(op, lo, lo + got) - lo
-                op.done_pages = lo + got  # publish only after the bytes are in place
+                op.publish(lo + got)  # only after the bytes are in place
                 if got < hi - lo:
                     return
         finally:
@@ -313,6 +336,7 @@ class StorageIO:
     def wait_all(self) -> None:
         """Block until every write and touch submitted so far finished."""
         for op in [*self._writes, *self._touches]:
+            op.hold = min(op.hold, 0)
             if op.future is not None:
                 op.future.result()
 

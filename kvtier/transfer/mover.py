@@ -24,6 +24,7 @@ from kvtier.pools.host import HostPool
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.chunks import interleave, queue_all
 from kvtier.transfer.component import component_rows
+from kvtier.transfer.delays import CompletionDelays
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mechanisms import Mechanisms
 from kvtier.transfer.op import TransferOp
@@ -47,7 +48,8 @@ class Mover:
 
     Page lists passed in are logical; ``translator`` maps them to the pools' physical pages
     (both sides, once per batch, before any mechanism sees them). ``mechanism`` is one of
-    ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``.
+    ``translate.MECHANISMS``. Left ``None``: the identity and ``auto``. ``delays`` (tests
+    only) makes every op answer ``done()`` late (``kvtier.transfer.delays``).
 
     A :class:`~kvtier.pools.unified_pool.UnifiedPool` is translated per component (its
     ``ArenaTranslator``, the default for it): each component copies only the pages holding an
@@ -71,8 +73,11 @@ class Mover:
         staging_bytes: int = STAGING_BYTES,
         backup_share: float = 0.0,
         mechanism: str | None = None,
+        delays: CompletionDelays | None = None,
     ) -> None:
         self.dev = device_pool
+        self.delays = delays or CompletionDelays()
+        """Test completion delays (``CacheConfig.test_completion_polls``; off by default)."""
         self.host = host_pool
         self.arena = device_pool if isinstance(device_pool, UnifiedPool) else None
         """The unified pool when the device pool is one (ops lease its pages)."""
@@ -174,6 +179,7 @@ class Mover:
             lists, op = envelope_lists(
                 self.arena, direction, device_pages, host, names, self.uploads
             )
+        op.hold = self.delays.draw()
         try:
             if not self.cuda and copy:
                 for name, pages in lists.items():

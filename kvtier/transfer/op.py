@@ -35,9 +35,15 @@ class TransferOp:
     shared_link: bool = False
     """Queued beside a copy the other way (``Mover.exchange``): its staged slices' short
     copy-engine lists go as single copies (``dma.FEW_BLOCKS``)."""
+    hold: int = -1
+    """Test completion delay (``kvtier.transfer.delays``): how many more :meth:`done` queries
+    answer False before the copy's own state is asked; -1: none."""
 
     def done(self) -> bool:
         """True once the copy completed (never blocks)."""
+        if self.hold > 0:
+            self.hold -= 1
+            return False
         if self.pending is not None:
             return False
         self._raise()
@@ -45,6 +51,7 @@ class TransferOp:
 
     def wait(self) -> None:
         """Block the host until the copy completed."""
+        self.hold = min(self.hold, 0)
         if self.pending is not None:
             self.pending()
         self._raise()
