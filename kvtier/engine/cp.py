@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.engine.batch import SeqSlots
-from kvtier.errors import ConfigError, RequestError
+from kvtier.errors import ConfigError, IntegrityError, RequestError
 
 if TYPE_CHECKING:
     from kvtier.parallel.group import Group
@@ -209,6 +209,38 @@ def merge_partials(
     for r, p in enumerate(parts):
         merged = merged + torch.exp(lses[r] - safe)[..., None] * p[..., :d]
     return merged.to(device=out.device, dtype=out.dtype), total.to(lse.device, torch.float32)
+
+
+def owner_rows(
+    group: Group, buf: torch.Tensor, seqs: Sequence[SeqSlots], positions: Sequence[int]
+) -> torch.Tensor:
+    """``[len(seqs), *row]``: the row of the component layer ``buf`` (``[slots, *row]``) at
+    position ``positions[i]`` of sequence ``seqs[i]`` (from :func:`seq_slots`), on every rank.
+    Each row is read on the one rank holding its page and shared in one gather; a negative
+    position gives a zero row. Every rank gets bitwise the owner's values. A row held by no
+    rank, or by several, is an ``IntegrityError`` naming the sequence and position."""
+    n = len(seqs)
+    if all(p < 0 for p in positions):  # the same on every rank: no gather
+        return buf.new_zeros((n, *buf.shape[1:]))
+    wide = torch.promote_types(buf.dtype, torch.float32)
+    local = torch.zeros((n, 1 + buf[0].numel()), dtype=wide)
+    for i, (s, p) in enumerate(zip(seqs, positions, strict=True)):
+        hit = torch.nonzero(require_cols(s) == p).reshape(-1)
+        if p >= 0 and hit.numel():
+            local[i, 0] = 1.0
+            local[i, 1:] = buf.index_select(0, s.ctx_locs[hit[:1]]).reshape(-1).to(wide).cpu()
+    parts = torch.stack(group.all_gather(local, "cp owner rows"))
+    held = parts[:, :, 0] > 0  # [ranks, n]
+    counts = held.sum(0)
+    for i, p in enumerate(positions):
+        if int(counts[i]) != (1 if p >= 0 else 0):
+            raise IntegrityError(
+                f"cp owner rows: sequence {i} position {p} held by {int(counts[i])} ranks "
+                f"(rank {group.rank} of {group.size})"
+            )
+    owner = held.to(torch.int8).argmax(0)  # the holding rank (rank 0 for a zero row)
+    rows = parts[owner, torch.arange(n), 1:]
+    return rows.to(device=buf.device, dtype=buf.dtype).reshape(n, *buf.shape[1:])
 
 
 def gather_max(group: Group, full: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ class LLM:
         context parallelism); every rank of it runs the same requests.
         ``speculative_tokens``: draft tokens each decode step of a greedy request proposes
         with the model's draft head and verifies in one forward (``kvtier.engine.speculative``);
-        ``0``: off. Needs a draft head (``mtp_layers > 0``) and no context parallelism.
+        ``0``: off. Needs a draft head (``mtp_layers > 0``); under context parallelism every
+        rank proposes, verifies and accepts the same tokens.
         ``cuda_graphs``: decode steps of the dense model on CUDA replay recorded graphs
         (``kvtier.engine.graphs``); ``False`` runs every forward eagerly."""
         if not isinstance(cuda_graphs, bool):
@@ -78,8 +79,7 @@ class LLM:
         elif not isinstance(model, nn.Module):
             model = build_model(model)
         self.model_config = model.config
-        cp_size = (cache_config or CacheConfig()).cp_size
-        self.speculative_tokens = speculative.check_option(speculative_tokens, model, cp_size)
+        self.speculative_tokens = speculative.check_option(speculative_tokens, model)
         self._drafts = {"spec_draft_proposed": 0, "spec_draft_accepted": 0}
         self._split_forwards = 0
         """Batched forwards that raised and were run again one request at a time."""
@@ -243,16 +243,21 @@ class LLM:
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
                 errors[i] = e
                 sampled.append([-1])
-        # Once per step over every item, on every CP rank: the same tokens everywhere, and an
-        # item that failed on any rank (-1, the minimum) fails on all of them. (Speculation,
-        # which appends several tokens, is refused under CP: only first tokens need agreeing.)
-        agreed = self.runner.agree([t[0] for t in sampled])
+        # Once per step over every item, on every CP rank: the same tokens everywhere (a
+        # verified draft's accepted count included), and an item that failed on any rank (-1,
+        # the minimum) fails on all of them.
+        agreed = speculative.agree_tokens(self.runner.group, sampled, [len(w.draft) for w in work])
         ok: list[Work] = []
         tokens: list[list[int]] = []
         for i, (w, t) in enumerate(zip(work, agreed, strict=True)):
-            if t >= 0:
+            if t[0] >= 0:
                 ok.append(w)
-                tokens.append([t, *sampled[i][1:]])
+                tokens.append(t)
+                if len(t) < len(sampled[i]):  # another rank accepted fewer: keep its count
+                    cut = len(sampled[i]) - len(t)
+                    w.req.draft_accepted -= cut
+                    if w.req.logit_rows is not None:
+                        del w.req.logit_rows[-cut:]
             else:
                 e = errors.get(i) or RequestError(
                     f"request {w.req.id}: sampling failed on another CP rank"
@@ -277,6 +282,9 @@ class LLM:
             for w in work:
                 if w.draft:
                     w.draft, w.num_new = [], 1
+        # every CP rank verifies the same drafts (an item whose proposal failed on a rank
+        # decodes one token everywhere)
+        speculative.agree_drafts(self.runner.group, work)
 
     def _forward(
         self, work: list[Work], while_running: Callable[[], None]

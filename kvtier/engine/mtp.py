@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.engine import cp
 from kvtier.engine.batch import ForwardBatch, KVBuffers, SeqSlots
 from kvtier.engine.model import Attention, CausalLM, DecoderLayer
 from kvtier.engine.model_config import ModelConfig
@@ -96,8 +97,11 @@ class MTPCausalLM(CausalLM):
     decoding. Every forward also writes the ``draft_hidden`` and ``draft_kv`` rows of its new
     tokens (see the module's range table); ``draft_step`` runs the head alone."""
 
-    supports_cp = False
-    """The draft rows are not sharded over a CP group (yet)."""
+    supports_cp = True
+    """Under context parallelism the draft rows of a page live with its anchor rows on the
+    page's owner (the sidecars share the anchor's physical pages); the head's attention merges
+    partials like the target's, and a ``draft_hidden`` row read at another token's step comes
+    from its owner (``cp.owner_rows``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         if config.mtp_layers < 1:
@@ -141,21 +145,21 @@ class MTPCausalLM(CausalLM):
 
     def after_layers(self, input_ids: torch.Tensor, x: torch.Tensor, b: ForwardBatch) -> None:
         hid = b.kv.layer(0, DRAFT_HIDDEN)
+        firsts = [s.seq_len - s.num_new for s in b.seqs]
+        # h of the token before each sequence's first new one: the cached prefix's last row
+        # (on its owner's rank under CP), or zero
+        befores = self.hidden_at(b.kv, b.seqs, [f - 1 for f in firsts]).to(x.dtype)
         prev = []
         start = 0
-        for s in b.seqs:
-            first = s.seq_len - s.num_new
-            # h of the token before the first new one: the cached prefix's last row, or zero
-            before = (
-                hid.index_select(0, s.ctx_locs[first - 1 : first]).to(x.dtype)
-                if first > 0
-                else x.new_zeros(1, x.shape[1])
-            )
-            prev += [before, x[start : start + s.num_new - 1]]
+        for i, s in enumerate(b.seqs):
+            prev += [befores[i : i + 1], x[start : start + s.num_new - 1]]
             start += s.num_new
         h_prev = torch.cat(prev)
-        hid.index_copy_(0, b.out_locs, x.to(hid.dtype))
-        self.draft_hidden_states(input_ids, b.positions, b.seqs, b.out_locs, b.kv, h_prev)
+        rows = x if b.out_rows is None else x.index_select(0, b.out_rows)
+        hid.index_copy_(0, b.out_locs, rows.to(hid.dtype))
+        self.draft_hidden_states(
+            input_ids, b.positions, b.seqs, b.out_locs, b.kv, h_prev, b.out_rows, b.group
+        )
 
     def draft_hidden_states(
         self,
@@ -165,15 +169,21 @@ class MTPCausalLM(CausalLM):
         out_locs: torch.Tensor,
         kv: KVBuffers,
         h_prev: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+        group: cp.Group | None = None,
     ) -> torch.Tensor:
         """Run the head on pairs ``(h_prev[i], input_ids[i])``, writing their ``draft_kv`` rows
-        at ``out_locs``; returns its final (pre-norm) hidden states ``[T, hidden]``."""
+        at ``out_locs`` (only ``out_rows`` of them when given: a CP rank's own); returns its
+        final (pre-norm) hidden states ``[T, hidden]``. With a CP ``group`` the head's
+        attention merges every rank's partial, as the target's does."""
         m = self.mtp
         e = self.model.embed_tokens(input_ids)
         x = m.eh_proj(torch.cat((m.enorm(e), m.hnorm(h_prev.to(e.dtype))), dim=-1))
         for i, layer in enumerate(m.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, positions, seqs, out_locs, kv.layer(i, DRAFT_KV))
+            x = x + layer.self_attn(
+                h, positions, seqs, out_locs, kv.layer(i, DRAFT_KV), out_rows, group
+            )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
@@ -188,11 +198,35 @@ class MTPCausalLM(CausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft token per sequence (``seqs`` each with ``num_new == 1``): float32 logits
         ``[len(seqs), vocab]`` and the head's hidden states, the stand-in ``h_prev`` of the
-        next step. Writes only ``draft_kv`` rows."""
+        next step. Writes only ``draft_kv`` rows. When ``kv`` is a CP rank's shard, ``seqs``
+        come from ``cp.seq_slots`` and every rank of the group runs the same step."""
         out_locs = torch.cat([s.out_locs for s in seqs])
-        g = self.draft_hidden_states(input_ids, positions, seqs, out_locs, kv, h_prev)
+        group = cp.cp_group(kv)
+        out_rows = cp.batch_out_rows(seqs) if group is not None else None
+        g = self.draft_hidden_states(
+            input_ids, positions, seqs, out_locs, kv, h_prev, out_rows, group
+        )
         return F.linear(self.model.norm(g), self.head_weight()).float(), g
 
     def hidden_rows(self, kv: KVBuffers, slots: torch.Tensor) -> torch.Tensor:
         """The target's final hidden states stored at physical ``slots``."""
         return kv.layer(0, DRAFT_HIDDEN).index_select(0, slots)
+
+    def hidden_at(
+        self, kv: KVBuffers, seqs: Sequence[SeqSlots], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """``[len(seqs), hidden]``: the target's final hidden state at ``positions[i]`` of
+        ``seqs[i]`` (zero for a negative position). Under CP the row lives on its page's
+        owner, which shares it with the group (``cp.owner_rows``): every rank of the group
+        calls this with the same sequences and positions."""
+        hid = kv.layer(0, DRAFT_HIDDEN)
+        group = cp.cp_group(kv)
+        if group is not None:
+            return cp.owner_rows(group, hid, seqs, positions)
+        rows = [
+            hid.index_select(0, s.ctx_locs[p : p + 1])
+            if p >= 0
+            else hid.new_zeros(1, *hid.shape[1:])
+            for s, p in zip(seqs, positions, strict=True)
+        ]
+        return torch.cat(rows) if rows else hid.new_zeros(0, *hid.shape[1:])

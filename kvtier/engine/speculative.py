@@ -14,17 +14,21 @@ its last token and ``k`` more):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.engine import cp
 from kvtier.engine.batch import SeqSlots
 from kvtier.engine.sampling import sample
 from kvtier.engine.scheduler import Work
 from kvtier.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvtier.parallel.group import Group
 
-def check_option(speculative_tokens: Any, model: Any, cp_size: int) -> int:
+
+def check_option(speculative_tokens: Any, model: Any) -> int:
     """``speculative_tokens`` if the engine can speculate that far with ``model``; else
     ``ConfigError`` naming the option."""
     k = speculative_tokens
@@ -34,11 +38,6 @@ def check_option(speculative_tokens: Any, model: Any, cp_size: int) -> int:
         raise ConfigError(
             f"speculative_tokens={k} needs a model with a draft head (a dense config with "
             f"mtp_layers > 0, e.g. preset 'tiny-mtp'); {type(model).__name__} has none"
-        )
-    if k and cp_size > 1:
-        raise ConfigError(
-            f"speculative_tokens={k} is not supported with context parallelism "
-            f"(cp_size={cp_size}); use speculative_tokens=0"
         )
     return k
 
@@ -54,19 +53,31 @@ def propose(model: Any, kv: Any, work: list[Work]) -> None:
     if not items:
         return
     dev = model.device
-    # physical slots up to the last draft row of each request (reserved by the scheduler)
-    phys = [kv.slots(w.req.locs[: w.req.num_computed + w.spec_k]).to(dev) for w in items]
     base = [w.req.num_computed for w in items]
-    last_rows = torch.stack([p[n - 1] for p, n in zip(phys, base, strict=True)])
-    h_prev = model.hidden_rows(kv, last_rows)
+    group = cp.cp_group(kv)
+    if group is None:
+        # physical slots up to the last draft row of each request (reserved by the scheduler)
+        phys = [kv.slots(w.req.locs[: w.req.num_computed + w.spec_k]).to(dev) for w in items]
+        last_rows = torch.stack([p[n - 1] for p, n in zip(phys, base, strict=True)])
+        h_prev = model.hidden_rows(kv, last_rows)
+
+        def seq(i: int, p: int) -> SeqSlots:
+            return SeqSlots(1, phys[i][p : p + 1], phys[i][: p + 1])
+
+    else:
+        # this rank's rows only; h_{n-1} comes from the rank holding its page
+        locs = [w.req.locs[: n + w.spec_k] for w, n in zip(items, base, strict=True)]
+        ctx = [cp.seq_slots(kv, lc[:n], n - 1, dev) for lc, n in zip(locs, base, strict=True)]
+        h_prev = model.hidden_at(kv, ctx, [n - 1 for n in base])
+
+        def seq(i: int, p: int) -> SeqSlots:
+            return cp.seq_slots(kv, locs[i][: p + 1], p, dev)
+
     toks = [w.req.tokens[n] for w, n in zip(items, base, strict=True)]
     active = list(range(len(items)))
     for step in range(max(w.spec_k for w in items)):
         pos = [base[i] + step for i in active]
-        seqs = [
-            SeqSlots(1, phys[i][p : p + 1], phys[i][: p + 1])
-            for i, p in zip(active, pos, strict=True)
-        ]
+        seqs = [seq(i, p) for i, p in zip(active, pos, strict=True)]
         logits, g = model.draft_step(
             torch.tensor([toks[i] for i in active], dtype=torch.int64, device=dev),
             torch.tensor(pos, dtype=torch.int64, device=dev),
@@ -82,6 +93,49 @@ def propose(model: Any, kv: Any, work: list[Work]) -> None:
         h_prev = g[keep]
     for w in items:
         w.num_new = 1 + len(w.draft)
+
+
+def agree_drafts(group: Group | None, work: list[Work]) -> None:
+    """Make every CP rank verify the same drafts: each item's draft becomes the elementwise
+    minimum over the group (any token list is a valid draft: verification keeps only what the
+    target agrees with), and an item without a draft on some rank (its proposal failed
+    there) decodes one token on every rank. Ranks with equal merged logits already propose
+    equal drafts; this makes it a decision rather than a coincidence. Without CP: nothing."""
+    if group is None:
+        return
+    items = [w for w in work if w.spec_k > 0]
+    flat = [t for w in items for t in (w.draft if len(w.draft) == w.spec_k else [-1] * w.spec_k)]
+    agreed = group.all_reduce_min_many(flat)
+    at = 0
+    for w in items:
+        d = agreed[at : at + w.spec_k]
+        at += w.spec_k
+        w.draft = d if min(d) >= 0 else []
+        w.num_new = 1 + len(w.draft)
+
+
+def agree_tokens(
+    group: Group | None, sampled: list[list[int]], widths: list[int]
+) -> list[list[int]]:
+    """The tokens every CP rank appends per item, from each rank's ``sampled`` (an item's
+    ``accept`` result, ``[-1]`` where it failed) and ``widths`` (its draft length, equal on
+    every rank after :func:`agree_drafts`), in one MIN-reduce: the accepted count is the
+    smallest any rank accepted, every token up to it the minimum over ranks (they are the
+    agreed draft's up to the last, which each rank holds at that place), so a rank that
+    failed (``-1``) makes the item fail everywhere. Without CP: ``sampled``."""
+    if group is None:
+        return sampled
+    unset = 2**62  # a place past a rank's accepted tokens: never the minimum
+    flat: list[int] = []
+    for t, k in zip(sampled, widths, strict=True):
+        flat += [len(t) - 1, *t, *[unset] * (k + 1 - len(t))]
+    agreed = group.all_reduce_min_many(flat)
+    out, at = [], 0
+    for k in widths:
+        a = agreed[at]
+        out.append(agreed[at + 1 : at + a + 2])
+        at += k + 2
+    return out
 
 
 def accept(w: Work, rows: torch.Tensor) -> list[int]:
