@@ -39,6 +39,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         device_pages=args.device_pages,
         seed=args.seed,
         cp=args.cp,
+        speculative_tokens=args.speculative_tokens,
     )
     summary = demo.run_demo(cfg)
     if args.json:
@@ -180,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
         "--cp", type=_positive, default=1, help="context-parallel ranks (local gloo processes)"
+    )
+    d.add_argument(
+        "--speculative-tokens",
+        type=_non_negative,
+        default=0,
+        help="draft tokens a greedy decode step proposes with the model's draft head "
+        "(0: off; needs a model with one, e.g. tiny-mtp)",
     )
     d.add_argument("--restart-phase", metavar="WORK_FILE", help=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
@@ -324,6 +332,16 @@ def _positive(text: str) -> int:
     v = int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return v
 
 

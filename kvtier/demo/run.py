@@ -65,6 +65,10 @@ class DemoConfig:
     cp: int = 1
     """Context-parallel ranks (local processes over gloo); the group's device pages add up to
     ``device_pages``, and each rank's outputs are checked against a cold CP=1 run."""
+    speculative_tokens: int = 0
+    """Draft tokens each greedy decode step proposes with the model's draft head and verifies
+    (``LLM(speculative_tokens=...)``; 0: off; needs a model with one, e.g. ``tiny-mtp``). The
+    oracle's cold runs decode one token at a time."""
     logit_tolerance: float | None = None
     """Largest |logit difference| to the cold run, over every generated step, that the oracle
     accepts; ``None`` picks it from the model's dtype (``kvtier.demo.oracle.LOGIT_TOLERANCES``)."""
@@ -72,6 +76,9 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
             raise ConfigError(f"cp must be a positive integer, got {self.cp!r}")
+        k = self.speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"speculative_tokens must be an integer >= 0, got {k!r}")
         tol = self.logit_tolerance
         if tol is not None and (
             isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 <= tol < math.inf
@@ -164,7 +171,13 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
     )
 
 
-def _make_llm(cfg: DemoConfig, cache_config: CacheConfig, group=None):  # noqa: ANN001
+def _make_llm(
+    cfg: DemoConfig,
+    cache_config: CacheConfig,
+    group=None,  # noqa: ANN001
+    speculative_tokens: int | None = None,
+):  # noqa: ANN202
+    """The demo's engine (``speculative_tokens``: ``cfg``'s unless given)."""
     from kvtier.engine import LLM
     from kvtier.engine.families import build_model, preset, preset_names
     from kvtier.engine.weights import load_model
@@ -189,8 +202,14 @@ def _make_llm(cfg: DemoConfig, cache_config: CacheConfig, group=None):  # noqa: 
     # index groups) gets the same device memory in fewer, larger pages.
     tree = tree_page_size(cache_config.page_size, model.pool_specs())
     pages = max(1, cache_config.device_pages * cache_config.page_size // tree)
+    spec = cfg.speculative_tokens if speculative_tokens is None else speculative_tokens
     if group is None:
-        return LLM(model, replace(cache_config, device_pages=pages), max_running=cfg.max_running)
+        return LLM(
+            model,
+            replace(cache_config, device_pages=pages),
+            max_running=cfg.max_running,
+            speculative_tokens=spec,
+        )
     # A CP rank holds its share of the group's pages.
     cc = replace(
         cache_config,
@@ -198,7 +217,7 @@ def _make_llm(cfg: DemoConfig, cache_config: CacheConfig, group=None):  # noqa: 
         cp_size=group.size,
         cp_rank=group.rank,
     )
-    return LLM(model, cc, max_running=cfg.max_running, group=group)
+    return LLM(model, cc, max_running=cfg.max_running, group=group, speculative_tokens=spec)
 
 
 def _run(llm, prompts, max_tokens: int, report: PhaseReport, expected, progress: Progress):
@@ -248,7 +267,7 @@ def run_live(cfg: DemoConfig, group=None) -> tuple[PhaseReport, list[dict]]:  # 
     cold_cache = CacheConfig(
         page_size=cfg.page_size, device_pages=cfg.device_pages, enable_host=False
     )
-    ref = _make_llm(cfg, cold_cache)
+    ref = _make_llm(cfg, cold_cache, speculative_tokens=0)  # the oracle: one token a step
     vocab = llm.model_config.vocab_size
     rng = random.Random(cfg.seed)
     system = [rng.randrange(vocab) for _ in range(cfg.system_tokens)]
