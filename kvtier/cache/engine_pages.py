@@ -7,8 +7,8 @@ record of the third state. Every slot list handed in is checked against it befor
 changes, so a double ``finish``, a ``free`` of a cached page, a wrong ``prefix_len``, a
 misaligned page or a slot outside the pool is refused instead of corrupting the pools.
 
-Partial tails (``tails``: ``CacheConfig.cache_partial_pages``, no state pool, no context
-parallelism). ``finish`` caches the valid tail of the last, partial page too. A cached tail is
+Partial tails (``tails``: ``CacheConfig.cache_partial_pages``, no state or window pool).
+``finish`` caches the valid tail of the last, partial page too. A cached tail is
 shared and never written: ``load`` serving a prefix that ends in one hands the request a
 *tail copy* instead, a fresh engine page holding a copy of the tail page (``tail_copy``), and
 the next ``alloc`` at the unaligned position continues it. A finished request's pages
@@ -156,7 +156,9 @@ class EnginePages:
     def tail_copy(self, src: int, at: int) -> int | None:
         """A fresh engine page (for the sequence page holding position ``at``) holding a copy
         of device page ``src``, a cached partial tail whose valid tokens end at ``at``; the
-        next ``alloc(…, at=at)`` continues it. ``None`` when no page can be had."""
+        next ``alloc(…, at=at)`` continues it. ``None`` when no page can be had. Under
+        context parallelism the page is allocated for that sequence page, so on its owner's
+        lane, the lane the tail itself was allocated on: the owner makes the copy."""
         pages = self._alloc(at // self.page_size, 1)
         if pages is None or self._copy_page is None:
             return None

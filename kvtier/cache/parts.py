@@ -157,10 +157,10 @@ def build_parts(
         controller.on_insert,
         resume.partial,
         controller.released,
-        # Tails need one copy page on the tail page's lane and a copy of the partial
-        # component; neither is supported, so state and window pools and CP free the tail
-        # (page-aligned cache).
-        tails=config.cache_partial_pages and not resume.partial and cp == 1,
+        # A tail would need a copy of the partial component, which is not supported: state
+        # and window pools free the tail (page-aligned cache). Under CP the tail page has an
+        # owner like any page, and its copy is allocated on the same lane (``copy_page``).
+        tails=config.cache_partial_pages and not resume.partial,
         release=controller.release_replaced,
         copy_page=lambda src, dst: copy_page(pools.device, translator, src, dst),
         on_windows=controller.on_windows,

@@ -160,6 +160,7 @@ def storage_extension(
     exists: Callable[[list[PageKey], int], int] | None = None,
     tails: bool = False,
     on_device: DeviceFlags | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> tuple[list[PageKey], int]:
     """Keys of the pages after the tree match that storage holds and a request could resume
     after: a prefix of present page objects, cut (``resume.partial``) at the deepest resume
@@ -171,13 +172,48 @@ def storage_extension(
     something is cached before it (tree or storage) and the tokens run on past the whole
     pages found, the longest stored tail of the next ``page_size - 1`` tokens is looked up,
     one existence check per candidate length, longest first. Returns ``(keys, tail)``,
-    ``tail`` being the valid tokens of the last key's page when it is a tail (else 0)."""
+    ``tail`` being the valid tokens of the last key's page when it is a tail (else 0).
+
+    ``agree`` (a CP group's MIN over ranks) makes every rank return the same run. Each rank
+    found what it could tell of the pages it owns (a page owned elsewhere counts as present,
+    so a rank that does not own the tail page takes its longest candidate); the MIN of the
+    tokens found is the run every owner found, whole pages and tail alike."""
     start = m.matched_len
     if m.tail:
         return [], 0  # nothing hangs below a partial tail
     prev = None
     if m.path:
         prev = tree.ensure_keys(m.path[-1], namespace)[m.last_pages - 1]
+    found, tail = _stored_run(
+        backend, m, tokens, namespace, prev, page_size, resume, exists, tails, on_device
+    )
+    if agree is None:
+        return found, tail
+    whole = len(found) - (1 if tail else 0)
+    got = agree(whole * page_size + tail)
+    whole, tail = divmod(got, page_size)
+    found = found[:whole]  # every rank found at least ``whole`` whole pages
+    if tail:
+        last = found[-1] if found else prev
+        pos = start + whole * page_size
+        found.append(tail_key(namespace, tokens[pos : pos + tail], last))
+    return found, tail
+
+
+def _stored_run(
+    backend: StorageBackend,
+    m: TreeMatch,
+    tokens: Sequence[int],
+    namespace: Namespace,
+    prev: PageKey | None,
+    page_size: int,
+    resume: Resume,
+    exists: Callable[[list[PageKey], int], int] | None,
+    tails: bool,
+    on_device: DeviceFlags | None,
+) -> tuple[list[PageKey], int]:
+    """``storage_extension`` as far as this rank can tell (no agreement over ranks)."""
+    start = m.matched_len
     found: list[PageKey] = []
     chunk, pos = 8, start
     # Keys are computed in growing chunks: a miss early on costs a few hashes, not the prompt.

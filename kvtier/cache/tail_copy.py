@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.errors import IntegrityError
+
 if TYPE_CHECKING:
     from kvtier.cache.engine_pages import EnginePages
     from kvtier.pools.device import DevicePool
@@ -26,8 +28,24 @@ if TYPE_CHECKING:
 
 def copy_page(pool: DevicePool, translator: PageTranslator, src: int, dst: int) -> None:
     """Device → device copy of every component's rows of logical page ``src`` to ``dst``
-    (the padding slots too: harmless, and one contiguous copy per component)."""
+    (the padding slots too: harmless, and one contiguous copy per component).
+
+    Under context parallelism the copy is made on the lane that holds the tail: ``dst`` must
+    have been allocated there (the same sequence page, so the same owner). The owner rank
+    copies; every other rank holds neither page and copies nothing. A ``dst`` on another
+    lane than ``src`` is a bug upstream (the copy would sit where no rank reads it) and
+    raises ``IntegrityError`` naming both pages."""
     pages = torch.tensor([src, dst], dtype=torch.int64)
+    owned = translator.device_owned(pages)
+    if owned is not None:
+        here, there = bool(owned[0]), bool(owned[1])
+        if here != there:
+            raise IntegrityError(
+                f"tail copy: page {dst} is on another rank's lane than the tail page {src} "
+                "it copies (a tail copy must be allocated on the tail's owner lane)"
+            )
+        if not here:
+            return
     s, d = translator.device_physical(pages).tolist()
     for spec in pool.specs:
         buf = pool.buffers[spec.name]

@@ -159,10 +159,9 @@ class TieredCache:
                 self._exists,
                 tails,
                 self._on_device,
-            )
-            if self.group.size > 1:
                 # What storage holds is what every rank found of the pages it owns.
-                keys = keys[: self.group.all_reduce_min(len(keys))]
+                self.group.all_reduce_min if self.group.size > 1 else None,
+            )
             if len(keys) < self.config.prefetch_min_pages:
                 keys, tail = [], 0
         fetched = len(keys) * ps - (ps - tail) % ps if keys else 0

@@ -57,11 +57,11 @@ def node_meta(node: Node, layout: CPLayout, page_size: int) -> CPNodeMeta | None
     owned positions and this rank's host slots follow from ``node.host`` alone. The tree's split
     slices ``node.host`` at a page boundary; the records derived from the two halves are exactly
     ``CPNodeMeta.split`` of the record before it (``tests/parallel/test_cp_meta.py``), so there is
-    no second copy to keep in step."""
+    no second copy to keep in step. A node ending in a partial tail is recorded by its padded
+    pages: the tail page is one page of its owner's shard, moved whole."""
     if node.host is None or node.parent is None:
         return None
-    n = node.num_tokens // page_size
-    first = node.depth_tokens() // page_size - n
+    n, first = _pages(node, page_size)
     owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
     mine = node.host[owners == layout.rank]
     return CPNodeMeta.build(node.id, layout.rank, page_size, owners, layout.physical(mine))
@@ -75,12 +75,17 @@ def check_tree_owners(tree: RadixTree, layout: CPLayout) -> None:
     for node in tree.nodes():
         if node.parent is None:
             continue
-        n = node.num_tokens // ps
-        first = node.depth_tokens() // ps - n
+        n, first = _pages(node, ps)
         owners = torch.tensor(layout.owners(first, first + n), dtype=torch.int64)
         for pages in (node.device, node.host):
             if pages is not None:
                 verify_owners(layout, pages, owners, node.id)
         meta = node_meta(node, layout, ps)
         if meta is not None:
-            meta.check(node.num_tokens)
+            meta.check(n * ps)  # a partial tail's record covers its padded page
+
+
+def _pages(node: Node, page_size: int) -> tuple[int, int]:
+    """``(pages, first sequence page)`` of ``node``: a partial tail is a page like any other,
+    owned by the rank that owns its sequence page (nodes start on a page boundary)."""
+    return node.num_pages(page_size), (node.depth_tokens() - node.num_tokens) // page_size

@@ -1,13 +1,14 @@
 """Padded valid tails: the valid tail of a request's last, partial page is cached; lengths count
 valid tokens; a served tail is handed out as a fresh copy page; extending it replaces it; host
 and storage restores of a tail are byte-exact; the engine's outputs equal cold ones while it
-recomputes fewer tokens (``test_valid_tail_engine``)."""
+recomputes fewer tokens (``test_valid_tail_engine``); under context parallelism the tail page
+has an owner like any page (``tests/parallel/test_cp_valid_tail.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from factories import cache_config, make_cache
+from factories import make_cache
 
 from kvtier import CacheConfig, PoolSpec, TieredCache
 from kvtier.errors import ConfigError
@@ -294,33 +295,6 @@ def test_storage_restore_of_a_tail_is_byte_exact(tmp_path, specs):
     c.check_integrity()
     assert node.in_storage
     c.close()
-
-
-def test_context_parallel_keeps_the_page_aligned_behaviour(tmp_path):
-    """Under CP a tail copy would have to sit on the tail page's lane: not supported, so the
-    tail is freed as before, on every rank alike."""
-    from kvtier.parallel.group import LocalWorld
-
-    def rank(g) -> tuple:
-        cfg = cache_config(
-            tmp_path,
-            page_size=16,
-            device=None,
-            prefetch_policy="timeout",
-            cp_size=2,
-            cp_rank=g.rank,
-            debug_checks=True,
-        )
-        with TieredCache(cfg, [KV], group=g) as c:
-            m = c.match(T)
-            c.lock(m.handle)
-            ld = c.load(m)
-            locs = c.alloc(len(T), at=0)
-            c.finish(T, locs, ld.locs.numel(), m.handle)
-            c.check_integrity()
-            return c.engine_pages.tails, c.match(T + [1]).device_len, shape(c)[0][:2]
-
-    assert LocalWorld(2, timeout=20).run(rank) == [(False, 16, (16, 16))] * 2
 
 
 # ---- the tree against its rules, on random sequences ----------------------------------------
