@@ -91,9 +91,19 @@ def cold(family: str, prompts: list[list[int]]) -> list[dict]:
     return outs
 
 
-def live(group, family: str, storage_dir: str, prompts: list[list[int]], base: list[int]) -> dict:
+def live(
+    group,
+    family: str,
+    storage_dir: str,
+    prompts: list[list[int]],
+    base: list[int],
+    follow: list[list[int]],
+) -> dict:
     """Cold at CP, then a device hit, then a host restore (device flushed); the bytes of the
-    shared prefix as first written and after the host restore."""
+    shared prefix as first written and after the host restore. Then, device flushed again,
+    the follow-up turns (``follow``: each prompt, its answer and a question): each resumes
+    from the valid partial tail its first turn cached, restored from host and continued
+    through a tail copy on the tail page's owner."""
     llm = make_llm(family, storage_dir, group)
     first = _gen(llm, prompts)
     llm.cache.drain()
@@ -105,29 +115,55 @@ def live(group, family: str, storage_dir: str, prompts: list[list[int]], base: l
     llm.cache.flush(host=False)
     host = _gen(llm, prompts)
     llm.cache.drain()
+    llm.cache.flush(host=False)
+    later = _gen(llm, follow)
+    llm.cache.drain()
     llm.cache.check_integrity()
     llm.close()
-    return {"first": first, "device": device, "host": host, "rows": rows, "restored": restored}
+    return {
+        "first": first,
+        "device": device,
+        "host": host,
+        "follow": later,
+        "rows": rows,
+        "restored": restored,
+    }
 
 
-def restore(group, family: str, storage_dir: str, prompts: list[list[int]], base: list[int]):
+def restore(
+    group,
+    family: str,
+    storage_dir: str,
+    prompts: list[list[int]],
+    base: list[int],
+    follow: list[list[int]],
+):
     """A fresh group (any CP size) on the storage ``live`` filled: the shared prefix from
-    storage alone (its bytes), then the prompts."""
+    storage alone (its bytes), then the follow-up turns (resuming from the partial tails
+    ``live`` stored), then the prompts."""
     llm = make_llm(family, storage_dir, group)
     m = llm.cache.match(base)
     pf = llm.cache.prefetch(m)
     llm.cache.drain()
     llm.cache.finish_prefetch(pf)
     rows = snapshot(llm, base)
+    later = _gen(llm, follow)
+    llm.cache.drain()
     outs = _gen(llm, prompts)
     llm.cache.drain()
     llm.cache.check_integrity()
     llm.close()
-    return {"outs": outs, "rows": rows}
+    return {"outs": outs, "follow": later, "rows": rows}
 
 
-def restore_solo(family: str, storage_dir: str, prompts: list[list[int]], base: list[int]):
-    return restore(None, family, storage_dir, prompts, base)
+def restore_solo(
+    family: str,
+    storage_dir: str,
+    prompts: list[list[int]],
+    base: list[int],
+    follow: list[list[int]],
+):
+    return restore(None, family, storage_dir, prompts, base, follow)
 
 
 def die_mid_write(group, storage_dir: str, prompts: list[list[int]]) -> str:

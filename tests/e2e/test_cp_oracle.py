@@ -3,7 +3,9 @@
 For the dense, MLA and DSA families at CP=2 and CP=4: the first run, a device hit and a host restore
 give the tokens of a CP=1 cold run with logits within float32 tolerance, and the restored bytes
 equal the ones first written. Fresh processes at the same CP size, and at other CP sizes (1 and 4) reading
-the objects CP=2 wrote, restore from storage alone with the same outputs and bytes. A rank that
+the objects CP=2 wrote, restore from storage alone with the same outputs and bytes. Every turn
+ends mid-page: a follow-up turn (prompt, answer, question) resumes from the valid partial tail
+its first turn cached, restored from host and from storage (at CP 1, 2 and 4). A rank that
 dies inside a storage write makes the other fail within the timeout, naming it. Cross-size
 reuse runs on the file backend and on a real Mooncake Store.
 """
@@ -15,7 +17,7 @@ import time
 
 import pytest
 import torch
-from cp_oracle_child import cold, die_mid_write, live, restore, restore_solo
+from cp_oracle_child import PAGE, cold, die_mid_write, live, restore, restore_solo
 from mooncake_harness import mooncake_cluster  # noqa: F401 - fixture
 
 from kvtier.parallel.launch import launch, results
@@ -60,13 +62,27 @@ def _union(rank_rows: list[dict]) -> dict:
     return out
 
 
+def _follow_ups(prompts: list[list[int]], ref: list[dict]) -> list[list[int]]:
+    """Each prompt, its (cold) answer and a question: the first turn cached a partial tail
+    that the follow-up matches whole and extends."""
+    return [p + r["tokens"] + [7] for p, r in zip(prompts, ref, strict=True)]
+
+
+def _tail_hit(outs: list[dict], tier: int) -> bool:
+    """Whether some request resumed from a cached partial tail at ``tier`` (0 device, 1 host,
+    2 storage): its cached length at that tier is not a whole number of pages."""
+    return any(o["cached"][tier] % PAGE for o in outs)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
     base, prompts = _prompts(_vocab(family))
     ref = cold(family, prompts)
+    follow = _follow_ups(prompts, ref)
+    ref_follow = cold(family, follow)
     store = str(tmp_path / "l3")
-    ranks = results(launch(cp, live, family, store, prompts, base, timeout=30))
+    ranks = results(launch(cp, live, family, store, prompts, base, follow, timeout=30))
     written = _union([r["rows"] for r in ranks])
     assert sorted(written) == list(range(100 // 16))  # every page of the prefix, once
     for r in ranks:
@@ -75,27 +91,39 @@ def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
         _same(r["host"], ref, "host restore")
         assert all(o["cached"][0] > 0 for o in r["device"])
         assert all(o["cached"][1] > 0 for o in r["host"])
+        # The turns end mid-page: a follow-up resumes from its first turn's valid tail.
+        _same(r["follow"], ref_follow, "follow-up from a host tail")
+        assert _tail_hit(r["follow"], 1)
         assert _rows_equal(r["restored"], written) == len(r["rows"])
     # fresh processes at the same CP size restore from storage alone
-    again = results(launch(cp, restore, family, store, prompts, base, timeout=30))
+    again = results(launch(cp, restore, family, store, prompts, base, follow, timeout=30))
     assert sum(_rows_equal(r["rows"], written) for r in again) == len(written)
     for r in again:
         _same(r["outs"], ref, "storage restore")
-        assert r["outs"][0]["cached"][2] > 0
+        _same(r["follow"], ref_follow, "follow-up from a storage tail")
+        assert r["follow"][0]["cached"][2] > 0  # the first request after the restore
+        assert _tail_hit(r["follow"], 2)
 
 
 def _cross_size(store: str, family: str) -> None:
     base, prompts = _prompts(_vocab(family))
     ref = cold(family, prompts)
-    written = _union([r["rows"] for r in results(launch(2, live, family, store, prompts, base))])
-    solo = restore_solo(family, store, prompts, base)
+    follow = _follow_ups(prompts, ref)
+    ref_follow = cold(family, follow)
+    live_ranks = results(launch(2, live, family, store, prompts, base, follow))
+    written = _union([r["rows"] for r in live_ranks])
+    solo = restore_solo(family, store, prompts, base, follow)
     assert _rows_equal(solo["rows"], written) == len(written)
     _same(solo["outs"], ref, "CP=1 from CP=2 storage")
-    assert solo["outs"][0]["cached"][2] > 0
-    four = results(launch(4, restore, family, store, prompts, base, timeout=30))
+    _same(solo["follow"], ref_follow, "CP=1 follow-up from a CP=2 storage tail")
+    assert solo["follow"][0]["cached"][2] > 0
+    assert _tail_hit(solo["follow"], 2)
+    four = results(launch(4, restore, family, store, prompts, base, follow, timeout=30))
     assert sum(_rows_equal(r["rows"], written) for r in four) == len(written)
     for r in four:
         _same(r["outs"], ref, "CP=4 from CP=2 storage")
+        _same(r["follow"], ref_follow, "CP=4 follow-up from a CP=2 storage tail")
+        assert _tail_hit(r["follow"], 2)
 
 
 def test_file_l3_written_at_cp2_restores_at_cp1_and_cp4(tmp_path):
