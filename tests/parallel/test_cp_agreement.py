@@ -144,7 +144,7 @@ class Rank:
         self.held: list[torch.Tensor] = []
         """Fresh pages the engine holds (``hold``), each on one sequence page's lane."""
         self.events: list[tuple] = []
-        """What each step decided: match lengths, allocations (logical slots, in order)."""
+        """What the step decided: match lengths, allocations (logical slots, in order)."""
 
     # ---- steps ---------------------------------------------------------------------------
     def step(self, op: tuple) -> None:
@@ -307,7 +307,7 @@ class Rank:
                 (m.device_len, m.host_len)
                 for m in (self.cache.match(p, probe_storage=False) for p in PROMPTS)
             ],
-            "events": list(self.events),
+            "events": self._step_events(),
             "loads in flight": [_spans(f.spans) for f in c.loads.flights],
             "backups in flight": [(f.tier, _spans(f.spans)) for f in c.backups.flights],
             "storage writes in flight": [(_spans(w.spans), w.pages.tolist()) for w in c.io._writes],
@@ -336,6 +336,11 @@ class Rank:
                 self.cache.host_pool.allocator.available_in(lane) for lane in range(self.cp)
             ],
         }
+
+    def _step_events(self) -> list[tuple]:
+        """What this step decided (earlier steps' were compared at their snapshots)."""
+        out, self.events = self.events, []
+        return out
 
     def _lanes(self, nodes: list) -> None:
         """Every node's pages sit on their sequence owners' lanes; this rank translates
