@@ -47,6 +47,8 @@ def test_acceptance_after_every_tier_equals_cold(tmp_path, cp):
 
 
 def test_demo_with_speculative_tokens_on_two_ranks(tmp_path):
+    """``kvtier demo --cp 2 --model tiny-mtp --speculative-tokens 3``: every tier serves, fresh
+    ranks restore from the files, the oracle passes and drafts are accepted in both phases."""
     cfg = DemoConfig(
         model="tiny-mtp",
         storage_dir=str(tmp_path / "demo"),
@@ -63,6 +65,8 @@ def test_demo_with_speculative_tokens_on_two_ranks(tmp_path):
     summary = run_demo(cfg)
     oracle = summary["oracle"]
     assert (oracle["checked"], oracle["mismatches"]) == (2 * 3 + 2, 0)
-    assert summary["tiers"]["storage_hit_tokens"] > 0
+    tiers = summary["tiers"]
+    assert tiers["device_hit_tokens"] > 0 and tiers["storage_hit_tokens"] > 0
+    assert summary["phases"][1]["storage_hit_tokens"] > 0  # fresh ranks read the files
     for phase in summary["phases"]:
         assert phase["cache"]["spec_draft_accepted"] > 0, phase["phase"]

@@ -50,14 +50,6 @@ def test_demo_hits_every_tier_and_passes_the_oracle(tmp_path):
     json.dumps(summary)
 
 
-def test_demo_on_two_context_parallel_ranks(tmp_path):
-    summary = run_demo(small(tmp_path, cp=2, conversations=2))
-    tiers, oracle = summary["tiers"], summary["oracle"]
-    assert tiers["device_hit_tokens"] > 0 and tiers["storage_hit_tokens"] > 0
-    assert (oracle["checked"], oracle["mismatches"]) == (2 * 3 + 2, 0)
-    assert summary["phases"][1]["storage_hit_tokens"] > 0  # fresh ranks read the files
-
-
 def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
     foreign = tmp_path / "mine"
     foreign.mkdir()
