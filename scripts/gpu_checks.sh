@@ -36,7 +36,8 @@ if [ "${CP:-1}" = 1 ]; then
   # Context parallelism with L1 on CUDA: gloo ranks share the GPU, so copies complete
   # asynchronously for real and ranks see them at different times.
   KVTIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -W ignore -rs \
-      tests/e2e/test_cp_oracle.py tests/parallel/ tests/engine/test_cp_engine.py \
+      tests/e2e/test_cp_oracle.py tests/e2e/test_cp_spec_oracle.py tests/parallel/ \
+      tests/engine/test_cp_engine.py tests/engine/test_cp_spec_decode.py \
       2>&1 | tee "$OUT/cp_tests.log" | tail -3
 fi
 
