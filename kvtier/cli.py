@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvtier.config import BACKUP_TIMINGS
 from kvtier.server.command import add_serve_command
 
 
@@ -40,6 +41,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         cp=args.cp,
         speculative_tokens=args.speculative_tokens,
+        backup_timing=args.backup_timing,
     )
     summary = demo.run_demo(cfg)
     if args.json:
@@ -188,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="draft tokens a greedy decode step proposes with the model's draft head "
         "(0: off; needs a model with one, e.g. tiny-mtp)",
+    )
+    d.add_argument(
+        "--backup-timing",
+        choices=BACKUP_TIMINGS,
+        default="at_insert",
+        help="when device pages are copied to host: at insert, or per layer during the forward",
     )
     d.add_argument("--restart-phase", metavar="WORK_FILE", help=argparse.SUPPRESS)
     d.set_defaults(func=_demo)

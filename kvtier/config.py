@@ -171,7 +171,8 @@ class CacheConfig:
     """When ``write_through`` copies a computed page to host: ``at_insert`` (when the finished
     request hands it to the cache) or ``per_layer`` (during the forward that computes it, each
     layer as it finishes: the host copy exists when the request ends; seed 004). ``per_layer``
-    needs ``write_policy='write_through'`` and a host tier."""
+    needs ``write_policy='write_through'`` and a host tier; under CP each rank copies its own
+    shard and the copy is visible once every rank's shard landed."""
     cp_size: int = 1
     """Ranks of the context-parallel group (1: none). Each rank holds the pages of a sequence
     that it owns; ``device_pages`` and the host pool size count one rank's pages. The tree,
@@ -265,11 +266,6 @@ class CacheConfig:
         if self.cp_rank >= self.cp_size:
             raise ConfigError(f"cp_rank={self.cp_rank} must lie in [0, cp_size={self.cp_size})")
         _choice("cp_pattern", self.cp_pattern, CP_PATTERNS)
-        if self.cp_size > 1 and self.backup_timing == "per_layer":
-            raise ConfigError(
-                f"backup_timing='per_layer' with cp_size={self.cp_size} is not supported yet: "
-                "use backup_timing='at_insert' under context parallelism"
-            )
         _flag("debug_checks", self.debug_checks)
         _integer("test_completion_polls", self.test_completion_polls, 0)
         _integer("test_completion_seed", self.test_completion_seed, 0)

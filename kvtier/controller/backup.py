@@ -53,7 +53,7 @@ class Backups(Flights):
         self.namespace = namespace
         self.metrics = metrics
         self.io: StorageIO | None = None
-        self.reserved = Reservations(host)
+        self.reserved = Reservations(host, group)
         self._forwards: dict[int, Reservation] = {}
         """Reservations of forwards still running, by ``id`` of their copy."""
         self.staging: Staging | None = None

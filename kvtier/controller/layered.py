@@ -8,6 +8,12 @@ stay the reservation's until the pages are inserted: then ``Backups.to_host`` ha
 node as a backup in flight (visible at the poll after the copy completed, like any backup, so
 ``match`` never sees a half-copied node). Reserved pages the tree never takes (a duplicate, a
 failed request, a node that got a host copy meanwhile) are released once their copy is done.
+
+Under context parallelism each rank copies its own shard of the pages (the mover keeps the
+pages this rank owns) into host pages reserved on the owners' lanes; every rank reserves,
+takes and releases the same pages at the same calls. A released page is freed once every
+rank's copy of it is done (the MIN of the in-flight records, ``records.finished``), so the
+host allocators stay identical on every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.controller.records import finished
 from kvtier.errors import IntegrityError
+from kvtier.parallel.group import Group, SoloGroup
 from kvtier.pools.host import HostPool
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.op import TransferOp
@@ -56,10 +64,12 @@ class Joined:
 
 
 class Reservations:
-    """Reserved host pages by engine device page; the host allocator still owns them."""
+    """Reserved host pages by engine device page; the host allocator still owns them.
+    ``group``: the CP group whose ranks must free released pages at the same poll."""
 
-    def __init__(self, host: HostPool) -> None:
+    def __init__(self, host: HostPool, group: Group | None = None) -> None:
         self.host = host
+        self.group: Group = group or SoloGroup()
         self._by_page: dict[int, tuple[int, Reservation]] = {}
         self._orphans: list[
             tuple[TransferOp | Joined | None, Reservation | None, torch.Tensor]
@@ -113,15 +123,21 @@ class Reservations:
             self._orphans.append((joined, None, torch.tensor([h], dtype=torch.int64)))
 
     def poll(self) -> None:
-        """Free released host pages whose copy can no longer write them."""
-        keep = []
-        for op, res, pages in self._orphans:
-            op = op or (res.op if res is not None else None)
-            if op is not None and op.done():
-                self.host.allocator.free(pages)
-            else:
-                keep.append((op, res, pages))
-        self._orphans = keep
+        """Free released host pages whose copy can no longer write them (on every rank:
+        under CP, the leading released pages whose copy is done everywhere)."""
+        if not self._orphans:  # the same on every rank: they release at the same calls
+            return
+        ready = finished(self._orphans, self._copied, self.group)
+        gone = {id(item) for item in ready}  # alone: every done one, in any order
+        for _, _, pages in ready:
+            self.host.allocator.free(pages)
+        self._orphans = [item for item in self._orphans if id(item) not in gone]
+
+    @staticmethod
+    def _copied(item: tuple[TransferOp | Joined | None, Reservation | None, torch.Tensor]) -> bool:
+        op, res, _ = item
+        op = op or (res.op if res is not None else None)
+        return op is not None and op.done()
 
     def wait(self) -> None:
         for op, res, _ in self._orphans:

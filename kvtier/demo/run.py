@@ -69,6 +69,10 @@ class DemoConfig:
     """Draft tokens each greedy decode step proposes with the model's draft head and verifies
     (``LLM(speculative_tokens=...)``; 0: off; needs a model with one, e.g. ``tiny-mtp``). The
     oracle's cold runs decode one token at a time."""
+    backup_timing: str = "at_insert"
+    """When device pages are copied to host (``CacheConfig.backup_timing``): ``at_insert`` or
+    ``per_layer`` (during the forward, each layer as it finishes; under CP each rank its own
+    shard)."""
     logit_tolerance: float | None = None
     """Largest |logit difference| to the cold run, over every generated step, that the oracle
     accepts; ``None`` picks it from the model's dtype (``kvtier.demo.oracle.LOGIT_TOLERANCES``)."""
@@ -168,6 +172,7 @@ def _cache_config(cfg: DemoConfig) -> CacheConfig:
         storage_dir=cfg.storage_dir,
         write_policy="write_through",
         prefetch_policy="wait_complete",
+        backup_timing=cfg.backup_timing,
     )
 
 

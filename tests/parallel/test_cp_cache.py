@@ -240,8 +240,6 @@ def test_misconfigured_groups_fail_fast(tmp_path):
         TieredCache(_config(tmp_path, 2, 0), [SPEC])
     with pytest.raises(ConfigError, match="cp_rank=1 must lie in"):
         _config(tmp_path, 1, 1)
-    with pytest.raises(ConfigError, match="backup_timing='per_layer' with cp_size=2 is not"):
-        _config(tmp_path, 2, 0, backup_timing="per_layer")
     with pytest.raises(ConfigError, match="cp_pattern='spiral' is not one of"):
         _config(tmp_path, 2, 0, cp_pattern="spiral")
     state = PoolSpec("state", num_layers=1, row_shape=(4,), dtype=torch.float32, kind="state")
