@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 from cp_spec_child import SECOND, cold, live, restore
+from test_demo import small
 
-from kvtier.demo.run import DemoConfig, run_demo
+from kvtier.demo.run import run_demo
 from kvtier.parallel.launch import launch, results
 
 TOL = 1e-4
@@ -49,19 +50,7 @@ def test_acceptance_after_every_tier_equals_cold(tmp_path, cp):
 def test_demo_with_speculative_tokens_on_two_ranks(tmp_path):
     """``kvtier demo --cp 2 --model tiny-mtp --speculative-tokens 3``: every tier serves, fresh
     ranks restore from the files, the oracle passes and drafts are accepted in both phases."""
-    cfg = DemoConfig(
-        model="tiny-mtp",
-        storage_dir=str(tmp_path / "demo"),
-        conversations=2,
-        turns=3,
-        system_tokens=64,
-        user_tokens=(16, 32),
-        max_tokens=6,
-        device_pages=16,
-        max_running=2,
-        cp=2,
-        speculative_tokens=3,
-    )
+    cfg = small(tmp_path, model="tiny-mtp", conversations=2, cp=2, speculative_tokens=3)
     summary = run_demo(cfg)
     oracle = summary["oracle"]
     assert (oracle["checked"], oracle["mismatches"]) == (2 * 3 + 2, 0)
