@@ -12,6 +12,9 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 
 PAGE = 16
+# The compressed indexer's groups shrunk to one page (8-token index pages, 2 per group) so
+# every family shares PAGE; each query still sees only 3 earlier groups besides its own.
+FAMILY = {"dsa-compressed": {"index_page_size": 8, "index_kpool": 2}}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
 
 
@@ -38,7 +41,7 @@ def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
 def make_llm(family: str, storage_dir: str | None, group=None) -> LLM:
     cp, rank = (group.size, group.rank) if group is not None else (1, 0)
     cfg = cache_config(storage_dir, cp, rank)
-    return LLM(preset(family), cfg, max_running=2, group=group if cp > 1 else None)
+    return LLM(preset(family, **FAMILY.get(family, {})), cfg, max_running=2, group=group if cp > 1 else None)
 
 
 def snapshot(llm: LLM, tokens: list[int]) -> dict[int, dict[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """The content oracle under context parallelism, in real processes (gloo on 127.0.0.1).
 
-For the dense and DSA families at CP=2 and CP=4 and MLA at CP=2: the first run, a device hit and a host restore
+For the dense and DSA families at CP=2 and CP=4, MLA and compressed-index DSA at CP=2: the first run, a device hit and a host restore
 give the tokens of a CP=1 cold run with logits within float32 tolerance, and the restored bytes
 equal the ones first written. Fresh processes at the same CP size, and at other CP sizes (1 and 4) reading
 the objects CP=2 wrote, restore from storage alone with the same outputs and bytes. Every turn
@@ -75,7 +75,7 @@ def _tail_hit(outs: list[dict], tier: int) -> bool:
 
 # CP=4 restores of the MLA family run in the cross-size test below.
 @pytest.mark.parametrize(
-    ("family", "cp"), [("tiny", 2), ("tiny", 4), ("mla", 2), ("dsa", 2), ("dsa", 4)]
+    ("family", "cp"), [("tiny", 2), ("tiny", 4), ("mla", 2), ("dsa", 2), ("dsa", 4), ("dsa-compressed", 2)]
 )
 def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
     base, prompts = _prompts(_vocab(family))
