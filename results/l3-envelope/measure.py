@@ -346,53 +346,65 @@ def fill(host: HostPool, pages: torch.Tensor, seed: int) -> None:
         host.write_pages(s.name, pages, torch.randn(shape, generator=g).to(s.dtype))
 
 
-def measure(design: str, backend_of, args: argparse.Namespace, host: HostPool) -> dict[str, object]:
-    """One design on one backend: write runs, restore runs, the late-window check."""
+def measure(designs: list[str], backend_of, args: argparse.Namespace, host: HostPool) -> dict:
+    """Every design on one backend: its write runs, then restore runs taking turns between the
+    designs (so a slow moment of the machine falls on all of them), then the late check."""
     n, w = args.pages, -(-(args.window - 1) // PS)
     src, dst = torch.arange(n), torch.arange(n, 2 * n)
     ckpt = torch.zeros(n, dtype=torch.bool)
     ckpt[n - w :] = True
     tokens = torch.randint(0, 50_000, (n * PS,), generator=torch.Generator().manual_seed(1))
-    keys = chain_keys(namespace(design, "keys"), tokens.tolist(), PS)
-    out: dict[str, object] = {"pages": n, "window_pages": w}
-    write_s = []
-    for r in range(args.write_runs):
-        be = Counting(backend_of(namespace(design, f"w{r}")))
-        io = make_io(design, be, host)
-        write_s.append(write(io, keys, src, ckpt))
-        out["write"] = {
-            "objects": be.n["set_keys"],
-            "calls": be.n["set_calls"],
-            "bytes": be.n["set_bytes"],
+    out: dict[str, dict] = {}
+    ios: dict[str, tuple[StorageIO, Counting, list[PageKey]]] = {}
+    for design in designs:
+        keys = chain_keys(namespace(design, "keys"), tokens.tolist(), PS)
+        write_s = []
+        for r in range(args.write_runs):
+            be = Counting(backend_of(namespace(design, f"w{r}")))
+            io = make_io(design, be, host)
+            write_s.append(write(io, keys, src, ckpt))
+            if r < args.write_runs - 1:
+                io.close()
+        out[design] = {
+            "pages": n,
+            "window_pages": w,
+            "write": {
+                "objects": be.n["set_keys"],
+                "calls": be.n["set_calls"],
+                "bytes": be.n["set_bytes"],
+                "ms_median": round(statistics.median(write_s) * 1e3, 2),
+            },
         }
-        if r < args.write_runs - 1:
-            io.close()
-    out["write"]["ms_median"] = round(statistics.median(write_s) * 1e3, 2)  # type: ignore[index]
-    if isinstance(io, EnvelopeSized):
-        io.known = ckpt
-    times = []
-    for r in range(args.runs + 1):  # the first run warms up and is not counted
-        be.reset()
-        host.buffers["kv"][dst] = 0
-        dt, op = restore(io, keys, dst)
-        assert op.done_pages == n, f"{design}: restored {op.done_pages} of {n} pages"
-        assert torch.equal(op.ckpt, ckpt), f"{design}: window flags differ"
-        assert same_rows(host, "kv", src, dst), f"{design}: anchor rows differ"
-        assert same_rows(host, "swa", src[ckpt], dst[ckpt]), f"{design}: window rows differ"
-        if r:
-            times.append(dt)
-    out["restore"] = {
-        "objects_read": be.n["got"],
-        "get_calls": be.n["get_calls"],
-        "exists_calls": be.n["exists_calls"],
-        "backend_calls": be.n["get_calls"] + be.n["exists_calls"],
-        "bytes_read": be.n["got_bytes"],
-        "ms_median": round(statistics.median(times) * 1e3, 2),
-        "ms_min": round(min(times) * 1e3, 2),
-        "ms_max": round(max(times) * 1e3, 2),
-    }
-    io.close()
-    out["late"] = late(design, backend_of, host)
+        if isinstance(io, EnvelopeSized):
+            io.known = ckpt
+        ios[design] = (io, be, keys)
+    times: dict[str, list[float]] = {d: [] for d in designs}
+    for r in range(args.runs + 1):  # the first round warms up and is not counted
+        for design, (io, be, keys) in ios.items():
+            be.reset()
+            host.buffers["kv"][dst] = 0
+            dt, op = restore(io, keys, dst)
+            assert op.done_pages == n, f"{design}: restored {op.done_pages} of {n} pages"
+            assert torch.equal(op.ckpt, ckpt), f"{design}: window flags differ"
+            assert same_rows(host, "kv", src, dst), f"{design}: anchor rows differ"
+            assert same_rows(host, "swa", src[ckpt], dst[ckpt]), f"{design}: window rows differ"
+            if r:
+                times[design].append(dt)
+    for design, (io, be, _) in ios.items():
+        t = times[design]
+        out[design]["restore"] = {
+            "objects_read": be.n["got"],
+            "get_calls": be.n["get_calls"],
+            "exists_calls": be.n["exists_calls"],
+            "backend_calls": be.n["get_calls"] + be.n["exists_calls"],
+            "bytes_read": be.n["got_bytes"],
+            "ms_median": round(statistics.median(t) * 1e3, 2),
+            "ms_min": round(min(t) * 1e3, 2),
+            "ms_max": round(max(t) * 1e3, 2),
+        }
+        io.close()
+    for design in designs:  # last: it writes new rows into the source pages
+        out[design]["late"] = late(design, backend_of, host)
     return out
 
 
@@ -455,10 +467,8 @@ def main() -> None:
                     return MooncakeBackend(url, ns)
 
             try:
-                per = {}
-                for design in args.designs.split(","):
-                    per[design] = measure(design, backend_of, args, host)
-                    r = per[design]
+                per = measure(args.designs.split(","), backend_of, args, host)
+                for design, r in per.items():
                     print(name, design, json.dumps({k: r[k] for k in ("write", "restore", "late")}))
                 result[name] = per
             finally:
