@@ -206,6 +206,12 @@ class CacheConfig:
     close its holes: ``auto`` when an allocation finds room only in pieces, ``eager`` before every
     allocation (moves pages as often as possible: for testing), ``off`` never (an allocation
     that finds room only in pieces fails, and pages are evicted instead)."""
+    host_compaction: str = "off"
+    """A window pool's host tier as a relocatable arena (``kvtier.pools.host_arena``): a host
+    copy without window rows then takes only its anchor's bytes, and holes are closed as
+    ``compaction`` says for the device (``auto``, ``eager``). ``off`` (the default): the fixed
+    host pool, every page with room for every component. Needs a pool set with a window
+    component and ``cp_size=1``."""
     test_completion_polls: int = 0
     """For tests only, never in production: every device <-> host copy and every storage I/O
     completes, as ``poll`` sees it, only after a random number (0 to this many) of completion
@@ -238,6 +244,7 @@ class CacheConfig:
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _choice("transfer_mechanism", self.transfer_mechanism, TRANSFER_MECHANISMS)
         _choice("compaction", self.compaction, COMPACTIONS)
+        _choice("host_compaction", self.host_compaction, COMPACTIONS)
         # '' would read as "no L3" in some places and as a backend name in others
         _text("storage", self.storage, allow_none=True, nonempty=True)
         _text("storage_url", self.storage_url, allow_none=True, nonempty=True)
@@ -266,6 +273,12 @@ class CacheConfig:
         if self.cp_rank >= self.cp_size:
             raise ConfigError(f"cp_rank={self.cp_rank} must lie in [0, cp_size={self.cp_size})")
         _choice("cp_pattern", self.cp_pattern, CP_PATTERNS)
+        if self.host_compaction != "off" and (self.cp_size > 1 or not self.enable_host):
+            raise ConfigError(
+                f"host_compaction={self.host_compaction!r} needs enable_host=True and cp_size=1 "
+                f"(got enable_host={self.enable_host}, cp_size={self.cp_size}): a relocatable "
+                "host pool has one lane"
+            )
         _flag("debug_checks", self.debug_checks)
         _integer("test_completion_polls", self.test_completion_polls, 0)
         _integer("test_completion_seed", self.test_completion_seed, 0)

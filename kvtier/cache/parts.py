@@ -24,6 +24,7 @@ from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.host_arena import HostArena
 from kvtier.pools.spec import PoolSpec, tree_page_size, validate_pool_set
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
@@ -37,7 +38,7 @@ class Pools:
     """A cache's pools and the page translation the CP layout implies."""
 
     device: DevicePool | UnifiedPool
-    host: HostPool | None
+    host: HostPool | HostArena | None
     translator: PageTranslator | None
     """The caller's translator, or the CP layout's when ``cp_size > 1``."""
     on_device: Callable[[torch.Tensor], torch.Tensor] | None
@@ -66,7 +67,16 @@ def build_pools(
     if config.enable_host:
         pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
         pages = config.resolve_host_pages(dev.page_bytes)
-        host = HostPool(specs, pages, page_size, config.host_layout, pin, cp)
+        if config.host_compaction != "off":
+            if not window:
+                raise ConfigError(
+                    f"host_compaction={config.host_compaction!r} needs a pool set with a window "
+                    "component (without one every host page has the same bytes)"
+                )
+            comp = config.host_compaction
+            host = HostArena(specs, pages, page_size, config.host_layout, pin, comp)
+        else:
+            host = HostPool(specs, pages, page_size, config.host_layout, pin, cp)
     if cp > 1:
         layout = CPLayout(cp, config.cp_rank, config.cp_pattern)
         host_pages = host.num_pages if host is not None else 0

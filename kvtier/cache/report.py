@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cache.windows import window_spec
 from kvtier.errors import IntegrityError
+from kvtier.pools.host_arena import HostArena
 
 if TYPE_CHECKING:
     from kvtier.cache.parts import CacheParts
@@ -28,6 +29,13 @@ def cache_stats(parts: CacheParts) -> dict:
         host_bytes_used=_host_pages_here(parts) * host.page_bytes if host else 0,
         tree_nodes=sum(1 for _ in parts.tree.nodes()),
     )
+    if isinstance(host, HostArena):
+        snap.update(
+            host_bytes_used=host.bytes_used,
+            host_window_pages=int(host.window_pages),
+            host_compactions=host.compactions,
+            host_pages_relocated=host.relocated,
+        )
     snap.update(_staging_stats(parts))
     if parts.controller.storage is not None:
         snap["storage_errors"] = dict(parts.controller.storage.errors)
@@ -82,13 +90,20 @@ def check_cache(parts: CacheParts) -> None:
 
 
 def check_windows(parts: CacheParts) -> None:
-    """Every node keeps one flag per page."""
+    """Every node keeps one flag per page; in a relocatable host arena every flagged host
+    page holds its window envelope."""
+    host = parts.host_pool if isinstance(parts.host_pool, HostArena) else None
     for node in parts.tree.nodes():
         if node is parts.tree.root:
             continue
         pages = node.num_pages(parts.page_size)
         if node.ckpt is None or node.ckpt.numel() != pages:
             raise IntegrityError(f"{node!r}: window flags missing or not one per page")
+        if host is not None and node.host is not None:
+            lost = node.ckpt[: node.host.numel()] & ~host.has_window(node.host)
+            if bool(lost.any()):
+                p = int(node.host[lost][0])
+                raise IntegrityError(f"{node!r}: host page {p} is flagged but has no window rows")
 
 
 def window_stats(parts: CacheParts) -> dict:

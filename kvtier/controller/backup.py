@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.layered import Joined, Reservation, Reservations
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.controller.staging import Staging
@@ -25,6 +26,7 @@ from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
 from kvtier.pools.host import HostPool
+from kvtier.pools.host_arena import HostArena
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mover import Mover
@@ -58,6 +60,8 @@ class Backups(Flights):
         """Reservations of forwards still running, by ``id`` of their copy."""
         self.staging: Staging | None = None
         """The staging rules of ``host_mode='buffer_only'`` (``None``: the host tier caches)."""
+        self.leases = HostLeases(None)
+        """The storage I/O's leases on a relocatable host pool (set by the controller)."""
         super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
@@ -166,7 +170,11 @@ class Backups(Flights):
         for sp in flight.spans:
             self.tree.end_io(sp.node, "device")
             if sp.node.host is None and sp.node.parent is not None:
-                self.tree.set_host(sp.node, sp.part, self._host_flags(sp.node))
+                flags = self._host_flags(sp.node)
+                self.tree.set_host(sp.node, sp.part, flags)
+                if isinstance(self.host, HostArena) and flags is not None:
+                    # A copy without window rows keeps only its anchor's bytes.
+                    self.host.release_window(sp.part[~flags])
                 stored.append(sp.node)
             else:  # the node got a host copy meanwhile, or left the tree
                 self.host.allocator.free(sp.part)
@@ -205,10 +213,15 @@ class Backups(Flights):
             for n in nodes
             if n.on_host and not n.in_storage and not n.host_io and n.parent is not None
         ]
-        if todo:
+        self._write(todo)
+
+    def _write(self, todo: list[Node]) -> None:
+        """Write ``todo``'s host copies (pinned and leased until reaped)."""
+        if todo and self.io is not None:
             keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
             for node in todo:
                 self.tree.begin_io(node, "host")
+                self.leases.hold(node.host)  # type: ignore[arg-type]
             self.io.write(todo, keys)
 
     def rewrite(self, nodes: list[Node]) -> None:
@@ -216,12 +229,7 @@ class Backups(Flights):
         their partial component were added since (``WindowBackups``)."""
         if self.io is None:
             return
-        todo = [n for n in nodes if n.on_host and not n.host_io and n.parent is not None]
-        if todo:
-            keys = [self.tree.ensure_keys(n, self.namespace) for n in todo]
-            for node in todo:
-                self.tree.begin_io(node, "host")
-            self.io.write(todo, keys)
+        self._write([n for n in nodes if n.on_host and not n.host_io and n.parent is not None])
 
     def touch(self, path: list[Node]) -> None:
         """A request locked ``path``: refresh the storage recency of its stored nodes (a hit at
@@ -238,7 +246,12 @@ class Backups(Flights):
         self.reserved.poll()
         if self.io is None:
             return
-        for sp, stored in self.io.reap_writes():
+        reaped = self.io.reap_writes()
+        # A write the backend abandoned by timeout may still read its pages: leases stay.
+        fence = self.io.backend.write_fence() if reaped and self.leases.arena else None
+        for sp, stored in reaped:
+            if sp.node.host is not None:
+                self.leases.drop(sp.node.host, fence)
             self.tree.end_io(sp.node, "host")
             if stored:
                 self.tree.set_in_storage(sp.node, True)

@@ -22,6 +22,7 @@ import torch
 
 from kvtier.config import CacheConfig
 from kvtier.controller.backup import Backups
+from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.load import Loads
 from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.staging import Staging
@@ -84,6 +85,8 @@ class Controller:
         self.dev = device_pool
         self.host = host_pool
         self.metrics = metrics
+        self.host_leases = HostLeases(host_pool)
+        """The storage I/O's leases on a relocatable host pool (a no-op for a fixed one)."""
         self.mover: Mover | None = None
         self.backups: Backups | None = None
         if host_pool is not None:
@@ -99,6 +102,7 @@ class Controller:
             self.backups = Backups(
                 tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics, self.group
             )
+            self.backups.leases = self.host_leases
         self.loads = Loads(
             tree, device_pool, self.mover, self.alloc_device_like, metrics, self.group
         )
@@ -113,6 +117,7 @@ class Controller:
         self.staging: Staging | None = None
         if config.host_mode == "buffer_only" and host_pool is not None and self.backups is not None:
             self.staging = Staging(tree, host_pool, self.alloc_host_like, self.evict_host)
+            self.staging.leases = self.host_leases
             self.backups.staging = self.staging
             self.loads.on_loaded = self.backups.loaded
         self.io: StorageIO | None = None
@@ -147,6 +152,7 @@ class Controller:
             self.group,
             self.staging,
         )
+        self.prefetcher.leases = self.host_leases
 
     @property
     def storage(self) -> StorageBackend | None:
@@ -188,7 +194,14 @@ class Controller:
             short = n - alloc.available
             if short > 0:
                 self.evict_host(short)
-            return alloc.alloc(n)
+            while True:
+                pages = alloc.alloc(n)
+                # A host arena with leased pages may promise room compaction cannot make
+                # around them (``ArenaAllocator.optimistic``): make more and try again.
+                if pages is not None or not getattr(alloc, "optimistic", False):
+                    return pages
+                if self.evict_host(max(1, n - alloc.fit([0] * n))) == 0:
+                    return None
         self._make_room(alloc, owners, self.evict_host)
         return alloc.alloc_owned(owners)
 
@@ -259,7 +272,7 @@ class Controller:
             self.metrics.inc("evicted_device_pages", ev.num_device())
         if self.host is not None:
             for p in ev.host_pages:
-                self.host.allocator.free(p)
+                self.host_leases.free(p, self.host.allocator.free)
             if ev.host_pages and evicted:
                 self.metrics.inc("evicted_host_pages", ev.num_host())
 
@@ -328,6 +341,8 @@ class Controller:
         visible. Never blocks."""
         if self.mover is not None:
             self.mover.pump()
+        if self.host is not None:
+            self.host_leases.poll(self.host.allocator.free)
         if self.backups is not None:
             self.backups.poll()
         if self.windows is not None:
@@ -359,6 +374,7 @@ class Controller:
             busy
             or bool(self.backups and (self.backups.pinned() or self.backups.reserved.busy()))
             or bool(self.prefetcher and self.prefetcher.ops)
+            or self.host_leases.busy()
         )
 
     def _on_split(self, prefix: Node, suffix: Node, n: int) -> None:
@@ -373,6 +389,7 @@ class Controller:
     def inflight_host_pages(self) -> int:
         """Host pages owned by in-flight work rather than by the tree."""
         n = self.backups.inflight_host_pages() if self.backups is not None else 0
+        n += self.host_leases.deferred_pages
         return n + (self.prefetcher.pending_host_pages() if self.prefetcher is not None else 0)
 
     def check_integrity(self) -> None:

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from kvtier.config import CacheConfig
+from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.records import PrefetchOp
 from kvtier.controller.staging import Staging
 from kvtier.controller.storage_io import StorageIO
@@ -25,6 +26,7 @@ from kvtier.keys import PageKey
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group, SoloGroup
 from kvtier.pools.host import HostPool
+from kvtier.pools.host_arena import HostArena
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import TreeMatch
@@ -59,6 +61,9 @@ class Prefetcher:
         self.metrics = metrics
         self.ops: list[PrefetchOp] = []
         """Open fetches, oldest first."""
+        self.leases = HostLeases(None)
+        """The storage I/O's leases on a relocatable host pool (set by the controller): a
+        fetch's pages are leased until committed or freed."""
         self._fetching: dict[PageKey, PrefetchOp] = {}
 
     def start(
@@ -105,6 +110,7 @@ class Prefetcher:
         op = PrefetchOp(anchor, prefix, tokens, keys, pages, deadline, deps)
         if self.io.states is not None:
             op.ckpt = torch.zeros(len(keys), dtype=torch.bool)
+        self.leases.hold(pages)
         self.io.read(op)
         self.ops.append(op)
         for k in keys:
@@ -143,8 +149,14 @@ class Prefetcher:
         )
         for node in out.taken:
             self.tree.set_origin(node, "storage")
+        pages = op.pages[lo:hi]
+        self.leases.drop(pages)  # verified: the I/O thread is done with them
         if out.duplicates.numel():
             self.host.allocator.free(out.duplicates)
+        if isinstance(self.host, HostArena) and op.ckpt is not None:
+            # Pages that came without window rows keep only their anchor's bytes.
+            kept = ~torch.isin(pages, out.duplicates)
+            self.host.release_window(pages[kept & ~op.ckpt[lo:hi]])
         self.tree.lock_node(out.last, hit=False)
         self.tree.unlock(op.anchor)
         op.anchor = out.last
@@ -173,6 +185,7 @@ class Prefetcher:
         self.commit(op)
         rest = op.pages[op.committed_pages :]
         if rest.numel():
+            self.leases.drop(rest)  # settled: no read, late ones included, can reach them
             self.host.allocator.free(rest)
             self.metrics.inc("prefetch_failed_pages", rest.numel())
         for k in op.keys[op.committed_pages :]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.records import Span
 from kvtier.errors import IntegrityError
 from kvtier.pools.host import HostPool
@@ -66,6 +67,9 @@ class Staging:
         """Host copies freed after their write (stored or dropped) or load completed."""
         self.cut_read_pages = 0
         """Pages fetches wanted beyond what the host pool could stage."""
+        self.leases = HostLeases(None)
+        """The storage I/O's leases on a relocatable host pool: a copy a late write still
+        reads is freed once it let go (set by the controller)."""
         tree.split_hooks.append(self.on_split)
 
     # ---- writes ---------------------------------------------------------------------------
@@ -176,7 +180,7 @@ class Staging:
             pages = torch.cat(out.host_pages)
         else:
             return False
-        self.host.allocator.free(pages)
+        self.leases.free(pages, self.host.allocator.free)
         self.released_pages += pages.numel()
         return True
 

@@ -19,6 +19,7 @@ import torch
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
+from kvtier.pools.host_arena import HostArena
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.mover import Mover
 from kvtier.tree.node import Node
@@ -65,6 +66,9 @@ class WindowBackups(Flights):
             need = self.pool.has_window(node.device) & ~node.ckpt
             if not bool(need.any()):
                 continue
+            host = self.mover.host
+            if isinstance(host, HostArena) and not host.add_window(node.host[need]):
+                continue  # no room for the rows in the host arena: the copy stays without
             self.tree.begin_io(node, "device")
             self.tree.begin_io(node, "host")
             spans.append(Span(node, need))

@@ -8,10 +8,19 @@ Three id spaces, never mixed (each has a ``NewType``)::
     kernel slot      Slot       base * page_size + offset          attention (``layer`` views)
 
 A *unit* is one layer of one page of one component (``page_size`` tokens of rows). A page's
-*envelope* of a component is ``num_layers`` consecutive units from its base unit, so layer
-``l`` of the page is unit ``base + l``. Window envelopes are optional per page
-(``release_window`` drops them); every other component's envelope exists while the page is
-allocated. Envelopes move only in :meth:`UnifiedPool.compact`, never while leased.
+*envelope* of a component holds its ``num_layers`` units: layer ``l`` is unit
+``base + l * stride``. Two layouts of the arena (``layout``)::
+
+    layout        placement space                   stride   an envelope takes
+    page_first    units (0 .. units - 1)            1        num_layers consecutive units
+    layer_first   slots (0 .. slots - 1); a slot    slots    one slot (its first num_layers
+                  is one unit in every layer                 layers)
+
+The device pool is page-first (kernels read an envelope's layers as one block); the host
+arena (``kvtier.pools.host_arena``) takes either, like the host pool's layouts. Window envelopes
+are optional per page (``release_window`` drops them, ``add_window`` gives them back); every
+other component's envelope exists while the page is allocated. Envelopes move only in
+:meth:`UnifiedPool.compact`, never while leased.
 
 ``ArenaAllocator`` is the pool's ``PageAllocator`` interface: what the controller allocates
 through.
@@ -36,6 +45,7 @@ Unit = NewType("Unit", int)
 Slot = NewType("Slot", int)
 
 COMPACTION = ("auto", "eager", "off")
+LAYOUTS = ("page_first", "layer_first")
 
 
 class UnifiedPool:
@@ -46,6 +56,9 @@ class UnifiedPool:
     ``compaction``: ``auto`` compacts inside an allocation that free units could serve but no
     hole fits; ``eager`` before every allocation; ``off`` never (``available`` then reflects
     fragmentation).
+
+    ``layout`` and ``pin`` are for the host arena (a ``layer_first`` arena and pinned memory);
+    the device pool is ``page_first``.
     """
 
     tier: ClassVar[Tier] = "device"
@@ -58,12 +71,16 @@ class UnifiedPool:
         device: torch.device,
         compaction: str = "auto",
         lanes: int = 1,
+        layout: str = "page_first",
+        pin: bool = False,
     ) -> None:
         validate_pool_set(specs)
         if compaction not in COMPACTION:
             raise ConfigError(f"compaction={compaction!r} is not one of {', '.join(COMPACTION)}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"arena layout={layout!r} is not one of {', '.join(LAYOUTS)}")
         if lanes != 1:
-            raise ConfigError(f"a unified device pool has one lane, got lanes={lanes}")
+            raise ConfigError(f"a unified {self.tier} pool has one lane, got lanes={lanes}")
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(
                 f"unified pool: num_pages={num_pages} and page_size={page_size} must be positive"
@@ -79,17 +96,39 @@ class UnifiedPool:
         self.device = device
         self.compaction = compaction
         self.unit_bytes = next(iter(unit_bytes.values()))
-        self.units = num_pages * sum(s.num_layers for s in specs)
-        self.sizes = [s.num_layers for s in specs]
+        self.layout = layout
+        self.layers = [s.num_layers for s in specs]
+        """Layers (units) of each component's envelope."""
+        total = num_pages * sum(self.layers)
+        if layout == "page_first":
+            self.slot_units, self.slots = 1, total
+            self.sizes = list(self.layers)
+        else:
+            self.slot_units = max(self.layers)
+            self.slots = total // self.slot_units
+            self.sizes = [1] * len(specs)
+        """Placement: ``slots`` places of ``slot_units`` units each; an envelope of component
+        ``c`` takes ``sizes[c]`` consecutive places."""
+        self.stride = 1 if layout == "page_first" else self.slots
+        """Units from one layer of an envelope to the next."""
+        self.units = self.slots * self.slot_units
         self.windowed = [s.kind == "window" for s in specs]
         self.fixed_units = sum(k for k, w in zip(self.sizes, self.windowed, strict=True) if not w)
-        """Units of one page without its window envelopes."""
-        self.logical_pages = self.units // self.fixed_units
+        """Places one page takes without its window envelopes."""
+        if not self.fixed_units or self.slots < self.fixed_units:
+            raise ConfigError(
+                f"unified {self.tier} pool: {num_pages} pages hold no page of {len(specs)} "
+                "components"
+            )
+        self.logical_pages = self.slots // self.fixed_units
         self.num_pages = self.logical_pages
         """Logical pages (what the allocator hands out)."""
         anchor = specs[0]
         self.arena = torch.zeros(
-            (self.units * page_size, *anchor.row_shape), dtype=anchor.dtype, device=device
+            (self.units * page_size, *anchor.row_shape),
+            dtype=anchor.dtype,
+            device=device,
+            pin_memory=pin,
         )
         raw = self.arena.view(-1).view(torch.uint8)
         self.buffers: dict[str, torch.Tensor] = {
@@ -98,7 +137,7 @@ class UnifiedPool:
         }
         """Each component's reading of the whole arena, indexed by kernel slot (rows)."""
         self._index = {s.name: i for i, s in enumerate(specs)}
-        self._units = bytearray(self.units)
+        self._units = bytearray(self.slots)
         self._table = torch.full((len(specs), self.logical_pages), -1, dtype=torch.int64)
         self._alive = torch.zeros(self.logical_pages, dtype=torch.bool)
         self._leases = torch.zeros(self.logical_pages, dtype=torch.int64)
@@ -134,13 +173,17 @@ class UnifiedPool:
 
     def component_words(self, name: str, pages: torch.Tensor) -> torch.Tensor:
         """Copy of ``[layers, n, words]``: the envelope bytes of ``pages`` (each must have one)."""
+        return self.unit_words()[self.unit_rows(pages, name).t().to(self.device)].cpu()
+
+    def unit_rows(self, pages: torch.Tensor, name: str | None) -> torch.Tensor:
+        """``[n, layers]`` units (CPU) of the ``name`` envelopes of ``pages``, each of which
+        must have one (``IntegrityError`` naming the page otherwise)."""
         base = self.physical(pages, name).reshape(-1)
         if bool((base < 0).any()):
             p = int(pages.reshape(-1)[base < 0][0])
-            raise IntegrityError(f"unified pool: page {p} has no {name!r} envelope")
-        k = self.specs[self.component(name)].num_layers
-        rows = torch.arange(k)[:, None] + base[None, :]
-        return self.unit_words()[rows.to(self.device)].cpu()
+            raise IntegrityError(f"unified {self.tier} pool: page {p} has no {name!r} envelope")
+        k = self.layers[self.component(name)]
+        return base[:, None] + torch.arange(k)[None, :] * self.stride
 
     def locs(self, pages: torch.Tensor) -> torch.Tensor:
         """Logical token slots of ``pages`` (what the tree and the engine hold)."""
@@ -251,6 +294,44 @@ class UnifiedPool:
                 env.drop(self._units, b, self.sizes[c])
             self._table[c, flat] = -1
 
+    def add_window(self, pages: torch.Tensor) -> bool:
+        """Give ``pages`` (allocated, none holding them) window envelopes, atomically,
+        compacting as :attr:`compaction` says; ``False`` (nothing changed) when the free places
+        cannot hold them. The rows they hold are stale until written. A leased page may take
+        them: the lease holds its other envelopes, which do not move."""
+        flat = self._check(pages, "add_window", unique=True)
+        held = self.has_window(flat)
+        if bool(held.any()) or not any(self.windowed):
+            p = int(flat[held][0]) if bool(held.any()) else int(flat[0]) if flat.numel() else -1
+            raise IntegrityError(
+                f"add_window: page {p} already has a window envelope or none exist"
+            )
+        if not flat.numel():
+            return True
+        sizes = [k for k, w in zip(self.sizes, self.windowed, strict=True) if w]
+        if self.compaction == "eager":
+            self.compact()
+        scratch = bytearray(self._units)
+        bases = env.place(scratch, sizes, flat.numel())
+        if (
+            bases is None
+            and self.compaction == "auto"
+            and (self.free_units >= flat.numel() * sum(sizes))
+        ):
+            moves, packed = env.plan_compaction(self._units, self._envelopes())
+            scratch = bytearray(packed)
+            bases = env.place(scratch, sizes, flat.numel())
+            if bases is not None:
+                self._apply(moves)
+        if bases is None:
+            return False
+        self._units = scratch
+        cols = torch.tensor(bases, dtype=torch.int64).t()
+        comps = [c for c, w in enumerate(self.windowed) if w]
+        for row, c in zip(cols, comps, strict=True):
+            self._table[c, flat] = row
+        return True
+
     def move_window(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Hand the window envelopes of pages ``src`` to pages ``dst`` (pairwise; no bytes
         move: ``dst`` then reads the rows ``src`` had). Every ``src`` page must have them,
@@ -316,8 +397,9 @@ class UnifiedPool:
     def _apply(self, moves: list[env.Move]) -> None:
         if not moves:
             return
-        src = torch.cat([torch.arange(m.old, m.old + m.size) for m in moves])
-        dst = torch.cat([torch.arange(m.new, m.new + m.size) for m in moves])
+        layer = [torch.arange(k) * self.stride for k in self.layers]
+        src = torch.cat([m.old + layer[m.component] for m in moves])
+        dst = torch.cat([m.new + layer[m.component] for m in moves])
         words = self.unit_words()
         # Every source is read before any destination is written: a destination only covers
         # free units or sources of moves planned before it, never an envelope that stays.
@@ -343,11 +425,12 @@ class UnifiedPool:
     # ---- accounting ----------------------------------------------------------------------
     @property
     def free_units(self) -> int:
+        """Free places (units of a page-first arena, slots of a layer-first one)."""
         return self._units.count(0)
 
     @property
     def units_used(self) -> int:
-        return self.units - self.free_units
+        return (self.slots - self.free_units) * self.slot_units
 
     @property
     def bytes_used(self) -> int:
@@ -413,9 +496,9 @@ class UnifiedPool:
             raise IntegrityError("unified pool: an allocated page lacks a non-window envelope")
         if bool((self._table[:, ~self._alive] >= 0).any()):
             raise IntegrityError("unified pool: a free page still has an envelope")
-        seen = bytearray(self.units)
+        seen = bytearray(self.slots)
         for e in self._envelopes():
-            if e.base < 0 or e.base + e.size > self.units or any(seen[e.base : e.base + e.size]):
+            if e.base < 0 or e.base + e.size > self.slots or any(seen[e.base : e.base + e.size]):
                 raise IntegrityError(
                     f"unified pool: envelope of page {e.page} ({self.specs[e.component].name}) "
                     f"at unit {e.base} overlaps another or leaves the arena"

@@ -95,6 +95,12 @@ class StorageBackend(ABC):
         read that came back short until it completes."""
         return None
 
+    def write_fence(self) -> Future[None] | None:
+        """As :meth:`read_fence` for ``batch_set``: ``None`` when no earlier write can still
+        read its buffers; else a future that completes once none can (a relocatable host
+        pool keeps such pages where they are until then)."""
+        return None
+
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027
         """Memory that ``batch_get``/``batch_set`` buffers will mostly lie in (the host pool),
         given once at attach so zero-copy backends can register it with their transport.

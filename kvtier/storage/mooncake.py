@@ -89,6 +89,7 @@ class MooncakeBackend(StorageBackend):
         )
         self._late_lock = threading.Lock()
         self._late_reads: list[Future] = []
+        self._late_puts: list[Future] = []
         self.session = MooncakeSession(
             self.settings,
             store_cls,
@@ -143,22 +144,15 @@ class MooncakeBackend(StorageBackend):
         with self._late_lock:
             late = self._late_reads = [f for f in self._late_reads if not f.done()]
             late = list(late)
-        if not late:
-            return None
-        fence: Future[None] = Future()
-        left = [len(late)]
-        lock = threading.Lock()
+        return _fence(late)
 
-        def ended(_f: Future) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                fence.set_result(None)
-
-        for f in late:
-            f.add_done_callback(ended)
-        return fence
+    def write_fence(self) -> Future[None] | None:
+        """A future done once no abandoned put can still read registered caller buffers
+        (``None``: none can now)."""
+        with self._late_lock:
+            late = self._late_puts = [f for f in self._late_puts if not f.done()]
+            late = list(late)
+        return _fence(late)
 
     def _get_done(self, fut: Future | None) -> Any:
         """``session.wait`` for a get; a get abandoned while still running joins the fence."""
@@ -232,6 +226,8 @@ class MooncakeBackend(StorageBackend):
         codes = self.session.wait(fut, "put")
         if codes is None and fut is not None and not fut.done():
             # It may read the caller's pages after they were reused: drop what it wrote.
+            with self._late_lock:
+                self._late_puts.append(fut)
             fut.add_done_callback(lambda _f: self._remove_late(client, names))
         n = 0
         for code, i in zip(codes or (), rng, strict=False):
@@ -357,3 +353,23 @@ class MooncakeBackend(StorageBackend):
     def close(self) -> None:
         """Close the client once no call is running in it (never under one)."""
         self.session.close()
+
+
+def _fence(late: list[Future]) -> Future[None] | None:
+    """A future done once every one of ``late`` is (``None`` when there are none)."""
+    if not late:
+        return None
+    fence: Future[None] = Future()
+    left = [len(late)]
+    lock = threading.Lock()
+
+    def ended(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fence.set_result(None)
+
+    for f in late:
+        f.add_done_callback(ended)
+    return fence

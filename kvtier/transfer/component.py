@@ -62,6 +62,8 @@ class ComponentRows:
             dview = dev.page_bytes_view(name)
             layers, _, words = dview.shape
             flat, pages, stride = dview.reshape(-1, words), dev.num_pages, 0
+        if isinstance(host, UnifiedPool):  # a relocatable host arena: rows are its units
+            return cls._of_arena(flat, host, layers, pages, stride, dev.device, mapped)
         page_dim = 1 if host.layout == "page_first" else 0
         hbuf = host.buffers[name]
         geo = RowGeometry(
@@ -79,6 +81,34 @@ class ComponentRows:
         hview = bytes_view(hbuf, page_dim, host.num_pages).reshape(-1, words)
         if hview.dtype != flat.dtype:
             raise IntegrityError(f"component {name!r}: device and host rows have other words")
+        return cls(geo, flat, hview, view)
+
+    @classmethod
+    def _of_arena(
+        cls,
+        flat: torch.Tensor,
+        host: UnifiedPool,
+        layers: int,
+        pages: int,
+        stride: int,
+        device: torch.device,
+        mapped: bool,
+    ) -> ComponentRows:
+        hview = host.unit_words()
+        if hview.dtype != flat.dtype or hview.shape[1] != flat.shape[1]:
+            raise IntegrityError("device and host arena rows have other words")
+        geo = RowGeometry(
+            layers=layers,
+            row_bytes=flat.shape[1] * flat.element_size(),
+            device_pages=pages,
+            host_pages=host.slots,
+            host_layout=host.layout,
+            device_layer_stride=stride,
+            host_layer_stride=host.stride,
+        )
+        view = None
+        if mapped:
+            view = map_pinned(host.arena, device).view(-1).view(hview.dtype).view(hview.shape)
         return cls(geo, flat, hview, view)
 
     def warm_up(self) -> None:

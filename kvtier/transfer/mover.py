@@ -176,8 +176,9 @@ class Mover:
             )
             op = TransferOp(direction, phys.numel(), phys.numel() * nbytes)
         else:
+            host_arena = self.host if isinstance(self.host, UnifiedPool) else None
             lists, op = envelope_lists(
-                self.arena, direction, device_pages, host, names, self.uploads
+                self.arena, direction, device_pages, host, names, self.uploads, host_arena
             )
         op.hold = self.delays.draw()
         try:

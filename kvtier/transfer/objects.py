@@ -35,7 +35,10 @@ class ObjectCodec:
         self.specs = tuple(specs)
         self.translator = translator or IdentityTranslator()
         self.nbytes = sum(s.page_bytes(host.page_size) for s in specs)
-        self._zero_copy = host.layout == "page_first" and len(self.specs) == 1
+        # A relocatable host arena (not a ``HostPool``) has no fixed page views to lend.
+        self._zero_copy = (
+            isinstance(host, HostPool) and host.layout == "page_first" and len(self.specs) == 1
+        )
 
     def slots(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """Physical host row indices of logical ``pages`` per component (page-major)."""

@@ -86,12 +86,16 @@ def envelope_lists(
     host: torch.Tensor,
     names: Sequence[str],
     uploads: Uploads | None = None,
+    host_arena: UnifiedPool | None = None,
 ) -> tuple[dict[str, PageLists], TransferOp]:
     """The page lists of components ``names`` for a transfer of logical ``device_pages`` of
     ``arena`` (base units; only the pages with an envelope of the component, the matching
     physical ``host`` pages) and its op, which leases ``device_pages`` until
-    ``op.release()``."""
+    ``op.release()``. With a relocatable ``host_arena`` ``host`` holds its logical pages: the
+    host side is its base units too (a window component only where both sides hold the
+    envelope), and the op leases the host pages as well."""
     logical = device_pages.reshape(-1).cpu().long()
+    host_logical = host
     lists: dict[str, PageLists] = {}
     nbytes = 0
     for s in arena.specs:
@@ -99,6 +103,9 @@ def envelope_lists(
             continue
         phys = arena.physical(logical, s.name)
         have = phys >= 0
+        if host_arena is not None:
+            host = host_arena.physical(host_logical, s.name)
+            have &= host >= 0
         every = bool(have.all())
         if s.kind != "window" and not every:
             raise IntegrityError(f"{direction} transfer: a page has no {s.name!r} envelope")
@@ -108,5 +115,14 @@ def envelope_lists(
         nbytes += lists[s.name].device.numel() * s.page_bytes(arena.page_size)
     op = TransferOp(direction, logical.numel(), nbytes)
     arena.lease(logical)
-    op.on_release = lambda: arena.unlease(logical)
+    if host_arena is None:
+        op.on_release = lambda: arena.unlease(logical)
+        return lists, op
+    host_arena.lease(host_logical)
+
+    def release() -> None:
+        arena.unlease(logical)
+        host_arena.unlease(host_logical)
+
+    op.on_release = release
     return lists, op

@@ -93,6 +93,10 @@ class RowGeometry:
     device_layer_stride: int = 0
     """Device rows from one layer of a page to the next: ``device_pages`` when 0 (the
     layer-first ``DevicePool``); 1 in a unified arena, whose physical page is a base unit."""
+    host_layer_stride: int = 0
+    """Host rows from one layer of a page to the next in a relocatable host arena, whose
+    physical page is a base unit (1 page-first, its slot count layer-first); 0 for a
+    ``HostPool`` (its ``host_layout`` says)."""
 
     @property
     def envelope(self) -> bool:
@@ -123,6 +127,9 @@ class RowGeometry:
         self, pages: torch.Tensor, layer: int | None = None, page_major: bool = False
     ) -> torch.Tensor:
         """Host row numbers of ``pages`` in the same order as :meth:`device_rows`."""
+        if self.host_layer_stride:
+            offsets = _offsets(self.layers, layer, self.host_layer_stride, pages.device)
+            return _rows(pages, 1, offsets, page_major)
         if self.host_layout == "page_first":
             offsets = _offsets(self.layers, layer, 1, pages.device)
             return _rows(pages, self.layers, offsets, page_major)
@@ -139,7 +146,8 @@ class RowGeometry:
         # runs before the first copy of every batch is queued.
         h, d = host_pages.numpy(), device_pages.numpy()
         if self.whole_pages:
-            breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != self.layers))
+            hstep = self.layers if self.host_layer_stride == 1 else 1  # arena: base units
+            breaks = np.count_nonzero((np.diff(h) != hstep) | (np.diff(d) != self.layers))
             return n * self.layers / (breaks + 1)
         breaks = np.count_nonzero((np.diff(h) != 1) | (np.diff(d) != 1))
         return n / (breaks + 1)
@@ -220,7 +228,8 @@ def choose(
     copies both ways moved 0.85-0.95 of two contiguous copies; forced direct blocks fell to 0.01
     where rows are small (MLA and DSA at page size 1).
     """
-    stageable = not per_layer and not geo.envelope
+    # A host arena's pages are not page-sized blocks at page strides: never staged.
+    stageable = not per_layer and not geo.envelope and not geo.host_layer_stride
     if mechanism == "copy_engine" and dma:
         if stageable and geo.layers > 1:
             return STAGED

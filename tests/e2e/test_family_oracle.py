@@ -19,13 +19,16 @@ from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.families import preset
 
-FAMILIES = ["tiny", "mla", "dsa", "dsa-compressed", "hybrid", "swa"]
+FAMILIES = ["tiny", "mla", "dsa", "dsa-compressed", "hybrid", "swa", "swa+eager"]
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)
 CONTEXT = 384
 CUTS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
 
 
 def make_llm(family: str, storage_dir: str | None = None, host_layout: str = "page_first") -> LLM:
+    """``family`` names a preset; ``swa+eager`` is the window family with both arenas (device
+    and a relocatable host pool) compacting before every allocation."""
+    name, _, compaction = family.partition("+")
     cfg = CacheConfig(
         page_size=16,
         device_pages=96,
@@ -35,8 +38,10 @@ def make_llm(family: str, storage_dir: str | None = None, host_layout: str = "pa
         prefetch_policy="wait_complete",
         debug_checks=True,
         host_layout=host_layout,
+        compaction=compaction or "auto",
+        host_compaction=compaction or "off",
     )
-    return LLM(preset(family), cfg, max_running=1)
+    return LLM(preset(name), cfg, max_running=1)
 
 
 def base_tokens(vocab: int) -> list[int]:
@@ -193,6 +198,7 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     same, compared = rows_equal(snapshot(llm, base), rows)  # restored from the host tier
     assert same
     assert compared[llm.cache.specs[0].name] == rows[llm.cache.specs[0].name].shape[1]
+    relocated = _relocated(llm)
     llm.close()
 
     case = tmp_path / "case.pt"
@@ -213,6 +219,14 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     anchor = llm.cache.specs[0].name
     assert result["rows_compared"][anchor] >= 0.9 * CONTEXT - 2 * llm.cache.page_size
     assert sum(result["storage_tokens"]) > 0
+    if "+" in family:  # both arenas moved pages while the tiers above were checked
+        assert min(relocated) > 0, relocated
+
+
+def _relocated(llm: LLM) -> tuple[int, int]:
+    """Pages the device and the host arena relocated (0 where a pool is not an arena)."""
+    st = llm.cache.stats()
+    return st.get("device_pages_relocated", 0), st.get("host_pages_relocated", 0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
