@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +20,21 @@ from kvtier.parallel.group import Group
 from kvtier.pools.device import DevicePool
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.mover import Mover
+from kvtier.transfer.op import TransferOp
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    """Device ``pages`` allocated for ``host``, the host copy of ``node`` (the ``at``-th node
+    of the loaded path) or, when ``split``, its first pages: what fits."""
+
+    at: int
+    node: Node
+    host: torch.Tensor
+    pages: torch.Tensor
+    split: bool
 
 
 class Loads(Flights):
@@ -53,9 +67,39 @@ class Loads(Flights):
         (``path`` is updated in place: that node is split, its first part inserted before
         it). Returns how many leading nodes of ``path`` are device-resident now, and with
         ``overlap`` the per-layer arrival events of the copy (``None`` without a copy).
+
+        The tree learns of the load only once its copy is queued: a failure on the way (no
+        page after all, the copy refused) gives back every device page allocated for it, with
+        whatever envelopes it still holds, leaves ``path`` and every node as they were (no
+        split, no device copy, no pin) and propagates; the lock stays the caller's.
         """
+        loads: list[_Load] = []
+        try:
+            loaded = self._allocate(path, loads)
+            op = self._copy(loads, overlap)
+        except BaseException:
+            self._give_back(loads)
+            raise
+        if op is None:
+            return loaded, None
         spans: list[Span] = []
-        dev: list[torch.Tensor] = []
+        for ld in loads:
+            node = ld.node
+            if ld.split:
+                node = self.tree.split(node, ld.pages.numel())
+                path.insert(ld.at, node)
+            if node.origin is None:
+                self.tree.set_origin(node, "host")
+            self.tree.set_device(node, ld.pages)
+            self.tree.begin_io(node, "host")
+            spans.append(Span(node))
+        self.flights.append(InFlight(op, spans, "host"))
+        return loaded, op.layer_events
+
+    def _allocate(self, path: list[Node], loads: list[_Load]) -> int:
+        """Device pages for the host-only nodes of ``path``, in order, into ``loads`` (window
+        envelopes bound); returns how many leading nodes of ``path`` they make resident. The
+        last may cover the first part of its node only (what fits)."""
         loaded = 0
         while loaded < len(path):
             node = path[loaded]
@@ -64,37 +108,46 @@ class Loads(Flights):
                 continue
             if node.host is None:
                 raise IntegrityError(f"load of {node!r}: locked without any copy")
-            want = node.host.numel()
-            pages = self._alloc_device(node.host)
+            host = node.host
+            pages = self._alloc_device(host)
             if pages is None:
                 # What eviction could free is free now: the leading pages whose lanes have
                 # room are the quota (evictable device cache counted, seed 004).
-                fit = self.dev.allocator.fit_like(node.host)
+                fit = self.dev.allocator.fit_like(host)
                 if fit == 0 or self.mover is None:
                     break
-                path.insert(loaded, self.tree.split(node, fit))
-                node = path[loaded]
-                pages = self._alloc_device(node.host)
+                host = host[:fit]
+                pages = self._alloc_device(host)
                 if pages is None:
                     raise IntegrityError(f"{fit} device pages free but not allocatable")
+            split = host.numel() < node.host.numel()
+            loads.append(_Load(loaded, node, host, pages, split))
             self._bind_windows(node, pages)
-            spans.append(Span(node, node.host))
-            dev.append(pages)
-            if node.origin is None:
-                self.tree.set_origin(node, "host")
-            self.tree.set_device(node, pages)
-            self.tree.begin_io(node, "host")
             loaded += 1
-            if pages.numel() < want:
+            if split:
                 break
-        if not spans:
-            return loaded, None
+        return loaded
+
+    def _copy(self, loads: list[_Load], overlap: bool) -> TransferOp | None:
+        """Queue the host → device copy of ``loads`` (``None`` when there is none)."""
+        if not loads:
+            return None
         if self.mover is None:
             raise IntegrityError("host copies to load but no mover (no host tier)")
-        host = torch.cat([sp.part for sp in spans])  # type: ignore[misc]
-        op = self.mover.host_to_device(host, torch.cat(dev), overlap=overlap)
-        self.flights.append(InFlight(op, [Span(sp.node) for sp in spans], "host"))
-        return loaded, op.layer_events
+        host = torch.cat([ld.host for ld in loads])
+        dev = torch.cat([ld.pages for ld in loads])
+        return self.mover.host_to_device(host, dev, overlap=overlap)
+
+    def _give_back(self, loads: list[_Load]) -> None:
+        """The device pages of a load that failed before the tree knew of it go back to the
+        allocator, every envelope they still hold with them."""
+        if not loads:
+            return
+        stream = self.mover.load_stream if self.mover is not None else None
+        if stream is not None:
+            # Copies queued before the failure land before their pages can be reused.
+            stream.synchronize()
+        self.dev.free_pages(torch.cat([ld.pages for ld in loads]))
 
     def _bind_windows(self, node: Node, pages: torch.Tensor) -> None:
         """A window pool's fresh pages come with window rows; those of pages whose host copy
