@@ -170,11 +170,11 @@ class Backups(Flights):
         for sp in flight.spans:
             self.tree.end_io(sp.node, "device")
             if sp.node.host is None and sp.node.parent is not None:
-                flags = self._host_flags(sp.node)
+                flags = self._host_flags(sp.node, sp.part)
                 self.tree.set_host(sp.node, sp.part, flags)
                 if isinstance(self.host, HostArena) and flags is not None:
                     # A copy without window rows keeps only its anchor's bytes.
-                    self.host.release_window(sp.part[~flags])
+                    self.host.release_window(sp.part[~flags & self.host.has_window(sp.part)])
                 stored.append(sp.node)
             else:  # the node got a host copy meanwhile, or left the tree
                 self.host.allocator.free(sp.part)
@@ -195,13 +195,17 @@ class Backups(Flights):
             self.staging.loaded(nodes)
             self._copy(self.staging.chunks())
 
-    def _host_flags(self, node: Node) -> torch.Tensor | None:
-        """A window pool's host copy holds the window rows its device pages had (the copy
-        skips the others); ``None`` for every other pool."""
+    def _host_flags(self, node: Node, host: torch.Tensor) -> torch.Tensor | None:
+        """A window pool's host copy holds the window rows its device pages had and its
+        ``host`` pages had room for (the copy skips the others); ``None`` for every other
+        pool."""
         dev = self.mover.dev
         if node.device is None or not isinstance(dev, UnifiedPool):
             return None
-        return dev.has_window(node.device)
+        flags = dev.has_window(node.device)
+        if isinstance(self.host, HostArena):
+            flags &= self.host.has_window(host)
+        return flags
 
     # ---- host → storage -----------------------------------------------------------------
     def to_storage(self, nodes: list[Node]) -> None:

@@ -38,6 +38,7 @@ from kvtier.parallel.layout import CPLayout
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
+from kvtier.pools.host_arena import HostArena
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.transfer.delays import CompletionDelays
@@ -100,7 +101,7 @@ class Controller:
                 delays=self.delays,
             )
             self.backups = Backups(
-                tree, host_pool, self.mover, self.alloc_host_like, namespace, metrics, self.group
+                tree, host_pool, self.mover, self.alloc_host_copy, namespace, metrics, self.group
             )
             self.backups.leases = self.host_leases
         self.loads = Loads(
@@ -116,7 +117,9 @@ class Controller:
         self.policy = make_policy(config, self.backups)
         self.staging: Staging | None = None
         if config.host_mode == "buffer_only" and host_pool is not None and self.backups is not None:
-            self.staging = Staging(tree, host_pool, self.alloc_host_like, self.evict_host)
+            self.staging = Staging(tree, host_pool, self.alloc_host_copy, self.evict_host)
+            if isinstance(host_pool, HostArena) and isinstance(device_pool, UnifiedPool):
+                self.staging.windows = device_pool.has_window
             self.staging.leases = self.host_leases
             self.backups.staging = self.staging
             self.loads.on_loaded = self.backups.loaded
@@ -212,6 +215,22 @@ class Controller:
     def alloc_host_like(self, pages: torch.Tensor) -> torch.Tensor | None:
         """As many host pages as ``pages`` has, on the same lanes (a backup of a device copy)."""
         return self.alloc_host(pages.numel(), self._lanes_of(pages))
+
+    def alloc_host_copy(self, device: torch.Tensor) -> torch.Tensor | None:
+        """Host pages for a copy of ``device`` pages (a backup). A relocatable host arena
+        gives window envelopes only to the pages whose device copy has window rows, evicting
+        until they fit; ``None`` if they cannot."""
+        host = self.host
+        if not isinstance(host, HostArena) or not isinstance(self.dev, UnifiedPool):
+            return self.alloc_host_like(device)
+        windows = self.dev.has_window(device)
+        while True:
+            pages = host.take(windows.numel(), windows)
+            if pages is not None:
+                return pages
+            short = windows.numel() - host.fit_prefix(windows)
+            if self.evict_host(max(1, short)) == 0:
+                return None
 
     def alloc_device_at(self, first_page: int, n: int) -> torch.Tensor | None:
         """Device pages for sequence pages ``[first_page, first_page + n)``, each on the lane

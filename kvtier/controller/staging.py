@@ -13,9 +13,14 @@ Reads: storage → host → device. A fetch takes only pages that are free or re
 load used (its request gave up) is an unlocked, idle, stored host copy: reclaimable, taken by
 the next allocation that needs room.
 
-Write reserve: while backups wait for room, a fetch leaves ``min(waiting pages, pool // 2)``
-pages free for them. Backups are the only way pages reach storage and fetches the only way they
+Write reserve: while backups wait for room, a fetch leaves ``min(waiting bytes, pool bytes //
+2)`` free for them. Backups are the only way pages reach storage and fetches the only way they
 come back; the cap keeps half the pool for fetches so that neither side can starve the other.
+
+Room is counted in bytes. With a fixed host pool every page costs the same (``page_bytes``);
+with a relocatable host arena (``host_compaction``) the window rows are shared room: a backup of
+a page whose device copy has no window rows takes only its anchor's bytes, and a fetch takes a
+whole page until it knows (its pages without window rows give them back once committed).
 
 Release rule: a host copy in ``_release`` is freed once nothing reads it (``host_io == 0``):
 while its node keeps a device copy at once (a lock pins the device copy, which is what the
@@ -67,6 +72,9 @@ class Staging:
         """Host copies freed after their write (stored or dropped) or load completed."""
         self.cut_read_pages = 0
         """Pages fetches wanted beyond what the host pool could stage."""
+        self.windows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """A relocatable host arena: which device pages have window rows (what a backup of
+        them takes); ``None`` for a fixed host pool (set by the controller)."""
         self.leases = HostLeases(None)
         """The storage I/O's leases on a relocatable host pool: a copy a late write still
         reads is freed once it let go (set by the controller)."""
@@ -103,7 +111,7 @@ class Staging:
                 raise IntegrityError(f"queued backup of {node!r} lost its device copy")
             pages = self._alloc_host(dev)
             if pages is None:
-                fit = self.host.allocator.available  # eviction already ran
+                fit = self._fit(dev)  # eviction already ran
                 if fit == 0:
                     break
                 if node.lock_ref:
@@ -128,19 +136,49 @@ class Staging:
     def waiting_pages(self) -> int:
         return sum(sp.node.num_pages(self.tree.page_size) for sp in self.waiting)
 
+    # ---- room in bytes --------------------------------------------------------------------
+    def _fit(self, device: torch.Tensor) -> int:
+        """Leading pages of a backup of ``device`` pages the host has room for now."""
+        if self.windows is None:
+            return self.host.allocator.available
+        return self.host.fit_prefix(self.windows(device))  # type: ignore[attr-defined]
+
+    def copy_bytes(self, device: torch.Tensor) -> int:
+        """Host bytes a backup of ``device`` pages takes."""
+        if self.windows is None:
+            return device.numel() * self.host.page_bytes
+        have = int(self.windows(device).sum())
+        window = self._window_bytes()
+        return device.numel() * (self.host.page_bytes - window) + have * window
+
+    def _window_bytes(self) -> int:
+        return sum(s.page_bytes(self.host.page_size) for s in self.host.specs if s.kind == "window")
+
+    def free_bytes(self) -> int:
+        """Host bytes free now (an arena's free units, whatever their fragmentation:
+        allocations compact)."""
+        if self.windows is None:
+            return self.host.allocator.available * self.host.page_bytes
+        return self.host.bytes_total - self.host.bytes_used  # type: ignore[attr-defined]
+
+    def waiting_bytes(self) -> int:
+        return sum(
+            self.copy_bytes(sp.node.device) for sp in self.waiting if sp.node.device is not None
+        )
+
     # ---- reads ----------------------------------------------------------------------------
     def reserve(self) -> int:
-        """Free host pages a fetch must leave to the queued backups (module docstring)."""
-        return min(self.waiting_pages(), self.host.logical_pages // 2)
+        """Free host bytes a fetch must leave to the queued backups (module docstring)."""
+        return min(self.waiting_bytes(), self.host.nbytes // 2)
 
     def admit(self, n: int) -> int:
-        """How many of ``n`` pages a fetch may take now: free or reclaimable pages (these are
-        reclaimed here) beyond the write reserve."""
-        reserve = self.reserve()
-        short = n + reserve - self.host.allocator.available
-        if short > 0:
-            self._evict_host(short)
-        fit = max(0, min(n, self.host.allocator.available - reserve))
+        """How many of ``n`` pages a fetch may take now: free or reclaimable room (reclaimed
+        here) beyond the write reserve, a whole page each."""
+        reserve, page = self.reserve(), self.host.page_bytes
+        short = n * page + reserve - self.free_bytes()
+        while short > 0 and self._evict_host(-(-short // page)):
+            short = n * page + reserve - self.free_bytes()
+        fit = max(0, min(n, self.host.allocator.available, (self.free_bytes() - reserve) // page))
         self.cut_read_pages += n - fit
         return fit
 
@@ -206,7 +244,8 @@ class Staging:
             "host_staged_write_pages": write_pages,
             "host_staged_read_pages": read_pages,
             "host_backup_waiting_pages": self.waiting_pages(),
-            "host_write_reserve_pages": self.reserve(),
+            "host_backup_waiting_bytes": self.waiting_bytes(),
+            "host_write_reserve_bytes": self.reserve(),
             "host_staging_released_pages": self.released_pages,
             "host_staging_dropped_pages": self.dropped_pages,
             "host_staging_cut_read_pages": self.cut_read_pages,

@@ -51,9 +51,14 @@ def place(units: bytearray, sizes: Sequence[int], n: int) -> list[list[int]] | N
     """Bases for ``n`` pages, each taking one envelope of every size in ``sizes`` (in order),
     page by page at the lowest fit; ``units`` is updated. ``None`` when page ``i < n`` does not
     fit (``units`` then holds the first ``i`` pages: pass a copy to keep the original)."""
+    return place_each(units, [sizes] * n)
+
+
+def place_each(units: bytearray, pages: Sequence[Sequence[int]]) -> list[list[int]] | None:
+    """As :func:`place`, each page with its own envelope sizes (``pages[i]``)."""
     out: list[list[int]] = []
     start: dict[int, int] = {}
-    for _ in range(n):
+    for sizes in pages:
         bases = []
         for k in sizes:
             at = units.find(bytes(k), start.get(k, 0))

@@ -221,21 +221,24 @@ class UnifiedPool:
     def free_pages(self, pages: torch.Tensor) -> None:
         self.allocator.free(pages)
 
-    def take(self, n: int) -> torch.Tensor | None:
+    def take(self, n: int, windows: torch.Tensor | None = None) -> torch.Tensor | None:
         """``n`` logical ids with every envelope, atomically; ``None`` (nothing taken) when
-        impossible. Compacts as :attr:`compaction` says."""
+        impossible. Compacts as :attr:`compaction` says. ``windows`` (bool per page): which
+        pages get window envelopes (all by default); the others take only the rest."""
         if n < 0:
-            raise RequestError(f"device: cannot allocate {n} pages")
+            raise RequestError(f"{self.tier}: cannot allocate {n} pages")
         if n > len(self._free):
             return None
+        sizes = self._page_sizes(n, windows)
         if self.compaction == "eager":
             self.compact()
         scratch = bytearray(self._units)
-        bases = env.place(scratch, self.sizes, n)
-        if bases is None and self.compaction == "auto" and self.free_units >= n * sum(self.sizes):
+        bases = env.place_each(scratch, sizes)
+        need = sum(map(sum, sizes))
+        if bases is None and self.compaction == "auto" and self.free_units >= need:
             moves, packed = env.plan_compaction(self._units, self._envelopes())
             scratch = bytearray(packed)
-            bases = env.place(scratch, self.sizes, n)
+            bases = env.place_each(scratch, sizes)
             if bases is not None:
                 self._apply(moves)
         if bases is None:
@@ -243,9 +246,47 @@ class UnifiedPool:
         ids = torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
         self._units = scratch
         if n:
-            self._table[:, ids] = torch.tensor(bases, dtype=torch.int64).t()
+            self._table[:, ids] = torch.tensor(self._rows(bases, sizes), dtype=torch.int64).t()
             self._alive[ids] = True
         return ids
+
+    def fit_prefix(self, windows: torch.Tensor) -> int:
+        """How many leading pages of a :meth:`take` with ``windows`` would be served now
+        (compaction as its mode allows, leased envelopes fixed)."""
+        sizes = self._page_sizes(windows.numel(), windows)[: len(self._free)]
+        maps = [self._units]
+        if self.compaction != "off":
+            maps.append(env.plan_compaction(self._units, self._envelopes())[1])
+        best = 0
+        for units in maps:
+            scratch, start = bytearray(units), 0
+            for i, page in enumerate(sizes):  # lowest fit page by page, as ``take`` places
+                if env.place_each(scratch, [page]) is None:
+                    break
+                start = i + 1
+            best = max(best, start)
+        return best
+
+    def _page_sizes(self, n: int, windows: torch.Tensor | None) -> list[list[int]]:
+        """Envelope sizes each of ``n`` pages takes (without its window ones where
+        ``windows`` is false)."""
+        if windows is None:
+            return [self.sizes] * n
+        if windows.numel() != n:
+            raise IntegrityError(f"{self.tier}: {windows.numel()} window flags for {n} pages")
+        fixed = [k for k, w in zip(self.sizes, self.windowed, strict=True) if not w]
+        return [self.sizes if w else fixed for w in windows.tolist()]
+
+    def _rows(self, bases: list[list[int]], sizes: list[list[int]]) -> list[list[int]]:
+        """Table rows (a base per component, ``-1`` for a window envelope left out)."""
+        out = []
+        for b, s in zip(bases, sizes, strict=True):
+            if len(s) == len(self.sizes):
+                out.append(b)
+                continue
+            it = iter(b)
+            out.append([-1 if w else next(it) for w in self.windowed])
+        return out
 
     def fits(self) -> int:
         """The largest ``n`` :meth:`take` serves now (compaction included, leases fixed)."""

@@ -112,7 +112,8 @@ def test_request_larger_than_host_goes_to_storage_in_chunks(tmp_path):
     assert shape(c) == [(4, True, False, False), (8, True, False, False)]
     s = c.stats()
     assert (s["host_pages_used"], s["host_staged_write_pages"]) == (4, 4)
-    assert (s["host_backup_waiting_pages"], s["host_write_reserve_pages"]) == (8, 2)
+    page = c.host_pool.page_bytes
+    assert (s["host_backup_waiting_pages"], s["host_write_reserve_bytes"]) == (8, 2 * page)
     assert c.controller.evict_device(100) == 0  # not stored yet: the device copy stays
     c.check_integrity()
     c.drain()
@@ -215,7 +216,7 @@ def test_write_reserve_and_rollback_of_a_failed_fetch(tmp_path):
     assert c.finish_prefetch(pf) == 0  # the read failed: its pages go back
     s = c.stats()
     assert (s["host_pages_used"], s["prefetch_failed_pages"]) == (0, 6)
-    assert s["host_write_reserve_pages"] == 3  # min(4 waiting, 6 // 2)
+    assert s["host_write_reserve_bytes"] == 3 * c.host_pool.page_bytes  # min(4 waiting, 6 // 2)
     c.check_integrity()
     pf = c.prefetch(c.match(TOKENS))
     assert pf.pages.numel() == 3  # 6 free minus the reserve

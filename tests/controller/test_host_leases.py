@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+import pytest
 import torch
 from factories import cache_config
 
@@ -75,16 +76,28 @@ class Gated(FileBackend):
         return self.fence
 
 
-def gate(c: TieredCache) -> Gated:
-    g = Gated(c.storage.root, c.namespace, c.config.storage_bytes)
-    g.read_gate, g.write_gate = threading.Event(), threading.Event()
-    g.read_gate.set()
-    g.write_gate.set()
-    c.controller.io.backend = g
-    return g
+@pytest.fixture
+def gate():  # noqa: ANN201
+    """Gates a cache's backend; every gate opens when the test ends, so a failed assertion
+    never leaves the I/O thread waiting."""
+    made: list[Gated] = []
+
+    def put(c: TieredCache) -> Gated:
+        g = Gated(c.storage.root, c.namespace, c.config.storage_bytes)
+        g.read_gate, g.write_gate = threading.Event(), threading.Event()
+        g.read_gate.set()
+        g.write_gate.set()
+        c.controller.io.backend = g
+        made.append(g)
+        return g
+
+    yield put
+    for g in made:
+        g.read_gate.set()
+        g.write_gate.set()
 
 
-def test_a_fetch_holds_its_pages_still_until_committed(tmp_path):
+def test_a_fetch_holds_its_pages_still_until_committed(tmp_path, gate):
     c = make(tmp_path)
     want = run(c, TOKENS)
     c.drain()
@@ -116,7 +129,7 @@ def test_a_fetch_holds_its_pages_still_until_committed(tmp_path):
     c.close()
 
 
-def test_a_write_holds_its_pages_still_until_reaped(tmp_path):
+def test_a_write_holds_its_pages_still_until_reaped(tmp_path, gate):
     c = make(tmp_path)
     g = gate(c)
     g.write_gate.clear()
@@ -132,7 +145,7 @@ def test_a_write_holds_its_pages_still_until_reaped(tmp_path):
     c.close()
 
 
-def test_an_abandoned_write_keeps_its_leases_until_its_fence(tmp_path):
+def test_an_abandoned_write_keeps_its_leases_until_its_fence(tmp_path, gate):
     c = make(tmp_path, write_policy="write_through")
     g = gate(c)
     g.fence = Future()  # a timed-out put may still be reading the pages
