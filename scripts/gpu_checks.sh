@@ -25,7 +25,9 @@ if [ "${TESTS:-1}" = 1 ]; then
       tests/cache/test_layer_backup.py tests/cache/test_buffer_only.py tests/pools/test_pool_sets.py \
       tests/controller/test_controller.py tests/transfer/test_transfer.py tests/transfer/test_overlap.py \
       tests/transfer/test_pacer.py tests/transfer/test_translator.py tests/transfer/test_transfer_exchange.py \
-      tests/transfer/test_arena_transfer.py tests/transfer/test_staged_blocks.py \
+      tests/transfer/test_arena_transfer.py tests/transfer/test_host_arena_transfer.py \
+      tests/transfer/test_staged_blocks.py tests/controller/test_host_leases.py \
+      tests/cache/test_window_load_back.py tests/cache/test_buffer_only_bytes.py \
       tests/transfer/test_row_kernel_variants.py tests/engine/test_engine_attention.py \
       tests/engine/test_decode_kernel.py tests/engine/test_decode_graphs.py tests/engine/test_runner_logits.py \
       tests/engine/test_family_mla.py tests/engine/test_family_hybrid_swa.py tests/engine/test_spec_decode.py \
