@@ -4,9 +4,20 @@ User mistakes raise ``ConfigError``/``RequestError`` naming the option or value 
 ``ValueError``s); broken internal bookkeeping raises ``IntegrityError`` with node/page/rank
 context; L3 backends raise ``StorageError`` internally and turn it into a counted miss at their
 boundary, so it never reaches the caller of ``batch_get``/``batch_set``.
+
+The argument checks at the bottom are what public entry points refuse a wrong type or value
+with: the message names the call, the argument and the value (with its type), e.g.
+``alloc: num_tokens must be an integer >= 0, got -4 (int)``. They import nothing heavy (no
+torch: the command line imports this module before it knows it needs torch).
 """
 
 from __future__ import annotations
+
+import math
+import operator
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 class KvtierError(Exception):
@@ -62,3 +73,84 @@ class RankError(KvtierError, RuntimeError):
 
     def __reduce__(self) -> tuple[type[RankError], tuple[tuple[int, ...], str]]:
         return type(self), (self.ranks, str(self))
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """``value`` as an error message shows it: its repr (shortened past ``limit`` characters)
+    and its type, e.g. ``'x' (str)``."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _where(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def check_int(
+    value: object,
+    name: str,
+    where: str = "",
+    minimum: int | None = 0,
+    error: type[KvtierError] = RequestError,
+) -> int:
+    """``value`` as a Python ``int`` (numpy and 0-d torch integers too; ``bool`` refused) that
+    is ``>= minimum`` (``None``: any); else ``error`` naming ``where``, ``name`` and the value."""
+    bound = "" if minimum is None else f" >= {minimum}"
+    if not isinstance(value, bool) and not (
+        hasattr(value, "dtype") and str(getattr(value, "dtype", "")).endswith("bool")
+    ):
+        try:
+            v = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if minimum is None or v >= minimum:
+                return v
+    raise error(f"{_where(where)}{name} must be an integer{bound}, got {describe(value)}")
+
+
+def check_bool(
+    value: object, name: str, where: str = "", error: type[KvtierError] = RequestError
+) -> bool:
+    """``value`` if it is ``True`` or ``False``; else ``error`` naming it (``1``, ``"no"`` and
+    ``None`` are refused: a flag read as truthy text is a bug waiting)."""
+    if isinstance(value, bool):
+        return value
+    raise error(f"{_where(where)}{name} must be True or False, got {describe(value)}")
+
+
+def check_number(
+    value: object,
+    name: str,
+    where: str = "",
+    minimum: float = 0.0,
+    error: type[KvtierError] = RequestError,
+) -> float:
+    """``value`` as a finite ``float >= minimum`` (ints taken, ``bool`` and NaN refused)."""
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        v = float(value)
+        if math.isfinite(v) and v >= minimum:
+            return v
+    raise error(
+        f"{_where(where)}{name} must be a finite number >= {minimum:g}, got {describe(value)}"
+    )
+
+
+def check_type(
+    value: Any,
+    types: type[_T] | tuple[type, ...],
+    name: str,
+    where: str = "",
+    expected: str = "",
+    error: type[KvtierError] = RequestError,
+) -> _T:
+    """``value`` if it is an instance of ``types``; else ``error`` saying what was
+    ``expected`` (default: the types' names) and what came."""
+    if isinstance(value, types):
+        return value
+    if not expected:
+        ts = types if isinstance(types, tuple) else (types,)
+        expected = " or ".join("None" if t is type(None) else t.__name__ for t in ts)
+    raise error(f"{_where(where)}{name} must be {expected}, got {describe(value)}")

@@ -1,6 +1,19 @@
 """``TieredCache``: the one facade an engine talks to.
 
-Request flow (engine's view)::
+Request flow (engine's view). One call admits a request: match, a storage prefetch under the
+configured prefetch policy (it cannot be forgotten: a storage hit never fetched is a silent
+miss), lock and load::
+
+    adm = cache.admit(tokens)        # Admission: ready, or pending while a prefetch it waits
+    while not cache.admit_ready(adm, timeout=0.05):   # for runs (an engine serves others
+        ...                                            # meanwhile instead of waiting)
+    new = cache.alloc(adm.num_new, at=adm.cached_len)  # CapacityError: cache.abandon(adm)
+    cache.record_hits(adm.handle)
+    cache.write_kv(new, rows)        # or per layer: kv_buffers.layer(i)[kv_buffers.slots(new)]
+    cache.finish(tokens, torch.cat([adm.locs, new]), prefix_len=adm.cached_len,
+                 handle=adm.handle)
+
+The same, call by call (what ``admit`` runs; an engine that schedules fetches itself)::
 
     m = cache.match(tokens)          # MatchResult: device_len, host_len, storage_len, handle
     pf = cache.prefetch(m)           # optional: storage → host for m.storage_len tokens
@@ -27,6 +40,14 @@ Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens 
 
 Partial tails and the *tail copy* a request ending in one is served through:
 ``kvtier.cache.tail_copy``.
+
+The device buffers the engine writes K/V into: :meth:`TieredCache.write_kv` /
+:meth:`TieredCache.read_kv` take the logical slots ``alloc``/``load`` hand out (every layer at
+once, translated to physical slots inside); a kernel addresses them per layer through
+``cache.kv_buffers`` (``DeviceKV``: ``layer(i, name)`` indexed by ``slots(locs, name)``).
+
+Every entry point refuses an argument of the wrong type or value with a ``RequestError``
+(``ConfigError`` for the constructor's) naming the call, the argument and the value.
 """
 
 from __future__ import annotations
@@ -38,12 +59,21 @@ import torch
 from kvtier.cache.parts import build_parts
 from kvtier.cache.ranks import handshake, owned_exists
 from kvtier.cache.report import cache_stats, check_cache, check_windows, window_stats
-from kvtier.cache.results import Handle, InsertResult, LoadResult, MatchResult
+from kvtier.cache.results import Admission, Handle, InsertResult, LoadResult, MatchResult
 from kvtier.cache.resume import served_prefix, storage_extension, usable_lengths
 from kvtier.cache.tail_copy import with_tail_copy
 from kvtier.config import CacheConfig
 from kvtier.controller import PrefetchOp
-from kvtier.errors import ConfigError, IntegrityError, RequestError
+from kvtier.errors import (
+    ConfigError,
+    IntegrityError,
+    RequestError,
+    check_bool,
+    check_int,
+    check_number,
+    check_type,
+    describe,
+)
 from kvtier.keys import Namespace, PageKey
 from kvtier.metrics import prometheus_registry
 from kvtier.paging import align_down
@@ -56,7 +86,7 @@ from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities
 from kvtier.transfer.layers import Layered
-from kvtier.transfer.translate import PageTranslator
+from kvtier.transfer.translate import DeviceKV, PageTranslator
 from kvtier.tree.results import truncate_match
 
 
@@ -71,7 +101,9 @@ class TieredCache:
         group: Group | None = None,
     ) -> None:
         """``group`` is the context-parallel group this rank belongs to (``CacheConfig.cp_size``
-        ranks; ``None`` without context parallelism)."""
+        ranks; ``None`` without context parallelism). Raises ``ConfigError`` naming a wrong
+        argument or option."""
+        _check_init(config, specs)
         parts = self.parts = build_parts(config, specs, translator, group)
         # The parts the engine and the tests reach through the facade (one owner each: the
         # facade holds references, ``CacheParts`` built them).
@@ -89,8 +121,10 @@ class TieredCache:
         self.namespace: Namespace = parts.namespace
         self.metrics = parts.metrics
         self.tree = parts.tree
-        self.kv_buffers = parts.kv_buffers
-        """What the engine reads and writes: device buffers by physical slot (``DeviceKV``)."""
+        self.kv_buffers: DeviceKV = parts.kv_buffers
+        """What the engine's kernels read and write: the device buffers per layer, indexed by
+        physical slots (``kv_buffers.slots(locs)`` translates the logical ones). Outside a
+        kernel, :meth:`write_kv` and :meth:`read_kv` do both steps."""
         self.controller = parts.controller
         self.engine_pages = parts.engine_pages
         self._closed = False
@@ -109,8 +143,27 @@ class TieredCache:
         if self._closed:
             raise RequestError(f"TieredCache.{what}() after close()")
 
+    @staticmethod
+    def _check_handle(handle: object, what: str) -> Handle:
+        if isinstance(handle, MatchResult):
+            raise RequestError(f"{what}: pass the match's handle (m.handle), not the MatchResult")
+        if isinstance(handle, Admission):
+            raise RequestError(f"{what}: pass the admission's handle (adm.handle)")
+        return check_type(handle, Handle, "handle", what, "the Handle of a match (m.handle)")
+
+    @staticmethod
+    def _check_match(m: object, what: str) -> MatchResult:
+        if isinstance(m, Handle):
+            raise RequestError(f"{what}: pass the MatchResult (m), not its handle")
+        return check_type(m, MatchResult, "m", what, "the MatchResult of match()")
+
+    @staticmethod
+    def _check_prefetch(op: object, what: str) -> PrefetchOp | None:
+        return check_type(op, (PrefetchOp, type(None)), "op", what, "prefetch()'s result")
+
     def attach_storage(self, backend: StorageBackend) -> None:
         """Attach an L3 backend at runtime (capability-gated like one configured at start)."""
+        check_type(backend, StorageBackend, "backend", "attach_storage", error=ConfigError)
         if self.host_pool is None:
             raise ConfigError("attaching storage requires enable_host=True")
         if self.storage is not None:
@@ -139,8 +192,13 @@ class TieredCache:
         (hashing and ``batch_exists``), e.g. when a prefetch for these tokens already ran.
         """
         self._check_open("match")
+        _check_tokens(tokens, "match")
+        check_bool(probe_storage, "probe_storage", "match")
         ps = self.page_size
-        tm = self.tree.match(tokens)
+        try:
+            tm = self.tree.match(tokens)
+        except RequestError as e:
+            raise _token_error(tokens, "match", e) from None
         end = max(align_down(len(tokens), ps), tm.matched_len)
         device_len, usable = usable_lengths(tm, self.resume, ps, self._on_device)
         keys: list[PageKey] = []
@@ -180,10 +238,93 @@ class TieredCache:
         owners = self.controller.seq_owners(first_page, len(keys))
         return owned_exists(backend, keys, owners, self.config.cp_rank)
 
+    # ---- admission ----------------------------------------------------------------------
+    def admit(self, tokens: Sequence[int], overlap: bool = False) -> Admission:
+        """Admit a request's ``tokens`` (those whose KV may come from the cache: an engine that
+        needs the last prompt token's logits passes the prompt without it): ``match``, then a
+        storage prefetch of what storage holds beyond the cached prefix, then ``lock`` and
+        ``load`` (``overlap`` as for ``load``).
+
+        Returns a ready ``Admission`` when nothing is fetched or the prefetch policy lets the
+        request go on at once (``best_effort``), else a pending one: poll
+        :meth:`admit_ready` until it returns ``True``. A ready admission's prefix is locked
+        and loaded: allocate ``adm.num_new`` tokens (``alloc(adm.num_new,
+        at=adm.cached_len)``), ``record_hits(adm.handle)`` once the request is in, and end it
+        with ``finish(..., prefix_len=adm.cached_len, handle=adm.handle)``; a request that does
+        not go in after all (``alloc`` raised ``CapacityError``) is :meth:`abandon`-ed.
+
+        What the host tier could not take of the stored prefix is recomputed: one fetch per
+        admission (the reference scheduler retries a short fetch; ``match``/``prefetch`` stay
+        available for engines that do).
+        """
+        self._check_open("admit")
+        check_bool(overlap, "overlap", "admit")
+        m = self.match(tokens)  # checks ``tokens``
+        adm = Admission(tuple(int(t) for t in tokens), overlap)
+        if m.storage_len > 0:
+            adm.prefetch = self.prefetch(m)
+        if adm.prefetch is None:
+            self._admit_loaded(adm, m)
+        else:
+            self.admit_ready(adm)
+        return adm
+
+    def admit_ready(self, adm: Admission, timeout: float = 0.0) -> bool:
+        """Whether ``adm`` is ready; a pending one whose prefetch the policy lets go on is made
+        ready here (what arrived becomes visible, then ``lock`` and ``load``), so ``True`` means
+        ``adm``'s fields can be read. ``timeout`` > 0 waits up to that many seconds for the
+        fetch's I/O first (what an idle engine does instead of spinning; ``0``: never blocks).
+        Under context parallelism every rank calls it at the same point (it agrees across the
+        group). An abandoned or finished admission raises ``RequestError``."""
+        self._check_open("admit_ready")
+        check_type(adm, Admission, "adm", "admit_ready", "the Admission of admit()")
+        check_number(timeout, "timeout", "admit_ready")
+        if adm.done:
+            raise RequestError("admit_ready: the admission was abandoned or finished already")
+        if adm.ready:
+            return True
+        op = adm.prefetch
+        if op is None:
+            raise IntegrityError("a pending admission without its prefetch")
+        if timeout > 0 and not self.prefetch_ready(op):
+            self.wait_prefetch([op], timeout)
+        if not self.prefetch_ready(op):
+            return False
+        self.finish_prefetch(op)
+        adm.prefetch = None
+        # what the fetch brought is in the tree now: no second look at storage
+        self._admit_loaded(adm, self.match(adm.tokens, probe_storage=False))
+        return True
+
+    def _admit_loaded(self, adm: Admission, m: MatchResult) -> None:
+        self.lock(m.handle)
+        try:
+            ld = self.load(m, overlap=adm.overlap)
+        except BaseException:
+            self.unlock(m.handle)  # nothing of a failed admission stays pinned
+            raise
+        adm.match, adm.load_result = m, ld
+
+    def abandon(self, adm: Admission) -> None:
+        """The request of ``adm`` does not go in (or no longer waits): a pending admission's
+        prefetch is released (pages still in flight land and become visible at later polls), a
+        ready one's lock is released and its tail copy freed. ``RequestError`` for an
+        admission abandoned or finished already."""
+        check_type(adm, Admission, "adm", "abandon", "the Admission of admit()")
+        if adm.done:
+            raise RequestError("abandon: the admission was abandoned or finished already")
+        if adm.prefetch is not None:
+            self.finish_prefetch(adm.prefetch)
+            adm.prefetch = None
+        elif adm.match is not None:
+            self.unlock(adm.match.handle)
+        adm.abandoned = True
+
     # ---- lock protocol ------------------------------------------------------------------
     def lock(self, handle: Handle) -> None:
         """Pin the matched prefix. Call right after ``match``, before other cache calls."""
         self._check_open("lock")
+        self._check_handle(handle, "lock")
         if handle.node is not None:
             raise IntegrityError("handle is already locked")
         handle.locked = truncate_match(handle.match, handle.usable, self.page_size)
@@ -192,7 +333,7 @@ class TieredCache:
     def unlock(self, handle: Handle) -> None:
         """Release the lock (and a tail copy of the last ``load`` that no ``alloc``
         continued: the request was not admitted)."""
-        self._release_handle(handle, free_copy=True)
+        self._release_handle(self._check_handle(handle, "unlock"), free_copy=True)
 
     def _release_handle(self, handle: Handle, free_copy: bool) -> None:
         if handle.node is None:
@@ -216,6 +357,8 @@ class TieredCache:
         ``layer_events[i]`` before reading anchor layer ``i`` (see ``LoadResult``).
         """
         self._check_open("load")
+        self._check_match(m, "load")
+        check_bool(overlap, "overlap", "load")
         h = m.handle
         if h.node is None or h.locked is None:
             raise IntegrityError("load of an unlocked match: call lock(m.handle) first")
@@ -253,7 +396,7 @@ class TieredCache:
         """Count the cached prefix of an admitted request (its handle's last ``load``) per
         tier: once per request, as a server reports it in ``usage``; a load whose admission
         was abandoned is not counted. Pages moved up for it count as device hits after."""
-        ld = handle.load_result
+        ld = self._check_handle(handle, "record_hits").load_result
         if ld is None:
             raise RequestError("record_hits of a handle that was not loaded")
         self.controller.counted(handle.moved_nodes)
@@ -264,6 +407,7 @@ class TieredCache:
     def prefetch(self, m: MatchResult) -> PrefetchOp | None:
         """Start fetching ``m.storage_len`` tokens from storage into the host tier."""
         self._check_open("prefetch")
+        self._check_match(m, "prefetch")
         pf = self.controller.prefetcher
         if m.storage_len == 0 or pf is None:
             return None
@@ -272,12 +416,17 @@ class TieredCache:
     def prefetch_ready(self, op: PrefetchOp | None) -> bool:
         """Whether a request waiting on ``op`` may proceed under the prefetch policy (on every
         rank of a CP group: I/O ends and deadlines pass at different times on each)."""
+        self._check_prefetch(op, "prefetch_ready")
         return op is None or self.agree(op.ready(self.config.prefetch_policy))
 
     def wait_prefetch(self, ops: Sequence[PrefetchOp], timeout: float) -> None:
         """Block until one of ``ops`` (or a fetch it waits on) finished its I/O, a ``timeout``
         deadline passed, or ``timeout`` seconds elapsed: what an idle engine does instead of
         spinning."""
+        check_type(ops, (list, tuple), "ops", "wait_prefetch", "a list of prefetch() results")
+        for op in ops:
+            check_type(op, PrefetchOp, "ops item", "wait_prefetch", "a prefetch() result")
+        check_number(timeout, "timeout", "wait_prefetch")
         if self.controller.prefetcher is not None and ops:
             self.controller.prefetcher.wait(ops, timeout)
 
@@ -287,9 +436,71 @@ class TieredCache:
 
         Pages still in flight keep arriving and become visible at later polls.
         """
+        self._check_prefetch(op, "finish_prefetch")
         if op is None or self.controller.prefetcher is None:
             return 0
         return self.controller.prefetcher.release(op)
+
+    # ---- device buffers -----------------------------------------------------------------
+    def _token_rows(self, locs: object, component: str | None, what: str) -> tuple[str, int]:
+        """The component's name and layer count for ``write_kv``/``read_kv``; checks that its
+        rows follow token slots and that this pool holds every page of ``locs``."""
+        locs = _check_locs(locs, what)
+        specs = {s.name: s for s in self.specs}
+        name = self.specs[0].name if component is None else component
+        spec = specs.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise RequestError(
+                f"{what}: component={component!r} is not one of the pool set's ({', '.join(specs)})"
+            )
+        if not spec.token_indexed or spec.tokens_per_row != 1:
+            raise RequestError(
+                f"{what}: component {name!r} ({spec.kind}, {spec.tokens_per_row} tokens a row) "
+                "has no row per token slot: address it through cache.kv_buffers"
+            )
+        if locs.dtype.is_floating_point or locs.dtype == torch.bool or locs.dim() != 1:
+            raise RequestError(
+                f"{what}: locs must be a 1-D integer tensor of token slots, got "
+                f"{locs.dtype} of shape {tuple(locs.shape)}"
+            )
+        limit = self.kv_buffers.num_pages * self.page_size
+        if locs.numel() and (int(locs.min()) < 0 or int(locs.max()) >= limit):
+            raise RequestError(f"{what}: locs hold a slot outside the device pool [0, {limit})")
+        owned = self.kv_buffers.owned(locs)
+        if owned is not None and not bool(owned.all()):
+            raise RequestError(f"{what}: locs hold slots of pages another CP rank holds")
+        return name, spec.num_layers
+
+    def write_kv(
+        self, locs: torch.Tensor, rows: torch.Tensor, component: str | None = None
+    ) -> None:
+        """Write ``rows`` (``[num_layers, len(locs), *row_shape]``) into the device buffers of
+        ``component`` (the KV anchor by default; any component with one row per token) at the
+        logical token slots ``locs`` (from ``alloc``): every layer at once, translated to
+        physical slots here. Slots the cache owns (``load``'s) are never written."""
+        self._check_open("write_kv")
+        name, layers = self._token_rows(locs, component, "write_kv")
+        rows = check_type(rows, torch.Tensor, "rows", "write_kv", "a torch.Tensor")
+        phys = self.kv_buffers.slots(locs.to(torch.int64), name)
+        want = (layers, locs.numel(), *self.kv_buffers.layer(0, name).shape[1:])
+        if tuple(rows.shape) != want:
+            raise RequestError(
+                f"write_kv: rows must have shape {want} (layers, slots, *row_shape), "
+                f"got {tuple(rows.shape)}"
+            )
+        for i in range(layers):
+            buf = self.kv_buffers.layer(i, name)
+            buf[phys.to(buf.device)] = rows[i].to(buf.device, buf.dtype)
+
+    def read_kv(self, locs: torch.Tensor, component: str | None = None) -> torch.Tensor:
+        """A copy of ``component``'s rows (the KV anchor by default) at logical token slots
+        ``locs``: ``[num_layers, len(locs), *row_shape]`` on the cache's device."""
+        self._check_open("read_kv")
+        name, layers = self._token_rows(locs, component, "read_kv")
+        phys = self.kv_buffers.slots(locs.to(torch.int64), name)
+        return torch.stack(
+            [self.kv_buffers.layer(i, name)[phys.to(self.device)] for i in range(layers)]
+        )
 
     # ---- engine-owned pages -------------------------------------------------------------
     def alloc(self, num_tokens: int, at: int | None = None) -> torch.Tensor:
@@ -299,6 +510,9 @@ class TieredCache:
         which rank owns each page and is required. After a ``load`` that ended in a tail copy,
         ``at=len(ld.locs)`` (or no ``at``) continues the copy: its remaining slots first."""
         self._check_open("alloc")
+        num_tokens = check_int(num_tokens, "num_tokens", "alloc")
+        if at is not None:
+            at = check_int(at, "at", "alloc")
         return self.engine_pages.alloc(num_tokens, at)
 
     @property
@@ -311,7 +525,7 @@ class TieredCache:
         (window pools): the engine's own pages give theirs back to the arena now, cached pages
         keep them. Returns the pages released; ``0`` without a window pool."""
         self._check_open("release_window")
-        return self.engine_pages.release_window(locs)
+        return self.engine_pages.release_window(_check_locs(locs, "release_window"))
 
     def compact(self) -> int:
         """Relocate the device arena's pages to close its holes (window pools; pages a transfer
@@ -349,7 +563,7 @@ class TieredCache:
         """Free the whole pages containing ``locs``; they must be the engine's (from ``alloc``,
         not given to the tree), else ``RequestError`` and nothing is freed."""
         self._check_open("free")
-        if locs.numel():
+        if _check_locs(locs, "free").numel():
             self.engine_pages.free(locs)
 
     def insert(
@@ -364,6 +578,9 @@ class TieredCache:
         the cached page at their position raise ``RequestError`` before anything changes.
         """
         self._check_open("insert")
+        _check_tokens(tokens, "insert")
+        _check_locs(locs, "insert")
+        _check_checkpoints(checkpoints, "insert")
         return InsertResult(self.engine_pages.insert(tokens, locs, checkpoints))
 
     def finish(
@@ -385,6 +602,12 @@ class TieredCache:
         ``RequestError`` before anything changes.
         """
         self._check_open("finish")
+        _check_tokens(tokens, "finish")
+        _check_locs(locs, "finish")
+        prefix_len = check_int(prefix_len, "prefix_len", "finish")
+        if handle is not None:
+            self._check_handle(handle, "finish")
+        _check_checkpoints(checkpoints, "finish")
         unlock = None
         if handle is not None:
             # A tail copy in ``locs`` is the request's page now: ``finish`` caches or frees it.
@@ -401,6 +624,7 @@ class TieredCache:
 
     def record_prefill(self, recomputed_tokens: int) -> None:
         """Count prompt tokens the engine had to compute."""
+        recomputed_tokens = check_int(recomputed_tokens, "recomputed_tokens", "record_prefill")
         self.metrics.inc("recomputed_tokens", recomputed_tokens)
 
     # ---- progress and introspection -----------------------------------------------------
@@ -427,6 +651,7 @@ class TieredCache:
     def flush(self, host: bool = True) -> None:
         """Drop every unlocked cached page from the device tier (and the host tier when
         ``host``); storage keeps its objects. In-flight work completes first."""
+        check_bool(host, "host", "flush")
         self.drain()
         self.controller.evict_device(self.device_pool.logical_pages)
         if host and self.host_pool is not None:
@@ -457,3 +682,48 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_init(config: object, specs: object) -> None:
+    check_type(config, CacheConfig, "config", "TieredCache", error=ConfigError)
+    if not isinstance(specs, list | tuple):
+        raise ConfigError(f"TieredCache: specs must be a list of PoolSpec, got {describe(specs)}")
+    for i, spec in enumerate(specs):
+        check_type(spec, PoolSpec, f"specs[{i}]", "TieredCache", error=ConfigError)
+
+
+def _check_tokens(tokens: object, what: str) -> None:
+    """A container of token ids (list, tuple, ``array``, 1-D array or tensor); the ids
+    themselves are checked where they are packed (``kvtier.tree.tokens``)."""
+    if isinstance(tokens, str | bytes | bytearray) or not (
+        hasattr(tokens, "__len__") and hasattr(tokens, "__getitem__")
+    ):
+        raise RequestError(
+            f"{what}: tokens must be a sequence of token ids, got {describe(tokens)}"
+        )
+    ndim = getattr(tokens, "ndim", 1)
+    if ndim != 1:
+        raise RequestError(f"{what}: tokens must be one-dimensional, got {ndim} dimensions")
+
+
+def _token_error(tokens: Sequence[int], what: str, error: RequestError) -> RequestError:
+    """``error`` (the tree refused ``tokens``) naming the first id that is no integer."""
+    if isinstance(tokens, list | tuple):
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                return RequestError(f"{what}: token {i} is {describe(t)}: token ids are integers")
+    return RequestError(f"{what}: {error}")
+
+
+def _check_locs(locs: object, what: str) -> torch.Tensor:
+    return check_type(locs, torch.Tensor, "locs", what, "a torch.Tensor of token slots")
+
+
+def _check_checkpoints(checkpoints: object, what: str) -> None:
+    if checkpoints is not None and not (
+        isinstance(checkpoints, torch.Tensor) and checkpoints.dtype == torch.bool
+    ):
+        raise RequestError(
+            f"{what}: checkpoints must be None or a bool tensor (one per whole page), got "
+            f"{describe(checkpoints)}"
+        )
