@@ -31,7 +31,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, Work
 from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
-from kvtier.errors import ConfigError, RequestError
+from kvtier.errors import ConfigError, RequestError, check_bool, check_type, describe
 from kvtier.parallel.group import Group
 
 Prompt = Sequence[int] | str
@@ -69,6 +69,18 @@ class LLM:
         (``kvtier.engine.graphs``); ``False`` runs every forward eagerly."""
         if not isinstance(cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        check_bool(overlap_loads, "overlap_loads", "LLM", ConfigError)
+        check_type(
+            model,
+            (ModelConfig, nn.Module, str, Path),
+            "model",
+            "LLM",
+            "a model config, a checkpoint directory or a built model",
+            ConfigError,
+        )
+        check_type(
+            cache_config, (CacheConfig, type(None)), "cache_config", "LLM", error=ConfigError
+        )
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
@@ -121,7 +133,7 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Validate and queue one request; returns its id. Raises ``RequestError``."""
         self._check_open("add_request")
-        req = self._make_request(prompt, params or SamplingParams())
+        req = self._make_request(prompt, _checked_params(params, "add_request"))
         self._queue(req)
         return req.id
 
@@ -350,8 +362,29 @@ class LLM:
         ``add_request`` also run, but their outputs are not returned here.
         """
         self._check_open("generate")
+        if isinstance(prompts, str | bytes) or not (
+            hasattr(prompts, "__len__") and hasattr(prompts, "__getitem__")
+        ):
+            raise RequestError(
+                f"generate: prompts must be a list of prompts, got {describe(prompts)} "
+                "(one prompt: generate([prompt]))"
+            )
+        if prompts and not isinstance(prompts[0], str) and not hasattr(prompts[0], "__len__"):
+            raise RequestError(
+                f"generate: prompts must be a list of prompts, got a list whose item 0 is "
+                f"{describe(prompts[0])} (one prompt of token ids: generate([token_ids]))"
+            )
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [_checked_params(params, "generate")] * len(prompts)
+        elif isinstance(params, str | bytes) or not isinstance(params, Sequence):
+            raise RequestError(
+                "generate: params must be SamplingParams, a list of them (one per prompt) or "
+                f"None, got {describe(params)}"
+            )
+        else:
+            params = [
+                _checked_params(sp, "generate", f"params[{i}]") for i, sp in enumerate(params)
+            ]
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -400,3 +433,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_params(params: object, where: str, name: str = "params") -> SamplingParams:
+    """``params`` (``None``: the defaults); ``RequestError`` naming ``where``, ``name`` and the
+    value for another type."""
+    if params is None:
+        return SamplingParams()
+    return check_type(params, SamplingParams, name, where, "SamplingParams or None")
