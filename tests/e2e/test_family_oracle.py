@@ -219,8 +219,8 @@ def test_family_oracle_device_host_storage(tmp_path: Path, family: str) -> None:
     anchor = llm.cache.specs[0].name
     assert result["rows_compared"][anchor] >= 0.9 * CONTEXT - 2 * llm.cache.page_size
     assert sum(result["storage_tokens"]) > 0
-    if "+" in family:  # both arenas moved pages while the tiers above were checked
-        assert min(relocated) > 0, relocated
+    if "+" in family:  # the device arena moved pages while the tiers above were checked
+        assert relocated[0] > 0, relocated
 
 
 def _relocated(llm: LLM) -> tuple[int, int]:
