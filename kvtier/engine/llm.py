@@ -9,6 +9,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import torch
@@ -70,14 +71,15 @@ class LLM:
         if not isinstance(cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         check_bool(overlap_loads, "overlap_loads", "LLM", ConfigError)
-        check_type(
-            model,
-            (ModelConfig, nn.Module, str, Path),
-            "model",
-            "LLM",
-            "a model config, a checkpoint directory or a built model",
-            ConfigError,
-        )
+        if not is_dataclass(model) or isinstance(model, type):  # every family's config is one
+            check_type(
+                model,
+                (ModelConfig, nn.Module, str, Path),
+                "model",
+                "LLM",
+                "a model config, a checkpoint directory or a built model",
+                ConfigError,
+            )
         check_type(
             cache_config, (CacheConfig, type(None)), "cache_config", "LLM", error=ConfigError
         )
