@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import is_dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,13 +26,14 @@ from kvtier.engine.request import (
     Request,
     RequestOutput,
     check_limits,
+    check_sampling,
     checked_tokens,
     int32_tokens,
 )
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, StopStrings, TokenLogprob
 from kvtier.engine.scheduler import Scheduler, Work
-from kvtier.engine.weights import Tokenizer, load_model, load_tokenizer
+from kvtier.engine.weights import load_model, load_tokenizer
 from kvtier.errors import ConfigError, RequestError, check_bool, check_type, describe
 from kvtier.parallel.group import Group
 
@@ -59,6 +61,7 @@ class LLM:
         group: Group | None = None,
         speculative_tokens: int = 0,
         cuda_graphs: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         """``group``: the context-parallel group this rank belongs to (``None`` without
         context parallelism); every rank of it runs the same requests.
@@ -67,7 +70,11 @@ class LLM:
         ``0``: off. Needs a draft head (``mtp_layers > 0``); under context parallelism every
         rank proposes, verifies and accepts the same tokens.
         ``cuda_graphs``: decode steps of the dense model on CUDA replay recorded graphs
-        (``kvtier.engine.graphs``); ``False`` runs every forward eagerly."""
+        (``kvtier.engine.graphs``); ``False`` runs every forward eagerly.
+        ``tokenizer``: what text prompts, stop strings and ``RequestOutput.text`` go through
+        (``encode``/``decode`` as ``weights.Tokenizer`` offers them, e.g. a
+        ``kvtier.engine.byte_tokenizer.ByteTokenizer``); ``None``: a checkpoint directory's
+        ``tokenizer.json`` when it has one."""
         if not isinstance(cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         check_bool(overlap_loads, "overlap_loads", "LLM", ConfigError)
@@ -86,9 +93,10 @@ class LLM:
         for opt, v in (("max_running", max_running), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
-        self.tokenizer: Tokenizer | None = None
+        self.tokenizer: Any = tokenizer
         if isinstance(model, (str, Path)):
-            self.tokenizer = load_tokenizer(model)
+            if tokenizer is None:
+                self.tokenizer = load_tokenizer(model)
             model = load_model(model)
         elif not isinstance(model, nn.Module):
             model = build_model(model)
@@ -149,6 +157,12 @@ class LLM:
         that is unknown or finished."""
         return self._get_live(request_id).output
 
+    def output_logprobs(self, request_id: int, start: int = 0) -> list[TokenLogprob]:
+        """The log-probabilities of an unfinished request's output tokens from ``start`` on
+        (empty unless its ``SamplingParams.logprobs`` asked for them); ``RequestError`` as
+        for ``output_ids``."""
+        return list((self._get_live(request_id).logprobs or [])[start:])
+
     def abort(self, request_id: int) -> RequestOutput:
         """Stop an unfinished request now (``finish_reason="abort"``): its lock and its own
         pages go back (what it computed is cached), a prefetch it waits on is released.
@@ -179,6 +193,7 @@ class LLM:
             pool.num_pages,
             self._padding.pages,
         )
+        check_sampling(params, self.model_config.vocab_size)
         return Request(
             id=next(self._ids),
             prompt=tokens,
@@ -186,6 +201,7 @@ class LLM:
             tokens=held,
             arrival=time.perf_counter(),
             generator=params.make_generator(),
+            stops=StopStrings.of(params, self.tokenizer),
         )
 
     def _tokens(self, prompt: Prompt) -> tuple[list[int], array[int]]:

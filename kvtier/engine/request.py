@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, StopStrings, TokenLogprob, token_logprob
 from kvtier.errors import RequestError
 
 if TYPE_CHECKING:
@@ -122,6 +122,21 @@ def check_limits(
         )
 
 
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse ``params`` that name a token outside a vocabulary of ``vocab_size`` ids (a
+    logit bias, a stop token); ``RequestError`` naming the field and the id."""
+    for token, _ in params.logit_bias:
+        if token >= vocab_size:
+            raise RequestError(
+                f"logit_bias token {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise RequestError(
+            f"logprobs={params.logprobs} asks for more alternatives than the vocabulary's "
+            f"{vocab_size} tokens"
+        )
+
+
 def _out_of_range(i: int, t: int) -> RequestError:
     return RequestError(f"prompt token {i} is {t}: token ids must fit in int32")
 
@@ -194,6 +209,12 @@ class Request:
     """Speculative decoding: draft tokens proposed for this request so far."""
     draft_accepted: int = 0
     """Speculative decoding: of those, the ones the target agreed with."""
+    stops: StopStrings | None = None
+    """The request's stop strings against its output text (``None`` without any)."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token that ended the request (``None`` for eos or length)."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``params.logprobs``: every generated token's log-probability so far."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -202,12 +223,28 @@ class Request:
             self.tokens = int32_tokens(self.tokens)
         if self.params.return_logits and self.logit_rows is None:
             self.logit_rows = []
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     def record_logits(self, row: torch.Tensor) -> None:
         """Keep ``row``, the CPU logits the next output token is sampled from (a copy: the
         step's batch tensor is not held on to)."""
         if self.logit_rows is not None:
             self.logit_rows.append(row.to(torch.float32, copy=True))
+
+    def record_logprob(self, row: torch.Tensor, token: int) -> None:
+        """Keep ``token``'s log-probability under ``row`` (the CPU logits it was picked from)
+        and the best alternatives', when the request asked for them."""
+        if self.logprobs is not None:
+            self.logprobs.append(token_logprob(row, token, self.params.logprobs or 0))
+
+    def trim_outputs(self) -> None:
+        """Drop the logits and log-probabilities of tokens the output no longer holds (those
+        after a stop)."""
+        if self.logit_rows is not None:
+            del self.logit_rows[self.num_output :]
+        if self.logprobs is not None:
+            del self.logprobs[self.num_output :]
 
     @property
     def output(self) -> list[int]:
@@ -219,8 +256,12 @@ class Request:
         return len(self.tokens) - len(self.prompt)
 
     def to_output(self, text: str | None = None) -> RequestOutput:
+        """What the caller gets; ``text`` is the decoded output, cut where a stop string
+        starts when one ended the request."""
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
         rows = self.logit_rows
+        if self.stops is not None and self.stops.matched is not None:
+            text = self.stops.text
         return RequestOutput(
             request_id=self.id,
             prompt=list(self.prompt),
@@ -237,6 +278,8 @@ class Request:
             logits=torch.stack(rows) if rows else None,
             draft_proposed=self.draft_proposed,
             draft_accepted=self.draft_accepted,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
 
@@ -251,8 +294,8 @@ class RequestOutput:
     output_ids: list[int]
     """Generated token ids (a stop token, when one ended the request, is the last)."""
     finish_reason: str | None
-    """``length`` (max_tokens reached), ``stop`` (eos or a stop token), ``error`` (see
-    ``error``) or ``None``."""
+    """``length`` (max_tokens reached), ``stop`` (eos, a stop token or a stop string),
+    ``abort``, ``error`` (see ``error``) or ``None``."""
     ttft_s: float | None
     """Seconds from submission to the first generated token."""
     cached_device: int
@@ -266,7 +309,8 @@ class RequestOutput:
     preemptions: int = 0
     """Times the request was sent back to the waiting queue for lack of pages."""
     text: str | None = None
-    """Decoded output when the model directory has a usable tokenizer."""
+    """Decoded output when the engine has a tokenizer; a stop string that ended the request
+    and what follows it are not part of it."""
     error: str | None = None
     """Why the request failed (``finish_reason == "error"``); the engine served the others."""
     logits: torch.Tensor | None = None
@@ -277,6 +321,11 @@ class RequestOutput:
     """Speculative decoding (``LLM(speculative_tokens=k)``): draft tokens proposed."""
     draft_accepted: int = 0
     """Of ``draft_proposed``, the tokens the target's greedy choice agreed with."""
+    stop_reason: str | int | None = None
+    """The stop string or ``stop_token_ids`` entry that ended the request; ``None`` when
+    the model's end-of-sequence token or ``max_tokens`` did."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``SamplingParams.logprobs``: one entry per ``output_ids`` token."""
 
     @property
     def acceptance_rate(self) -> float | None:

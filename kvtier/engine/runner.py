@@ -131,8 +131,12 @@ class ModelRunner:
         """Whether any item of ``work`` needs its logit rows on the host: one that samples
         (not greedy), verifies a draft, or keeps its logits (``return_logits``). A greedy
         batch needs only each row's argmax: a decode step of 32 requests would otherwise
-        move 32 x vocabulary logits over the link every step, beside the backups."""
-        return any(w.draft or w.req.logit_rows is not None or not _greedy(w) for w in work)
+        move 32 x vocabulary logits over the link every step, beside the backups. Log-
+        probabilities, penalties and biases need the whole row too."""
+        return any(
+            w.draft or w.req.logit_rows is not None or w.req.logprobs is not None or not _greedy(w)
+            for w in work
+        )
 
     def _to_host(
         self,
@@ -178,8 +182,15 @@ class ModelRunner:
         tokens: list[int | Exception] = []
         for i, w in enumerate(work):
             try:
-                t = best[i] if i in best else sample(logits[i], w.req.params, w.req.generator)
+                params = w.req.params
+                if i in best:
+                    t = best[i]
+                else:
+                    # penalties count the output so far (read only when they are set)
+                    out = w.req.tokens[len(w.req.prompt) :] if params.shapes_logits else ()
+                    t = sample(logits[i], params, w.req.generator, out)
                 w.req.record_logits(logits[i])
+                w.req.record_logprob(logits[i], t)
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
                 t = e
             tokens.append(t)
@@ -218,8 +229,9 @@ class ModelRunner:
 
 
 def _greedy(w: Work) -> bool:
-    """The item's next token is its row's argmax."""
-    return w.req.params.greedy or w.req.generator is None
+    """The item's next token is its row's argmax (no penalty or bias changes the row)."""
+    p = w.req.params
+    return p.argmax_only or (w.req.generator is None and not p.shapes_logits)
 
 
 def _to_host(

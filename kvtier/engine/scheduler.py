@@ -137,8 +137,8 @@ class Scheduler:
         """Draft tokens ``req``'s next decode step proposes: ``speculative_tokens`` for greedy
         requests (sampled ones decode one token at a time), fewer near ``max_tokens`` so that
         a step never computes tokens the request cannot keep."""
-        if not self.speculative_tokens or not req.params.greedy:
-            return 0
+        if not self.speculative_tokens or not req.params.argmax_only or req.logprobs is not None:
+            return 0  # a draft is verified against the raw argmax, one row per token
         left = req.params.max_tokens - req.num_output - 1
         return max(0, min(self.speculative_tokens, left))
 
@@ -337,7 +337,7 @@ class Scheduler:
     def update(self, work: list[Work], next_tokens: list[list[int]]) -> list[Request]:
         """Record the step's new tokens (one per item, or a verified draft's accepted tokens
         plus the target's next one); returns the requests that finished. Tokens after a stop
-        token are dropped. Every computed token is kept: only the last new one is pending."""
+        token, or after the token that completes a stop string, are dropped. Every computed token is kept: only the last new one is pending."""
         now = time.perf_counter()
         finished: list[Request] = []
         for w, toks in zip(work, next_tokens, strict=True):
@@ -349,6 +349,9 @@ class Scheduler:
                 req.tokens.append(tok)
                 if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                     req.finish_reason = "stop"
+                    req.stop_reason = tok if tok in p.stop_token_ids else None
+                elif req.stops is not None and req.stops.feed(tok):
+                    req.finish_reason, req.stop_reason = "stop", req.stops.matched
                 elif req.num_output >= p.max_tokens:
                     req.finish_reason = "length"
                 else:
@@ -357,8 +360,7 @@ class Scheduler:
             # the item computed every token but the last new one (rejected drafts are not
             # counted: their rows are rewritten before anything reads them)
             req.num_computed = len(req.tokens) - 1
-            if req.logit_rows is not None:
-                del req.logit_rows[req.num_output :]
+            req.trim_outputs()
             if req.finish_reason is None:
                 self._leave_window(req)
                 continue
