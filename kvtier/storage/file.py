@@ -164,10 +164,16 @@ class FileBackend(StorageBackend):
         return self._index.budget_bytes
 
     def _scan(self, read_ns: dict[str, int]) -> None:
+        found = file_layout.scan(self.dir, self.namespace, read_ns)
         with self._lock:
-            for key, size, where in file_layout.scan(self.dir, self.namespace, read_ns):
+            for key, size, where in found.objects:
                 self._index.add(key, size, where)
+            for pack, size in found.dead.items():
+                self._index.add_dead(pack, size)
             self._index.evict(0)
+        # Each damaged object the scan dropped is a miss to come: counted like a read's.
+        for kind, detail in found.faults:
+            self.fault(kind, detail)
 
     def _forget(self, key: str, delete: bool) -> None:
         with self._lock:
@@ -191,7 +197,9 @@ class FileBackend(StorageBackend):
         or a buffer of another size than the payload), ``permission``/``io`` (OS errors). Only
         the first failure in key order counts; objects past it are not looked at again. A
         failed object leaves the index (and ``bytes_used``), so the next backup of its key
-        writes it again; corrupt or truncated files are deleted.
+        writes it again; corrupt or truncated files are deleted. A damaged object of a pack
+        leaves alone (``FileIndex.discard``): the pack's other objects stay readable (a pack
+        cut short inside an object loses the objects after it too, each counted).
         """
         check_lengths(keys, buffers)
         dests = cpu_byte_views(buffers)
@@ -229,7 +237,16 @@ class FileBackend(StorageBackend):
         elif isinstance(failure, StorageError):
             self.fault(failure.kind, f"{path}: {failure.detail}")
             if isinstance(failure, CorruptObject):
-                self._forget(key, delete=True)
+                # Only the damaged object goes (a pack keeps the others); a pack cut short
+                # inside it loses the objects after it too, each counted.
+                cut = failure.kind == "short_read"
+                with self._lock:
+                    size = _size_now(self._index.file_of(key)) if cut else None
+                    gone = self._index.discard(key, cut, size)
+                    if not gone:  # evicted meanwhile
+                        unlink_quiet(self._path(key))
+                for _ in range(gone - 1):
+                    self.fault(failure.kind, f"{path}: {failure.detail}")
         elif isinstance(failure, OSError):
             # Unreadable now, so not stored as far as lookups go: the next backup rewrites it.
             self.fault(os_kind(failure), f"read {path}: {failure}")
@@ -459,9 +476,9 @@ class FileBackend(StorageBackend):
         left for the next backup of its key to replace.) Raises ``IntegrityError``."""
         with self._lock:
             self._index.check_integrity()
-            index, where, packs = self._index.snapshot()
+            index, where, packs, dead = self._index.snapshot()
         shared = self._index.sharers > 1
-        odd = file_layout.disagreements(self.dir, index, where, packs, shared)
+        odd = file_layout.disagreements(self.dir, index, where, packs, shared, dead)
         if odd:
             raise IntegrityError(f"file backend: files and index disagree, e.g. {odd}")
 
@@ -469,3 +486,11 @@ class FileBackend(StorageBackend):
         """Stored keys, least recently used first (for inspection and tests)."""
         with self._lock:
             return self._index.keys()
+
+
+def _size_now(path: str) -> int | None:
+    """The size of the file at ``path``, ``None`` when it cannot be had."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None

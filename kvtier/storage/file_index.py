@@ -20,7 +20,9 @@ class FileIndex:
     """Stored keys and their sizes (envelope header included), least recently used first;
     ``used`` is what they are charged plus the reservations of writes in flight, kept within
     ``budget_bytes`` by evicting from the front. A pack (``kvtier.storage.file_pack``) enters
-    and leaves whole: evicting or dropping any of its keys drops them all and deletes it.
+    and leaves whole: evicting or dropping any of its keys drops them all and deletes it. A
+    damaged object of a pack is *discarded* alone: its bytes stay on disk, charged to the pack
+    as dead bytes, until the pack leaves (with its last object, at the latest).
 
     An object this process wrote is charged its size. With ``sharers > 1`` processes sharing
     the directory (a context-parallel group: each writes its own objects, each indexes what its
@@ -57,6 +59,8 @@ class FileIndex:
         """Where each packed key is; other keys are files of their own."""
         self._packs: dict[str, list[str]] = {}
         """The keys of each pack, all indexed."""
+        self._dead: dict[str, tuple[int, int]] = {}
+        """Per pack, ``(bytes, charged)`` of its objects no longer indexed (discarded)."""
         self._shrunk = False
 
     def __contains__(self, key: str) -> bool:
@@ -86,6 +90,16 @@ class FileIndex:
         if where is not None:
             self._where[key] = where
             self._packs.setdefault(where.pack, []).append(key)
+
+    def add_dead(self, pack: str, size: int) -> None:
+        """The restart scan found ``size`` bytes of the indexed ``pack`` that no indexed object
+        is charged (``file_layout.Scan.dead``): charged as found bytes are (see the class)."""
+        self._charge_dead(pack, size, -(-size // self.sharers))
+
+    def _charge_dead(self, pack: str, size: int, charge: int) -> None:
+        held, charged = self._dead.get(pack, (0, 0))
+        self._dead[pack] = (held + size, charged + charge)
+        self.used += charge
 
     def hit(self, key: str) -> bool:
         """Make ``key`` most recent; ``False`` when it is not indexed."""
@@ -154,9 +168,44 @@ class FileIndex:
             size = self._sizes.pop(k)
             self.used -= self._charged.pop(k, size)
             self._where.pop(k, None)
+        if w is not None:
+            self.used -= self._dead.pop(w.pack, (0, 0))[1]
         if w is not None or delete:
             unlink_quiet(path)
         return len(keys)
+
+    def discard(self, key: str, through_end: bool = False, file_size: int | None = None) -> int:
+        """Take the damaged object of indexed ``key`` out: its own file is deleted; a packed
+        one leaves its pack alone (its bytes stay charged as the pack's dead bytes; the pack is
+        deleted with its last object). With ``through_end`` (the pack ends inside the object)
+        the objects after it in the pack go too, and ``file_size``, the pack's size now, makes
+        its dead bytes what the file holds beyond the objects left. Returns the keys taken out
+        (0: not indexed)."""
+        if key not in self._sizes:
+            return 0
+        w = self._where.get(key)
+        if w is None:
+            return self.drop(key, True)
+        keys = self._packs[w.pack]
+        gone = [k for k in keys if k == key or (through_end and self._where[k].number > w.number)]
+        if len(gone) == len(keys):
+            return self.drop(key, True)
+        for k in gone:
+            size = self._sizes.pop(k)
+            self._where.pop(k)
+            keys.remove(k)
+            charge = self._charged.pop(k, size)
+            self.used -= charge
+            self._charge_dead(w.pack, size, charge)
+        if file_size is not None:
+            # the file was cut behind the index: charge what it holds, not what it held
+            held, charged = self._dead.pop(w.pack)
+            self.used -= charged
+            dead = max(0, file_size - sum(self._sizes[k] for k in keys))
+            if dead:
+                found = any(k in self._charged for k in keys)
+                self._charge_dead(w.pack, dead, -(-dead // self.sharers) if found else dead)
+        return len(gone)
 
     def settle(self, key: str, size: int) -> None:
         """An object written to its own file with ``size`` bytes reserved: index it, or, when
@@ -203,12 +252,16 @@ class FileIndex:
         """Indexed keys, least recently used first."""
         return list(self._sizes)
 
-    def snapshot(self) -> tuple[dict[str, int], dict[str, Packed], dict[str, list[str]]]:
-        """Copies of the sizes, the packed keys' places and each pack's keys."""
+    def snapshot(
+        self,
+    ) -> tuple[dict[str, int], dict[str, Packed], dict[str, list[str]], dict[str, int]]:
+        """Copies of the sizes, the packed keys' places, each pack's keys and each pack's dead
+        bytes (where it has any)."""
         return (
             dict(self._sizes),
             dict(self._where),
             {p: list(k) for p, k in self._packs.items()},
+            {p: held for p, (held, _) in self._dead.items()},
         )
 
     def check_integrity(self) -> None:
@@ -217,7 +270,10 @@ class FileIndex:
         ``file_layout.disagreements`` of a ``snapshot``.)"""
         if not self._charged.keys() <= self._sizes.keys():
             raise IntegrityError("file backend: a charge is kept for a key not indexed")
+        if not self._dead.keys() <= self._packs.keys():
+            raise IntegrityError("file backend: dead bytes are kept for a pack not indexed")
         held = sum(self._charged.get(k, z) for k, z in self._sizes.items())
+        held += sum(charged for _, charged in self._dead.values())
         if self.used != held or self.used > self.budget_bytes:
             raise IntegrityError(
                 f"file backend: {self.used} bytes in use, {held} indexed, "

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvtier.storage.base import log
 from kvtier.storage.file_io import TMP_SUFFIX, CorruptObject, object_files, unlink_quiet
-from kvtier.storage.file_pack import GROUP, PACKS_DIR, Packed, RunFault, scan_pack
+from kvtier.storage.file_pack import GROUP, PACKS_DIR, Packed, PackScan, RunFault, scan_pack
 from kvtier.storage.file_pool import NOT_RUN
 
 Run = tuple[int, int, "Packed | None"]
@@ -21,18 +22,33 @@ Run = tuple[int, int, "Packed | None"]
 consecutive objects of one pack, the first of them given."""
 
 
-def scan(
-    directory: str, namespace: str, read_ns: Mapping[str, int] | None = None
-) -> list[tuple[str, int, Packed | None]]:
-    """``(key, size, where)`` of every stored object under a namespace ``directory``, least
-    recent first (a pack's objects in their order), ``where`` ``None`` for a file of its own.
-    An object's recency is its file's mtime or, when later, its last read in ``read_ns`` (key
-    → time in ns: the recency journal not yet applied); a pack's is the latest of its own and
-    its keys' (it is evicted whole).
+@dataclass(slots=True)
+class Scan:
+    """What a restart scan found under a namespace directory."""
+
+    objects: list[tuple[str, int, Packed | None]] = field(default_factory=list)
+    """``(key, size, where)`` of every object to index, least recent first (a pack's objects
+    in their order), ``where`` ``None`` for a file of its own."""
+    dead: dict[str, int] = field(default_factory=dict)
+    """Per pack kept, the bytes of it that no indexed object is charged (objects dropped as
+    damaged or stored elsewhere): still on disk until the pack leaves."""
+    faults: list[tuple[str, str]] = field(default_factory=list)
+    """``(kind, detail)`` per object dropped as damaged (one for a pack deleted whole): the
+    backend counts each (``StorageBackend.fault``)."""
+
+
+def scan(directory: str, namespace: str, read_ns: Mapping[str, int] | None = None) -> Scan:
+    """Every stored object under a namespace ``directory`` (``Scan``). An object's recency is
+    its file's mtime or, when later, its last read in ``read_ns`` (key → time in ns: the
+    recency journal not yet applied); a pack's is the latest of its own and its keys' (it is
+    evicted whole).
 
     Deletes what can never be read as written: temp files of writes that died before
-    publishing, packs that are not whole and intact, and packs holding a key stored elsewhere
-    (or twice). Unreadable packs are left alone and not indexed."""
+    publishing, files that are no pack of this version, and packs none of whose objects is
+    left. Of a damaged pack only the damaged objects are dropped (``file_pack.PackScan``); an
+    object of a pack whose key is stored elsewhere (or earlier in the pack) is not indexed
+    from the pack. Unreadable packs are left alone and not indexed."""
+    out = Scan()
     found, temps = object_files(directory)
     for path in temps:
         unlink_quiet(path)
@@ -41,21 +57,40 @@ def scan(
     items: list[tuple[int, str, str, int, Packed | None]] = [
         (max(mtime, reads.get(key, 0)), key, key, size, None) for mtime, key, size in found
     ]
-    for mtime, pack, objects in _packs(directory, namespace):
-        keys = [k for k, _, _ in objects]
-        if stored.intersection(keys) or len(set(keys)) < len(keys):
-            log.warning("L3 file backend: deleting pack %s: it holds keys stored elsewhere", pack)
+    for mtime, pack, ps in _packs(directory, namespace, out.faults):
+        out.faults += [(kind, f"{pack}: object {n}: {detail}") for n, kind, detail in ps.dropped]
+        objects = []
+        for key, size, where in ps.objects:
+            if key not in stored:
+                stored.add(key)
+                objects.append((key, size, where))
+        if len(objects) < len(ps.objects):
+            log.warning(
+                "L3 file backend: pack %s: %d object(s) whose keys are stored elsewhere are not "
+                "read from it",
+                pack,
+                len(ps.objects) - len(objects),
+            )
+        if not objects:
+            log.warning("L3 file backend: deleting pack %s: none of its objects is left", pack)
             unlink_quiet(pack)
             continue
-        stored.update(keys)
-        t = max([mtime, *(reads.get(k, 0) for k in keys)])
+        dead = ps.size - sum(z for _, z, _ in objects)
+        if dead:
+            out.dead[pack] = dead
+        t = max([mtime, *(reads.get(k, 0) for k, _, _ in objects)])
         items += [(t, f"{pack}/{w.number:09d}", k, z, w) for k, z, w in objects]
     items.sort()
-    return [(key, size, where) for _, _, key, size, where in items]
+    out.objects = [(key, size, where) for _, _, key, size, where in items]
+    return out
 
 
-def _packs(directory: str, namespace: str) -> list[tuple[int, str, list[tuple[str, int, Packed]]]]:
-    out: list[tuple[int, str, list[tuple[str, int, Packed]]]] = []
+def _packs(
+    directory: str, namespace: str, faults: list[tuple[str, str]]
+) -> list[tuple[int, str, PackScan]]:
+    """Every readable pack with its mtime and scan; a file that is no pack of this version is
+    deleted, its fault appended to ``faults``."""
+    out: list[tuple[int, str, PackScan]] = []
     try:
         entries = list(os.scandir(f"{directory}/{PACKS_DIR}"))
     except FileNotFoundError:
@@ -68,6 +103,7 @@ def _packs(directory: str, namespace: str) -> list[tuple[int, str, list[tuple[st
             out.append((entry.stat().st_mtime_ns, entry.path, scan_pack(entry.path, namespace)))
         except CorruptObject as e:
             log.warning("L3 file backend: deleting pack %s: %s", entry.path, e)
+            faults.append((e.kind, f"{entry.path}: {e.detail}"))
             unlink_quiet(entry.path)
         except OSError:
             continue
@@ -134,10 +170,12 @@ def disagreements(
     where: Mapping[str, Packed],
     packs: Mapping[str, Sequence[str]],
     shared: bool = False,
+    dead: Mapping[str, int] | None = None,
 ) -> list[object]:
     """What disk and index disagree on (empty when they agree): every indexed key not in a
     pack is a file of its indexed size; the packs' keys are exactly the packed keys; every
-    pack file on disk is indexed and its size is its objects' sizes; no temp file is left.
+    pack file on disk is indexed and its size is its objects' sizes plus its ``dead`` bytes (of
+    objects dropped from it); no temp file is left.
 
     ``shared`` (a directory the ranks of a context-parallel group share): other ranks write
     files this index never sees and evict files it still holds, so only the indexed files
@@ -156,7 +194,8 @@ def disagreements(
     with contextlib.suppress(FileNotFoundError):
         for e in os.scandir(f"{directory}/{PACKS_DIR}"):
             on_disk[e.path] = e.stat().st_size
-    want = {p: sum(index.get(k, -1) for k in ks) for p, ks in packs.items()}
+    dead = dead or {}
+    want = {p: sum(index.get(k, -1) for k in ks) + dead.get(p, 0) for p, ks in packs.items()}
     if shared:
         on_disk = {p: z for p, z in on_disk.items() if p in want}
         want = {p: z for p, z in want.items() if p in on_disk}

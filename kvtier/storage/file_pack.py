@@ -162,10 +162,65 @@ def object_sizes(payload_bytes: Sequence[int]) -> list[int]:
     return sizes
 
 
-def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
-    """``(key, size charged, where)`` of every object of the pack ``path``, verified header by
-    header and against the file size; raises ``CorruptObject`` for a pack that is not whole
-    and intact, and ``OSError`` when it cannot be read."""
+@dataclass(frozen=True, slots=True)
+class PackScan:
+    """What a start-up scan found in one pack: the objects it can serve and those it cannot.
+
+    A damaged byte costs only the objects it is in: the pack header's count is recovered from
+    the object headers when the pack header's own digest fails; an object whose envelope
+    header fails is dropped alone, its neighbours located from the pack's start before it and
+    from the file's end after it (objects between two damaged headers cannot be located and are
+    dropped too); objects past the end of a file cut short are dropped. Payloads are not read
+    here: a damaged payload is found, and dropped alone, by the first read of it."""
+
+    objects: list[tuple[str, int, Packed]]
+    """``(key, size charged, where)`` of every object served, in pack order."""
+    dropped: list[tuple[int, str, str]]
+    """``(object number, fault kind, detail)`` of every object dropped."""
+    size: int
+    """The pack file's size: what it holds on disk, served objects or not."""
+
+    @property
+    def dead_bytes(self) -> int:
+        """Bytes of the file no served object is charged (dropped objects, a damaged tail)."""
+        return self.size - sum(z for _, z, _ in self.objects)
+
+
+_HEADER_CHUNK = 1024
+"""Object headers read at a time while recovering a damaged pack header's count."""
+
+
+def _verified_count(fd: int, size: int, namespace: str) -> int:
+    """The number of objects of a pack whose own header's digest failed: the leading object
+    headers that verify, if their objects account for the file's size exactly; else
+    ``CorruptObject`` (the pack cannot be read)."""
+    lengths: list[int] = []
+    at = PACK_HEAD
+    while at < size:
+        raw = os.pread(fd, _HEADER_CHUNK * HEADER_BYTES, at)
+        for i in range(len(raw) // HEADER_BYTES):
+            h = raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            try:
+                length, _ = envelope.unpack(h, namespace, envelope.header_key(h))
+            except StorageError:
+                at = size
+                break
+            lengths.append(length)
+        else:
+            at += len(raw)
+            if len(raw) < _HEADER_CHUNK * HEADER_BYTES:
+                break
+    if not lengths or sum(object_sizes(lengths)) != size:
+        raise CorruptObject(
+            "checksum", "pack header checksum mismatch, and its object headers do not add up"
+        )
+    return len(lengths)
+
+
+def scan_pack(path: str, namespace: str) -> PackScan:
+    """The objects of the pack ``path``, verified header by header and located against the
+    file size (``PackScan``). Raises ``CorruptObject`` for a file that is no pack of this
+    version (or whose count cannot be recovered), ``OSError`` when it cannot be read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -176,29 +231,64 @@ def scan_pack(path: str, namespace: str) -> list[tuple[str, int, Packed]]:
         if (magic, version) != (MAGIC, VERSION):
             raise CorruptObject("format", f"pack magic/version {magic!r}/{version}")
         if xxhash.xxh3_64_intdigest(head[: _HEAD.size]) != _DIGEST.unpack_from(head, _HEAD.size)[0]:
-            raise CorruptObject("checksum", "pack header checksum mismatch")
+            count = _verified_count(fd, size, namespace)
         heads = os.pread(fd, count * HEADER_BYTES, PACK_HEAD)
     finally:
         os.close(fd)
-    if len(heads) < count * HEADER_BYTES:
-        raise CorruptObject(
-            "short_read", f"pack of {count} objects holds {len(heads)} header bytes"
-        )
     keys: list[str] = []
-    lengths: list[int] = []
+    lengths: list[int | None] = []
+    bad: dict[int, tuple[str, str]] = {}
     for i in range(count):
         h = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-        key = envelope.header_key(h)
+        key = envelope.header_key(h) if len(h) == HEADER_BYTES else ""
         try:
             length, _ = envelope.unpack(h, namespace, key)
         except StorageError as e:
-            raise CorruptObject(e.kind, f"object {i}: {e.detail}") from None
+            bad[i] = (e.kind, e.detail)
+            length = None
         keys.append(key)
         lengths.append(length)
-    sizes = object_sizes(lengths)
-    if sum(sizes) != size:
-        raise CorruptObject("short_read", f"pack file has {size} bytes, its objects {sum(sizes)}")
-    return list(zip(keys, sizes, places(path, lengths), strict=True))
+    return PackScan(*_locate(path, keys, lengths, bad, size), size=size)
+
+
+def _locate(
+    path: str,
+    keys: list[str],
+    lengths: list[int | None],
+    bad: dict[int, tuple[str, str]],
+    size: int,
+) -> tuple[list[tuple[str, int, Packed]], list[tuple[int, str, str]]]:
+    """Where each object whose header verified lies (``PackScan``): from the payloads' start up
+    to the first damaged header, from the file's end back to the last one."""
+    count = len(keys)
+    sizes = object_sizes([n or 0 for n in lengths])
+    first = min(bad, default=count)
+    last = max(bad, default=count)
+    at: list[int | None] = [None] * count
+    pos = payloads_at(count)
+    for i in range(first):
+        at[i], pos = pos, pos + lengths[i]  # type: ignore[operator]
+    front_end = pos
+    if bad:
+        end = size
+        for i in range(count - 1, last, -1):
+            end -= lengths[i]  # type: ignore[operator]
+            if end < front_end:
+                break  # the file is shorter than the objects around the damage: not locatable
+            at[i] = end
+    objects: list[tuple[str, int, Packed]] = []
+    dropped: list[tuple[int, str, str]] = []
+    cause = bad[first] if bad else ("short_read", "")
+    for i in range(count):
+        if i in bad:
+            dropped.append((i, *bad[i]))
+        elif at[i] is None:
+            dropped.append((i, cause[0], "its place is lost with a damaged header before it"))
+        elif at[i] + lengths[i] > size:  # type: ignore[operator]
+            dropped.append((i, "short_read", "pack ends inside the object"))
+        else:
+            objects.append((keys[i], sizes[i], Packed(path, i, at[i], count)))  # type: ignore[arg-type]
+    return objects, dropped
 
 
 def read_run(

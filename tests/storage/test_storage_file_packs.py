@@ -184,7 +184,7 @@ def test_a_pack_of_another_version_is_deleted_at_start_up(tmp_path: Path):
     again.check_integrity()
 
 
-def test_a_corrupt_payload_stops_the_run_there_and_the_pack_leaves(tmp_path: Path):
+def test_a_corrupt_payload_stops_the_run_there_and_only_its_object_leaves(tmp_path: Path):
     be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
     src = pages(N)
     assert be.batch_set(names(0, N), src) == N
@@ -196,7 +196,10 @@ def test_a_corrupt_payload_stops_the_run_there_and_the_pack_leaves(tmp_path: Pat
     assert be.batch_get(names(0, N), out) == 7
     assert all(torch.equal(a, b) for a, b in zip(out[:7], src[:7], strict=True))
     assert be.errors == {"checksum": 1}
-    assert packs(be) == [] and be.stats()["objects"] == 0 and be.stats()["bytes_used"] == 0
+    assert packs(be) == [pack] and be.stats()["objects"] == N - 1
+    assert be.stats()["bytes_used"] == pack_size(N)  # its bytes stay on disk with the pack
+    assert be.batch_get(names(8, N), out[8:]) == N - 8
+    assert all(torch.equal(a, b) for a, b in zip(out[8:], src[8:], strict=True))
     be.check_integrity()
 
 
@@ -213,9 +216,17 @@ def test_a_pack_cut_short_behind_the_index_reads_up_to_the_cut(tmp_path: Path, c
     out = empty(N)
     got = be.batch_get(names(0, N), out)
     # the first fault in key order counts: a payload before the cut is checked before the cut
-    assert (got, be.errors) == ((9, {"short_read": 1}) if corrupt is None else (3, {"checksum": 1}))
+    assert (got, be.errors) == (
+        (9, {"short_read": N - 9}) if corrupt is None else (3, {"checksum": 1})
+    )
     assert all(torch.equal(a, b) for a, b in zip(out[:got], src[:got], strict=True))
-    assert packs(be) == [] and be.stats()["objects"] == 0
+    if corrupt is not None:  # the objects after the damaged one read up to the cut
+        assert be.batch_get(names(4, N), out[4:]) == 5
+        assert all(torch.equal(a, b) for a, b in zip(out[4:9], src[4:9], strict=True))
+        assert be.errors == {"checksum": 1, "short_read": N - 9}
+    # the cut drops the object it is in and those after it, each counted; the pack stays
+    assert packs(be) == [pack] and be.stats()["objects"] == (9 if corrupt is None else 8)
+    assert be.stats()["bytes_used"] == len(raw)
     be.check_integrity()
 
 
@@ -232,19 +243,20 @@ def test_a_foreign_header_in_a_pack_never_lands_in_the_buffer(tmp_path: Path):
     assert be.batch_get(names(0, N), out) == 4
     assert not any(o.any() for o in out[4:])  # nothing of object 4 on was copied
     assert be.errors == {"foreign": 1}
-    assert packs(be) == []
+    assert packs(be) == [pack] and be.stats()["objects"] == N - 1
     be.check_integrity()
 
 
-def test_a_restart_deletes_a_damaged_pack_and_keeps_the_rest(tmp_path: Path):
+def test_a_restart_drops_the_damaged_object_of_a_pack_and_keeps_the_rest(tmp_path: Path):
     be = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
     assert be.batch_set(names(0, N), pages(N, 1)) == N
     assert be.batch_set(names(N, 2 * N), pages(N, 2)) == N
     be.close()
     a, b = packs(be)
-    a.write_bytes(a.read_bytes()[:-1])  # truncated
+    a.write_bytes(a.read_bytes()[:-1])  # truncated inside its last object
     again = FileBackend(tmp_path, NS, budget_bytes=1 << 20)
-    assert len(packs(again)) == 1 and again.stats()["objects"] == N
+    assert len(packs(again)) == 2 and again.stats()["objects"] == 2 * N - 1
+    assert again.errors == {"short_read": 1}
     again.check_integrity()
 
 
