@@ -38,7 +38,7 @@ def start(
     """A started server, ready (``/health`` answered) when this returns."""
     llm = build_llm(model, cache or BASE, max_running=max_running)
     server = Server(
-        llm, served_model_name=served, chat_template=load_chat_template(model), **server_kw
+        llm, served_model_name=served, chat_template=load_chat_template(model, llm), **server_kw
     ).start()
     wait_ready(server.url)
     return server

@@ -1,5 +1,6 @@
-"""A checkpoint's chat template: the Jinja template ``tokenizer_config.json`` (or
-``chat_template.jinja``) ships, rendered in a sandbox the way Hugging Face tokenizers render it
+"""A chat template: a checkpoint's (the Jinja template ``tokenizer_config.json`` or
+``chat_template.jinja`` ships), one given with ``--chat-template``, or the built-in one of the
+byte tokenizer the presets use; rendered in a sandbox the way Hugging Face tokenizers render it
 (``messages``, ``add_generation_prompt``, ``bos_token``/``eos_token``, ``raise_exception``)."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         self._template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.origin = "given"
+        """Where the template came from, as the start-up summary says it."""
 
     @classmethod
     def load(cls, directory: str | Path) -> ChatTemplate | None:
@@ -60,19 +63,58 @@ class ChatTemplate:
         from jinja2 import TemplateError
 
         try:
-            return cls(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+            template = cls(
+                source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+            )
+            template.origin = "the checkpoint's"
+            return template
         except TemplateError as e:
             raise ConfigError(f"{where}: chat template does not parse: {e}") from None
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for ``messages`` (validated by ``check_messages``) followed by the
-        assistant turn's opening. A template that refuses them is a 400 naming ``messages``."""
+    @classmethod
+    def builtin(cls) -> ChatTemplate:
+        """The byte tokenizer's template (``kvtier.engine.byte_tokenizer.CHAT_TEMPLATE``)."""
+        from kvtier.engine.byte_tokenizer import BOS, CHAT_TEMPLATE, EOS
+
+        template = cls(CHAT_TEMPLATE, BOS, EOS)
+        template.origin = "the built-in one"
+        return template
+
+    @classmethod
+    def from_option(cls, value: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+        """``--chat-template``: the path of a Jinja file, or the template itself (text holding
+        ``{{`` or ``{%``). Raises ``ConfigError`` naming the option."""
+        path = Path(value)
+        if path.is_file():
+            try:
+                source = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--chat-template {value}: not readable ({e})") from None
+        elif "{{" in value or "{%" in value:
+            source = value
+        else:
+            raise ConfigError(
+                f"--chat-template {value!r}: no such file, and not a Jinja template either"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            template = cls(source, bos_token, eos_token)
+        except TemplateError as e:
+            raise ConfigError(f"--chat-template: the template does not parse: {e}") from None
+        template.origin = "from --chat-template"
+        return template
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (validated by ``check_messages``), followed by the
+        assistant turn's opening unless ``add_generation_prompt`` is false. A template that
+        refuses them is a 400 naming ``messages``."""
         from jinja2 import TemplateError
 
         try:
             return self._template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )

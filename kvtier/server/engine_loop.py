@@ -2,13 +2,15 @@
 
 HTTP handlers hand it commands through a queue (add a request, cancel one, run a callable)
 and get events back through a per-request ``deliver`` callback: ``accepted`` once the engine
-took the request, ``tokens`` (the ids each step produced, streaming requests only), then
-``done`` (the ``RequestOutput``) or ``error`` (an ``APIError``). Between commands it runs
+took the request, ``tokens`` (streaming requests only: the ids each step produced and, when the
+request asked for them, their ``TokenLogprob`` entries, else ``None``), then ``done`` (the
+``RequestOutput``) or ``error`` (an ``APIError``). Between commands it runs
 ``LLM.step`` while requests are unfinished, so requests arriving while others decode join
 the next step's batch (continuous batching as ``LLM.generate`` does it).
 
 ``stop`` ends unfinished requests, then closes the engine: in-flight transfers land and pending
-storage writes are flushed, so a server restarted on the same L3 directory finds them.
+storage writes are flushed, so a server restarted on the same L3 directory finds them; one
+INFO line says what that took (``shutdown_summary``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class Ticket:
     last_token: float | None = None
     cancelled: bool = False
 
+    @property
+    def logprobs(self) -> bool:
+        """The request asked for its tokens' log-probabilities."""
+        return self.params.logprobs is not None
+
 
 class EngineLoop:
     """Owns ``llm`` on a thread of its own once ``start`` ran (see the module docstring).
@@ -92,6 +99,8 @@ class EngineLoop:
         self._health_at = 0.0
         self.cancels = 0
         """Requests cancelled because their client went away (what tests wait on)."""
+        self.shutdown_summary: str | None = None
+        """What closing the engine did (``shutdown_summary``), once it closed."""
 
     # ---- any thread -----------------------------------------------------------------------
     def start(self) -> None:
@@ -148,7 +157,12 @@ class EngineLoop:
     def health(self) -> dict[str, Any]:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
-        ``stopped``; plus the storage figures behind it and the queue depth."""
+        ``stopped``; ``storage`` (``None`` without a storage tier): ``backend``, ``healthy``
+        (no fault within the window and the backend says it is), ``backend_healthy``,
+        ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
+        them), ``errors_total``, ``last_error_age_s`` and the backend's own figures
+        (``bytes_used``, ``budget_bytes``, ``objects``, ... as it reports them); plus the
+        queue depth."""
         with self._lock:
             h = dict(self._health)
         if self._stopped.is_set():
@@ -250,21 +264,24 @@ class EngineLoop:
         done = {o.request_id for o in finished}
         for rid, t in self._live.items():
             if rid not in done:
-                self._tokens(t, self.llm.output_ids(rid), now)
+                lps = self.llm.output_logprobs(rid, t.sent) if t.logprobs else None
+                self._tokens(t, self.llm.output_ids(rid), now, lps)
         for out in finished:
             t = self._live.pop(out.request_id, None)
             if t is not None:
                 self._finish(t, out, now)
 
     def _finish(self, t: Ticket, out: RequestOutput, now: float) -> None:
-        self._tokens(t, out.output_ids, now)
+        lps = out.logprobs[t.sent :] if out.logprobs is not None else None
+        self._tokens(t, out.output_ids, now, lps)
         self._count(out.finish_reason or "none")
         if out.finish_reason == "error":
             self._send(t, "error", server_error(f"the request failed in the engine: {out.error}"))
         else:
             self._send(t, "done", out)
 
-    def _tokens(self, t: Ticket, ids: list[int], now: float) -> None:
+    def _tokens(self, t: Ticket, ids: list[int], now: float, lps: list | None = None) -> None:
+        """Deliver ``ids[t.sent:]`` (``lps``: their log-probabilities, from ``t.sent`` on)."""
         new = ids[t.sent :]
         if not new:
             return
@@ -282,7 +299,7 @@ class EngineLoop:
         t.last_token = now
         t.sent = len(ids)
         if t.stream:
-            self._send(t, "tokens", new)
+            self._send(t, "tokens", (new, lps))
 
     def _send(self, t: Ticket, kind: str, payload: Any) -> None:
         try:
@@ -314,7 +331,8 @@ class EngineLoop:
             total = sum(errors.values())
             if total > self._errors_total:
                 self._errors_total, self._last_error = total, now
-            reported = backend.stats().get("healthy", 1)
+            figures = backend.stats()
+            reported = figures.get("healthy", 1)
             recent = self._last_error is not None and now - self._last_error < (
                 self.degraded_window_s
             )
@@ -322,10 +340,12 @@ class EngineLoop:
                 health["status"] = "degraded"
             health["storage"] = {
                 "backend": backend.name,
-                "errors": errors,
+                "healthy": not (recent or not reported),
+                "backend_healthy": bool(reported),
+                "storage_errors": errors,
                 "errors_total": total,
                 "last_error_age_s": None if self._last_error is None else now - self._last_error,
-                "backend_healthy": bool(reported),
+                **{k: v for k, v in figures.items() if k != "healthy"},
             }
         with self._lock:
             self._health = health
@@ -333,6 +353,7 @@ class EngineLoop:
     def _shutdown(self) -> None:
         self._stopped.set()
         err = unavailable("the server is shutting down")
+        ended = len(self._live)
         for rid, t in list(self._live.items()):
             try:
                 self.llm.abort(rid)
@@ -349,10 +370,47 @@ class EngineLoop:
                 self._send(cmd[1], "error", err)
             elif cmd is not _STOP and cmd[0] == "call":
                 cmd[2].set_exception(err)
+        before = _flush_counts(self.llm)
         try:
             self.llm.close()
         except Exception:  # noqa: BLE001
             log.exception("closing the engine failed")
+            return
+        self.shutdown_summary = shutdown_summary(ended, before, _flush_counts(self.llm))
+        log.info("%s", self.shutdown_summary)
+
+
+_FLUSHED = ("host_backup_pages", "storage_backup_pages", "storage_write_bytes")
+
+
+def _flush_counts(llm: LLM) -> dict[str, int]:
+    """The counters a close moves (backups landed, storage writes), read off the cache."""
+    try:
+        st = llm.cache.stats()
+    except Exception:  # noqa: BLE001 - a summary must not hide the close
+        log.debug("cache stats at shutdown failed", exc_info=True)
+        return {}
+    counts = {k: int(st.get(k, 0)) for k in _FLUSHED}
+    counts["storage_objects"] = int(st.get("storage_objects", -1))
+    return counts
+
+
+def shutdown_summary(ended: int, before: dict[str, int], after: dict[str, int]) -> str:
+    """One line: the requests a shutdown ended and what closing the cache drained (host
+    backups and storage writes that were in flight and landed), from the counters read
+    before and after the close."""
+    from kvtier.server.sizing import format_bytes
+
+    parts = [f"shut down: {ended} unfinished request(s) ended"]
+    if before and after:
+        host = after["host_backup_pages"] - before["host_backup_pages"]
+        pages = after["storage_backup_pages"] - before["storage_backup_pages"]
+        nbytes = after["storage_write_bytes"] - before["storage_write_bytes"]
+        parts.append(f"closing drained {host} host backup page(s) in flight")
+        parts.append(f"flushed {pages} storage page write(s) ({format_bytes(nbytes)})")
+        if after["storage_objects"] >= 0:
+            parts.append(f"storage holds {after['storage_objects']} object(s)")
+    return "; ".join(parts)
 
 
 def engine_state(llm: LLM) -> dict[str, Any]:

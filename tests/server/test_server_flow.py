@@ -161,7 +161,16 @@ def test_storage_outage_is_degraded_while_requests_are_served(tmp_path) -> None:
 
         h = wait_until(degraded, "/health to report the outage")
         assert h["storage"]["errors_total"] > 0 and h["storage"]["backend"] == "file"
-        kinds = h["storage"]["errors"]
+        assert h["storage"]["healthy"] is False and h["storage"]["backend_healthy"] is True
+        assert sum(h["storage"]["storage_errors"].values()) == h["storage"]["errors_total"]
+        idle(server)  # no write in flight: the counts stop moving
+
+        def same_counts() -> dict | None:
+            kinds = http().get(f"{server.url}/health").json()["storage"]["storage_errors"]
+            stats = server.loop.call(lambda llm: llm.stats()).result()
+            return kinds if kinds and kinds == stats["storage_errors"] else None
+
+        kinds = wait_until(same_counts, "/health to show the cache's storage_errors")
         text = http().get(f"{server.url}/metrics").text
         for kind, n in kinds.items():
             assert f'kvtier_storage_errors_total{{kind="{kind}"}} {float(n)}' in text
