@@ -7,14 +7,17 @@ and a new user turn. Requests stream (SSE, greedy, ``ignore_eos`` so every reply
 carries a token. A request is classified by the tier that served most of its cached prefix
 (``usage.prompt_tokens_details.cached_tokens_by_tier``; ``none`` when nothing was cached).
 
-Without ``url`` the server runs in this process on 127.0.0.1 (a free port) with a device pool
+With ``url`` the benchmark drives a running server under the model name it reports at
+``/v1/models`` (or ``model``, which must be one of them); a server it cannot ask, or that
+serves no such model, is a ``ConfigError`` before any request. Without ``url`` the server runs
+in this process on 127.0.0.1 (a free port) with a device pool
 and a host pool far smaller than the clients' working set and a file L3 in a temporary
 directory, so pages keep moving between device, host and storage. The run is bounded twice:
 every client stops after ``turns`` turns or once ``duration_s`` passed, whichever is first.
 
 The result (JSON): the configuration, TTFT percentiles and counts per serving tier, tokens/s
 and requests/s, the share of prompt tokens served from each tier (and recomputed), and errors
-by HTTP status (``connection`` for a transport failure). A prompt token no tier served counts as
+by HTTP status (``connection`` for a transport failure) with the first error's message. A prompt token no tier served counts as
 recomputed; ``prefill_tokens`` is what the engine computed by prefill (``recomputed_tokens``
 of ``usage``), which also counts what a preempted request computed again. There is no peer run: a serving
 benchmark's figures are compared across commits and configurations, per tier.
@@ -29,10 +32,11 @@ import random
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtier.bench.helpers import Progress
 from kvtier.errors import ConfigError
 from kvtier.types import TIERS
 
@@ -55,11 +59,12 @@ class ServeBenchConfig:
     """Turns per conversation at most."""
     duration_s: float = 60.0
     """No client starts a request after this many seconds."""
-    model: str = "tiny"
-    """Model preset or checkpoint directory of the in-process server."""
+    model: str | None = None
+    """Model preset or checkpoint directory of the in-process server (``None``: ``tiny``); with
+    ``url``, the served model name to request (``None``: the one ``/v1/models`` lists)."""
     url: str | None = None
-    """A running server to connect to instead (``http://HOST:PORT``); it must serve ``model``
-    under that name and take token-id prompts."""
+    """A running server to connect to instead (``http://HOST:PORT``); it must take token-id
+    prompts."""
     api_key: str | None = None
     """Bearer key sent with every request (a server started with ``--api-key``)."""
     system_tokens: int = 32
@@ -101,6 +106,8 @@ class ServeBenchConfig:
         lo, hi = self.user_tokens
         if not 1 <= lo <= hi:
             raise ConfigError(f"user_tokens must be a range 1 <= lo <= hi, got {self.user_tokens}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"model must be a non-empty string or None, got {self.model!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ConfigError("api_key must be a non-empty string or None")
         if self.url is not None:
@@ -125,6 +132,8 @@ class Sample:
     recomputed: int = 0
     served_by: str = "none"
     reply: list[int] = field(default_factory=list)
+    error: str = ""
+    """What the server said about a failed request (its error message, shortened)."""
 
 
 def served_by(by_tier: dict[str, int]) -> str:
@@ -166,13 +175,14 @@ class _Client:
             )
             resp = self._conn.getresponse()
             if resp.status != 200:
-                resp.read()
+                sample.error = error_message(resp.read())
                 sample.status = str(resp.status)
                 return
             self._read_stream(resp, start, sample)
-        except (OSError, http.client.HTTPException):
+        except (OSError, http.client.HTTPException) as e:
             self._conn.close()  # reconnects on the next request
             sample.status = "connection"
+            sample.error = f"{type(e).__name__}: {e}"
 
     def _read_stream(self, resp: http.client.HTTPResponse, start: float, s: Sample) -> None:
         status = "200"
@@ -187,6 +197,7 @@ class _Client:
             obj = json.loads(data)
             if "error" in obj:
                 status = "500" if obj["error"].get("type") == "server_error" else "error"
+                s.error = error_message(data)
                 continue
             for choice in obj.get("choices", []):
                 ids = choice.get("token_ids") or []
@@ -207,6 +218,60 @@ class _Client:
         self._conn.close()
 
 
+def error_message(body: bytes, limit: int = 200) -> str:
+    """The message of an error answer (OpenAI's ``{"error": {"message": ...}}``, else the body
+    itself), shortened to ``limit`` characters."""
+    text = body.decode(errors="replace").strip()
+    try:
+        obj = json.loads(text)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            text = err["message"]
+        elif isinstance(obj, dict) and isinstance(obj.get("detail"), str):
+            text = obj["detail"]
+    except ValueError:
+        pass
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def served_model(url: str, wanted: str | None, api_key: str | None, timeout_s: float) -> str:
+    """The model name to request from the server at ``url``: ``wanted`` if ``/v1/models`` lists
+    it, else the one model it lists. ``ConfigError`` (naming what to pass) when the server
+    does not answer, answers an error, lists several models and none was ``wanted``, or does not
+    list ``wanted``."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    try:
+        conn.request("GET", "/v1/models", headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+    except (OSError, http.client.HTTPException) as e:
+        raise ConfigError(f"{url}/v1/models: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    if resp.status != 200:
+        hint = " (does the server expect --api-key?)" if resp.status == 401 else ""
+        raise ConfigError(f"{url}/v1/models answered {resp.status}: {error_message(body)}{hint}")
+    try:
+        names = [str(card["id"]) for card in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"{url}/v1/models answered no model list: {error_message(body)}"
+        ) from None
+    if wanted is not None:
+        if wanted not in names:
+            raise ConfigError(
+                f"--model {wanted!r} is not served by {url}; it serves {', '.join(names) or 'none'}"
+            )
+        return wanted
+    if len(names) != 1:
+        raise ConfigError(
+            f"{url} serves {len(names)} models ({', '.join(names)}): name one with --model"
+        )
+    return names[0]
+
+
 def _client(
     cfg: ServeBenchConfig,
     url: str,
@@ -215,9 +280,11 @@ def _client(
     vocab: int,
     deadline: float,
     out: list[Sample],
+    progress: Progress,
 ) -> None:
     """Client ``idx``: its conversations' turns, round-robin, until ``turns`` or
-    ``deadline``; a conversation whose request failed ends (its next prompt needs the reply)."""
+    ``deadline``; a conversation whose request failed ends (its next prompt needs the reply,
+    so its turns left count as done for the progress line)."""
     rng = random.Random(cfg.seed * 1_000_003 + idx)
     client = _Client(url, cfg.timeout_s, cfg.api_key)
     prompts = [list(system) for _ in range(cfg.conversations)]
@@ -232,12 +299,14 @@ def _client(
                 prompt = prompts[conv]
                 prompt += [rng.randrange(vocab) for _ in range(rng.randint(*cfg.user_tokens))]
                 s = Sample(idx * cfg.conversations + conv, turn, "connection")
-                client.complete(request_body(cfg.model, prompt, cfg.max_tokens), s)
+                client.complete(request_body(cfg.model or "tiny", prompt, cfg.max_tokens), s)
                 out.append(s)
                 if s.status == "200":
                     prompt += s.reply
+                    progress.step()
                 else:
                     live.discard(conv)
+                    progress.step(cfg.turns - turn, failed=1)
     finally:
         client.close()
 
@@ -272,9 +341,11 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
     tokens = {t: sum(s.by_tier.get(t, 0) for s in ok) for t in TIERS}
     tokens["recomputed"] = prompt - sum(tokens.values())
     errors: dict[str, int] = {}
+    first_error = None
     for s in samples:
         if s.status != "200":
             errors[s.status] = errors.get(s.status, 0) + 1
+            first_error = first_error or {"status": s.status, "message": s.error}
     completion = sum(s.completion_tokens for s in ok)
     return {
         "bench": "serve",
@@ -294,6 +365,7 @@ def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> di
         "ttft_by_tier": ttft,
         "errors_by_status": errors,
         "errors_5xx": sum(n for k, n in errors.items() if k.startswith("5")),
+        "first_error": first_error,
         "stopped_by_duration": not errors
         and len(samples) < cfg.clients * cfg.conversations * cfg.turns,
     }
@@ -311,8 +383,9 @@ def _start_server(cfg: ServeBenchConfig, storage_dir: str) -> Any:
         storage="file",
         storage_dir=storage_dir,
     )
-    llm = build_llm(cfg.model, cache, max_running=cfg.max_running)
-    return Server(llm, served_model_name=cfg.model, max_queue=max(256, 2 * cfg.clients)).start()
+    model = cfg.model or "tiny"
+    llm = build_llm(model, cache, max_running=cfg.max_running)
+    return Server(llm, served_model_name=model, max_queue=max(256, 2 * cfg.clients)).start()
 
 
 def _wait_health(url: str, deadline_s: float = 60.0) -> None:
@@ -340,8 +413,9 @@ def _vocab(server: Any) -> int:
     return 256  # a remote model's vocabulary is unknown here; every model has this many ids
 
 
-def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
-    """Run the workload (see the module docstring) and return its JSON result."""
+def bench_serve(cfg: ServeBenchConfig, quiet: bool = False) -> dict[str, Any]:
+    """Run the workload (see the module docstring) and return its JSON result. Progress goes
+    to stderr (``quiet``: none)."""
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
         server = None if cfg.url else _start_server(cfg, tmp)
         url = cfg.url or server.url
@@ -353,7 +427,14 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             frozen = freeze_startup_objects()
         try:
             _wait_health(url)
+            if cfg.url:
+                cfg = replace(cfg, model=served_model(url, cfg.model, cfg.api_key, cfg.timeout_s))
+            else:
+                cfg = replace(cfg, model=cfg.model or "tiny")
             vocab = _vocab(server)
+            progress = Progress(
+                "serve", cfg.clients * cfg.conversations * cfg.turns, shown=not quiet
+            )
             rng = random.Random(cfg.seed)
             system = [rng.randrange(vocab) for _ in range(cfg.system_tokens)]
             per_client: list[list[Sample]] = [[] for _ in range(cfg.clients)]
@@ -362,7 +443,7 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             threads = [
                 threading.Thread(
                     target=_client,
-                    args=(cfg, url, i, system, vocab, deadline, per_client[i]),
+                    args=(cfg, url, i, system, vocab, deadline, per_client[i], progress),
                     name=f"bench-client-{i}",
                 )
                 for i in range(cfg.clients)
@@ -371,6 +452,7 @@ def bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 t.start()
             for t in threads:
                 t.join()
+            progress.close()
             wall = time.perf_counter() - start
             samples = [s for part in per_client for s in part]
             result = summarize(cfg, samples, wall)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.helpers import Progress
 from kvtier.config import CacheConfig
 from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.demo.table import summarize_phases
@@ -136,31 +137,6 @@ class PhaseReport:
             self.mismatches += int(not same or bad_logits)
             if diff < math.inf:  # no logits to compare is a mismatch, not a difference
                 self.max_logit_diff = max(self.max_logit_diff, diff)
-
-
-class Progress:
-    """A one-line progress bar on stderr (a line per 25% when stderr is not a terminal)."""
-
-    def __init__(self, label: str, total: int, shown: bool = True) -> None:
-        self.label, self.total, self.done = label, total, 0
-        self.shown = shown
-        self.tty = sys.stderr.isatty()
-        self._last_quarter = -1
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        if not self.shown:
-            return
-        frac = self.done / max(self.total, 1)
-        if self.tty:
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label:<9} [{bar:<30}] {self.done}/{self.total}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif int(frac * 4) > self._last_quarter:
-            self._last_quarter = int(frac * 4)
-            print(f"{self.label}: {self.done}/{self.total} requests", file=sys.stderr, flush=True)
 
 
 def _cache_config(cfg: DemoConfig) -> CacheConfig:
