@@ -30,6 +30,7 @@ from kvtier.config import CacheConfig
 from kvtier.demo.oracle import Expected, compare, default_tolerance
 from kvtier.demo.table import summarize_phases
 from kvtier.errors import ConfigError
+from kvtier.parallel.launch import package_root
 from kvtier.pools.spec import tree_page_size
 
 _MARKER = ".kvtier-demo"
@@ -310,7 +311,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     work_file = Path(cfg.storage_dir) / "restart-work.pt"
     torch.save({"config": _cfg_json(cfg), "work": work}, work_file)
     child = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--restart-phase", str(work_file)],
+        kvtier_command("demo", "--restart-phase", str(work_file)),
         stdout=subprocess.PIPE,
         check=False,
         text=True,
@@ -319,6 +320,19 @@ def run_demo(cfg: DemoConfig) -> dict:
         raise SystemExit(f"restart phase failed (exit {child.returncode})")
     restart = PhaseReport(**json.loads(child.stdout))
     return summarize(cfg, [live, restart])
+
+
+_PINNED_MAIN = (
+    "import sys; sys.path[0] = sys.argv.pop(1); from kvtier.cli import main; sys.exit(main())"
+)
+
+
+def kvtier_command(*args: str) -> list[str]:
+    """The command line of ``kvtier ARGS`` run in a fresh interpreter that imports the kvtier
+    this process runs: its ``sys.path`` starts with ``launch.package_root()`` where ``python -m``
+    would put the working directory, whose ``kvtier/`` folder (a clone's, seen from the folder
+    holding it) would shadow the installed package."""
+    return [sys.executable, "-c", _PINNED_MAIN, package_root(), *args]
 
 
 def _cfg_json(cfg: DemoConfig) -> dict:

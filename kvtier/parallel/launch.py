@@ -4,17 +4,24 @@ Each rank is a fresh process (forked from a clean ``forkserver``, see ``fresh_pr
 ``fn(group, *args)`` and reports its result or its error; the caller gets every rank's outcome,
 so a rank that died (and the error it caused on the others, naming it) is reported rather than
 taking the launcher down with it.
+
+Children import the kvtier this process runs, not a ``kvtier/`` folder in the working
+directory (a clone's folder, seen from the folder holding it, shadows an editable install): the
+fork server starts with ``package_root()`` first on its ``sys.path`` and, on Python 3.11 and
+later, without the working directory (``PYTHONSAFEPATH``).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +79,34 @@ def _entry(
     os._exit(0)
 
 
+def package_root() -> str:
+    """The directory holding the ``kvtier`` package this process runs: first on a child's
+    ``sys.path``, it makes the child import the same code whatever its working directory
+    holds."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+@contextmanager
+def pinned_path_env() -> Iterator[None]:
+    """While it lasts, an interpreter this process starts finds ``package_root()`` before
+    anything else (``PYTHONPATH``) and, on Python 3.11 and later, not the working directory
+    (``PYTHONSAFEPATH``). For children started by a library that takes no environment (the
+    fork server); ``os.environ`` is restored after."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_root(), saved["PYTHONPATH"]) if p
+    )
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def fresh_process_context() -> mp.context.BaseContext:
     """Fresh rank processes forked from a server that imported torch and kvtier once per
     launching process (``forkserver``): a rank starts in milliseconds instead of importing
@@ -81,6 +116,10 @@ def fresh_process_context() -> mp.context.BaseContext:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "kvtier", "kvtier.parallel.group", "kvtier.engine"])
+    # Started here, not at the first rank's start: its interpreter (``python -c``) would put
+    # the working directory first on its path, and the server ignores the path it is sent.
+    with pinned_path_env():
+        multiprocessing.forkserver.ensure_running()
     return ctx
 
 
