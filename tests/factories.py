@@ -16,6 +16,13 @@ SPEC = PoolSpec("kv", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32)
 """The tier tests' one KV pool: 2 layers of (k, v) x 1 head x 4 dims, float32."""
 PS = 4
 """The tier tests' page size."""
+WINDOW_SPECS = (
+    SPEC,
+    PoolSpec(
+        "swa", num_layers=2, row_shape=(2, 1, 4), dtype=torch.float32, kind="window", window=2 * PS
+    ),
+)
+"""A sliding-window pool set at ``PS``: the anchor ``SPEC`` and window rows of two pages."""
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 """Where L1 lives in tests; ``KVTIER_TEST_DEVICE=cuda`` runs the tier tests on a GPU."""
 
@@ -95,6 +102,14 @@ def run_request(cache: TieredCache, tokens: list[int], seed: int = 0) -> dict:
     locs = torch.cat([ld.locs, new])
     cache.finish(tokens, locs, prefix, m.handle)
     return {"load": ld, "locs": locs}
+
+
+def randomise(buf: torch.Tensor, seed: int) -> None:
+    """Fill ``buf`` with seeded random bytes (whatever its dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    n = buf.numel() * buf.element_size()
+    raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    buf.view(-1).view(torch.uint8).copy_(raw.to(buf.device))
 
 
 def kv_of(cache: TieredCache, locs: torch.Tensor) -> torch.Tensor:

@@ -6,16 +6,12 @@ a fetch is admitted by the bytes of whole pages."""
 from __future__ import annotations
 
 import torch
-from factories import cache_config
+from factories import PS, WINDOW_SPECS, cache_config
 
-from kvtier import PoolSpec, TieredCache
+from kvtier import TieredCache
 
-PS = 4
 SHAPE = (2, 1, 4)
-SPECS = [
-    PoolSpec("kv", 2, SHAPE, torch.float32),
-    PoolSpec("swa", 2, SHAPE, torch.float32, kind="window", window=2 * PS),
-]
+SPECS = list(WINDOW_SPECS)
 TOKENS = list(range(500, 524))  # 6 whole pages
 ANCHOR = 2 * PS * 8 * 4  # one page of one component: layers x tokens x 8 floats x 4 bytes
 

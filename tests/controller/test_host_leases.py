@@ -10,17 +10,13 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from factories import cache_config
+from factories import WINDOW_SPECS, cache_config
 
-from kvtier import PoolSpec, TieredCache
+from kvtier import TieredCache
 from kvtier.storage.file import FileBackend
 
-PS = 4
 SHAPE = (2, 1, 4)
-SPECS = [
-    PoolSpec("kv", 2, SHAPE, torch.float32),
-    PoolSpec("swa", 2, SHAPE, torch.float32, kind="window", window=2 * PS),
-]
+SPECS = list(WINDOW_SPECS)
 TOKENS = list(range(300, 324))  # 6 whole pages
 
 

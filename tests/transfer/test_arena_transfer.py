@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from factories import DEVICE
+from factories import DEVICE, randomise
 
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.pools import DevicePool, HostPool, PoolSpec, UnifiedPool
@@ -22,13 +22,6 @@ ROWS = [((2, 2, 8), torch.bfloat16), ((2, 1, 3), torch.uint8)]  # int64 words; b
 
 def t(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def randomise(buf: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    n = buf.numel() * buf.element_size()
-    raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
-    buf.view(-1).view(torch.uint8).copy_(raw.to(buf.device))
 
 
 def pools(ps: int, layout: str, row=ROWS[0], compaction: str = "auto"):  # noqa: ANN001, ANN201

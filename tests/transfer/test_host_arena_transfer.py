@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from factories import DEVICE
+from factories import DEVICE, randomise
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,13 +24,6 @@ SHAPE, DTYPE = (2, 2, 8), torch.bfloat16
 
 def t(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def randomise(buf: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    n = buf.numel() * buf.element_size()
-    raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
-    buf.view(-1).view(torch.uint8).copy_(raw.to(buf.device))
 
 
 def specs(ps: int) -> list[PoolSpec]:
