@@ -252,9 +252,11 @@ class StopScan:
 
     ``push`` returns the new text that can no longer turn out to be part of a stop string:
     text that ends in the beginning of one is held back until the next pieces decide. Once a
-    stop string is complete, ``matched`` is it, ``cut`` where it starts (the earliest start of
-    any stop string the text holds), and nothing from ``cut`` on is ever returned. Pieces
-    joined the same way give the same answer however they are cut."""
+    stop string is complete, ``matched`` is it and ``cut`` where it starts, and nothing from
+    ``cut`` on is ever returned. The stop string that matches is the one that completes first
+    in the text (of two that complete at the same character, the longer): so the answer
+    depends on the text alone, not on how it was cut into pieces, and a request that stops at
+    the token completing a stop string gets the same answer as a reader of its whole text."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
@@ -271,9 +273,9 @@ class StopScan:
         # a stop string that completes now ends in ``piece``: it starts no earlier than this
         begin = max(0, len(self.text) - self.longest + 1)
         self.text += piece
-        found = [(i, s) for s in self.stops if (i := self.text.find(s, begin)) >= 0]
+        found = [(i + len(s), i, s) for s in self.stops if (i := self.text.find(s, begin)) >= 0]
         if found:
-            self.cut, self.matched = min(found)
+            _, self.cut, self.matched = min(found)
             safe = self.cut
         else:
             safe = len(self.text) - self._held()
