@@ -406,8 +406,10 @@ def shutdown_summary(ended: int, before: dict[str, int], after: dict[str, int]) 
         host = after["host_backup_pages"] - before["host_backup_pages"]
         pages = after["storage_backup_pages"] - before["storage_backup_pages"]
         nbytes = after["storage_write_bytes"] - before["storage_write_bytes"]
-        parts.append(f"closing drained {host} host backup page(s) in flight")
-        parts.append(f"flushed {pages} storage page write(s) ({format_bytes(nbytes)})")
+        parts.append(
+            f"at close {host} host backup page(s) and {pages} storage page write(s) "
+            f"({format_bytes(nbytes)}) were in flight and landed"
+        )
         if after["storage_objects"] >= 0:
             parts.append(f"storage holds {after['storage_objects']} object(s)")
     return "; ".join(parts)

@@ -406,15 +406,16 @@ def startup_summary(
 
 
 def configure_logging(level: str) -> None:
-    """kvtier's own loggers at ``level`` on stderr (a handler of their own, once)."""
+    """kvtier's own loggers at ``level``. They print through the root logger's handlers when
+    it has some (``kvtier``'s command line sets one up), else through one of their own on
+    stderr."""
     logger = logging.getLogger("kvtier")
     logger.setLevel(level.upper())
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-        )
-        logger.addHandler(handler)
+    if logging.getLogger().handlers or any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
 
 
 class _StderrHandler(logging.StreamHandler):

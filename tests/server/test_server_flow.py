@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import openai
@@ -204,6 +205,14 @@ def test_restart_on_the_same_storage_dir_serves_from_storage(tmp_path) -> None:
             )
         finally:
             server.stop()
+        summary = server.loop.shutdown_summary
+        m = re.fullmatch(
+            r"shut down: 0 unfinished request\(s\) ended; at close \d+ host backup page\(s\) "
+            r"and \d+ storage page write\(s\) \(.+\) were in flight and landed; storage holds "
+            r"(\d+) object\(s\)",
+            summary or "",
+        )
+        assert m and int(m.group(1)) > 0, summary
         assert r.choices[0].model_extra["token_ids"] == want.output_ids
         by_tier = r.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"]
         expect = (
@@ -337,3 +346,19 @@ def test_a_request_failing_in_the_engine_is_a_500_and_the_server_goes_on() -> No
         assert idle(server)["locked_nodes"] == 0
     finally:
         server.stop()
+
+
+def test_the_shutdown_line_counts_what_the_close_drained() -> None:
+    from kvtier.server.engine_loop import shutdown_summary
+
+    before = {"host_backup_pages": 4, "storage_backup_pages": 10, "storage_write_bytes": 1024}
+    after = {"host_backup_pages": 6, "storage_backup_pages": 13, "storage_write_bytes": 4096}
+    assert shutdown_summary(
+        2, {**before, "storage_objects": 9}, {**after, "storage_objects": 12}
+    ) == (
+        "shut down: 2 unfinished request(s) ended; at close 2 host backup page(s) and 3 storage "
+        "page write(s) (3.00 KiB) were in flight and landed; storage holds 12 object(s)"
+    )
+    no_storage = {**after, "storage_objects": -1}
+    assert shutdown_summary(0, {**before, "storage_objects": -1}, no_storage).endswith("landed")
+    assert shutdown_summary(1, {}, {}) == "shut down: 1 unfinished request(s) ended"

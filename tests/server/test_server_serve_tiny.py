@@ -125,7 +125,9 @@ def test_serve_tiny_chats_through_the_openai_client(tmp_path) -> None:
         assert proc.wait(timeout=DEADLINE_S * 3) == 0
         tail = proc.stderr.read()
         assert re.search(
-            r"shut down: 0 unfinished request\(s\) ended; .* flushed \d+ storage", tail
+            r"shut down: 0 unfinished request\(s\) ended; at close \d+ host backup page\(s\) and "
+            r"\d+ storage page write\(s\) \(.*\) were in flight and landed; storage holds \d+ object",
+            tail,
         )
     finally:
         if proc.poll() is None:
