@@ -147,3 +147,14 @@ def test_engine_calls_refuse_bad_arguments_by_name(llm, call, needle) -> None:
 def test_the_engine_constructor_names_a_wrong_argument(kw, needle) -> None:
     with pytest.raises(ConfigError, match=needle):
         LLM(**kw)
+
+
+@pytest.mark.parametrize("family", ["mla", "dsa-compressed", "hybrid", "swa"])
+def test_the_engine_takes_every_familys_config(family) -> None:
+    """The type check names a wrong ``model`` but lets every family's config through (they
+    are dataclasses of their own, not ``ModelConfig``s)."""
+    from kvtier.engine.families import preset
+
+    engine = _make_llm(preset(family), page_size=4, device_pages=32, device="cpu")
+    assert engine.model_config == preset(family)
+    engine.close()
