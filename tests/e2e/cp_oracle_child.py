@@ -41,7 +41,12 @@ def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
 def make_llm(family: str, storage_dir: str | None, group=None) -> LLM:
     cp, rank = (group.size, group.rank) if group is not None else (1, 0)
     cfg = cache_config(storage_dir, cp, rank)
-    return LLM(preset(family, **FAMILY.get(family, {})), cfg, max_running=2, group=group if cp > 1 else None)
+    return LLM(
+        preset(family, **FAMILY.get(family, {})),
+        cfg,
+        max_running=2,
+        group=group if cp > 1 else None,
+    )
 
 
 def snapshot(llm: LLM, tokens: list[int]) -> dict[int, dict[str, torch.Tensor]]:

@@ -75,7 +75,8 @@ def _tail_hit(outs: list[dict], tier: int) -> bool:
 
 # CP=4 restores of the MLA family run in the cross-size test below.
 @pytest.mark.parametrize(
-    ("family", "cp"), [("tiny", 2), ("tiny", 4), ("mla", 2), ("dsa", 2), ("dsa", 4), ("dsa-compressed", 2)]
+    ("family", "cp"),
+    [("tiny", 2), ("tiny", 4), ("mla", 2), ("dsa", 2), ("dsa", 4), ("dsa-compressed", 2)],
 )
 def test_every_tier_matches_cp1_cold(tmp_path, family, cp):
     base, prompts = _prompts(_vocab(family))
