@@ -199,7 +199,6 @@ def test_serve_help_names_no_internal_modules() -> None:
         assert internal not in text, internal
 
 
-@pytest.mark.slow  # a fresh interpreter imports torch
 def test_import_kvtier_needs_no_server_extra() -> None:
     code = (
         "import sys, kvtier, kvtier.cli, kvtier.server, kvtier.server.engine_loop, "
@@ -208,3 +207,18 @@ def test_import_kvtier_needs_no_server_extra() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=DEADLINE_S * 3)
+
+
+def test_log_level_sets_kvtiers_own_loggers() -> None:
+    import logging
+
+    from kvtier.server.lifecycle import configure_logging
+
+    before = logging.getLogger("kvtier").level
+    try:
+        configure_logging("debug")
+        assert logging.getLogger("kvtier.server").getEffectiveLevel() == logging.DEBUG
+        configure_logging("warning")
+        assert logging.getLogger("kvtier.engine").getEffectiveLevel() == logging.WARNING
+    finally:
+        logging.getLogger("kvtier").setLevel(before)
