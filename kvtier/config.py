@@ -185,8 +185,9 @@ class CacheConfig:
     cache_partial_pages: bool = True
     """Cache the valid tail of a request's last, partial page when it finishes (up to one page
     minus a token fewer recomputed per shared prefix); ``False`` frees it as a whole-page cache
-    does. Ignored (the tail is freed) for models with a state pool and under context
-    parallelism (``kvtier.cache.engine_pages``)."""
+    does. Ignored (the tail is freed) for pool sets with a partial component, a recurrent state
+    pool or sliding-window rows (``kvtier.cache.engine_pages``); under context parallelism the
+    tail page has an owner like any page and is cached."""
     debug_checks: bool = False
     """Validate transfer indices (CPU tensors only) and run integrity checks on every poll."""
     backup_share: float = 0.8

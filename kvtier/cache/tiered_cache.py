@@ -35,7 +35,8 @@ Range table of one finished request's slots (``ps`` = page size, ``n`` = tokens 
     [prefix_len, cached_len)   the engine's pages that duplicate pages cached meanwhile → freed
     [cached_len, full)         the engine's pages, now owned by the tree
     [full, n)                  the trailing partial page: cached as a partial tail (default),
-                               freed with ``cache_partial_pages=False``, a state pool or CP
+                               freed with ``cache_partial_pages=False``, a state pool or
+                               window rows
     [n, len(locs))             padding slots of the last page: never cached, never returned
 
 Partial tails and the *tail copy* a request ending in one is served through:
