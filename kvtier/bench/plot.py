@@ -14,7 +14,9 @@
   peer, plain I/O on the backend's thread count and SGLang's ``HiCacheFile`` when they ran, 0.9
   of the plain peer ticked per group;
 - ``bench compute`` (several files): cold prefill TFLOP/s as a fraction of the matmul rate
-  against the 0.40 target, and the decode step against its bound with 2x the bound ticked.
+  against the 0.40 target, and the decode step against its bound with 2x the bound ticked;
+- ``bench multiturn`` (one file): TTFT p50 and p90, wall time next to the bound, and
+  requests/s per cache configuration.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kvtier.bench.plot_svg import Group, Mark, Panel, bars_svg, panels_svg
 
-__all__ = ["bars_svg", "kind_of", "panels_svg", "plot"]
+__all__ = ["bars_svg", "kind_of", "multiturn_panels", "panels_svg", "plot"]
 
 PLAIN_SHARE = 0.9
 """Storage: kvtier's GB/s should reach this share of the plain peer's."""
@@ -35,8 +37,8 @@ DECODE_BOUND_X = 2.0
 """Compute: a decode step should take at most this many times its bound."""
 TREE_SPEEDUP = {"long_": 5.0, "chat_": 2.0}
 """Tree: SGLang µs / kvtier µs targets by op-name prefix."""
-KINDS = ("transfer", "ttft", "tree", "storage", "compute")
-SINGLE = ("ttft", "tree")
+KINDS = ("transfer", "ttft", "tree", "storage", "compute", "multiturn")
+SINGLE = ("ttft", "tree", "multiturn")
 """Kinds drawn from one file only."""
 
 
@@ -57,6 +59,8 @@ def kind_of(r: object) -> str | None:
         return "storage"
     if bench == "compute" and "prefill" in r and "decode" in r:
         return "compute"
+    if bench == "multiturn" and isinstance(r.get("configs"), dict) and "workload" in r:
+        return "multiturn"
     return None
 
 
@@ -225,6 +229,38 @@ def _compute(results: Sequence[tuple[str, dict]]) -> list[Panel]:
     ]
 
 
+def multiturn_panels(r: dict) -> list[Panel]:
+    """``bench multiturn``: TTFT p50/p90 (ms), wall time and bound (s) and requests/s per
+    configuration, in the order they ran."""
+    w, runs = r["workload"], r["configs"]
+    what = (
+        f"{w['clients']} clients x {w['rounds']} rounds"
+        if w["workload"] == "multiturn"
+        else f"{w['documents']} documents x {w['rounds']} questions"
+    )
+    head = f"{what}, {w['concurrency']} in flight, working set {w['working_set_over_device']:.1f}x the device pool"
+    return [
+        Panel(
+            f"TTFT per configuration ({head})",
+            [
+                (name, {"p50 ms": c["ttft_s"]["p50"] * 1e3, "p90 ms": c["ttft_s"]["p90"] * 1e3})
+                for name, c in runs.items()
+            ],
+            "ms",
+        ),
+        Panel(
+            "Wall time against the bound from the rates measured in the same run",
+            [(name, {"wall s": c["wall_s"], "bound s": c["bound_s"]}) for name, c in runs.items()],
+            "s",
+        ),
+        Panel(
+            "Throughput",
+            [(name, {"requests/s": c["requests_per_s"]}) for name, c in runs.items()],
+            "requests/s",
+        ),
+    ]
+
+
 def _load(f: str | Path) -> dict:
     try:
         r = json.loads(Path(f).read_text())
@@ -270,6 +306,8 @@ def plot(out: str | Path, files: Sequence[str | Path]) -> str:
         svg = panels_svg(_tree(results[0]))
     elif kind == "storage":
         svg = panels_svg(_storage(named))
+    elif kind == "multiturn":
+        svg = panels_svg(multiturn_panels(results[0]))
     else:
         svg = panels_svg(_compute(named))
     Path(out).write_text(svg, encoding="utf-8")

@@ -1,0 +1,1090 @@
+"""``kvtier bench multiturn``: does the tiered cache pay off end to end on the reference engine?
+
+One workload runs, closed loop, on a fresh ``LLM`` per cache configuration (one model, one set of
+weights, one set of prompts), next to a bound computed from rates measured in the same run.
+
+Workloads (``MultiTurnConfig.workload``):
+
+- ``multiturn`` (after SGLang's HiCache ``bench_multiturn``: clients x rounds, 512 new tokens
+  and 64 output tokens per turn, a ready queue popped at random; SGLang has no shared system
+  prompt and defaults to 256 clients, 128 in flight and 5 rounds, sized here for one in-process
+  engine): every client's first prompt is a system prompt all clients share plus a user turn of
+  its own; its turn ``r + 1`` is its turn ``r``'s prompt, the answer and a new user turn, so
+  histories grow. A client's next turn becomes ready when its previous one finished.
+- ``longdoc`` (after LMCache's long-document QA): ``documents`` documents, each asked
+  ``rounds`` questions (prompt = document + question): the first round asks each document once
+  in order (the warm-up), the other rounds' questions follow once it finished, shuffled
+  together.
+
+At most ``concurrency`` requests are in flight (``LLM.add_request``/``LLM.step``; the engine
+runs as many together). TTFT is the engine's ``RequestOutput.ttft_s``: from ``add_request`` to
+the end of the step that produced the request's first token. Outputs are greedy and
+``ignore_eos``: every request generates exactly ``output_tokens``.
+
+Configurations (``MultiTurnConfig.configs``), each a fresh engine: ``device`` (no host tier),
+``host`` (device + a host tier, by default holding the whole working set), ``host+file`` (a
+small host tier + the file L3 in a fresh directory), ``file-prepopulated`` (small host + a file
+L3 that an earlier engine filled over the same workload, the ``host+file`` run's directory or an
+untimed pass of its own, device and host empty: the first round is served from storage), and
+``mooncake`` (small host + Mooncake Store, a fresh tenant salt) when ``mooncake_url`` is given.
+
+Rates measured in the same run (``rates``), on an engine of their own without a host tier:
+
+- ``prefill_tokens_per_s``: a cold prefill of ``prefill_probe_tokens`` (the workload's mean
+  prompt length) over its TTFT, best of two;
+- ``decode_step_s``: the median decode step of ``decode_batch`` (= ``concurrency``) requests at
+  a context of ``decode_context`` (the mean prompt length);
+- ``link_gbps``: host -> device bytes per second, a contiguous pinned copy on CUDA
+  (``bench ttft``'s link) or a plain copy on the CPU;
+- ``storage_read_gbps``: a plain sequential read of every object the file L3 holds
+  (``kvtier.bench.raw_read``; the page cache is as warm as for the restores), or, for Mooncake,
+  the rate the run's own storage reads reached.
+
+Per configuration (``configs[name]``): ``wall_s``, ``requests_per_s``, input/output tokens/s,
+``ttft_s`` (p50/p90/p99/mean), prompt tokens served per tier and recomputed (``tokens``; and the
+first round's, ``first_round_tokens``), ``bound_s`` and ``wall_over_bound``, the speedup over the
+first configuration, whether every request's output equals the first configuration's
+(``outputs_match``, ``mismatched_requests``), whether served + recomputed = prompt tokens for
+every request (``tokens_add_up``; a preempted request computes more), selected ``llm.stats()``
+counters and one record per request (``requests``).
+
+The bound of a request is what it would cost if it cost only its own work at the measured rates:
+``max(recomputed / prefill rate, max((host + storage bytes) / link, storage bytes / storage
+rate)) + (output_tokens - 1) x decode_step_s / decode_batch`` (its share of the batched decode
+steps); a configuration's bound is the sum over its requests. ``wall_over_bound`` >= 1 means
+slower than the bound; on a CPU, where a step's fixed cost dominates and batching prefills with
+decodes is cheaper than running them apart, it can fall below 1.
+
+This module imports only the standard library and ``kvtier.errors`` at import time: the command
+line builds its flags (``add_arguments``) without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.config import CacheConfig
+    from kvtier.engine import LLM, RequestOutput
+
+WORKLOADS = ("multiturn", "longdoc")
+CONFIGS = ("device", "host", "host+file", "file-prepopulated", "mooncake")
+"""Every configuration the benchmark knows, in the order it runs them."""
+DEFAULT_CONFIGS = ("device", "host", "host+file", "file-prepopulated")
+"""What runs unless told otherwise (``mooncake`` joins them when ``mooncake_url`` is given)."""
+READY_POLICIES = ("random", "fifo")
+LLAMA_8B = "llama-8b"
+"""The model name of the Llama-8B-sized dense config with random weights drawn on its device
+(``bench ttft``'s and ``bench compute``'s model)."""
+TIERS = ("device", "host", "storage")
+
+RESULT_KEYS = (
+    "bench",
+    "workload",
+    "device",
+    "model",
+    "kv_bytes_per_token",
+    "rates",
+    "configs",
+    "summary",
+    "outputs_match",
+    "tokens_add_up",
+    "reference_config",
+)
+"""Top-level keys of the result."""
+CONFIG_KEYS = (
+    "cache",
+    "wall_s",
+    "requests",
+    "num_requests",
+    "requests_per_s",
+    "input_tokens",
+    "output_tokens",
+    "input_tokens_per_s",
+    "output_tokens_per_s",
+    "ttft_s",
+    "tokens",
+    "first_round_tokens",
+    "preemptions",
+    "tokens_add_up",
+    "bound_s",
+    "wall_over_bound",
+    "speedup",
+    "outputs_match",
+    "mismatched_requests",
+    "observed",
+    "stats",
+)
+"""Keys of every ``configs[name]``."""
+REQUEST_KEYS = (
+    "conversation",
+    "round",
+    "prompt_tokens",
+    "output_tokens",
+    "ttft_s",
+    "cached_device",
+    "cached_host",
+    "cached_storage",
+    "recomputed",
+    "preemptions",
+    "bound_s",
+)
+"""Keys of every record in ``configs[name]["requests"]`` (``conversation``: the client or the
+document)."""
+RATE_KEYS = (
+    "prefill_probe_tokens",
+    "prefill_tokens_per_s",
+    "decode_batch",
+    "decode_context",
+    "decode_step_s",
+    "link_gbps",
+    "link_how",
+    "storage_read_gbps",
+    "storage_read_how",
+)
+"""Keys of ``rates``."""
+STATS_KEYS = (
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "storage_hit_tokens",
+    "recomputed_tokens",
+    "evicted_device_pages",
+    "evicted_host_pages",
+    "load_bytes",
+    "load_seconds",
+    "backup_bytes",
+    "storage_read_bytes",
+    "storage_read_seconds",
+    "storage_write_bytes",
+    "prefetched_pages",
+    "prefetch_failed_pages",
+    "storage_errors",
+)
+"""``llm.stats()`` counters kept per configuration (those the cache has)."""
+
+HELP = "multi-turn or long-document workload with the tiers against device memory alone"
+DESCRIPTION = (
+    "A closed-loop multi-turn (or long-document) workload on the reference engine, once per "
+    "cache configuration (device only, + host tier, + small host and file L3, file L3 filled "
+    "beforehand, Mooncake with --mooncake-url): wall time, requests/s, tokens/s, TTFT "
+    "percentiles and tokens served per tier, next to a bound from the prefill, decode, link "
+    "and storage rates measured in the same run. Every configuration's outputs must equal the "
+    "first's (greedy); exits 1 when they do not."
+)
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """The workload, the model and the cache sizes of one run."""
+
+    workload: str = "multiturn"
+    """``multiturn`` (clients x rounds over a shared system prompt) or ``longdoc``."""
+    model: Any = "tiny"
+    """A model preset name, a checkpoint directory, ``llama-8b`` (the Llama-8B-sized dense
+    config, random weights drawn on the device) or a model config of any family."""
+    dtype: str | None = None
+    """The model's dtype (``None``: ``bfloat16`` for ``llama-8b``, the preset's own otherwise)."""
+    clients: int = 32
+    """``multiturn``: clients, one conversation each."""
+    rounds: int = 5
+    """``multiturn``: turns per client; ``longdoc``: questions per document (the first round
+    is the warm-up)."""
+    concurrency: int = 16
+    """Requests in flight at most (and the engine's ``max_running``)."""
+    system_tokens: int = 2048
+    """``multiturn``: the system prompt every client shares."""
+    new_tokens: int = 512
+    """``multiturn``: user tokens each turn adds."""
+    output_tokens: int = 64
+    """Tokens generated per request."""
+    ready_policy: str = "random"
+    """``multiturn``: which ready turn starts next, ``random`` (SGLang's default) or ``fifo``;
+    ``longdoc`` keeps its own order."""
+    documents: int = 8
+    """``longdoc``: documents."""
+    document_tokens: int = 10_000
+    """``longdoc``: tokens per document."""
+    question_tokens: int = 32
+    """``longdoc``: tokens per question."""
+    device_tokens: int = 16_384
+    """Device pool, tokens (rounded up to pages)."""
+    host_tokens: int | None = None
+    """Host tier of ``host``, tokens (``None``: the workload's working set, unless
+    ``host_bytes``)."""
+    host_bytes: int | None = None
+    """Host tier of ``host``, bytes (instead of ``host_tokens``)."""
+    small_host_tokens: int | None = None
+    """Host tier of the configurations with L3, tokens (``None``: ``device_tokens``)."""
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    """Configurations to run, of ``CONFIGS`` (run in that order; the first one is the
+    reference the others' outputs are compared with)."""
+    mooncake_url: str | None = None
+    """``storage_url`` of a Mooncake Store (``mooncake://MASTER:PORT?...``): adds ``mooncake``."""
+    storage_dir: str | None = None
+    """Where the file L3 directories are made (``None``: the system's temporary directory);
+    they are removed at the end."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    max_prefill_tokens: int = 16_384
+    """The engine's prefill budget per step (a longer prompt runs alone)."""
+    prefetch_policy: str = "wait_complete"
+    """``CacheConfig.prefetch_policy`` of the configurations with L3."""
+    decode_steps: int = 8
+    """Decode steps timed for ``rates.decode_step_s``."""
+    device: str | None = None
+    """Torch device (``None``: CUDA when there is one)."""
+    seed: int = 0
+    """Seed of the prompts and of the ready queue's pops."""
+    debug_checks: bool = False
+    """``CacheConfig.debug_checks`` (integrity at every poll: for tests, not figures)."""
+    progress: bool = True
+    """Progress lines on stderr."""
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ConfigError(
+                f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"
+            )
+        for name in (
+            "clients",
+            "rounds",
+            "concurrency",
+            "system_tokens",
+            "new_tokens",
+            "output_tokens",
+            "documents",
+            "document_tokens",
+            "question_tokens",
+            "device_tokens",
+            "page_size",
+            "max_prefill_tokens",
+            "decode_steps",
+        ):
+            _positive(name, getattr(self, name))
+        for name in ("host_tokens", "host_bytes", "small_host_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.host_tokens is not None and self.host_bytes is not None:
+            raise ConfigError(
+                f"host_tokens={self.host_tokens} and host_bytes={self.host_bytes} both size the "
+                "host tier: set at most one"
+            )
+        if self.ready_policy not in READY_POLICIES:
+            raise ConfigError(
+                f"ready_policy must be one of {', '.join(READY_POLICIES)}, got {self.ready_policy!r}"
+            )
+        if not isinstance(self.configs, tuple) or not self.configs:
+            raise ConfigError(f"configs must be a non-empty tuple, got {self.configs!r}")
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown:
+            raise ConfigError(
+                f"configs: unknown {', '.join(map(repr, unknown))} (known: {', '.join(CONFIGS)})"
+            )
+        if len(set(self.configs)) != len(self.configs):
+            raise ConfigError(f"configs names a configuration twice: {self.configs!r}")
+        if "mooncake" in self.configs and not self.mooncake_url:
+            raise ConfigError("configs has 'mooncake' but no mooncake_url is given")
+        if not isinstance(self.model, str) and not dataclasses.is_dataclass(self.model):
+            raise ConfigError(
+                f"model must be a preset name, a checkpoint directory, {LLAMA_8B!r} or a model "
+                f"config, got {type(self.model).__name__}"
+            )
+
+    def run_configs(self) -> tuple[str, ...]:
+        """The configurations that run, in ``CONFIGS`` order (``mooncake`` added when
+        ``mooncake_url`` is given)."""
+        names = set(self.configs) | ({"mooncake"} if self.mooncake_url else set())
+        return tuple(c for c in CONFIGS if c in names)
+
+
+def _positive(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+# ---- workloads --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of the workload."""
+
+    conversation: int
+    """The client (``multiturn``) or the document (``longdoc``)."""
+    round: int
+    """The client's turn, or the document's question, from 0."""
+    prompt: list[int]
+    """Token ids."""
+
+
+class MultiTurnWorkload:
+    """Clients x rounds over a shared system prompt; every user turn is drawn up front, so
+    every configuration sends the same prompts as long as the answers agree."""
+
+    def __init__(self, cfg: MultiTurnConfig, vocab: int) -> None:
+        rng = random.Random(cfg.seed)
+        self.rounds = cfg.rounds
+        self.system = _draw(rng, vocab, cfg.system_tokens)
+        self.user = [
+            [_draw(rng, vocab, cfg.new_tokens) for _ in range(cfg.rounds)]
+            for _ in range(cfg.clients)
+        ]
+        self.num_requests = cfg.clients * cfg.rounds
+        self.output_tokens = cfg.output_tokens
+        last = (
+            cfg.system_tokens + cfg.rounds * cfg.new_tokens + (cfg.rounds - 1) * cfg.output_tokens
+        )
+        self.max_prompt = last
+        self.mean_prompt = (
+            cfg.system_tokens
+            + (cfg.rounds + 1) / 2 * cfg.new_tokens
+            + (cfg.rounds - 1) / 2 * cfg.output_tokens
+        )
+        own = cfg.rounds * (cfg.new_tokens + cfg.output_tokens)
+        self.working_set = cfg.system_tokens + cfg.clients * own
+        """Distinct tokens the run computes (the system prompt once, every client's turns and
+        answers)."""
+        self.ordered = False
+
+    def initial(self) -> list[Turn]:
+        """The turns ready at the start of a run: every client's first."""
+        return [Turn(c, 0, self.system + u[0]) for c, u in enumerate(self.user)]
+
+    def after(self, turn: Turn, output: list[int]) -> list[Turn]:
+        """The turns that become ready once ``turn`` finished with ``output``."""
+        r = turn.round + 1
+        if r >= self.rounds:
+            return []
+        return [Turn(turn.conversation, r, turn.prompt + output + self.user[turn.conversation][r])]
+
+
+class LongDocWorkload:
+    """Documents asked questions: round 0 in document order, then the other rounds shuffled."""
+
+    def __init__(self, cfg: MultiTurnConfig, vocab: int) -> None:
+        rng = random.Random(cfg.seed)
+        self.docs = [_draw(rng, vocab, cfg.document_tokens) for _ in range(cfg.documents)]
+        self.questions = [
+            [_draw(rng, vocab, cfg.question_tokens) for _ in range(cfg.rounds)]
+            for _ in range(cfg.documents)
+        ]
+        later = [(d, r) for r in range(1, cfg.rounds) for d in range(cfg.documents)]
+        rng.shuffle(later)
+        self.later = later
+        self.num_requests = cfg.documents * cfg.rounds
+        self.output_tokens = cfg.output_tokens
+        self.max_prompt = cfg.document_tokens + cfg.question_tokens
+        self.mean_prompt = float(self.max_prompt)
+        self.working_set = cfg.documents * (
+            cfg.document_tokens + cfg.rounds * (cfg.question_tokens + cfg.output_tokens)
+        )
+        self.ordered = True
+        self._warm_left = cfg.documents
+
+    def _turn(self, d: int, r: int) -> Turn:
+        return Turn(d, r, self.docs[d] + self.questions[d][r])
+
+    def initial(self) -> list[Turn]:
+        """The turns ready at the start of a run (a run starts over: the object is reused)."""
+        self._warm_left = len(self.docs)
+        return [self._turn(d, 0) for d in range(len(self.docs))]
+
+    def after(self, turn: Turn, output: list[int]) -> list[Turn]:
+        if turn.round != 0:
+            return []
+        self._warm_left -= 1
+        return [self._turn(d, r) for d, r in self.later] if self._warm_left == 0 else []
+
+
+Workload = MultiTurnWorkload | LongDocWorkload
+
+
+def _draw(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def make_workload(cfg: MultiTurnConfig, vocab: int) -> Workload:
+    """The workload ``cfg`` names over a vocabulary of ``vocab`` ids."""
+    if cfg.workload == "multiturn":
+        return MultiTurnWorkload(cfg, vocab)
+    return LongDocWorkload(cfg, vocab)
+
+
+# ---- the closed loop --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Done:
+    turn: Turn
+    out: RequestOutput
+
+
+def run_closed_loop(
+    llm: LLM,
+    workload: Workload,
+    concurrency: int,
+    ready_policy: str,
+    seed: int,
+    on_done: Callable[[], None] = lambda: None,
+) -> tuple[list[_Done], float]:
+    """Run ``workload`` on ``llm`` with at most ``concurrency`` requests in flight; returns
+    every finished request (in finishing order) and the wall time. A request that fails raises
+    ``RuntimeError`` naming it."""
+    from kvtier.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True)
+    pick = random.Random(seed + 1)
+    ready = workload.initial()
+    flying: dict[int, Turn] = {}
+    done: list[_Done] = []
+    t0 = time.perf_counter()
+    while ready or flying:
+        while ready and len(flying) < concurrency:
+            i = 0 if workload.ordered or ready_policy == "fifo" else pick.randrange(len(ready))
+            turn = ready.pop(i)
+            flying[llm.add_request(turn.prompt, params)] = turn
+        for out in llm.step():
+            turn = flying.pop(out.request_id)
+            if out.finish_reason != "length" or len(out.output_ids) != workload.output_tokens:
+                raise RuntimeError(
+                    f"request of conversation {turn.conversation} round {turn.round} ended "
+                    f"{out.finish_reason!r} after {len(out.output_ids)} tokens: {out.error}"
+                )
+            done.append(_Done(turn, out))
+            ready += workload.after(turn, out.output_ids)
+            on_done()
+    return done, time.perf_counter() - t0
+
+
+# ---- model and rates --------------------------------------------------------------------
+
+
+def llama_8b_config(max_position: int, dtype: str = "bfloat16") -> Any:
+    """The Llama-8B-sized dense config of ``bench ttft``/``bench compute`` (32 layers, hidden
+    4096, GQA 32/8 heads of 128, MLP 14336, vocabulary 32000)."""
+    from kvtier.engine import ModelConfig
+
+    return ModelConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position=max_position,
+        dtype=dtype,
+    )
+
+
+def build_bench_model(cfg: MultiTurnConfig, dev: torch.device, max_position: int) -> Any:
+    """The model ``cfg.model`` names, on ``dev``, long enough for ``max_position`` positions
+    (a preset's or config's ``max_position`` is raised to it when shorter)."""
+    from kvtier.engine import load_model
+    from kvtier.engine.families import build_model, preset, preset_names
+
+    m = cfg.model
+    if m == LLAMA_8B:
+        from kvtier.bench.ttft import _DeviceInitLM
+
+        with dev:
+            model = _DeviceInitLM(llama_8b_config(max_position, cfg.dtype or "bfloat16"))
+        model.fill_random(0)
+        return model
+    if isinstance(m, str) and m not in preset_names() and Path(m).is_dir():
+        return load_model(m).to(dev)
+    over = {"dtype": cfg.dtype} if cfg.dtype else {}
+    mc = preset(m, **over) if isinstance(m, str) else dataclasses.replace(m, **over)
+    if mc.max_position < max_position:
+        mc = dataclasses.replace(mc, max_position=max_position)
+    return build_model(mc).to(dev)
+
+
+def kv_bytes_per_token(model: Any, page_size: int) -> float:
+    """Bytes of every pool's state per token (a page's bytes over its tokens)."""
+    return sum(s.page_bytes(page_size) for s in model.pool_specs()) / page_size
+
+
+def measure_rates(
+    model: Any,
+    cfg: MultiTurnConfig,
+    dev: torch.device,
+    workload: Workload,
+    bpt: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Prefill rate, decode step time and link rate (module docstring), on an engine of their
+    own without a host tier; ``storage_read_*`` are filled in once an L3 is."""
+    from kvtier.bench.compute import copy_gbps
+    from kvtier.bench.ttft import _link_gbps
+    from kvtier.config import CacheConfig
+    from kvtier.engine import LLM, SamplingParams
+
+    ps = cfg.page_size
+    vocab = model.config.vocab_size
+    rng = random.Random(cfg.seed + 2)
+    probe = max(1, min(round(workload.mean_prompt), workload.max_prompt))
+    batch = cfg.concurrency
+    context = max(3, round(workload.mean_prompt))
+    steps = cfg.decode_steps
+    pages = max(-(-(probe + 1) // ps), batch * -(-(context + steps + 2) // ps)) + 8
+    _release(dev)
+    llm = LLM(
+        model,
+        CacheConfig(
+            page_size=ps,
+            device_pages=pages,
+            device=str(dev),
+            enable_host=False,
+            debug_checks=cfg.debug_checks,
+        ),
+        max_running=batch,
+        max_prefill_tokens=max(probe, batch * context) + 1,
+    )
+    try:
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        llm.generate([_draw(rng, vocab, min(probe, 256))], one)  # kernels warmed up
+        best = math.inf
+        for _ in range(2):
+            out = llm.generate([_draw(rng, vocab, probe)], one)[0]
+            best = min(best, out.ttft_s or math.inf)
+        prefill_rate = probe / best
+        # Every prompt prefilled in one step, one decode step untimed, then the timed ones.
+        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+        for _ in range(batch):
+            llm.add_request(_draw(rng, vocab, context - 2), params)
+        llm.step()
+        llm.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            llm.step()
+            times.append(time.perf_counter() - t0)
+        while llm.has_unfinished():
+            llm.step()
+        step_s = statistics.median(times)
+    finally:
+        llm.close()
+    _release(dev)
+    nbytes = int(min(max(context * bpt, 1 << 20), 1 << 30))
+    if dev.type == "cuda":
+        link, how = _link_gbps(nbytes, dev), f"pinned host -> device copy of {nbytes} bytes"
+    else:
+        link, how = copy_gbps(dev, nbytes) / 2, f"host memory copy of {nbytes} bytes"
+    log(
+        f"rates: prefill {prefill_rate:.0f} tokens/s ({probe} tokens), decode step "
+        f"{step_s * 1e3:.2f} ms (batch {batch}, context {context}), link {link:.1f} GB/s"
+    )
+    return {
+        "prefill_probe_tokens": probe,
+        "prefill_tokens_per_s": prefill_rate,
+        "decode_batch": batch,
+        "decode_context": context,
+        "decode_step_s": step_s,
+        "link_gbps": link,
+        "link_how": how,
+        "storage_read_gbps": None,
+        "storage_read_how": None,
+    }
+
+
+def request_bound(
+    rec: dict[str, Any], rates: dict[str, Any], bpt: float, storage_gbps: float | None
+) -> float:
+    """One request's bound (module docstring) from its record and the measured rates."""
+    compute = rec["recomputed"] / rates["prefill_tokens_per_s"]
+    moved = (rec["cached_host"] + rec["cached_storage"]) * bpt
+    load = moved / (rates["link_gbps"] * 1e9) if rates["link_gbps"] else 0.0
+    if rec["cached_storage"] and storage_gbps:
+        load = max(load, rec["cached_storage"] * bpt / (storage_gbps * 1e9))
+    decode = (rec["output_tokens"] - 1) * rates["decode_step_s"] / rates["decode_batch"]
+    return max(compute, load) + decode
+
+
+# ---- configurations ---------------------------------------------------------------------
+
+
+def _cache_config(
+    name: str,
+    cfg: MultiTurnConfig,
+    dev: torch.device,
+    working_set: int,
+    storage_dir: str | None,
+    salt: str,
+) -> CacheConfig:
+    from kvtier.config import CacheConfig
+
+    ps = cfg.page_size
+    base = CacheConfig(
+        page_size=ps,
+        device_pages=-(-cfg.device_tokens // ps),
+        device=str(dev),
+        debug_checks=cfg.debug_checks,
+    )
+    if name == "device":
+        return dataclasses.replace(base, enable_host=False)
+    if name == "host":
+        if cfg.host_bytes is not None:
+            return dataclasses.replace(base, host_bytes=cfg.host_bytes)
+        tokens = cfg.host_tokens or working_set + cfg.concurrency * ps
+        return dataclasses.replace(base, host_pages=-(-tokens // ps))
+    small = dataclasses.replace(
+        base,
+        host_pages=-(-(cfg.small_host_tokens or cfg.device_tokens) // ps),
+        prefetch_policy=cfg.prefetch_policy,
+    )
+    if name == "mooncake":
+        return dataclasses.replace(
+            small, storage="mooncake", storage_url=cfg.mooncake_url, tenant_salt=salt
+        )
+    if storage_dir is None:
+        raise ValueError(f"configuration {name!r} needs an L3 directory")
+    return dataclasses.replace(
+        small, storage="file", storage_dir=storage_dir, storage_bytes=1 << 50
+    )
+
+
+def _record(d: _Done) -> dict[str, Any]:
+    o = d.out
+    return {
+        "conversation": d.turn.conversation,
+        "round": d.turn.round,
+        "prompt_tokens": len(d.turn.prompt),
+        "output_tokens": len(o.output_ids),
+        "ttft_s": o.ttft_s,
+        "cached_device": o.cached_device,
+        "cached_host": o.cached_host,
+        "cached_storage": o.cached_storage,
+        "recomputed": o.recomputed,
+        "preemptions": o.preemptions,
+        "bound_s": None,
+    }
+
+
+def _tier_tokens(recs: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        "device": sum(r["cached_device"] for r in recs),
+        "host": sum(r["cached_host"] for r in recs),
+        "storage": sum(r["cached_storage"] for r in recs),
+        "recomputed": sum(r["recomputed"] for r in recs),
+        "prompt": sum(r["prompt_tokens"] for r in recs),
+    }
+
+
+def adds_up(rec: dict[str, Any]) -> bool:
+    """Served + recomputed = prompt tokens (a preempted request computes more)."""
+    served = rec["cached_device"] + rec["cached_host"] + rec["cached_storage"]
+    total = served + rec["recomputed"]
+    return (
+        total == rec["prompt_tokens"] if not rec["preemptions"] else total >= rec["prompt_tokens"]
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, linear between closest ranks (numpy's
+    default)."""
+    s = sorted(values)
+    if not s:
+        return math.nan
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _run_config(
+    name: str,
+    cfg: MultiTurnConfig,
+    model: Any,
+    cache: CacheConfig,
+    workload: Workload,
+) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
+    """One configuration on a fresh engine: its figures (bound and comparisons filled in
+    later) and every request's output ids by ``(conversation, round)``."""
+    from kvtier.bench.helpers import Progress
+    from kvtier.engine import LLM
+
+    _release(cache.device)
+    llm = LLM(
+        model,
+        cache,
+        max_running=cfg.concurrency,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+    )
+    bar = Progress(name, workload.num_requests, shown=cfg.progress)
+    try:
+        done, wall = run_closed_loop(
+            llm, workload, cfg.concurrency, cfg.ready_policy, cfg.seed, on_done=bar.step
+        )
+        llm.check_integrity()
+        stats = llm.stats()
+    finally:
+        bar.close()
+        llm.close()
+    _release(cache.device)
+    recs = sorted((_record(d) for d in done), key=lambda r: (r["round"], r["conversation"]))
+    outputs = {(d.turn.conversation, d.turn.round): d.out.output_ids for d in done}
+    ttfts = [r["ttft_s"] for r in recs]
+    n_in = sum(r["prompt_tokens"] for r in recs)
+    n_out = sum(r["output_tokens"] for r in recs)
+    kept = {k: stats[k] for k in STATS_KEYS if k in stats}
+    res = {
+        "cache": {
+            "device_tokens": stats["device_pages_total"] * cfg.page_size,
+            "host_tokens": stats["host_pages_total"] * cfg.page_size,
+            "host_bytes": stats["host_bytes_total"],
+            "storage": cache.storage,
+        },
+        "wall_s": wall,
+        "requests": recs,
+        "num_requests": len(recs),
+        "requests_per_s": len(recs) / wall,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "input_tokens_per_s": n_in / wall,
+        "output_tokens_per_s": n_out / wall,
+        "ttft_s": {
+            "p50": percentile(ttfts, 50),
+            "p90": percentile(ttfts, 90),
+            "p99": percentile(ttfts, 99),
+            "mean": sum(ttfts) / len(ttfts),
+        },
+        "tokens": _tier_tokens(recs),
+        "first_round_tokens": _tier_tokens([r for r in recs if r["round"] == 0]),
+        "preemptions": sum(r["preemptions"] for r in recs),
+        "tokens_add_up": all(adds_up(r) for r in recs),
+        "bound_s": None,
+        "wall_over_bound": None,
+        "speedup": None,
+        "outputs_match": None,
+        "mismatched_requests": None,
+        "observed": {
+            "load_gbps": _rate(stats.get("load_bytes", 0), stats.get("load_seconds", 0)),
+            "storage_read_gbps": _rate(
+                stats.get("storage_read_bytes", 0), stats.get("storage_read_seconds", 0)
+            ),
+        },
+        "stats": kept,
+    }
+    return res, outputs
+
+
+def _release(dev: object) -> None:
+    """On CUDA (``dev``: a device or its name), give back the pools of engines already closed
+    before the next one allocates its own (``decode_stall.release_pools``); on the CPU the
+    collector gets to them (a full collection per engine would cost more than a tiny run)."""
+    if str(dev).startswith("cuda"):
+        from kvtier.bench.decode_stall import release_pools
+
+        release_pools()
+
+
+def _rate(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds / 1e9 if nbytes and seconds else None
+
+
+@contextlib.contextmanager
+def _scratch(parent: str | None) -> Iterator[Callable[[str], str]]:
+    """Fresh L3 directories under ``parent`` (``mkdir(name)``), all removed at the end."""
+    root = tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=parent)
+    try:
+        yield lambda name: tempfile.mkdtemp(prefix=f"{name.replace('+', '-')}-", dir=root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the benchmark ----------------------------------------------------------------------
+
+
+def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
+    """Run ``cfg``'s workload on every configuration it names and return the JSON-ready result
+    the module docstring describes (keys: ``RESULT_KEYS``, per configuration ``CONFIG_KEYS``).
+
+    Raises ``ConfigError`` for a request that cannot fit the device pool or the model's
+    context, before any engine starts."""
+    from kvtier.bench.helpers import logger
+    from kvtier.bench.raw_read import read_dir
+    from kvtier.config import resolve_device
+
+    log = logger("multiturn") if cfg.progress else (lambda msg: None)
+    dev = resolve_device(cfg.device)
+    names = cfg.run_configs()
+    # sizes first: a workload that cannot run fails before a model is built
+    probe = make_workload(cfg, 2)
+    longest = probe.max_prompt + probe.output_tokens
+    if longest + 2 * cfg.page_size > cfg.device_tokens:
+        raise ConfigError(
+            f"device_tokens={cfg.device_tokens} cannot hold one request of up to {longest} "
+            f"tokens (prompt + output_tokens) and a padding page"
+        )
+    t0 = time.perf_counter()
+    model = build_bench_model(cfg, dev, longest + cfg.page_size)
+    mc = model.config
+    if longest > mc.max_position:
+        raise ConfigError(
+            f"the longest request has {longest} tokens but the model's context is "
+            f"{mc.max_position} positions"
+        )
+    log(f"model on {dev} in {time.perf_counter() - t0:.1f} s")
+    workload = make_workload(cfg, mc.vocab_size)
+    bpt = kv_bytes_per_token(model, cfg.page_size)
+    rates = measure_rates(model, cfg, dev, workload, bpt, log)
+    salt = f"bench-multiturn-{uuid.uuid4().hex}"
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
+    storage_gbps: dict[str, float | None] = {}
+    with _scratch(cfg.storage_dir) as mkdir:
+        filled: str | None = None
+        for name in names:
+            directory = None
+            if name == "host+file":
+                directory = mkdir(name)
+            elif name == "file-prepopulated":
+                if filled is None:  # filled by an untimed engine of its own, same workload
+                    filled = mkdir("fill")
+                    log("file-prepopulated: filling its L3 with the workload (untimed)")
+                    fill = _cache_config("host+file", cfg, dev, workload.working_set, filled, salt)
+                    _run_config("fill", cfg, model, fill, workload)
+                directory = filled
+            cache = _cache_config(name, cfg, dev, workload.working_set, directory, salt)
+            res, outs = _run_config(name, cfg, model, cache, workload)
+            if name == "host+file":
+                filled = directory
+            if cache.storage == "file" and rates["storage_read_gbps"] is None:
+                nbytes, seconds = read_dir(cache.storage_dir)
+                if nbytes and seconds:
+                    rates["storage_read_gbps"] = nbytes / seconds / 1e9
+                    rates["storage_read_how"] = (
+                        f"plain sequential read of the {nbytes} bytes the file L3 held"
+                    )
+            storage_gbps[name] = (
+                res["observed"]["storage_read_gbps"] if name == "mooncake" else None
+            )
+            results[name], outputs[name] = res, outs
+            tk = res["tokens"]
+            log(
+                f"{name}: {res['wall_s']:.2f} s, TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms, "
+                f"tokens device {tk['device']} host {tk['host']} storage {tk['storage']} "
+                f"recomputed {tk['recomputed']}"
+            )
+    ref = names[0]
+    for name, res in results.items():
+        gbps = storage_gbps[name] if name == "mooncake" else rates["storage_read_gbps"]
+        for rec in res["requests"]:
+            rec["bound_s"] = request_bound(rec, rates, bpt, gbps)
+        res["bound_s"] = sum(r["bound_s"] for r in res["requests"])
+        res["wall_over_bound"] = res["wall_s"] / res["bound_s"] if res["bound_s"] else None
+        res["speedup"] = results[ref]["wall_s"] / res["wall_s"]
+        wrong = sum(outputs[name].get(k) != v for k, v in outputs[ref].items())
+        res["mismatched_requests"] = wrong
+        res["outputs_match"] = wrong == 0 and len(outputs[name]) == len(outputs[ref])
+    result = {
+        "bench": "multiturn",
+        "workload": _workload_json(cfg, workload),
+        "device": str(dev),
+        "model": _model_json(cfg, mc),
+        "kv_bytes_per_token": bpt,
+        "rates": rates,
+        "configs": results,
+        "summary": {
+            name: {
+                "wall_s": r["wall_s"],
+                "speedup": r["speedup"],
+                "requests_per_s": r["requests_per_s"],
+                "ttft_p50_s": r["ttft_s"]["p50"],
+                "ttft_p90_s": r["ttft_s"]["p90"],
+                "bound_s": r["bound_s"],
+                "wall_over_bound": r["wall_over_bound"],
+                "served": {t: r["tokens"][t] for t in (*TIERS, "recomputed")},
+            }
+            for name, r in results.items()
+        },
+        "outputs_match": all(r["outputs_match"] for r in results.values()),
+        "tokens_add_up": all(r["tokens_add_up"] for r in results.values()),
+        "reference_config": ref,
+    }
+    for name, s in result["summary"].items():
+        log(
+            f"{name}: speedup {s['speedup']:.2f}x over {ref}, wall/bound {s['wall_over_bound']:.2f}"
+        )
+    return result
+
+
+def _workload_json(cfg: MultiTurnConfig, w: Workload) -> dict[str, Any]:
+    keys = ["workload", "concurrency", "output_tokens", "rounds", "seed", "page_size"]
+    if cfg.workload == "multiturn":
+        keys += ["clients", "system_tokens", "new_tokens", "ready_policy"]
+    else:
+        keys += ["documents", "document_tokens", "question_tokens"]
+    out: dict[str, Any] = {k: getattr(cfg, k) for k in keys}
+    out.update(
+        requests=w.num_requests,
+        max_prompt_tokens=w.max_prompt,
+        mean_prompt_tokens=w.mean_prompt,
+        working_set_tokens=w.working_set,
+        device_tokens=-(-cfg.device_tokens // cfg.page_size) * cfg.page_size,
+        working_set_over_device=w.working_set / cfg.device_tokens,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        configs=list(cfg.run_configs()),
+    )
+    return out
+
+
+def _model_json(cfg: MultiTurnConfig, mc: Any) -> dict[str, Any]:
+    name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
+    keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size", "dtype")
+    return {"name": name, **{k: getattr(mc, k) for k in keys if hasattr(mc, k)}}
+
+
+# ---- command line -----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags on ``parser`` (``--json PATH`` unless it has one already), and
+    ``run`` as its ``func``. Imports nothing heavy."""
+    d = MultiTurnConfig.__dataclass_fields__
+
+    def opt(flag: str, name: str, help: str, type: Callable[[str], Any] = int) -> None:
+        parser.add_argument(flag, type=type, default=d[name].default, help=help)
+
+    parser.add_argument(
+        "--workload", choices=WORKLOADS, default="multiturn", help="workload (default multiturn)"
+    )
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help=f"model preset, checkpoint directory or {LLAMA_8B} (Llama-8B-sized, random "
+        "weights drawn on the device; default tiny)",
+    )
+    parser.add_argument("--dtype", default=None, help="model dtype (llama-8b: bfloat16)")
+    opt("--clients", "clients", "multiturn: clients, one conversation each")
+    opt("--rounds", "rounds", "multiturn: turns per client; longdoc: questions per document")
+    opt("--concurrency", "concurrency", "requests in flight at most")
+    opt("--system-tokens", "system_tokens", "multiturn: shared system prompt, tokens")
+    opt("--new-tokens", "new_tokens", "multiturn: user tokens per turn")
+    opt("--output-tokens", "output_tokens", "tokens generated per request")
+    parser.add_argument(
+        "--ready-policy",
+        choices=READY_POLICIES,
+        default="random",
+        help="multiturn: which ready turn starts next",
+    )
+    opt("--documents", "documents", "longdoc: documents")
+    opt("--document-tokens", "document_tokens", "longdoc: tokens per document")
+    opt("--question-tokens", "question_tokens", "longdoc: tokens per question")
+    opt("--device-tokens", "device_tokens", "device pool, tokens")
+    opt("--host-tokens", "host_tokens", "host tier of 'host', tokens (default: the working set)")
+    opt("--host-bytes", "host_bytes", "host tier of 'host', bytes (instead of --host-tokens)")
+    opt(
+        "--small-host-tokens",
+        "small_host_tokens",
+        "host tier of the configurations with L3, tokens (default: --device-tokens)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated configurations of {', '.join(CONFIGS)} (default: "
+        f"{','.join(DEFAULT_CONFIGS)}; the first is the reference)",
+    )
+    parser.add_argument(
+        "--mooncake-url", default=None, help="mooncake://MASTER:PORT?...: adds 'mooncake'"
+    )
+    parser.add_argument(
+        "--storage-dir", default=None, help="where the file L3 directories go (default: a temp one)"
+    )
+    opt("--page-size", "page_size", "tokens per KV page")
+    opt("--max-prefill-tokens", "max_prefill_tokens", "prefill tokens per engine step")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
+    opt("--seed", "seed", "seed of the prompts and the ready queue")
+    parser.add_argument("--plot", metavar="SVG", default=None, help="also draw the figures")
+    with contextlib.suppress(argparse.ArgumentError):  # a parent parser may bring it
+        parser.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
+    """The ``MultiTurnConfig`` of parsed ``add_arguments`` flags; ``ConfigError`` for bad ones."""
+    names = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    return MultiTurnConfig(
+        workload=args.workload,
+        model=args.model,
+        dtype=args.dtype,
+        clients=args.clients,
+        rounds=args.rounds,
+        concurrency=args.concurrency,
+        system_tokens=args.system_tokens,
+        new_tokens=args.new_tokens,
+        output_tokens=args.output_tokens,
+        ready_policy=args.ready_policy,
+        documents=args.documents,
+        document_tokens=args.document_tokens,
+        question_tokens=args.question_tokens,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        host_bytes=args.host_bytes,
+        small_host_tokens=args.small_host_tokens,
+        configs=names,
+        mooncake_url=args.mooncake_url,
+        storage_dir=args.storage_dir,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def failure(result: dict[str, Any]) -> str | None:
+    """Why a result is a failed run (outputs differ from the reference's, or tokens served per
+    tier do not add up), or ``None``."""
+    why = []
+    for name, r in result["configs"].items():
+        if not r["outputs_match"]:
+            why.append(
+                f"{name}: {r['mismatched_requests']} request(s) differ from "
+                f"{result['reference_config']}"
+            )
+        if not r["tokens_add_up"]:
+            why.append(f"{name}: served + recomputed != prompt tokens")
+    return "; ".join(why) or None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command: print the JSON result (and write ``--json``, ``--plot``); exit 0, 1 when
+    the run's own checks failed (``failure``), 2 for a bad option (one line on stderr)."""
+    try:
+        result = bench_multiturn(config_from_args(args))
+    except ConfigError as e:
+        print(f"kvtier bench multiturn: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.plot:
+        from kvtier.bench.plot import multiturn_panels, panels_svg
+
+        Path(args.plot).write_text(panels_svg(multiturn_panels(result)), encoding="utf-8")
+    why = failure(result)
+    if why:
+        print(f"kvtier bench multiturn: {why}", file=sys.stderr)
+        return 1
+    return 0
