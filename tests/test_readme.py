@@ -13,6 +13,7 @@ A fenced block the tests run is marked by an HTML comment right before its fence
   server is stopped with SIGINT, started again with the same command, and the client must then
   print ``restart-output``.
 * ``api``: the engine-author snippet; every cache call and admission field it names exists.
+* ``llm``: the reference engine's snippet runs as a script.
 
 Commands run in a temporary directory, so ``kvtier-data/`` lands there.
 """
@@ -174,6 +175,19 @@ def test_engine_snippet_names_what_the_cache_has() -> None:
     assert {"admit", "admit_ready", "abandon", "alloc", "finish", "write_kv"} <= calls
     assert [c for c in calls if not callable(getattr(TieredCache, c, None))] == []
     assert [f for f in fields if not hasattr(Admission, f)] == []
+
+
+def test_reference_engine_snippet_runs(tmp_path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", blocks()["llm"]],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "device_hit_tokens" in r.stdout, r.stdout[-3000:]
 
 
 def test_readme_links_resolve() -> None:
