@@ -22,12 +22,12 @@ DEADLINE_S = 180.0
 """One example's or one server start's deadline (a loaded CI host imports torch slowly)."""
 
 
-def run_example(name: str, *args: str) -> str:
-    """``python examples/NAME args...`` from the repository root; its stdout."""
+def run_example(name: str, *args: str, cwd: Path = ROOT) -> str:
+    """``python examples/NAME args...`` (from the repository root unless ``cwd``); its stdout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -85,14 +85,15 @@ def test_make_checkpoint_is_served_by_kvtier_serve(tmp_path) -> None:
     openai = pytest.importorskip("openai")
     from tokenizers import Tokenizer
 
+    # as the README says: `python examples/make_checkpoint.py ckpt`, then `kvtier serve ckpt`
+    out = run_example("make_checkpoint.py", "ckpt", cwd=tmp_path)
     ckpt = tmp_path / "ckpt"
-    out = run_example("make_checkpoint.py", str(ckpt))
     assert "Llama" in out
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in ckpt.iterdir()
     }
 
-    cmd = [sys.executable, "-m", "kvtier", "serve", str(ckpt), "--port", "0", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "kvtier", "serve", "ckpt", "--port", "0", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -110,7 +111,7 @@ def test_make_checkpoint_is_served_by_kvtier_serve(tmp_path) -> None:
 
         client = openai.OpenAI(base_url=f"{m.group(1)}/v1", api_key="unused", max_retries=0)
         prompt = "A KV cache keeps the attention keys"
-        r = client.completions.create(model=str(ckpt), prompt=prompt, max_tokens=8, temperature=0)
+        r = client.completions.create(model="ckpt", prompt=prompt, max_tokens=8, temperature=0)
         ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(prompt).ids
         assert r.usage.prompt_tokens == len(ids)
         assert len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens > 0
