@@ -45,15 +45,17 @@ Per configuration (``configs[name]``): ``wall_s``, ``requests_per_s``, input/out
 first round's, ``first_round_tokens``), ``bound_s`` and ``wall_over_bound``, the speedup over the
 first configuration, whether every request's output equals the first configuration's
 (``outputs_match``, ``mismatched_requests``), whether served + recomputed = prompt tokens for
-every request (``tokens_add_up``; a preempted request computes more), selected ``llm.stats()``
-counters and one record per request (``requests``).
+every request (``tokens_add_up``; a preempted request computes more), the rate its own storage
+reads reached (``observed``), selected ``llm.stats()`` counters and one record per request
+(``requests``).
 
 The bound of a request is what it would cost if it cost only its own work at the measured rates:
 ``max(recomputed / prefill rate, max((host + storage bytes) / link, storage bytes / storage
 rate)) + (output_tokens - 1) x decode_step_s / decode_batch`` (its share of the batched decode
 steps); a configuration's bound is the sum over its requests. ``wall_over_bound`` >= 1 means
 slower than the bound; on a CPU, where a step's fixed cost dominates and batching prefills with
-decodes is cheaper than running them apart, it can fall below 1.
+decodes is cheaper than running them apart, it can fall below 1. On a CPU shared with other work,
+run with ``OMP_NUM_THREADS=1``: torch's threads waiting for busy cores make every rate noise.
 
 This module imports only the standard library and ``kvtier.errors`` at import time: the command
 line builds its flags (``add_arguments``) without torch.
@@ -364,6 +366,7 @@ class MultiTurnWorkload:
         """Distinct tokens the run computes (the system prompt once, every client's turns and
         answers)."""
         self.ordered = False
+        """Whether ready turns start in the order they became ready (else ``ready_policy``)."""
 
     def initial(self) -> list[Turn]:
         """The turns ready at the start of a run: every client's first."""
@@ -399,6 +402,7 @@ class LongDocWorkload:
         )
         self.ordered = True
         self._warm_left = cfg.documents
+        """Warm-up questions not finished yet in the current run."""
 
     def _turn(self, d: int, r: int) -> Turn:
         return Turn(d, r, self.docs[d] + self.questions[d][r])
@@ -409,6 +413,7 @@ class LongDocWorkload:
         return [self._turn(d, 0) for d in range(len(self.docs))]
 
     def after(self, turn: Turn, output: list[int]) -> list[Turn]:
+        """Every later question once the last warm-up question finished; else nothing."""
         if turn.round != 0:
             return []
         self._warm_left -= 1
@@ -432,10 +437,14 @@ def make_workload(cfg: MultiTurnConfig, vocab: int) -> Workload:
 # ---- the closed loop --------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Done:
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request of the workload, done."""
+
     turn: Turn
+    """What was sent."""
     out: RequestOutput
+    """What the engine returned."""
 
 
 def run_closed_loop(
@@ -445,7 +454,7 @@ def run_closed_loop(
     ready_policy: str,
     seed: int,
     on_done: Callable[[], None] = lambda: None,
-) -> tuple[list[_Done], float]:
+) -> tuple[list[Finished], float]:
     """Run ``workload`` on ``llm`` with at most ``concurrency`` requests in flight; returns
     every finished request (in finishing order) and the wall time. A request that fails raises
     ``RuntimeError`` naming it."""
@@ -455,7 +464,7 @@ def run_closed_loop(
     pick = random.Random(seed + 1)
     ready = workload.initial()
     flying: dict[int, Turn] = {}
-    done: list[_Done] = []
+    done: list[Finished] = []
     t0 = time.perf_counter()
     while ready or flying:
         while ready and len(flying) < concurrency:
@@ -469,7 +478,7 @@ def run_closed_loop(
                     f"request of conversation {turn.conversation} round {turn.round} ended "
                     f"{out.finish_reason!r} after {len(out.output_ids)} tokens: {out.error}"
                 )
-            done.append(_Done(turn, out))
+            done.append(Finished(turn, out))
             ready += workload.after(turn, out.output_ids)
             on_done()
     return done, time.perf_counter() - t0
@@ -663,7 +672,7 @@ def _cache_config(
     )
 
 
-def _record(d: _Done) -> dict[str, Any]:
+def _record(d: Finished) -> dict[str, Any]:
     o = d.out
     return {
         "conversation": d.turn.conversation,
@@ -778,7 +787,6 @@ def _run_config(
         "outputs_match": None,
         "mismatched_requests": None,
         "observed": {
-            "load_gbps": _rate(stats.get("load_bytes", 0), stats.get("load_seconds", 0)),
             "storage_read_gbps": _rate(
                 stats.get("storage_read_bytes", 0), stats.get("storage_read_seconds", 0)
             ),
@@ -963,8 +971,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``run`` as its ``func``. Imports nothing heavy."""
     d = MultiTurnConfig.__dataclass_fields__
 
-    def opt(flag: str, name: str, help: str, type: Callable[[str], Any] = int) -> None:
-        parser.add_argument(flag, type=type, default=d[name].default, help=help)
+    def opt(flag: str, name: str, help: str) -> None:
+        default = d[name].default
+        shown = "" if default is None else f" (default {default})"
+        parser.add_argument(flag, type=int, default=default, help=help + shown)
 
     parser.add_argument(
         "--workload", choices=WORKLOADS, default="multiturn", help="workload (default multiturn)"
@@ -1088,3 +1098,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier bench multiturn: {why}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.multiturn [flags]``: the command on its own parser."""
+    parser = argparse.ArgumentParser(prog="kvtier bench multiturn", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
