@@ -708,6 +708,14 @@ def adds_up(rec: dict[str, Any]) -> bool:
     )
 
 
+def mismatches(
+    reference: dict[tuple[int, int], list[int]], outputs: dict[tuple[int, int], list[int]]
+) -> int:
+    """Requests, by ``(conversation, round)``, whose output ids differ between ``reference``
+    and ``outputs`` or that only one of them has."""
+    return sum(reference.get(k) != outputs.get(k) for k in reference.keys() | outputs.keys())
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values``, linear between closest ranks (numpy's
     default)."""
@@ -902,9 +910,8 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
         res["bound_s"] = sum(r["bound_s"] for r in res["requests"])
         res["wall_over_bound"] = res["wall_s"] / res["bound_s"] if res["bound_s"] else None
         res["speedup"] = results[ref]["wall_s"] / res["wall_s"]
-        wrong = sum(outputs[name].get(k) != v for k, v in outputs[ref].items())
-        res["mismatched_requests"] = wrong
-        res["outputs_match"] = wrong == 0 and len(outputs[name]) == len(outputs[ref])
+        res["mismatched_requests"] = mismatches(outputs[ref], outputs[name])
+        res["outputs_match"] = res["mismatched_requests"] == 0
     result = {
         "bench": "multiturn",
         "workload": _workload_json(cfg, workload),

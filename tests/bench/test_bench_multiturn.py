@@ -139,6 +139,13 @@ def test_request_bound_is_the_slower_of_compute_and_load_plus_decode_share() -> 
     assert mt.request_bound(rec, rates, 1000.0, 0.5) == pytest.approx(1.2 + decode)
 
 
+def test_mismatches_count_requests_that_differ_or_are_missing() -> None:
+    ref = {(0, 0): [1, 2], (0, 1): [3], (1, 0): [4]}
+    assert mt.mismatches(ref, dict(ref)) == 0
+    assert mt.mismatches(ref, {**ref, (0, 1): [3, 0]}) == 1
+    assert mt.mismatches(ref, {(0, 0): [1, 2], (2, 0): [4]}) == 3  # (0, 1), (1, 0), (2, 0)
+
+
 def test_percentile_is_linear_between_ranks() -> None:
     assert mt.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert mt.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
