@@ -20,7 +20,18 @@ from kvtier import cli
 from kvtier.bench import commands
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("tree", "transfer", "storage", "ttft", "step", "backup", "window", "compute", "serve")
+BENCHES = (
+    "tree",
+    "transfer",
+    "storage",
+    "ttft",
+    "step",
+    "backup",
+    "window",
+    "compute",
+    "serve",
+    "multiturn",
+)
 HELPS = [[], ["demo"], ["serve"], ["plot"], ["bench"], *(["bench", b] for b in BENCHES)]
 
 

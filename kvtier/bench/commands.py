@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.bench import multiturn
+
 DEVICE_HELP = "torch device (default: cuda when there is one, else cpu)"
 
 
@@ -402,3 +404,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     page_size(p)
     device(p)
+    multiturn.add_arguments(
+        names.add_parser(
+            "multiturn",
+            parents=[common],
+            help=multiturn.HELP,
+            description=multiturn.DESCRIPTION,
+        )
+    )
