@@ -69,7 +69,11 @@ def make_recipe(target: str) -> str:
     """The target's own command, as ``make -n TARGET`` prints it: the last line (what sets up
     ``.venv`` first, when it is not current, comes before it)."""
     out = subprocess.run(
-        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", target],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return out.strip().splitlines()[-1]
 
