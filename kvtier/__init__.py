@@ -13,11 +13,16 @@ if TYPE_CHECKING:
     from kvtier.cache.results import Admission, Handle, InsertResult, LoadResult, MatchResult
     from kvtier.cache.tiered_cache import TieredCache
     from kvtier.config import CacheConfig
+    from kvtier.errors import CapacityError, ConfigError, KvtierError, RequestError
     from kvtier.pools.spec import PoolSpec
 
 _EXPORTS = {
     "Admission": "kvtier.cache.results",
     "CacheConfig": "kvtier.config",
+    "CapacityError": "kvtier.errors",
+    "ConfigError": "kvtier.errors",
+    "KvtierError": "kvtier.errors",
+    "RequestError": "kvtier.errors",
     "Handle": "kvtier.cache.results",
     "InsertResult": "kvtier.cache.results",
     "LoadResult": "kvtier.cache.results",
@@ -29,11 +34,15 @@ _EXPORTS = {
 __all__ = [
     "Admission",
     "CacheConfig",
+    "CapacityError",
+    "ConfigError",
     "Handle",
     "InsertResult",
+    "KvtierError",
     "LoadResult",
     "MatchResult",
     "PoolSpec",
+    "RequestError",
     "TieredCache",
     "__version__",
 ]
