@@ -163,6 +163,14 @@ class CacheConfig:
     ``storage_dir``) then reads the others' objects. Only for a store one model uses."""
     tenant_salt: str = ""
     """Optional salt so that tenants never share L3 objects."""
+    storage_encryption: bool = False
+    """Seal every storage object with AES-256-GCM under a key derived per ``tenant_salt``
+    (``kvtier.storage.encrypted``): a wrong key or a tampered object is a counted miss, never
+    served. Needs the ``cryptography`` package and a key (``storage_key_file`` or the
+    ``KVTIER_STORAGE_KEY`` environment variable)."""
+    storage_key_file: str | None = None
+    """File holding the 32-byte master key of ``storage_encryption`` (raw, or 64 hex
+    characters); ``None`` reads ``$KVTIER_STORAGE_KEY``. Only the path is kept here."""
     rank: int = 0
     """This process's shard (tensor/context-parallel rank) for rank-specific bytes."""
     world_size: int = 1
@@ -256,6 +264,10 @@ class CacheConfig:
         _integer("prefetch_min_pages", self.prefetch_min_pages, 1)
         _text("model_fingerprint", self.model_fingerprint)
         _text("tenant_salt", self.tenant_salt)
+        _flag("storage_encryption", self.storage_encryption)
+        _text("storage_key_file", self.storage_key_file, allow_none=True, nonempty=True)
+        if self.storage_encryption and self.storage is None:
+            raise ConfigError("storage_encryption=True needs a storage backend (storage=...)")
         _integer("world_size", self.world_size, 1)
         _integer("rank", self.rank, 0)
         if self.rank >= self.world_size:

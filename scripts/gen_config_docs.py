@@ -68,6 +68,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "model_fingerprint",
             "unbound_namespace",
             "tenant_salt",
+            "storage_encryption",
+            "storage_key_file",
             "extra_namespace",
             "rank",
             "world_size",

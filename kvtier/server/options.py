@@ -181,6 +181,22 @@ CACHE_FLAGS: tuple[CacheFlag, ...] = (
         metavar="TEXT",
     ),
     CacheFlag(
+        "storage_encryption",
+        "bool",
+        "seal every storage object with AES-256-GCM (key: --storage-key-file or "
+        "$KVTIER_STORAGE_KEY, derived per --tenant-salt)",
+        False,
+        STORAGE,
+    ),
+    CacheFlag(
+        "storage_key_file",
+        "text",
+        "file with the 32-byte storage encryption key (raw or 64 hex characters)",
+        None,
+        STORAGE,
+        metavar="PATH",
+    ),
+    CacheFlag(
         "write_policy",
         "choice",
         "when device pages are copied to the host: at once (write_through), once a prefix "

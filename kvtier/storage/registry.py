@@ -35,7 +35,21 @@ def create_backend(name: str, config: CacheConfig, namespace: Namespace) -> Stor
         raise ConfigError(
             f"storage={name!r} is not a registered backend ({', '.join(sorted(_REGISTRY))})"
         )
-    return _REGISTRY[name](config, namespace)
+    key = None
+    if config.storage_encryption:  # the key first: a missing key fails before the store opens
+        from kvtier.storage.encrypted import load_master_key, tenant_key
+
+        key = tenant_key(load_master_key(config.storage_key_file), config.tenant_salt)
+    backend = _REGISTRY[name](config, namespace)
+    if key is None:
+        return backend
+    from kvtier.storage.encrypted import EncryptedBackend
+
+    try:
+        return EncryptedBackend(backend, key, namespace)
+    except ConfigError:
+        backend.close()
+        raise
 
 
 def check_capabilities(backend: StorageBackend, config: CacheConfig, tree_page: int) -> None:

@@ -66,7 +66,13 @@ def test_flag_defaults_and_choices_are_the_configs() -> None:
         "compaction": c.COMPACTIONS,
     }
     bools = {f.field for f in CACHE_FLAGS if f.kind == "bool"}
-    assert bools == {"enable_host", "pin_host", "cache_partial_pages", "debug_checks"}
+    assert bools == {
+        "enable_host",
+        "pin_host",
+        "cache_partial_pages",
+        "debug_checks",
+        "storage_encryption",
+    }
 
 
 def test_flags_convert_to_the_config() -> None:
