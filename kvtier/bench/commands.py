@@ -130,20 +130,70 @@ def _compute(a: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+_SERVE_CHAT_ONLY = ("conversations", "turns", "duration_s")
+"""``bench serve`` flags of the chat workload alone."""
+_SERVE_LOOP_ONLY = (
+    "concurrency",
+    "rounds",
+    "new_tokens",
+    "ready_policy",
+    "documents",
+    "document_tokens",
+    "question_tokens",
+)
+"""``bench serve`` flags of the multiturn and longdoc workloads alone."""
+_SERVE_IN_PROCESS_LOOP = (
+    "configs",
+    "device_tokens",
+    "host_tokens",
+    "small_host_tokens",
+    "max_prefill_tokens",
+    "storage_dir",
+)
+"""``bench serve`` flags sizing the in-process servers of the multiturn and longdoc workloads."""
+
+
 def _serve(a: argparse.Namespace) -> dict[str, Any]:
     from kvtier.bench.serve import ServeBenchConfig, bench_serve
+    from kvtier.errors import ConfigError
 
-    cfg = ServeBenchConfig(
-        clients=a.clients,
-        conversations=a.conversations,
-        turns=a.turns,
-        duration_s=a.duration_s,
-        model=a.model,
-        url=a.url,
-        api_key=a.api_key,
-        page_size=a.page_size,
-        device=a.device,
-    )
+    def given(*names: str) -> dict[str, Any]:
+        return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+
+    def flags(names: dict[str, Any]) -> str:
+        return ", ".join("--" + n.replace("_", "-") for n in names)
+
+    chat = a.workload == "chat"
+    wrong = given(*(_SERVE_LOOP_ONLY + _SERVE_IN_PROCESS_LOOP if chat else _SERVE_CHAT_ONLY))
+    if wrong:
+        other = "multiturn and longdoc" if chat else "chat"
+        raise ConfigError(f"{flags(wrong)}: for --workload {other}, not {a.workload}")
+    wrong = given(*_SERVE_IN_PROCESS_LOOP) if a.url else {}
+    if wrong:
+        raise ConfigError(f"{flags(wrong)}: for the in-process servers, not with --url")
+    common = {"workload": a.workload, "model": a.model, "url": a.url, "api_key": a.api_key}
+    common["device"] = a.device
+    if chat:
+        out = given("output_tokens")
+        cfg = ServeBenchConfig(
+            **common,
+            **given("clients", "conversations", "turns", "duration_s", "system_tokens", "seed"),
+            **({"max_tokens": out["output_tokens"]} if out else {}),
+            page_size=a.page_size,
+        )
+    else:
+        from kvtier.bench.multiturn import MultiTurnConfig
+
+        loop = given(
+            "clients", "system_tokens", "output_tokens", "seed", *_SERVE_LOOP_ONLY,
+            *_SERVE_IN_PROCESS_LOOP,
+        )  # fmt: skip
+        if "configs" in loop:
+            loop["configs"] = tuple(c.strip() for c in loop["configs"].split(",") if c.strip())
+        cfg = ServeBenchConfig(
+            **common,
+            closed_loop=MultiTurnConfig(workload=a.workload, page_size=a.page_size, **loop),
+        )
     return bench_serve(cfg)
 
 
@@ -151,14 +201,25 @@ def serve_failure(result: dict[str, Any]) -> str | None:
     """Why a ``bench serve`` result is a failed run (a request failed, or none ran), or
     ``None``."""
     n, ok = result["requests"], result["requests_ok"]
-    if n and ok == n:
-        return None
     if not n:
         return "no request was sent"
-    by = ", ".join(f"{k}: {v}" for k, v in sorted(result["errors_by_status"].items()))
-    first = result.get("first_error") or {}
-    what = f"; first: {first.get('status')} {first.get('message', '')}".rstrip() if first else ""
-    return f"{n - ok} of {n} requests failed ({by}){what}"
+    why = []
+    if ok != n:
+        by = ", ".join(f"{k}: {v}" for k, v in sorted(result["errors_by_status"].items()))
+        first = result.get("first_error") or {}
+        what = (
+            f"; first: {first.get('status')} {first.get('message', '')}".rstrip() if first else ""
+        )
+        why.append(f"{n - ok} of {n} requests failed ({by}){what}")
+    for name, r in result.get("configs", {}).items():  # multiturn, longdoc
+        if r["mismatched_requests"]:
+            why.append(
+                f"{name}: {r['mismatched_requests']} request(s) differ from "
+                f"{result['reference_config']}"
+            )
+        if not r["tokens_add_up"]:
+            why.append(f"{name}: served + recomputed != prompt tokens")
+    return "; ".join(why) or None
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -373,8 +434,24 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "concurrent multi-turn streaming clients against kvtier serve",
         "Concurrent multi-turn streaming clients against kvtier serve: TTFT per serving tier, "
         "throughput and the share of prompt tokens each tier served. Without --url a server "
-        "runs in this process with small pools and a file L3. Exits 1 when any request "
+        "runs in this process with small pools and a file L3. --workload multiturn or longdoc "
+        "runs bench multiturn's closed-loop workloads over HTTP instead, without --url on one "
+        "in-process server per cache configuration (--configs), and exits 1 also when a "
+        "configuration's greedy outputs differ from the first's. Exits 1 when any request "
         "failed, naming the first error.",
+    )
+    mt = multiturn.MultiTurnConfig.__dataclass_fields__
+
+    def loop_opt(flag: str, help: str) -> None:
+        default = mt[flag[2:].replace("-", "_")].default
+        p.add_argument(flag, type=positive_int, default=None, help=f"{help} (default {default})")
+
+    p.add_argument(
+        "--workload",
+        choices=("chat", *multiturn.WORKLOADS),
+        default="chat",
+        help="chat (conversations per client, bounded by --duration-s), or bench multiturn's "
+        "multiturn or longdoc in a closed loop of --concurrency requests (default chat)",
     )
     p.add_argument(
         "--url",
@@ -388,19 +465,84 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "served model name (default: the one the server lists at /v1/models)",
     )
     p.add_argument("--api-key", default=None, help="bearer key the server at --url expects")
-    p.add_argument("--clients", type=positive_int, default=4, help="concurrent clients")
+    p.add_argument(
+        "--clients",
+        type=positive_int,
+        default=None,
+        help=f"chat: concurrent clients (default 4); multiturn: clients, one conversation each "
+        f"(default {mt['clients'].default})",
+    )
     p.add_argument(
         "--conversations",
         type=positive_int,
-        default=3,
-        help="conversations each client takes turns in",
+        default=None,
+        help="chat: conversations each client takes turns in (default 3)",
     )
-    p.add_argument("--turns", type=positive_int, default=6, help="turns per conversation")
+    p.add_argument(
+        "--turns", type=positive_int, default=None, help="chat: turns per conversation (default 6)"
+    )
     p.add_argument(
         "--duration-s",
         type=positive_float,
-        default=60.0,
-        help="no request starts after this many seconds",
+        default=None,
+        help="chat: no request starts after this many seconds (default 60)",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=positive_int,
+        default=None,
+        help=f"shared system prompt, tokens (default: chat 32, multiturn "
+        f"{mt['system_tokens'].default})",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=positive_int,
+        default=None,
+        help=f"tokens generated per request (default: chat 8, multiturn and longdoc "
+        f"{mt['output_tokens'].default})",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=None, help="seed of the prompts (default 0)"
+    )
+    loop_opt("--concurrency", "multiturn, longdoc: requests in flight at most")
+    loop_opt("--rounds", "multiturn: turns per client; longdoc: questions per document")
+    loop_opt("--new-tokens", "multiturn: user tokens per turn")
+    p.add_argument(
+        "--ready-policy",
+        choices=multiturn.READY_POLICIES,
+        default=None,
+        help="multiturn: which ready turn starts next (default random)",
+    )
+    loop_opt("--documents", "longdoc: documents")
+    loop_opt("--document-tokens", "longdoc: tokens per document")
+    loop_opt("--question-tokens", "longdoc: tokens per question")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help=f"multiturn, longdoc: comma-separated cache configurations of the in-process "
+        f"servers, one server each, of {', '.join(multiturn.CONFIGS[:-1])} (default "
+        f"{','.join(multiturn.DEFAULT_CONFIGS)}; the first is the reference)",
+    )
+    loop_opt("--device-tokens", "multiturn, longdoc: in-process device pool, tokens")
+    p.add_argument(
+        "--host-tokens",
+        type=positive_int,
+        default=None,
+        help="multiturn, longdoc: in-process 'host' host tier, tokens (default: the working set)",
+    )
+    p.add_argument(
+        "--small-host-tokens",
+        type=positive_int,
+        default=None,
+        help="multiturn, longdoc: in-process host tier of the configurations with L3, tokens "
+        "(default: --device-tokens)",
+    )
+    loop_opt("--max-prefill-tokens", "multiturn, longdoc: in-process prefill tokens per step")
+    p.add_argument(
+        "--storage-dir",
+        default=None,
+        help="multiturn, longdoc: where the in-process file L3 directories go (default: a "
+        "temp one)",
     )
     page_size(p)
     device(p)

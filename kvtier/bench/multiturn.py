@@ -632,7 +632,7 @@ def request_bound(
 # ---- configurations ---------------------------------------------------------------------
 
 
-def _cache_config(
+def cache_config(
     name: str,
     cfg: MultiTurnConfig,
     dev: torch.device,
@@ -640,6 +640,9 @@ def _cache_config(
     storage_dir: str | None,
     salt: str,
 ) -> CacheConfig:
+    """The cache of configuration ``name`` (module docstring) on ``dev``: the host tier of
+    ``host`` holds ``working_set`` tokens unless ``cfg`` sizes it, the file L3 of the
+    configurations with one lives in ``storage_dir``, Mooncake's under the tenant ``salt``."""
     from kvtier.config import CacheConfig
 
     ps = cfg.page_size
@@ -878,10 +881,10 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
                 if filled is None:  # filled by an untimed engine of its own, same workload
                     filled = mkdir("fill")
                     log("file-prepopulated: filling its L3 with the workload (untimed)")
-                    fill = _cache_config("host+file", cfg, dev, workload.working_set, filled, salt)
+                    fill = cache_config("host+file", cfg, dev, workload.working_set, filled, salt)
                     _run_config("fill", cfg, model, fill, workload)
                 directory = filled
-            cache = _cache_config(name, cfg, dev, workload.working_set, directory, salt)
+            cache = cache_config(name, cfg, dev, workload.working_set, directory, salt)
             res, outs = _run_config(name, cfg, model, cache, workload)
             if name == "host+file":
                 filled = directory
@@ -914,7 +917,7 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
         res["outputs_match"] = res["mismatched_requests"] == 0
     result = {
         "bench": "multiturn",
-        "workload": _workload_json(cfg, workload),
+        "workload": workload_json(cfg, workload),
         "device": str(dev),
         "model": _model_json(cfg, mc),
         "kv_bytes_per_token": bpt,
@@ -944,7 +947,8 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
     return result
 
 
-def _workload_json(cfg: MultiTurnConfig, w: Workload) -> dict[str, Any]:
+def workload_json(cfg: MultiTurnConfig, w: Workload) -> dict[str, Any]:
+    """The result's ``workload``: ``cfg``'s workload fields and ``w``'s sizes."""
     keys = ["workload", "concurrency", "output_tokens", "rounds", "seed", "page_size"]
     if cfg.workload == "multiturn":
         keys += ["clients", "system_tokens", "new_tokens", "ready_policy"]
