@@ -20,6 +20,7 @@ COMPACTIONS = ("auto", "eager", "off")
 CP_PATTERNS = ("round_robin", "zigzag")
 BACKUP_TIMINGS = ("at_insert", "per_layer")
 HOST_MODES = ("cache", "buffer_only")
+KV_CODECS = ("none", "fp8_e4m3", "int8")
 
 
 def _choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -221,6 +222,16 @@ class CacheConfig:
     ``compaction`` says for the device (``auto``, ``eager``). ``off`` (the default): the fixed
     host pool, every page with room for every component. Needs a pool set with a window
     component and ``cp_size=1``."""
+    kv_codec: str = "none"
+    """How the host and storage tiers hold the attention KV anchors (``kvtier.pools.codec``):
+    ``none`` (the default) exact; ``fp8_e4m3`` or ``int8`` one byte per element plus a float32
+    scale per page, layer and KV head (per latent block for MLA): half of a 16-bit pool's host
+    bytes, a quarter of a float32 one's, and so about twice (four times) the pages in the same
+    ``host_bytes``. Lossy: the page is quantized on device → host backup and dequantized on
+    host → device load. Components not marked lossy by the model (indexer keys, recurrent
+    state, window rows, draft hidden states) stay exact. Part of the L3 namespace. CPU only
+    for now (a CUDA device refuses it at start); refuses ``host_compaction``,
+    ``backup_timing='per_layer'`` and ``cp_size > 1``, and needs ``enable_host=True``."""
     test_completion_polls: int = 0
     """For tests only, never in production: every device <-> host copy and every storage I/O
     completes, as ``poll`` sees it, only after a random number (0 to this many) of completion
@@ -292,6 +303,7 @@ class CacheConfig:
                 f"(got enable_host={self.enable_host}, cp_size={self.cp_size}): a relocatable "
                 "host pool has one lane"
             )
+        self._check_kv_codec()
         _flag("debug_checks", self.debug_checks)
         _integer("test_completion_polls", self.test_completion_polls, 0)
         _integer("test_completion_seed", self.test_completion_seed, 0)
@@ -314,6 +326,32 @@ class CacheConfig:
         if self.write_policy == "write_back" and not self.enable_host:
             raise ConfigError("write_policy='write_back' requires enable_host=True")
         self._check_host_mode()
+
+    def _check_kv_codec(self) -> None:
+        _choice("kv_codec", self.kv_codec, KV_CODECS)
+        if self.kv_codec == "none":
+            return
+        codec = f"kv_codec={self.kv_codec!r}"
+        if not self.enable_host:
+            raise ConfigError(
+                f"{codec} needs enable_host=True: it compresses the host and storage tiers"
+            )
+        if self.host_compaction != "off":
+            raise ConfigError(
+                f"{codec} with host_compaction={self.host_compaction!r} is not supported: the "
+                "relocatable host arena needs every component's one-layer page to have the "
+                "same bytes; use host_compaction='off' or kv_codec='none'"
+            )
+        if self.backup_timing == "per_layer":
+            raise ConfigError(
+                f"{codec} with backup_timing='per_layer' is not supported: the per-layer copy "
+                "path moves raw rows; use backup_timing='at_insert' or kv_codec='none'"
+            )
+        if self.cp_size > 1:
+            raise ConfigError(
+                f"{codec} with cp_size={self.cp_size} is not supported yet: use cp_size=1 or "
+                "kv_codec='none'"
+            )
 
     def _check_host_mode(self) -> None:
         _choice("host_mode", self.host_mode, HOST_MODES)

@@ -41,8 +41,11 @@ def namespace_digest(
     world_size: int,
     tenant_salt: str = "",
     extra: Sequence[str] = (),
+    codec: str = "none",
 ) -> Namespace:
-    """Digest of everything that makes stored bytes specific to one deployment."""
+    """Digest of everything that makes stored bytes specific to one deployment; ``codec``
+    names the page codec and the components it codes (``none`` leaves the digest as it was
+    before codecs existed)."""
     parts = [
         f"layout={LAYOUT_VERSION}",
         f"model={model_fingerprint}",
@@ -53,6 +56,7 @@ def namespace_digest(
         f"shard={rank}/{world_size}",
         f"salt={tenant_salt}",
         *(f"extra={e}" for e in extra),
+        *([f"codec={codec}"] if codec != "none" else []),
     ]
     h = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=_DIGEST)
     return Namespace(h.hexdigest())
@@ -105,7 +109,13 @@ def state_key(key: PageKey) -> PageKey:
 
 def cache_namespace(config: CacheConfig, specs: Sequence[PoolSpec], tree_page: int) -> Namespace:
     """The namespace of a cache with ``config`` over the pool set ``specs`` (contract 7): the
-    context-parallel layout is not part of it, so any CP size reads the objects."""
+    context-parallel layout is not part of it, so any CP size reads the objects; the page
+    codec (``config.kv_codec``) and the components it codes are, so objects written under one
+    codec are never read under another."""
+    coded = [f"{s.name}/b{s.block}" for s in specs if s.lossy]
+    codec = (
+        f"{config.kv_codec}:{','.join(coded)}" if config.kv_codec != "none" and coded else "none"
+    )
     return namespace_digest(
         model_fingerprint=config.model_fingerprint,
         dtype=",".join(s.dtype_name for s in specs),
@@ -116,4 +126,5 @@ def cache_namespace(config: CacheConfig, specs: Sequence[PoolSpec], tree_page: i
         world_size=config.world_size,
         tenant_salt=config.tenant_salt,
         extra=config.extra_namespace,
+        codec=codec,
     )

@@ -22,6 +22,7 @@ from kvtier.keys import Namespace, cache_namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
 from kvtier.parallel.layout import CPLayout
+from kvtier.pools.codec import get_codec, host_page_bytes
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.host_arena import HostArena
@@ -54,7 +55,9 @@ def build_pools(
     translator: PageTranslator | None,
 ) -> Pools:
     """The device pool (a ``UnifiedPool`` arena when the set has a ``window`` pool), the host
-    pool when ``config.enable_host``, and under CP the layout's translator."""
+    pool when ``config.enable_host`` (holding ``config.kv_codec``'s host specs, sized by their
+    page bytes), and under CP the layout's translator. A codec on a CUDA device raises
+    ``ConfigError`` (the coded copy is CPU only)."""
     cp = config.cp_size
     on_device = None
     dev: DevicePool | UnifiedPool
@@ -64,9 +67,19 @@ def build_pools(
     else:
         dev = DevicePool(specs, config.device_pages, page_size, device, cp)
     host = None
+    codec = get_codec(config.kv_codec)
+    if codec.dtype is not None and device.type == "cuda":
+        raise ConfigError(
+            f"kv_codec={config.kv_codec!r} on {device}: the CUDA codec is not available yet "
+            "(host pages are coded on CPU caches only); use kv_codec='none' or device='cpu'"
+        )
     if config.enable_host:
         pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
-        pages = config.resolve_host_pages(dev.page_bytes)
+        # Sized by the host's own page bytes: a coded pool fits more pages in ``host_bytes``.
+        page_bytes = (
+            dev.page_bytes if codec.dtype is None else host_page_bytes(specs, codec, page_size)
+        )
+        pages = config.resolve_host_pages(page_bytes)
         if config.host_compaction != "off":
             if not window:
                 raise ConfigError(
@@ -76,7 +89,7 @@ def build_pools(
             comp = config.host_compaction
             host = HostArena(specs, pages, page_size, config.host_layout, pin, comp)
         else:
-            host = HostPool(specs, pages, page_size, config.host_layout, pin, cp)
+            host = HostPool(specs, pages, page_size, config.host_layout, pin, cp, codec)
     if cp > 1:
         layout = CPLayout(cp, config.cp_rank, config.cp_pattern)
         host_pages = host.num_pages if host is not None else 0

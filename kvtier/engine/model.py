@@ -309,6 +309,7 @@ class CausalLM(DecoderLM):
             num_layers=c.num_layers,
             row_shape=(2, c.num_kv_heads, c.head_dim),
             dtype=c.torch_dtype,
+            lossy=True,  # attention KV: a page codec may hold it (one scale per K/V head)
         )
 
     def mix(self, i: int, layer: nn.Module, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:

@@ -5,6 +5,9 @@ for a compressed sidecar, one for a state pool):
 
     page_first   buffers[name][page, layer, row, *shape]         one page is one contiguous block
     layer_first  buffers[name][layer, page * r + row, *shape]    same layout as the device pool
+
+With a page codec (``kvtier.pools.codec``) a lossy component's buffer holds its codes and a
+``<name>.scale`` buffer its scales, in the same layout (one row per page and layer).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
+from kvtier.pools.codec import PageCodec, get_codec, host_specs
 from kvtier.pools.spec import PoolSpec, component_buffer, page_words
 from kvtier.types import Tier
 
@@ -34,11 +38,21 @@ class HostPool:
         layout: str = "page_first",
         pin: bool = False,
         lanes: int = 1,
+        codec: str | PageCodec = "none",
     ) -> None:
-        """``num_pages`` physical pages; ``lanes`` as for ``DevicePool``."""
+        """``num_pages`` physical pages; ``lanes`` as for ``DevicePool``. ``specs`` are the
+        device pool's; the pool holds ``codec``'s host specs of them (:attr:`specs`; the same
+        specs without a codec)."""
         if layout not in ("page_first", "layer_first"):
             raise ConfigError(f"host_layout={layout!r} is not one of page_first, layer_first")
-        self.specs = tuple(specs)
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        """How lossy components are held (``none``: every component exactly)."""
+        self.device_specs = tuple(specs)
+        """The device pool's specs these pages back up."""
+        specs = host_specs(specs, self.codec, page_size)
+        self.specs = specs
+        """What the pool holds: the device specs, lossy ones in coded form with their scale
+        sidecars (``kvtier.pools.codec.host_specs``)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.layout = layout

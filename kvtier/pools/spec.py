@@ -49,6 +49,15 @@ class PoolSpec:
     """Tokens one row covers (``sidecar`` only; the page size must be a multiple)."""
     window: int = 0
     """``window`` only: positions a query reads, ``(p - window, p]`` for the query at ``p``."""
+    lossy: bool = False
+    """The host and storage tiers may hold this component through a lossy page codec
+    (``CacheConfig.kv_codec``, ``kvtier.pools.codec``): set by families on attention KV
+    anchors only; indexer keys, compressed rows, recurrent state, window rows and draft
+    hidden states stay exact. Allowed for ``kv`` and ``sidecar`` components."""
+    scale_block: int = 0
+    """Elements of a row sharing one codec scale per page and layer (``lossy`` only): ``0``
+    is the row's last dimension (one scale per KV head, K and V apart); MLA's one-dimensional
+    latent rows set a block (one scale per latent block). Must divide the row's elements."""
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or not self.row_shape or any(d <= 0 for d in self.row_shape):
@@ -68,10 +77,30 @@ class PoolSpec:
                 f"pool {self.name!r}: window={self.window} must be positive exactly for "
                 "kind='window' pools"
             )
+        if self.lossy and self.kind not in ("kv", "sidecar"):
+            raise ConfigError(
+                f"pool {self.name!r}: lossy=True is only allowed for kv and sidecar pools, "
+                f"got kind={self.kind!r} (state and window rows stay exact)"
+            )
+        if self.scale_block < 0 or (self.scale_block and not self.lossy):
+            raise ConfigError(
+                f"pool {self.name!r}: scale_block={self.scale_block} needs lossy=True and must "
+                "be >= 0"
+            )
+        if self.lossy and self.row_numel % self.block:
+            raise ConfigError(
+                f"pool {self.name!r}: scale_block={self.scale_block} does not divide the "
+                f"{self.row_numel} elements of a row {self.row_shape}"
+            )
 
     @property
     def row_numel(self) -> int:
         return math.prod(self.row_shape)
+
+    @property
+    def block(self) -> int:
+        """Elements per codec scale group: ``scale_block``, else the row's last dimension."""
+        return self.scale_block or self.row_shape[-1]
 
     @property
     def row_bytes(self) -> int:

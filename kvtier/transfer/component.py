@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
+from kvtier.pools.codec import CODECS, SCALE_SUFFIX, PageCodec
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
-from kvtier.pools.spec import bytes_view
+from kvtier.pools.spec import PoolSpec, bytes_view
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer import dma
 from kvtier.transfer.chunks import queue_all
@@ -26,6 +27,7 @@ from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.plan import RowGeometry, staging_slices
 from kvtier.transfer.rows import (
+    FALLBACK_TEMP_BYTES,
     ONE_BLOCK,
     PCIE_CTAS,
     STAGING_CTAS,
@@ -54,14 +56,8 @@ class ComponentRows:
     ) -> ComponentRows:
         """Rows of component ``name``; in a unified arena every component reads the same
         ``[units, words]`` view and a physical page is a base unit (layer stride 1)."""
-        if isinstance(dev, UnifiedPool):
-            flat = dev.unit_words()
-            layers, words = dev.specs[dev.component(name)].num_layers, flat.shape[1]
-            pages, stride = dev.units, 1
-        else:
-            dview = dev.page_bytes_view(name)
-            layers, _, words = dview.shape
-            flat, pages, stride = dview.reshape(-1, words), dev.num_pages, 0
+        flat, layers, pages, stride = device_rows_view(dev, name)
+        words = flat.shape[1]
         if isinstance(host, UnifiedPool):  # a relocatable host arena: rows are its units
             return cls._of_arena(flat, host, layers, pages, stride, dev.device, mapped)
         page_dim = 1 if host.layout == "page_first" else 0
@@ -347,16 +343,104 @@ class ComponentRows:
         return None
 
 
+def device_rows_view(
+    dev: DevicePool | UnifiedPool, name: str
+) -> tuple[torch.Tensor, int, int, int]:
+    """``(flat, layers, pages, layer stride)`` of component ``name`` on the device: its flat
+    ``[rows, words]`` view (a unified arena's ``[units, words]``, shared by every component),
+    its layers, the device pages (base units in an arena) and the device layer stride
+    (``RowGeometry.device_layer_stride``)."""
+    if isinstance(dev, UnifiedPool):
+        flat = dev.unit_words()
+        return flat, dev.specs[dev.component(name)].num_layers, dev.units, 1
+    dview = dev.page_bytes_view(name)
+    layers, _, words = dview.shape
+    return dview.reshape(-1, words), layers, dev.num_pages, 0
+
+
+@dataclass(slots=True)
+class CodedRows:
+    """A lossy component held in coded form in the host pool (``kvtier.pools.codec``): rows
+    are quantized on their way to the host and dequantized on their way back. CPU only; the
+    row numbers are those of :class:`ComponentRows` (one row is one page of one layer), the
+    host codes and scales being laid out alike.
+
+    ``device`` is ``[device rows, row elements of a page]`` in the device element type,
+    ``codes`` ``[host rows, row elements of a page]`` raw bytes of the codec's element type,
+    ``scales`` ``[host rows, groups]`` float32."""
+
+    geo: RowGeometry
+    spec: PoolSpec
+    codec: PageCodec
+    device: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def of(cls, dev: DevicePool | UnifiedPool, host: HostPool, spec: PoolSpec) -> CodedRows:
+        """Rows of coded component ``spec`` (a device spec) between ``dev`` and ``host``."""
+        flat, layers, pages, stride = device_rows_view(dev, spec.name)
+        r = spec.rows_per_page(host.page_size)
+        numel = r * spec.row_numel
+        device = flat.view(torch.uint8).view(spec.dtype)
+        if device.shape[1] != numel:
+            raise IntegrityError(
+                f"component {spec.name!r}: a device row holds {device.shape[1]} elements, a "
+                f"coded host row {numel}"
+            )
+        # Raw bytes: CPU index ops do not take float8 tensors.
+        codes = host.buffers[spec.name].view(torch.uint8).view(-1, numel)
+        scales = host.buffers[spec.name + SCALE_SUFFIX]
+        scales = scales.view(-1, scales.shape[-1])
+        geo = RowGeometry(
+            layers=layers,
+            row_bytes=numel * spec.dtype.itemsize,
+            device_pages=pages,
+            host_pages=host.num_pages,
+            host_layout=host.layout,
+            device_layer_stride=stride,
+        )
+        return cls(geo, spec, host.codec, device, codes, scales)
+
+    def cpu(self, direction: str, pages: PageLists) -> None:
+        """Synchronous coded copy between CPU tensors: ``d2h`` encodes, ``h2d`` decodes, in
+        chunks of bounded temporaries."""
+        h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
+        numel = self.device.shape[1]
+        step = max(1, FALLBACK_TEMP_BYTES // (numel * 4))  # float32 temporaries
+        spec = self.spec
+        for lo in range(0, h.numel(), step):
+            hi, di = h[lo : lo + step], d[lo : lo + step]
+            if direction == "d2h":
+                x = self.device.index_select(0, di)
+                codes, scale = self.codec.encode(x.view(x.shape[0], -1, spec.row_numel), spec)
+                self.codes.index_copy_(0, hi, codes.view(torch.uint8).view(x.shape[0], numel))
+                self.scales.index_copy_(0, hi, scale)
+            else:
+                codes = self.codes.index_select(0, hi).view(self.codec.dtype)
+                codes = codes.view(hi.numel(), -1, spec.row_numel)
+                x = self.codec.decode(codes, self.scales.index_select(0, hi), spec)
+                self.device.index_copy_(0, di, x.view(hi.numel(), numel))
+
+
 def component_rows(
     dev: DevicePool | UnifiedPool, host: HostPool, pinned: bool
-) -> dict[str, ComponentRows]:
+) -> dict[str, ComponentRows | CodedRows]:
     """Every component's rows, in pool order; with a ``pinned`` host pool (on CUDA) each has a
     device view of its host rows and its kernels compiled and loaded (rows cross PCIe by kernel,
-    or stage, only from a pinned pool)."""
-    rows = {s.name: ComponentRows.of(dev, host, s.name, mapped=pinned) for s in dev.specs}
+    or stage, only from a pinned pool). A component the host pool's codec holds coded gets
+    :class:`CodedRows` (CPU copies only)."""
+    codec = getattr(host, "codec", CODECS["none"])  # a host arena holds every component exactly
+    rows: dict[str, ComponentRows | CodedRows] = {}
+    for s in dev.specs:
+        if codec.codes(s):
+            rows[s.name] = CodedRows.of(dev, host, s)
+        else:
+            rows[s.name] = ComponentRows.of(dev, host, s.name, mapped=pinned)
     if pinned:
         for r in rows.values():
-            r.warm_up()
+            if isinstance(r, ComponentRows):
+                r.warm_up()
     return rows
 
 

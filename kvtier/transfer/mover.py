@@ -7,7 +7,9 @@ kernel through a device view of the pinned host pool, chosen by block size
 (``kvtier.transfer.component`` carries them out). On CUDA loads and backups run on two streams of
 their own (a backup never delays a load) and complete asynchronously: ``TransferOp.done()`` polls
 an event without blocking. On CPU copies are synchronous and ops are born done; the caller's
-visibility rules are the same.
+visibility rules are the same. A component the host pool holds through a page codec
+(``kvtier.pools.codec``) is encoded on its way to the host and decoded on its way back (CPU
+only: a CUDA mover refuses such a host pool).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.transfer.chunks import interleave, queue_all
-from kvtier.transfer.component import component_rows
+from kvtier.transfer.component import CodedRows, component_rows
 from kvtier.transfer.delays import CompletionDelays
 from kvtier.transfer.layers import Layered
 from kvtier.transfer.mechanisms import Mechanisms
@@ -120,7 +122,16 @@ class Mover:
                 "transfer_mechanism='copy_engine' but this CUDA driver has no batched "
                 "copy-engine transfers (cuMemcpyBatchAsync, driver 12.8+): use 'auto' or 'kernel'"
             )
+        codec = getattr(host_pool, "codec", None)
+        if self.cuda and codec is not None and any(codec.codes(s) for s in device_pool.specs):
+            raise ConfigError(
+                f"kv_codec={codec.name!r} on {device_pool.device}: the CUDA codec is not "
+                "available yet (the coded copy runs on CPU caches only); use kv_codec='none' "
+                "or device='cpu'"
+            )
         self.rows = component_rows(device_pool, host_pool, pinned)
+        self.coded = [n for n, r in self.rows.items() if isinstance(r, CodedRows)]
+        """Components the host pool holds coded (``kvtier.pools.codec``)."""
 
     @property
     def pinned(self) -> bool:
@@ -200,6 +211,11 @@ class Mover:
         kernel needs the pinned pool's device view): back up at insertion instead."""
         if self.arena is not None:
             raise IntegrityError("per-layer backups are not supported for a unified device pool")
+        if self.coded:
+            raise ConfigError(
+                f"per-layer backups of coded components {self.coded} are not supported: use "
+                "backup_timing='at_insert' or kv_codec='none'"
+            )
         if self.cuda and not self.pinned:
             return None
         lists, op = self._begin("d2h", device_pages, host_pages, copy=False)

@@ -146,7 +146,9 @@ class HybridModel(DecoderLM):
         """Anchor KV pool for the attention layers, then one state pool for the recurrent ones."""
         c = self.config
         return [
-            PoolSpec("kv", len(c.attn_layers), (2, c.num_kv_heads, c.head_dim), c.torch_dtype),
+            PoolSpec(
+                "kv", len(c.attn_layers), (2, c.num_kv_heads, c.head_dim), c.torch_dtype, lossy=True
+            ),
             PoolSpec("state", self.num_recurrent, (c.state_numel,), c.torch_dtype, kind="state"),
         ]
 

@@ -184,7 +184,14 @@ class MLAModel(DecoderLM):
     def pool_specs(self) -> list[PoolSpec]:
         """The anchor (one latent row per token), then the indexer's sidecar if any."""
         c = self.config
-        specs = [PoolSpec("kv", c.num_layers, (c.latent_dim,), c.torch_dtype)]
+        # A page codec may hold the latent rows: one scale per latent block, the RoPE part's
+        # width dividing both parts so no block mixes the two.
+        block = math.gcd(c.kv_lora_rank, c.qk_rope_head_dim)
+        specs = [
+            PoolSpec(
+                "kv", c.num_layers, (c.latent_dim,), c.torch_dtype, lossy=True, scale_block=block
+            )
+        ]
         if c.variant != "mla":
             per_row = c.index_group if c.variant == "dsa-compressed" else 1
             name, shape = SIDECAR_NAMES[c.variant], (c.index_head_dim,)

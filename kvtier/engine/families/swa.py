@@ -116,9 +116,10 @@ class SWAModel(CausalLM):
         c = self.config
         row = (2, c.num_kv_heads, c.head_dim)
         if not c.windowed:
-            return [PoolSpec("kv", c.num_layers, row, c.torch_dtype)]
+            return [PoolSpec("kv", c.num_layers, row, c.torch_dtype, lossy=True)]
+        # Window rows stay exact under a page codec: only the full-attention anchor is lossy.
         return [
-            PoolSpec("kv", len(c.full_layers), row, c.torch_dtype),
+            PoolSpec("kv", len(c.full_layers), row, c.torch_dtype, lossy=True),
             PoolSpec(
                 "swa", len(c.swa_layers), row, c.torch_dtype, kind="window", window=c.sliding_window
             ),
