@@ -50,6 +50,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "host_layout",
             "pin_host",
             "host_compaction",
+            "kv_codec",
         ),
     ),
     (

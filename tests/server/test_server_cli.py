@@ -58,6 +58,7 @@ def test_flag_defaults_and_choices_are_the_configs() -> None:
         "host_mode": c.HOST_MODES,
         "host_layout": c.HOST_LAYOUTS,
         "host_compaction": c.COMPACTIONS,
+        "kv_codec": c.KV_CODECS,
         "prefetch_policy": c.PREFETCH_POLICIES,
         "write_policy": c.WRITE_POLICIES,
         "eviction_policy": c.EVICTION_POLICIES,
