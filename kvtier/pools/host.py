@@ -97,21 +97,29 @@ class HostPool:
     def read_pages(self, name: str, pages: torch.Tensor) -> torch.Tensor:
         """Copy of ``pages`` as ``[n, layers, rows, *shape]`` (the page-first object layout)."""
         buf = component_buffer(self.buffers, name, self.tier)
+        raw = _raw(buf)
         if self.layout == "page_first":
-            return buf.index_select(0, pages)
+            return raw.index_select(0, pages).view(buf.dtype)
         layers = buf.shape[0]
-        view = buf.view(layers, self.num_pages, -1, *buf.shape[2:])
-        return view.index_select(1, pages).transpose(0, 1).contiguous()
+        view = raw.view(layers, self.num_pages, -1, *buf.shape[2:])
+        return view.index_select(1, pages).transpose(0, 1).contiguous().view(buf.dtype)
 
     def write_pages(self, name: str, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Store ``data`` (``[n, layers, rows, *shape]``) into ``pages``."""
         buf = component_buffer(self.buffers, name, self.tier)
+        raw, data = _raw(buf), _raw(data)
         if self.layout == "page_first":
-            buf.index_copy_(0, pages, data)
+            raw.index_copy_(0, pages, data)
             return
         layers = buf.shape[0]
-        view = buf.view(layers, self.num_pages, -1, *buf.shape[2:])
+        view = raw.view(layers, self.num_pages, -1, *buf.shape[2:])
         view.index_copy_(1, pages, data.transpose(0, 1))
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as raw bytes of the same shape where CPU index ops lack its element type (a
+    codec's float8 codes); else ``t`` itself."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
