@@ -20,6 +20,7 @@ COMPACTIONS = ("auto", "eager", "off")
 CP_PATTERNS = ("round_robin", "zigzag")
 BACKUP_TIMINGS = ("at_insert", "per_layer")
 HOST_MODES = ("cache", "buffer_only")
+RESTORE_POLICIES = ("always", "cost")
 KV_CODECS = ("none", "fp8_e4m3", "int8")
 
 
@@ -155,6 +156,32 @@ class CacheConfig:
     """Deadline of the ``timeout`` prefetch policy."""
     prefetch_min_pages: int = 1
     """Storage hits shorter than this many pages are recomputed instead of fetched."""
+    restore_policy: str = "always"
+    """Whether a matched prefix is always restored (``always``: every page a tier below the
+    device holds is loaded or fetched) or only where that is faster than computing it again
+    (``cost``, ``kvtier.controller.restore_cost``): the time to bring the prefix up (its bytes
+    at the measured rate of each tier's path, behind the bytes already queued there) against
+    its tokens at the measured prefill rate; the cheaper wins, or the front is restored and
+    the rest recomputed. Rates are measured as pages move and forwards run (the engine reports
+    them through ``TieredCache.record_prefill``), from the priors below until then, and
+    exported in ``stats()`` under both policies. ``always`` is the default because its
+    decisions never depend on a clock (the same hits in every run, no collective per match
+    under context parallelism); choose ``cost`` where a tier can be slower than computing
+    (remote or contended storage, a slow link, a CPU engine with a fast model). Under context
+    parallelism every rank must set the same policy; the group restores the least any rank
+    would."""
+    restore_rate_weight: float = 0.1
+    """How much of each rate a new measurement replaces, in ``[0, 1]``: the byte and second
+    sums behind a rate decay by ``1 - restore_rate_weight`` per measurement (1: the last one
+    alone). ``0`` keeps the rates at the priors below (rates measured once, by hand)."""
+    restore_storage_rate: float = 2e9
+    """Storage read rate in bytes per second until one is measured (and for writes queued on
+    the same I/O path until a write is)."""
+    restore_load_rate: float = 1e10
+    """Host → device load rate in bytes per second until one is measured."""
+    restore_prefill_rate: float = 1000.0
+    """Prefill rate in tokens per second until the engine reports a forward. Low on purpose:
+    until then a restore has to be very slow to lose."""
     model_fingerprint: str = ""
     """Identifies model weights and architecture; part of every L3 key's namespace. ``LLM``
     sets it from the model; a cache with storage refuses to start without it unless
@@ -273,6 +300,17 @@ class CacheConfig:
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _positive("prefetch_timeout_s", self.prefetch_timeout_s)
         _integer("prefetch_min_pages", self.prefetch_min_pages, 1)
+        _choice("restore_policy", self.restore_policy, RESTORE_POLICIES)
+        weight = self.restore_rate_weight
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not math.isfinite(weight)
+            or not 0 <= weight <= 1
+        ):
+            raise ConfigError(f"restore_rate_weight must be a number in [0, 1], got {weight!r}")
+        for opt in ("restore_storage_rate", "restore_load_rate", "restore_prefill_rate"):
+            _positive(opt, getattr(self, opt))
         _text("model_fingerprint", self.model_fingerprint)
         _text("tenant_salt", self.tenant_salt)
         _flag("storage_encryption", self.storage_encryption)

@@ -82,6 +82,17 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("prefetch_policy", "prefetch_timeout_s", "prefetch_min_pages"),
     ),
     (
+        "Load or recompute",
+        "Whether restoring a matched prefix beats computing it again, at measured rates.",
+        (
+            "restore_policy",
+            "restore_rate_weight",
+            "restore_storage_rate",
+            "restore_load_rate",
+            "restore_prefill_rate",
+        ),
+    ),
+    (
         "Transfers",
         "How device ↔ host copies move on CUDA (CPU caches copy synchronously).",
         ("transfer_mechanism", "backup_share"),

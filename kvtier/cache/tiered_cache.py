@@ -65,6 +65,7 @@ from kvtier.cache.resume import served_prefix, storage_extension, usable_lengths
 from kvtier.cache.tail_copy import with_tail_copy
 from kvtier.config import CacheConfig
 from kvtier.controller import PrefetchOp
+from kvtier.controller.restore_cost import RestoreCost
 from kvtier.errors import (
     ConfigError,
     IntegrityError,
@@ -128,6 +129,11 @@ class TieredCache:
         kernel, :meth:`write_kv` and :meth:`read_kv` do both steps."""
         self.controller = parts.controller
         self.engine_pages = parts.engine_pages
+        self.restore_cost = RestoreCost(
+            config, self.controller, self.group, self.page_size, self.metrics
+        )
+        """Rates measured as pages move and forwards run, and (``restore_policy='cost'``) the
+        decision whether restoring a matched prefix beats computing it again."""
         self._closed = False
         if self.group.size > 1:
             self._handshake()
@@ -136,6 +142,14 @@ class TieredCache:
         host = self.host_pool.num_pages if self.host_pool is not None else 0
         try:
             handshake(self.group, self.config, self.namespace, self.page_size, host)
+            # A cost decision is a collective: every rank must take it or none.
+            cost = 1 if self.restore_cost.on else 0
+            low, neg = self.group.all_reduce_min_many([cost, -cost])
+            if low != -neg:
+                raise ConfigError(
+                    f"cp_rank={self.config.cp_rank}: restore_policy differs across the ranks "
+                    "of the CP group; every rank needs the same restore_policy"
+                )
         except ConfigError:
             self.close()
             raise
@@ -191,6 +205,12 @@ class TieredCache:
         ``storage_len`` counts the tokens after ``cached_len`` that become resumable once a
         prefetch brought storage's pages in. ``probe_storage=False`` skips the storage lookup
         (hashing and ``batch_exists``), e.g. when a prefetch for these tokens already ran.
+
+        Under ``restore_policy='cost'`` the result is what is worth restoring
+        (``kvtier.controller.restore_cost``): ``host_len`` is 0 when loading the host part
+        would take longer than computing it again (and then ``storage_len`` too), and
+        ``storage_len`` covers only the front pages worth fetching; the handle locks and loads
+        no more than that.
         """
         self._check_open("match")
         _check_tokens(tokens, "match")
@@ -223,12 +243,36 @@ class TieredCache:
             )
             if len(keys) < self.config.prefetch_min_pages:
                 keys, tail = [], 0
+        if self.restore_cost.on:
+            usable, keys, tail = self._restore_cut(device_len, usable, tm.matched_len, keys, tail)
         fetched = len(keys) * ps - (ps - tail) % ps if keys else 0
         if tail:  # the fetch's last page is a partial tail: the handle's tokens end with it
             end = tm.matched_len + fetched
         storage_len = tm.matched_len + fetched - usable if keys else 0
         handle = Handle(tm, usable, tuple(tokens[:end]), keys)
         return MatchResult(device_len, usable - device_len, storage_len, handle)
+
+    def _restore_cut(
+        self, device_len: int, usable: int, matched: int, keys: list[PageKey], tail: int
+    ) -> tuple[int, list[PageKey], int]:
+        """``(usable, keys, tail)`` cut to the front that is cheaper to restore than to compute
+        again (``RestoreCost.restore_end``; on every rank of a CP group alike: its arguments
+        are the same everywhere)."""
+        ps = self.page_size
+        stored = matched + len(keys) * ps - (ps - tail) % ps - usable if keys else 0
+        if usable == device_len and not keys:
+            return usable, keys, tail  # nothing to restore
+        end = self.restore_cost.restore_end(
+            device_len, usable, stored, len(keys), cuttable=not self.resume.partial
+        )
+        if end < usable:
+            return device_len, [], 0
+        if end >= usable + stored:
+            return usable, keys, tail
+        keep = (end - usable) // ps
+        if keep < self.config.prefetch_min_pages:
+            keep = 0
+        return usable, keys[:keep], 0
 
     def _exists(self, keys: list[PageKey], first_page: int) -> int:
         """Leading ``keys`` (sequence pages from ``first_page``) in storage as far as this
@@ -366,7 +410,10 @@ class TieredCache:
         path = h.locked.path
         was = {id(n): n.on_device for n in path}
         overlap = overlap and not self.resume.window  # window rows arrive with the last layer
+        clock = self.restore_cost.start_load() if m.host_len else None
         n, layer_events = self.controller.load(path, overlap)  # may split a node of ``path``
+        if clock is not None:
+            self.restore_cost.end_load(clock)
         ps = self.page_size
         h.locked.last_pages = path[-1].num_pages(ps) if path else 0
         before = [was.get(id(node), False) for node in path]
@@ -623,10 +670,34 @@ class TieredCache:
         another per-process fact goes through, so every rank decides the same (contract 4)."""
         return bool(flag) if self.group.size == 1 else all_ranks(self.group, flag)
 
-    def record_prefill(self, recomputed_tokens: int) -> None:
-        """Count prompt tokens the engine had to compute."""
+    def record_prefill(
+        self,
+        recomputed_tokens: int,
+        seconds: float | None = None,
+        forward_tokens: int | None = None,
+    ) -> None:
+        """Count prompt tokens the engine had to compute. With ``seconds``: the forward that
+        computed them took that long, for ``forward_tokens`` tokens in all (default
+        ``recomputed_tokens``; a forward that also decoded counts those tokens too): a
+        measurement of the prefill rate (``restore_policy='cost'`` prices recomputing with
+        it). Call it once per forward that ran prefills, or once per admission without
+        ``seconds``."""
         recomputed_tokens = check_int(recomputed_tokens, "recomputed_tokens", "record_prefill")
         self.metrics.inc("recomputed_tokens", recomputed_tokens)
+        if seconds is None:
+            if forward_tokens is not None:
+                raise RequestError("record_prefill: forward_tokens without seconds")
+            return
+        seconds = check_number(seconds, "seconds", "record_prefill")
+        tokens = recomputed_tokens
+        if forward_tokens is not None:
+            tokens = check_int(forward_tokens, "forward_tokens", "record_prefill")
+            if tokens < recomputed_tokens:
+                raise RequestError(
+                    f"record_prefill: forward_tokens={tokens} < recomputed_tokens="
+                    f"{recomputed_tokens} (the forward computed them)"
+                )
+        self.restore_cost.prefill(tokens, seconds)
 
     # ---- progress and introspection -----------------------------------------------------
     def poll(self) -> None:
@@ -638,6 +709,7 @@ class TieredCache:
         read are queued, before waiting for them, so the poll's CPU time overlaps the GPU's."""
         self._check_open("poll")
         self.controller.poll()
+        self.restore_cost.poll()
         if self.config.debug_checks:
             self.check_integrity()
 
@@ -659,8 +731,14 @@ class TieredCache:
             self.controller.evict_host(self.host_pool.logical_pages)
 
     def stats(self) -> dict:
-        """Counters and pool usage (``report.cache_stats``, ``windows.window_stats``)."""
-        return {**cache_stats(self.parts), **window_stats(self.parts)}
+        """Counters and pool usage (``report.cache_stats``, ``windows.window_stats``) and the
+        measured rates restores are priced with (``restore_cost.STATS``: bytes per second of
+        storage reads and writes and of host → device loads, prefill tokens per second)."""
+        return {
+            **cache_stats(self.parts),
+            **window_stats(self.parts),
+            **self.restore_cost.stats(),
+        }
 
     def prometheus_registry(self):  # noqa: ANN201 - prometheus_client type, imported lazily
         """A prometheus_client registry exporting ``stats()``."""

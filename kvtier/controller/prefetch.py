@@ -232,6 +232,11 @@ class Prefetcher:
             if op.released and self._settled(op):
                 self._close(op)
 
+    def queued_pages(self) -> int:
+        """Storage pages the open fetches have still to read: what a new fetch waits behind on
+        the one I/O thread (``kvtier.controller.restore_cost`` prices it)."""
+        return sum(len(op.keys) - op.done_pages for op in self.ops if not op.io_done())
+
     def pending_host_pages(self) -> int:
         """Host pages held by fetches and not yet handed to the tree."""
         return sum(op.pages.numel() - op.committed_pages for op in self.ops)

@@ -60,6 +60,7 @@ def test_flag_defaults_and_choices_are_the_configs() -> None:
         "host_compaction": c.COMPACTIONS,
         "kv_codec": c.KV_CODECS,
         "prefetch_policy": c.PREFETCH_POLICIES,
+        "restore_policy": c.RESTORE_POLICIES,
         "write_policy": c.WRITE_POLICIES,
         "eviction_policy": c.EVICTION_POLICIES,
         "backup_timing": c.BACKUP_TIMINGS,

@@ -1,0 +1,363 @@
+"""Load or recompute (``restore_policy='cost'``): a restore is taken only where it is faster
+than computing the prefix again. A file backend slowed to a chosen rate shows the switch: fast,
+the prefix is fetched; slow, no fetch is issued and the prompt is recomputed; in between (a
+fetch that cannot land by the prefetch deadline), the front is fetched and the rest recomputed,
+with exact page counts from fixed rates. The rates are measured online and exported; a CP group
+decides as one; the engine's outputs equal a cold run's in every case."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from factories import PS, SPEC, cache_config, kv_of, make_cache, make_llm, run_request
+
+from kvtier import CacheConfig, TieredCache
+from kvtier.controller.restore_cost import PROBE_AFTER, CostModel, Prefix, Queued, Rate
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError, RequestError
+from kvtier.parallel.group import LocalWorld
+from kvtier.storage.file import FileBackend
+
+TOKENS = list(range(200, 232))  # 8 whole pages of PS=4
+NEW = [7, 8, 9]
+PAGE = SPEC.page_bytes(PS)  # 256 bytes: the tier tests' page, on host and in storage
+
+
+class SlowFile(FileBackend):
+    """A file backend whose reads take ``bytes / rate`` seconds (a slow device, simulated)."""
+
+    rate: float = math.inf
+
+    def batch_get(self, keys, buffers):
+        got = super().batch_get(keys, buffers)
+        time.sleep(sum(b.numel() * b.element_size() for b in buffers[:got]) / self.rate)
+        return got
+
+
+def _seed(tmp_path, tokens: list[int] = TOKENS) -> torch.Tensor:
+    """A first cache computes ``tokens`` and writes them through to storage; their bytes."""
+    c = make_cache(tmp_path, device_pages=16, host_pages=32)
+    first = run_request(c, tokens)
+    orig = kv_of(c, first["locs"][: len(tokens)])
+    c.close()
+    return orig
+
+
+def _cache(tmp_path, read_rate: float, backend_rate: float | None = None, **kw):
+    """A cache over the seeded storage pricing restores at fixed rates (``weight=0``): storage
+    reads at ``read_rate`` bytes/s, loads at 2^30 bytes/s, prefill at ``prefill`` tokens/s
+    (default 1); its backend reads at ``backend_rate`` (default ``read_rate``)."""
+    rates = dict(
+        restore_policy="cost",
+        restore_rate_weight=0.0,
+        restore_storage_rate=read_rate,
+        restore_load_rate=float(1 << 30),
+        restore_prefill_rate=1.0,
+    )
+    c = make_cache(tmp_path, **{"device_pages": 16, "host_pages": 32, **rates, **kw})
+    slow = SlowFile(c.storage.root, c.namespace, c.config.storage_bytes)
+    slow.rate = backend_rate or read_rate
+    c.controller.io.backend = slow
+    return c
+
+
+def _serve(c, tokens: list[int]):
+    """One request through ``admit``, as an engine writes it: wait, allocate, count the hits and
+    the recomputed tokens, write rows, finish. Returns the admission."""
+    adm = c.admit(tokens)
+    while not c.admit_ready(adm, timeout=5.0):
+        pass
+    new = c.alloc(adm.num_new, at=adm.cached_len)[: adm.num_new]
+    c.record_hits(adm.handle)
+    c.record_prefill(adm.num_new)
+    rows = torch.randn((SPEC.num_layers, adm.num_new, *SPEC.row_shape))
+    c.write_kv(new, rows)
+    c.finish(tokens, torch.cat([adm.locs, new]), prefix_len=adm.cached_len, handle=adm.handle)
+    return adm
+
+
+# ---- the switch, at a cache -------------------------------------------------------------------
+def test_a_fast_storage_tier_is_fetched(tmp_path) -> None:
+    orig = _seed(tmp_path)
+    c = _cache(tmp_path, read_rate=PAGE * 1e6)  # a microsecond a page against a second a token
+    assert c.match(TOKENS + NEW).storage_len == 32
+    adm = _serve(c, TOKENS + NEW)
+    assert (adm.storage_tokens, adm.num_new) == (32, 3)
+    assert torch.equal(c.read_kv(adm.locs[:32]).cpu(), orig)
+    st = c.stats()
+    assert (st["prefetched_pages"], st["storage_hit_tokens"], st["recomputed_tokens"]) == (8, 32, 3)
+    c.close()
+
+
+def test_a_slow_storage_tier_is_recomputed_without_a_fetch(tmp_path) -> None:
+    _seed(tmp_path)
+    # a second a page against a microsecond a token
+    c = _cache(tmp_path, read_rate=PAGE, restore_prefill_rate=1e6)
+    m = c.match(TOKENS + NEW)
+    assert (m.cached_len, m.storage_len, m.handle.storage_keys) == (0, 0, [])
+    adm = _serve(c, TOKENS + NEW)
+    assert adm.prefetch is None and (adm.storage_tokens, adm.num_new) == (0, 35)
+    st = c.stats()
+    assert (st["storage_read_bytes"], st["prefetched_pages"]) == (0, 0)  # no fetch issued
+    assert (st["storage_hit_tokens"], st["recomputed_tokens"]) == (0, len(TOKENS + NEW))
+    c.close()
+
+
+def test_in_between_the_front_that_lands_by_the_deadline_is_fetched(tmp_path) -> None:
+    """20 ms a page to fetch, 80 ms to compute one: worth fetching, but the timeout policy
+    stops waiting after 110 ms, so the 8 pages (160 ms) are cut to the 5 that land by then."""
+    orig = _seed(tmp_path)
+    c = _cache(
+        tmp_path,
+        read_rate=PAGE / 0.02,
+        backend_rate=PAGE / 0.005,  # the device beats the estimate: no race with the deadline
+        restore_prefill_rate=PS / 0.08,
+        prefetch_policy="timeout",
+        prefetch_timeout_s=0.11,
+    )
+    m = c.match(TOKENS + NEW)
+    assert (m.storage_len, len(m.handle.storage_keys)) == (20, 5)
+    adm = _serve(c, TOKENS + NEW)
+    assert (adm.storage_tokens, adm.num_new) == (20, 15)
+    assert torch.equal(c.read_kv(adm.locs).cpu(), orig[:, :20])
+    st = c.stats()
+    assert (st["prefetched_pages"], st["storage_read_bytes"]) == (5, 5 * PAGE)
+    assert (st["storage_hit_tokens"], st["recomputed_tokens"]) == (20, 15)
+    c.close()
+
+
+def test_always_fetches_what_cost_recomputes(tmp_path) -> None:
+    """The same slow tier as above under the default policy: fetched, whatever it costs."""
+    _seed(tmp_path)
+    c = _cache(tmp_path, read_rate=PAGE * 1e3, restore_prefill_rate=1e9, restore_policy="always")
+    assert c.match(TOKENS + NEW).storage_len == 32
+    assert _serve(c, TOKENS + NEW).storage_tokens == 32
+    c.close()
+
+
+def test_a_host_hit_on_a_slow_link_is_recomputed(tmp_path) -> None:
+    """The same rule for host → device loads: flushed to the host tier, the prefix loads at
+    2^30 bytes/s, and is recomputed where the link moves a byte a second."""
+    for load_rate, host_tokens in ((float(1 << 30), 32), (1.0, 0)):
+        c = make_cache(
+            tmp_path / str(host_tokens),
+            device_pages=16,
+            host_pages=32,
+            restore_policy="cost",
+            restore_rate_weight=0.0,
+            restore_load_rate=load_rate,
+        )
+        run_request(c, TOKENS)
+        c.flush(host=False)  # device copies gone: the prefix is in the host tier alone
+        m = c.match(TOKENS + NEW)
+        assert (m.device_len, m.host_len) == (0, host_tokens)
+        adm = _serve(c, TOKENS + NEW)
+        assert (adm.host_tokens, adm.num_new) == (host_tokens, 35 - host_tokens)
+        assert c.stats()["host_hit_tokens"] == host_tokens
+        c.close()
+
+
+def test_a_host_front_is_loaded_and_a_slow_storage_rest_recomputed(tmp_path) -> None:
+    """Per tier: 4 pages in the host tier load; the 4 after them, in storage alone, are
+    slower to fetch than to compute."""
+    _seed(tmp_path)
+    c = _cache(tmp_path, read_rate=PAGE, restore_prefill_rate=1e3)
+    run_request(c, TOKENS[:16])  # the first 4 pages computed here: device and host copies
+    c.flush(host=False)
+    m = c.match(TOKENS + NEW)
+    assert (m.device_len, m.host_len, m.storage_len) == (0, 16, 0)
+    adm = _serve(c, TOKENS + NEW)
+    assert (adm.host_tokens, adm.storage_tokens, adm.num_new) == (16, 0, 19)
+    assert c.stats()["storage_read_bytes"] == 0
+    c.close()
+
+
+# ---- rates ------------------------------------------------------------------------------------
+def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -> None:
+    """Priors say storage is fast; the first fetch (8 pages at 25.6 kB/s: 80 ms) measures the
+    backend, and the next request, with another prefix in storage, is recomputed."""
+    other = list(range(300, 332))
+    _seed(tmp_path)
+    _seed(tmp_path, other)
+    c = _cache(tmp_path, read_rate=PAGE * 1e6, backend_rate=PAGE * 100, restore_rate_weight=1.0)
+    assert c.stats()["restore_storage_read_bytes_per_s"] == PAGE * 1e6  # the prior
+    assert _serve(c, TOKENS + NEW).storage_tokens == 32
+    c.poll()
+    read = c.stats()["restore_storage_read_bytes_per_s"]
+    assert PAGE * 50 < read <= PAGE * 100  # the backend's rate, less the I/O's own time
+    c.record_prefill(1, 0.001)  # a token a millisecond: 4 ms a page to compute, 10 to fetch
+    assert c.stats()["restore_prefill_tokens_per_s"] == pytest.approx(1000)
+    m = c.match(other + NEW)
+    assert m.storage_len == 0
+    assert _serve(c, other + NEW).storage_tokens == 0
+    c.close()
+
+
+def test_a_rate_is_a_decayed_ratio_of_sums() -> None:
+    r = Rate(prior=100.0, weight=0.5)
+    assert r.value == 100.0
+    r.observe(1000, 1.0)
+    assert r.value == 1000.0  # the first measurement replaces the prior
+    r.observe(0, 1.0)  # a second with nothing moved (a read that timed out)
+    assert r.value == 500 / 1.5
+    r.observe(10, 0.0)  # no time: dropped
+    r.observe(math.nan, 1.0)
+    assert (r.value, r.measurements) == (500 / 1.5, 2)
+    fixed = Rate(prior=7.0, weight=0.0)
+    fixed.observe(1000, 1.0)
+    assert fixed.value == 7.0
+
+
+def _prefix(device=0, usable=0, stored=32, pages=8, cuttable=True) -> Prefix:
+    return Prefix(device, usable, stored, pages, PS, 100.0, 100.0, cuttable)
+
+
+def test_the_plan_picks_the_cheapest_tier_boundary() -> None:
+    # 100-byte pages of 4 tokens: 1 s a page to fetch at 100 B/s, loads all but free.
+    m = CostModel(storage_read=100.0, load=1e12, prefill=1.0)
+    assert m.plan(_prefix()) == 32  # 8 s to fetch against 32 s to compute
+    m = CostModel(storage_read=100.0, load=1e12, prefill=3.9)
+    assert m.plan(_prefix()) == 32  # 8 s against 8.2 s
+    m = CostModel(storage_read=100.0, load=1e12, prefill=4.1)
+    assert m.plan(_prefix()) == 0  # 8 s against 7.8 s
+    # per tier: the host part [8, 16) loads, the storage rest [16, 48) is computed again
+    assert m.plan(_prefix(device=8, usable=16)) == 16
+    host = _prefix(device=8, usable=16, stored=0, pages=0)  # 2 host pages, 8 tokens
+    assert CostModel(storage_read=100.0, load=50.0, prefill=1.0).plan(host) == 16  # 4 s < 8
+    assert CostModel(storage_read=100.0, load=25.0, prefill=1.0).plan(host) == 16  # a tie
+    assert CostModel(storage_read=100.0, load=20.0, prefill=1.0).plan(host) == 8  # 10 s > 8
+
+
+def test_the_plan_counts_what_is_queued_ahead_and_the_deadline() -> None:
+    m = CostModel(storage_read=100.0, load=1e12, prefill=1.0, storage_write=50.0)
+    assert m.plan(_prefix(), Queued(read_bytes=2300)) == 32  # 23 + 8 s against 32
+    assert m.plan(_prefix(), Queued(read_bytes=2500)) == 0  # 25 + 8
+    assert m.plan(_prefix(), Queued(read_bytes=2200, write_bytes=50)) == 32  # 22 + 1 + 8
+    assert m.plan(_prefix(), Queued(read_bytes=2200, write_bytes=150)) == 0  # 22 + 3 + 8
+    m = CostModel(storage_read=100.0, load=100.0, prefill=1.0)  # 1 s a page to load too
+    assert m.plan(_prefix(), Queued(load_bytes=1500)) == 32  # 15 + 8 + 8 against 32
+    assert m.plan(_prefix(), Queued(load_bytes=1700)) == 0
+    # 5.5 s until the deadline: the 5 pages that land by then, if fetching pays at all
+    m = CostModel(storage_read=100.0, load=1e12, prefill=1.0)
+    assert m.plan(_prefix(), deadline=5.5) == 20
+    assert m.plan(_prefix(), Queued(read_bytes=200), deadline=5.5) == 12  # 3.5 s left
+    assert m.plan(_prefix(), deadline=0.5) == 0
+    assert m.plan(_prefix(), deadline=8.0) == 32
+    assert m.plan(_prefix(cuttable=False), deadline=5.5) == 32  # checkpoints: all or nothing
+    m = CostModel(storage_read=100.0, load=1e12, prefill=4.1)  # fetching does not pay
+    assert m.plan(_prefix(), deadline=5.5) == 0
+
+
+def test_record_prefill_measures_the_prefill_rate(cache) -> None:
+    cache.record_prefill(10)  # no time: a count only
+    assert cache.stats()["restore_prefill_tokens_per_s"] == cache.config.restore_prefill_rate
+    cache.record_prefill(10, 0.5, forward_tokens=30)  # 30 tokens in the forward
+    st = cache.stats()
+    assert (st["recomputed_tokens"], st["restore_prefill_tokens_per_s"]) == (20, 60.0)
+    with pytest.raises(RequestError, match="forward_tokens=5 < recomputed_tokens=10"):
+        cache.record_prefill(10, 0.5, forward_tokens=5)
+    with pytest.raises(RequestError, match="forward_tokens without seconds"):
+        cache.record_prefill(10, forward_tokens=10)
+    with pytest.raises(RequestError, match="seconds must be a finite number"):
+        cache.record_prefill(10, math.inf)
+
+
+def test_restore_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="restore_policy='fast' is not one of always, cost"):
+        CacheConfig(restore_policy="fast")
+    with pytest.raises(ConfigError, match=r"restore_rate_weight must be a number in \[0, 1\]"):
+        CacheConfig(restore_rate_weight=1.5)
+    with pytest.raises(ConfigError, match="restore_prefill_rate must be a positive finite"):
+        CacheConfig(restore_prefill_rate=0)
+
+
+def test_a_tier_declined_again_and_again_is_probed_with_one_page(tmp_path) -> None:
+    _seed(tmp_path)
+    c = _cache(tmp_path, read_rate=PAGE, restore_prefill_rate=1e6)
+    for _ in range(PROBE_AFTER - 1):
+        assert c.match(TOKENS + NEW).storage_len == 0
+    m = c.match(TOKENS + NEW)
+    assert (m.storage_len, len(m.handle.storage_keys)) == (PS, 1)  # the probe
+    assert c.match(TOKENS + NEW).storage_len == 0  # counted from zero again
+    c.close()
+
+
+# ---- context parallelism ----------------------------------------------------------------------
+def test_a_cp_group_restores_the_least_any_rank_would(tmp_path) -> None:
+    """Rank 0's rates say fetch, rank 1's say recompute: both recompute. Without the MIN the
+    ranks would lock different prefixes and their trees diverge."""
+    _seed(tmp_path)
+
+    def serve(g):
+        fast = g.rank == 0
+        cfg = cache_config(
+            tmp_path / "l3",
+            device_pages=16,
+            host_pages=32,
+            cp_size=2,
+            cp_rank=g.rank,
+            restore_policy="cost",
+            restore_rate_weight=0.0,
+            restore_storage_rate=PAGE * 1e6 if fast else PAGE / 1e3,
+            restore_prefill_rate=1.0 if fast else 1e6,
+        )
+        c = TieredCache(cfg, [SPEC], group=g)
+        m = c.match(TOKENS + NEW)
+        got = (m.cached_len, m.storage_len)
+        c.close()
+        return got
+
+    assert LocalWorld(2, timeout=30).run(serve) == [(0, 0), (0, 0)]
+
+
+def test_a_cp_group_refuses_ranks_of_different_restore_policies(tmp_path) -> None:
+    def start(g):
+        policy = "cost" if g.rank == 0 else "always"
+        cfg = cache_config(tmp_path / "l3", cp_size=2, cp_rank=g.rank, restore_policy=policy)
+        with pytest.raises(ConfigError, match="restore_policy differs across the ranks"):
+            TieredCache(cfg, [SPEC], group=g)
+
+    LocalWorld(2, timeout=30).run(start)
+
+
+# ---- the engine -------------------------------------------------------------------------------
+def test_engine_outputs_equal_a_cold_runs_whether_fetched_recomputed_or_split(tmp_path) -> None:
+    """``LLM`` (tiny preset, 16-token pages): a prompt of 8 whole pages and one token more is
+    computed cold and stored. Engines over the storage tier slowed to 5 ms a page, at fixed
+    rates, fetch it all (fast storage, slow prefill), none of it (slow storage), or load the 4
+    pages a shorter request left in the host tier and recompute the 4 storage alone holds; each
+    generates the cold run's tokens."""
+    prompt = list(range(1, 130))
+    params = SamplingParams(max_tokens=6)
+    with make_llm("tiny", tmp_path) as cold:
+        want = cold.generate([prompt], params)[0].output_ids
+        page = cold.cache.controller.io.pages.nbytes  # bytes of one stored page
+    fast = dict(restore_storage_rate=page * 1e6, restore_prefill_rate=1.0)
+    slow = dict(restore_storage_rate=page * 1.0, restore_prefill_rate=1e4)
+    cases = {"fetched": (fast, 0, 128), "recomputed": (slow, 0, 0), "split": (slow, 64, 0)}
+    for name, (rates, host, fetched) in cases.items():
+        with make_llm(
+            "tiny",
+            tmp_path,
+            restore_policy="cost",
+            restore_rate_weight=0.0,
+            restore_load_rate=float(1 << 30),
+            **rates,
+        ) as llm:
+            backend = SlowFile(llm.cache.storage.root, llm.cache.namespace, 1 << 30)
+            backend.rate = page / 0.005
+            llm.cache.controller.io.backend = backend
+            before = 0
+            if host:  # the first 4 pages computed by a request of their own, left on host
+                shorter = prompt[:host] + list(range(300, 340))
+                llm.generate([shorter], params)
+                llm.cache.flush(host=False)
+                before = len(shorter)
+            assert llm.generate([prompt], params)[0].output_ids == want, name
+            st = llm.stats()
+            hits = (st["host_hit_tokens"], st["storage_hit_tokens"], st["prefetched_pages"])
+            assert hits == (host, fetched, fetched // 16), name
+            assert st["recomputed_tokens"] - before == len(prompt) - host - fetched, name
