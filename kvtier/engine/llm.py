@@ -234,21 +234,34 @@ class LLM:
         if self.speculative_tokens:
             self._propose(work)
         polled: list[BaseException | None] = []
+        poll_s = 0.0
 
         def poll() -> None:
             # While the forward runs (its logits come back through SM stores, which no backup
             # copy queued here can delay); its CPU time hid behind the GPU's. The backups it
             # queues have until the next step's read (``CacheConfig.backup_share``). A failure
             # is the poll's, not the forward's: kept, and raised once the forward is done.
+            nonlocal poll_s
             if not polled:
+                t = time.perf_counter()
                 try:
                     self.cache.poll()
                     polled.append(None)
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     polled.append(e)
+                poll_s = time.perf_counter() - t
 
+        scheduled = work
+        splits = self._split_forwards
+        t0 = time.perf_counter()
         work, logits, failed = self._forward(work, poll)
+        forward_s = time.perf_counter() - t0
         poll()  # a forward that failed before its read
+        if self.cache.device.type != "cuda":
+            forward_s -= poll_s  # a CPU forward is done before the poll runs
+        self._record_prefill(
+            scheduled, forward_s if not failed and splits == self._split_forwards else None
+        )
         if polled[0] is not None:
             raise polled[0]
         sampled: list[list[int]] = []
@@ -301,6 +314,18 @@ class LLM:
         for r in finished:
             self._live.pop(r.id, None)
         return [r.to_output(self._decode(r.output)) for r in finished]
+
+    def _record_prefill(self, work: list[Work], seconds: float | None) -> None:
+        """Tell the cache the step's prefill tokens and, for a forward that ran whole
+        (``seconds``), how long it took for all its tokens: the prefill rate a restore is
+        priced against (on CUDA the time may include a poll the GPU did not hide)."""
+        prefill = sum(w.num_new for w in work if w.prefill)
+        if not prefill:
+            return
+        if seconds is None or seconds <= 0:
+            self.cache.record_prefill(prefill)
+            return
+        self.cache.record_prefill(prefill, seconds, sum(w.num_new for w in work))
 
     def _propose(self, work: list[Work]) -> None:
         """Draft tokens for the step's speculating items. A failing draft costs only the

@@ -35,6 +35,9 @@ class Work:
     """Speculative decoding: draft tokens to propose before this decode step's forward."""
     draft: list[int] = field(default_factory=list)
     """The proposed tokens the forward verifies (``num_new == 1 + len(draft)``)."""
+    prefill: bool = False
+    """An admitted request's uncached tokens (the engine reports them with the forward's time,
+    ``TieredCache.record_prefill``)."""
 
 
 class Scheduler:
@@ -232,7 +235,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self._start(req, m.handle, ld, own)
-            work.append(Work(req, num_new))
+            work.append(Work(req, num_new, prefill=True))
             budget -= num_new
         return work
 
@@ -244,8 +247,7 @@ class Scheduler:
         req.layer_events = ld.layer_events
         req.status = Status.RUNNING
         num_new = len(req.tokens) - cached
-        req.recomputed += num_new
-        self.cache.record_prefill(num_new)
+        req.recomputed += num_new  # the cache counts it with the forward (``Work.prefill``)
         if not req.admitted:
             req.admitted = True
             self.cache.record_hits(handle)
