@@ -10,6 +10,9 @@ Server-level families (the names the README lists):
   ``kvtier_storage_bytes{state="used|budget"}`` (file backend)
 - ``kvtier_transfer_bytes_total`` / ``kvtier_transfer_seconds_total``
   ``{direction="host_to_device|device_to_host|storage_write|storage_read"}``
+- ``kvtier_transfer_rate_bytes_per_second{direction="host_to_device|storage_write|storage_read"}``,
+  ``kvtier_prefill_rate_tokens_per_second``: the measured rates restores are priced with
+  (``kvtier.controller.restore_cost``; its priors before the first measurement)
 - ``kvtier_storage_errors_total{kind}``
 - ``kvtier_queue_depth``, ``kvtier_running_requests``
 - ``kvtier_time_to_first_token_seconds``, ``kvtier_inter_token_latency_seconds``
@@ -38,6 +41,13 @@ _DIRECTIONS = {
     "storage_read": "storage_read",
 }
 """Transfer direction label -> the ``stats()`` prefix of its ``_bytes``/``_seconds`` keys."""
+
+_RATES = {
+    "host_to_device": "restore_load_bytes_per_s",
+    "storage_write": "restore_storage_write_bytes_per_s",
+    "storage_read": "restore_storage_read_bytes_per_s",
+}
+"""Transfer direction label -> the ``stats()`` key of its measured rate."""
 
 
 class ServerMetrics:
@@ -133,6 +143,23 @@ class _Snapshot:
             for direction, key in _DIRECTIONS.items():
                 fam.add_metric([direction], st.get(f"{key}_{unit}", 0))
             yield fam
+        rate = GaugeMetricFamily(
+            "kvtier_transfer_rate_bytes_per_second",
+            "Measured rate of a path restores take (exponentially weighted; the configured "
+            "prior before the first transfer)",
+            labels=["direction"],
+        )
+        for direction, key in _RATES.items():
+            if key in st:
+                rate.add_metric([direction], st[key])
+        yield rate
+        if "restore_prefill_tokens_per_s" in st:
+            yield GaugeMetricFamily(
+                "kvtier_prefill_rate_tokens_per_second",
+                "Measured prefill rate recomputing is priced with (exponentially weighted; the "
+                "configured prior before the first forward)",
+                value=st["restore_prefill_tokens_per_s"],
+            )
         errs = CounterMetricFamily(
             "kvtier_storage_errors", "Storage faults by kind", labels=["kind"]
         )
