@@ -106,6 +106,11 @@ class Metrics:
                 if not spec.token_indexed:
                     self.inc("hit_pages", 1, (check_tier(ld.state_source), spec.name))
 
+    def values(self, names: tuple[str, ...]) -> list[float]:
+        """The current values of the unlabelled counters ``names`` (one lock, no snapshot)."""
+        with self._lock:
+            return [self._c[n] for n in names]
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             snap: dict[str, Any] = dict(self._c)

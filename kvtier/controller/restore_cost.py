@@ -259,6 +259,15 @@ class _Timed:
     nbytes: int
 
 
+_IO_COUNTERS = (
+    "storage_read_bytes",
+    "storage_read_seconds",
+    "storage_write_bytes",
+    "storage_write_seconds",
+)
+"""The counters the storage rates are measured from, in ``RestoreCost._io``'s order."""
+
+
 @dataclass(slots=True)
 class _Counted:
     """Storage I/O counted but not yet taken into a rate: a backend call's bytes are counted as
@@ -409,9 +418,9 @@ class RestoreCost:
         while self._timed and self._timed[0].end.query():
             t = self._timed.pop(0)
             self.model.observe("load", t.nbytes, t.start.elapsed_time(t.end) / 1e3)
-        snap = self.metrics.snapshot()
-        for path, c in self._io.items():
-            b, s = snap[f"{path}_bytes"], snap[f"{path}_seconds"]
+        counts = self.metrics.values(_IO_COUNTERS)
+        for i, (path, c) in enumerate(self._io.items()):
+            b, s = counts[2 * i], counts[2 * i + 1]
             c.bytes += b - c.seen_bytes
             c.seconds += s - c.seen_seconds
             c.seen_bytes, c.seen_seconds = b, s

@@ -196,6 +196,35 @@ def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -
     c.close()
 
 
+def test_the_engine_measures_its_prefill_and_its_loads() -> None:
+    """``LLM`` reports each prefill forward (tokens and time) and the cache times its host →
+    device loads: both rates leave their priors (the stats and ``/metrics`` report them)."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    from kvtier.server.prometheus import ServerMetrics
+
+    prompt = list(range(1, 130))
+    with make_llm("tiny", restore_prefill_rate=1.0, restore_load_rate=1.0) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+        st = llm.stats()
+        assert st["restore_prefill_tokens_per_s"] > 1.0  # 129 tokens in well under 129 s
+        assert st["restore_load_bytes_per_s"] == 1.0  # nothing loaded yet
+        llm.cache.flush(host=False)
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+        st = llm.stats()
+        assert st["host_hit_tokens"] == 128
+        assert st["restore_load_bytes_per_s"] > 1.0
+        text = ServerMetrics().render(st, {}).decode()
+    families = {m.name: m for m in parser.text_string_to_metric_families(text)}
+    rates = {
+        s.labels["direction"]: s.value
+        for s in families["kvtier_transfer_rate_bytes_per_second"].samples
+    }
+    assert rates["host_to_device"] == st["restore_load_bytes_per_s"]
+    assert rates["storage_read"] == st["restore_storage_read_bytes_per_s"]
+    prefill = families["kvtier_prefill_rate_tokens_per_second"].samples[0].value
+    assert prefill == st["restore_prefill_tokens_per_s"]
+
+
 def test_a_rate_is_a_decayed_ratio_of_sums() -> None:
     r = Rate(prior=100.0, weight=0.5)
     assert r.value == 100.0
@@ -324,6 +353,7 @@ def test_a_cp_group_refuses_ranks_of_different_restore_policies(tmp_path) -> Non
 
 
 # ---- the engine -------------------------------------------------------------------------------
+@pytest.mark.slow  # four tiny engines: 1-3 s
 def test_engine_outputs_equal_a_cold_runs_whether_fetched_recomputed_or_split(tmp_path) -> None:
     """``LLM`` (tiny preset, 16-token pages): a prompt of 8 whole pages and one token more is
     computed cold and stored. Engines over the storage tier slowed to 5 ms a page, at fixed
