@@ -22,10 +22,14 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from kvtier.errors import RequestError, StorageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAGIC = b"KVTO"
 VERSION = 4
@@ -52,6 +56,31 @@ def digest(data: memoryview | bytes) -> int:
 def hasher() -> xxhash.xxh3_64:
     """A streaming ``digest``: ``update`` it with consecutive pieces, then ``intdigest``."""
     return xxhash.xxh3_64()
+
+
+def pack_into(
+    slot: memoryview | bytearray | np.ndarray,
+    namespace: str,
+    key: str,
+    payload_len: int,
+    payload_digest: int,
+) -> None:
+    """Write ``pack(namespace, key, payload_len, payload_digest)`` into the first
+    ``HEADER_BYTES`` of the writable buffer ``slot`` (a header slot in registered memory), with
+    no intermediate ``bytes``: the namespace field is encoded once per namespace. Raises
+    ``RequestError`` like ``pack``."""
+    ns = _namespace_field(namespace)
+    if ns is None:
+        raise RequestError(f"namespace {namespace!r} is longer than 32 bytes")
+    raw = key.encode()
+    if len(raw) > 48:
+        raise RequestError(f"key {key!r} is longer than 48 bytes")
+    _HEAD.pack_into(slot, 0, MAGIC, VERSION, len(key), payload_len, ns, raw, payload_digest)
+    view = memoryview(slot)
+    _HEAD_DIGEST.pack_into(slot, _HEAD.size, xxhash.xxh3_64_intdigest(view[: _HEAD.size]))
+
+
+_HEAD_DIGEST = struct.Struct("<Q")
 
 
 def pack(namespace: str, key: str, payload_len: int, payload_digest: int) -> bytes:

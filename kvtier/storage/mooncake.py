@@ -44,7 +44,13 @@ from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
 from kvtier.storage.base import StorageBackend, StorageCapabilities, check_lengths, flat_cpu_bytes
 from kvtier.storage.envelope import HEADER_BYTES
-from kvtier.storage.mooncake_buffers import Arena, TransferBuffers
+from kvtier.storage.mooncake_buffers import (
+    GROUP_KEYS,
+    PUT_GROUP_BYTES,
+    Arena,
+    TransferBuffers,
+    ptr,
+)
 from kvtier.storage.mooncake_session import DATA_CALLS, MooncakeSession
 from kvtier.storage.mooncake_url import parse_storage_url
 
@@ -188,41 +194,97 @@ class MooncakeBackend(StorageBackend):
 
     def batch_set(self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]) -> int:
         """Store ``buffers`` under ``keys`` in order; stops at the first fault (``timeout``,
-        ``unreachable``, ``no_space``, ``io``). Keys already stored count as stored."""
+        ``unreachable``, ``no_space``, ``io``). Keys already stored count as stored.
+
+        One put call is in flight while the caller's thread stages the objects after it
+        (payload digest, header packed into its registered slot, a payload outside registered
+        memory copied to the bounce arena). The staged objects go out as the next call as soon
+        as the one in flight has ended (looked at after each object) or the group is full, so
+        the groups grow to what the link takes while the digests run ahead, whatever the
+        ratio of digest to link speed; the first call leaves once ``FIRST_PUT_BYTES`` are
+        staged."""
         client, views, arena = self._data_ready(keys, buffers)
         if client is None or arena is None:
             return 0
-        done, pending, futs = 0, None, []
+        futs: list[Future | None] = []
         try:
-            for g, (rng, offs) in enumerate(arena.plan(views)):
-                names = [self._prefix + keys[i] for i in rng]
-                heads = [
-                    envelope.pack(
-                        self.namespace, keys[i], views[i].nbytes, envelope.digest(views[i])
-                    )
-                    for i in rng
-                ]
-                ptrs, sizes, bounced = arena.stage(g, rng, offs, views, heads)
-                if bounced:
-                    self.session.count(bytes_bounced=bounced)
-                if pending is not None:
-                    stored = self._put_done(client, *pending)
-                    done += stored
-                    if stored < len(pending[1]):
-                        return done
-                fut = self.session.submit(
-                    self.session.data,
-                    lambda n=names, p=ptrs, s=sizes: client.batch_put_from_multi_buffers(n, p, s),
-                )
-                futs.append(fut)
-                pending = (fut, rng, views, names)
-            return done + (self._put_done(client, *pending) if pending is not None else 0)
+            return self._put_all(client, keys, views, arena, futs)
         finally:
             self._buffers.release(arena, futs)
 
-    def _put_done(
-        self, client: Any, fut: Future | None, rng: range, views: list[np.ndarray], names: list[str]
+    def _put_all(
+        self,
+        client: Any,
+        keys: Sequence[PageKey],
+        views: list[np.ndarray],
+        arena: Arena,
+        futs: list[Future | None],
     ) -> int:
+        direct = arena.prepare(views)
+        half = arena.bounce_bytes
+        stored = bounced = 0
+        g, group, flight = 0, _PutGroup(), None
+
+        def send() -> bool:
+            """Collect the call in flight, then send ``group``; ``False`` after a fault."""
+            nonlocal stored, g, group, flight
+            if flight is not None:
+                stored += (got := self._put_done(client, flight))
+                if got < len(flight.names):
+                    return False
+            flight = self._put(client, group, futs)
+            g, group = g + 1, _PutGroup()
+            return True
+
+        try:
+            for i, v in enumerate(views):
+                nbytes = v.nbytes
+                need = 0 if direct[i] else nbytes
+                full = bool(group.names) and (
+                    len(group.names) == GROUP_KEYS
+                    or group.nbytes + nbytes > PUT_GROUP_BYTES
+                    or group.staged + need > half
+                )
+                if full and not send():  # waits for the call in flight
+                    return stored
+                slot = arena.header(g, len(group.names))
+                if need:
+                    place = arena.bounced(g, group.staged, nbytes)
+                    place[:] = v
+                    bounced += nbytes
+                else:
+                    place = v
+                # The digest of what is sent (a bounced copy is cache-hot here).
+                envelope.pack_into(slot, self.namespace, keys[i], nbytes, envelope.digest(place))
+                group.add(self._prefix + keys[i], ptr(slot), ptr(place), nbytes, need)
+                if flight is None:
+                    idle = group.nbytes >= FIRST_PUT_BYTES
+                else:
+                    idle = flight.fut is None or flight.fut.done()
+                if idle and i + 1 < len(views) and not send():
+                    return stored
+        finally:
+            if bounced:
+                self.session.count(bytes_bounced=bounced)
+        if group.names and not send():
+            return stored
+        if flight is not None:
+            stored += self._put_done(client, flight)
+        return stored
+
+    def _put(self, client: Any, group: _PutGroup, futs: list[Future | None]) -> _PutGroup:
+        """Start ``group``'s put call; returns it with its future (``None``: not started)."""
+        n, p, s = group.names, group.ptrs, group.sizes
+        group.fut = self.session.submit(
+            self.session.data, lambda: client.batch_put_from_multi_buffers(n, p, s)
+        )
+        futs.append(group.fut)
+        return group
+
+    def _put_done(self, client: Any, group: _PutGroup) -> int:
+        """How many of ``group``'s objects its put stored, as a leading run (waits up to
+        ``timeout_s`` for it)."""
+        fut, names = group.fut, group.names
         codes = self.session.wait(fut, "put")
         if codes is None and fut is not None and not fut.done():
             # It may read the caller's pages after they were reused: drop what it wrote.
@@ -230,12 +292,13 @@ class MooncakeBackend(StorageBackend):
                 self._late_puts.append(fut)
             fut.add_done_callback(lambda _f: self._remove_late(client, names))
         n = 0
-        for code, i in zip(codes or (), rng, strict=False):
-            if code not in (0, -705):
+        for code in codes or ():
+            if code not in (0, -705):  # -705: already stored
                 self.session.code_fault(code, "batch_put_from_multi_buffers")
                 break
             n += 1
-            self.session.count(bytes_put=views[i].nbytes)
+        if n:
+            self.session.count(bytes_put=sum(group.sizes[j][1] for j in range(n)))
         return n
 
     def _remove_late(self, client: Any, names: list[str]) -> None:
@@ -373,3 +436,29 @@ def _fence(late: list[Future]) -> Future[None] | None:
     for f in late:
         f.add_done_callback(ended)
     return fence
+
+
+FIRST_PUT_BYTES = 4 << 20
+"""Payload bytes staged before a batch's first put call leaves: digesting them takes a fraction
+of a millisecond, and a smaller first call would pay a call's fixed cost for little."""
+
+
+class _PutGroup:
+    """Objects of one put call as staged: store names, (header slot, payload) pointers and
+    sizes, payload and bounced bytes; ``fut`` once sent."""
+
+    __slots__ = ("fut", "names", "nbytes", "ptrs", "sizes", "staged")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ptrs: list[list[int]] = []
+        self.sizes: list[list[int]] = []
+        self.nbytes = self.staged = 0
+        self.fut: Future | None = None
+
+    def add(self, name: str, head: int, payload: int, nbytes: int, bounced: int) -> None:
+        self.names.append(name)
+        self.ptrs.append([head, payload])
+        self.sizes.append([HEADER_BYTES, nbytes])
+        self.nbytes += nbytes
+        self.staged += bounced

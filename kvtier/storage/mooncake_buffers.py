@@ -5,16 +5,24 @@ client transfers through.
 ``TransferBuffers`` owns a few ``Arena``s (each: one envelope-header slot per object of two
 transfer groups and two bounce halves, staging for payloads outside registered memory, grown on
 demand) and the list of caller buffers given to ``register_buffers``; it registers all of them
-with the connected client. An arena splits a batch into transfer groups of at most
-``GROUP_KEYS`` objects and ``GROUP_BYTES`` bytes whose bounced payloads fit one bounce half.
-Several arenas exist so that a call abandoned after its timeout keeps the one it writes into
-while later calls use another.
+with the connected client. A batch travels in transfer groups of at most ``GROUP_KEYS`` objects
+whose bounced payloads fit one bounce half, and at most ``GROUP_BYTES`` (reads) or
+``PUT_GROUP_BYTES`` (writes) bytes. Several arenas exist so that a call abandoned after its
+timeout keeps the one it writes into while later calls use another.
+
+The client busy-polls the thread that called it until its transfers complete (the wheels are
+built without event-driven completion): a put or get keeps a core spinning for its whole
+length. ``Worker`` threads therefore run at a lowered priority (``nice``), so on a host short of
+cores the spin yields to the transfer's own threads, the payload digests and the engine instead
+of taking a core from them; the spin still notices completion within a scheduler slice.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,18 +37,36 @@ log = logging.getLogger("kvtier.storage")
 
 GROUP_KEYS = 128
 GROUP_BYTES = 64 << 20
+PUT_GROUP_BYTES = 128 << 20
+"""Writes take larger groups than reads: each put call costs two master round trips
+(allocation, commit) and a drain of the link, and the next group is staged while one is in
+flight; a read group's payloads are verified while the next one lands, so its groups stay
+small enough for the last one's verification (not overlapped) to be short."""
 MISSING = (-703, -704)  # replica not ready, object not found
 UNREACHABLE = (-800, -900, -901, -1010, -1011)  # transfer/RPC failure, unavailable
 NO_SPACE = (-200, -1700)  # no segment space, tenant quota
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux, where a nice value is per
+    thread; elsewhere, or when refused, nothing). Threads it starts later inherit it."""
+    if nice <= 0 or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # e.g. a sandbox without the call: run at the process's priority
+        log.debug("mooncake worker priority unchanged: %s", e)
+
+
 class Worker:
     """Up to ``threads`` daemon threads running store calls, one call per thread (daemon: a call
     stuck in the library must not hold up interpreter exit). A call that hangs keeps its thread;
-    later calls run on the others, so one hang delays nothing but itself."""
+    later calls run on the others, so one hang delays nothing but itself. The threads run
+    ``nice`` steps below the process (see the module docstring)."""
 
-    def __init__(self, name: str, threads: int = 1) -> None:
-        self._name, self._max = name, threads
+    def __init__(self, name: str, threads: int = 1, nice: int = 0) -> None:
+        self._name, self._max, self._nice = name, threads, nice
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._busy = self._threads = 0
@@ -69,6 +95,7 @@ class Worker:
             self._jobs.put(None)
 
     def _loop(self) -> None:
+        lower_priority(self._nice)
         while (job := self._jobs.get()) is not None:
             fn, fut = job
             value, exc = None, None
@@ -86,12 +113,13 @@ class Worker:
                 fut.set_exception(exc)
 
 
-def _ptr(a: np.ndarray) -> int:
+def ptr(a: np.ndarray) -> int:
+    """Address of ``a``'s first byte."""
     return a.ctypes.data
 
 
 def _span(a: np.ndarray) -> tuple[int, int]:
-    return _ptr(a), _ptr(a) + a.nbytes
+    return ptr(a), ptr(a) + a.nbytes
 
 
 class Arena:
@@ -110,17 +138,31 @@ class Arena:
         self.held = False
         self.running = 0  # store calls of past batch calls not yet ended
 
+    @property
+    def bounce_bytes(self) -> int:
+        """Bytes of one bounce half."""
+        return self.bounce[0].nbytes
+
+    def prepare(self, views: list[np.ndarray]) -> list[bool]:
+        """Whether each of ``views`` lies in registered memory (sent and received in place);
+        grows the bounce halves first when one payload outside it would not fit a half (only
+        before any call of this batch: a running call may be using a half)."""
+        direct = [self._owner.inside(v) for v in views]
+        need = max((v.nbytes for v, d in zip(views, direct, strict=True) if not d), default=0)
+        if need > self.bounce_bytes:
+            self._owner.grow_bounce(self, max(need, self._owner.bounce_bytes))
+        return direct
+
     def plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
-        """Groups of consecutive objects, each with its objects' bounce offsets (-1: direct)."""
+        """Read groups of consecutive objects (``GROUP_KEYS``, ``GROUP_BYTES``, bounced bytes
+        within a half), each with its objects' bounce offsets (-1: direct)."""
         groups, start, size, staged, offs = [], 0, 0, 0, []
-        for i, v in enumerate(views):
-            need = 0 if self._owner.inside(v) else v.nbytes
-            if need > self.bounce[0].nbytes:
-                self._owner.grow_bounce(self, max(need, self._owner.bounce_bytes))
+        for i, (v, direct) in enumerate(zip(views, self.prepare(views), strict=True)):
+            need = 0 if direct else v.nbytes
             if offs and (
                 len(offs) == GROUP_KEYS
                 or size + v.nbytes > GROUP_BYTES
-                or staged + need > self.bounce[0].nbytes
+                or staged + need > self.bounce_bytes
             ):
                 groups.append((range(start, i), offs))
                 start, size, staged, offs = i, 0, 0, []
@@ -130,9 +172,14 @@ class Arena:
 
     def header(self, g: int, j: int) -> np.ndarray:
         """Header slot of object ``j`` of group ``g``; consecutive groups use different halves
-        of the arena, so one can be verified while the next is in flight."""
+        of the arena, so one can be verified (or staged) while the next (or previous) is in
+        flight."""
         slot = ((g % 2) * GROUP_KEYS + j) * HEADER_BYTES
         return self.headers[slot : slot + HEADER_BYTES]
+
+    def bounced(self, g: int, off: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of group ``g``'s bounce half from ``off``."""
+        return self.bounce[g % 2][off : off + nbytes]
 
     def layout(
         self, g: int, rng: range, offs: list[int], views: list[np.ndarray]
@@ -142,27 +189,11 @@ class Arena:
         ptrs, sizes, places = [], [], []
         for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
             v = views[i]
-            place = v if off < 0 else self.bounce[g % 2][off : off + v.nbytes]
-            ptrs.append([_ptr(self.header(g, j)), _ptr(place)])
+            place = v if off < 0 else self.bounced(g, off, v.nbytes)
+            ptrs.append([ptr(self.header(g, j)), ptr(place)])
             sizes.append([HEADER_BYTES, v.nbytes])
             places.append(place)
         return ptrs, sizes, places
-
-    def stage(
-        self, g: int, rng: range, offs: list[int], views: list[np.ndarray], heads: list[bytes]
-    ) -> tuple[list[list[int]], list[list[int]], int]:
-        """``layout`` of group ``g`` for writing: ``heads`` (packed envelope headers) copied
-        into its header slots and payloads outside registered memory into the bounce arena.
-        Returns pointers, sizes and the number of bytes bounced."""
-        ptrs, sizes, places = self.layout(g, rng, offs, views)
-        bounced = 0
-        for j, (i, place, head) in enumerate(zip(rng, places, heads, strict=True)):
-            v = views[i]
-            if place is not v:
-                place[:] = v
-                bounced += v.nbytes
-            self.header(g, j)[:] = np.frombuffer(head, np.uint8)
-        return ptrs, sizes, bounced
 
 
 class TransferBuffers:

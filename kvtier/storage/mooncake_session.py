@@ -38,7 +38,8 @@ FaultSink = Callable[[str, str], None]
 
 class MooncakeSession:
     """One client of the store, its health state and the two worker pools calls run on
-    (``data`` for gets and puts, ``meta`` for existence checks and probes)."""
+    (``data`` for gets and puts, at ``settings.poll_nice``; ``meta`` for existence checks and
+    probes, at the process's priority)."""
 
     def __init__(
         self,
@@ -61,7 +62,10 @@ class MooncakeSession:
         self._backoff, self._next_probe = _BACKOFF[0], 0.0
         self.reason = "not connected yet"
         self._counts: Counter[str] = Counter()
-        self.data = Worker("kvtier-mooncake-data", DATA_CALLS)
+        # Data calls busy-poll for their whole transfer: they run below the process's priority.
+        # Meta calls stay at it: the connection is set up on them, and the client's own threads
+        # (transport, RPC) inherit the priority of the thread that starts them.
+        self.data = Worker("kvtier-mooncake-data", DATA_CALLS, nice=settings.poll_nice)
         self.meta = Worker("kvtier-mooncake-meta", 2)
 
     def start(self, wait_s: float) -> bool:

@@ -3,7 +3,7 @@
 The URL::
 
     mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata&protocol=tcp&segment=0
-        &local_buffer=16MB&bounce=64MB&timeout_s=2&local_host=127.0.0.1&rdma_devices=
+        &local_buffer=16MB&bounce=64MB&timeout_s=2&local_host=127.0.0.1&rdma_devices=&poll_nice=10
 
 or the path of a JSON file holding one object with the same keys plus ``"master": "HOST:PORT"``.
 Only the master is required. ``metadata``: transfer metadata server (default: the master's
@@ -12,8 +12,10 @@ comma-separated ``rdma_devices``). ``segment``: memory this process contributes 
 the default 0 keeps objects in storage nodes only, so they outlive this process. ``local_buffer``:
 the client's transfer buffer. ``bounce``: registered staging memory for buffers outside the
 registered host pool (grown for larger objects). ``timeout_s``: bound on one store call.
-``local_host``: the address peers reach this process at. Sizes take K/M/G/T suffixes (powers of
-1024). A malformed string raises ``ConfigError`` naming ``storage_url`` and the bad part.
+``local_host``: the address peers reach this process at. ``poll_nice``: how many nice steps
+below the process the threads running store calls sit (0 to 19; the client busy-polls its
+calling thread for a whole transfer, see ``kvtier.storage.mooncake_buffers``; 0: the process's
+priority). Sizes take K/M/G/T suffixes (powers of 1024). A malformed string raises ``ConfigError`` naming ``storage_url`` and the bad part.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from kvtier.errors import ConfigError
 
 _OPTIONS = ("metadata", "protocol", "rdma_devices", "segment", "local_buffer", "bounce")
-_OPTIONS += ("timeout_s", "local_host")
+_OPTIONS += ("timeout_s", "local_host", "poll_nice")
 _UNITS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 
 
@@ -44,6 +46,7 @@ class MooncakeSettings:
     bounce: int = 64 << 20
     timeout_s: float = 2.0
     local_host: str = "127.0.0.1"
+    poll_nice: int = 10
 
     def setup_args(self, segment: int | None = None) -> tuple[str, str, int, int, str, str, str]:
         """Positional arguments of ``MooncakeDistributedStore.setup`` (0.3.x order), optionally
@@ -103,6 +106,9 @@ def parse_storage_url(spec: str) -> MooncakeSettings:
         timeout_s = -1.0
     if not 0 < timeout_s < float("inf"):
         raise bad(f"timeout_s={opts['timeout_s']!r} is not a positive number of seconds")
+    nice = opts.get("poll_nice", "10").strip()
+    if not nice.isdigit() or int(nice) > 19:
+        raise bad(f"poll_nice={opts['poll_nice']!r} is not a nice step from 0 to 19")
     loopback = host in ("127.0.0.1", "localhost", "::1")
     return MooncakeSettings(
         master=master,
@@ -114,4 +120,5 @@ def parse_storage_url(spec: str) -> MooncakeSettings:
         bounce=max(size("bounce", 64 << 20), 1 << 20),
         timeout_s=timeout_s,
         local_host=opts.get("local_host") or ("127.0.0.1" if loopback else socket.getfqdn()),
+        poll_nice=int(nice),
     )
