@@ -8,6 +8,7 @@ decides as one; the engine's outputs equal a cold run's in every case."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -27,11 +28,15 @@ PAGE = SPEC.page_bytes(PS)  # 256 bytes: the tier tests' page, on host and in st
 
 
 class SlowFile(FileBackend):
-    """A file backend whose reads take ``bytes / rate`` seconds (a slow device, simulated)."""
+    """A file backend whose reads take ``bytes / rate`` seconds (a slow device, simulated),
+    after ``gate`` opened when there is one."""
 
     rate: float = math.inf
+    gate: threading.Event | None = None
 
     def batch_get(self, keys, buffers):
+        if self.gate is not None:
+            self.gate.wait()
         got = super().batch_get(keys, buffers)
         time.sleep(sum(b.numel() * b.element_size() for b in buffers[:got]) / self.rate)
         return got
@@ -126,6 +131,24 @@ def test_in_between_the_front_that_lands_by_the_deadline_is_fetched(tmp_path) ->
     st = c.stats()
     assert (st["prefetched_pages"], st["storage_read_bytes"]) == (5, 5 * PAGE)
     assert (st["storage_hit_tokens"], st["recomputed_tokens"]) == (20, 15)
+    c.close()
+
+
+def test_a_fetch_queued_ahead_on_the_io_thread_makes_the_next_one_not_pay(tmp_path) -> None:
+    """100 ms a page to fetch, 125 ms to compute: 8 pages fetch in 0.8 s against 1 s, unless
+    another request's 8 pages are still to be read on the same I/O thread (0.8 s more)."""
+    other = list(range(300, 332))
+    _seed(tmp_path)
+    _seed(tmp_path, other)
+    c = _cache(tmp_path, read_rate=PAGE / 0.1, backend_rate=math.inf, restore_prefill_rate=32.0)
+    c.storage.gate = threading.Event()
+    first = c.admit(other + NEW)
+    assert first.pending  # its 8 pages wait behind the shut gate
+    assert c.match(TOKENS + NEW).storage_len == 0
+    c.storage.gate.set()
+    assert c.admit_ready(first, timeout=5.0) and first.storage_tokens == 32
+    c.abandon(first)
+    assert c.match(TOKENS + NEW).storage_len == 32
     c.close()
 
 
