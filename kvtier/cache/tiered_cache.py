@@ -265,8 +265,8 @@ class TieredCache:
         end = self.restore_cost.restore_end(
             device_len, usable, stored, len(keys), cuttable=not self.resume.partial
         )
-        if end < usable:
-            return device_len, [], 0
+        if end < usable:  # the device part, or a probe's page of the host part
+            return end, [], 0
         if end >= usable + stored:
             return usable, keys, tail
         keep = (end - usable) // ps

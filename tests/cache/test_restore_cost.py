@@ -335,6 +335,25 @@ def test_a_tier_declined_again_and_again_is_probed_with_one_page(tmp_path) -> No
     assert (m.storage_len, len(m.handle.storage_keys)) == (PS, 1)  # the probe
     assert c.match(TOKENS + NEW).storage_len == 0  # counted from zero again
     c.close()
+    c = make_cache(
+        tmp_path / "host",
+        device_pages=16,
+        host_pages=32,
+        restore_policy="cost",
+        restore_rate_weight=0.0,
+        restore_load_rate=1.0,
+    )
+    run_request(c, TOKENS)
+    c.flush(host=False)
+    for _ in range(PROBE_AFTER - 1):
+        assert c.match(TOKENS + NEW).host_len == 0
+    m = c.match(TOKENS + NEW)
+    assert (m.device_len, m.host_len) == (0, PS)  # one page of the host part
+    c.lock(m.handle)
+    ld = c.load(m)
+    assert (ld.locs.numel(), ld.host_tokens) == (PS, PS)
+    c.unlock(m.handle)
+    c.close()
 
 
 # ---- context parallelism ----------------------------------------------------------------------
