@@ -17,9 +17,15 @@ the transfer completes):
   pipe_g32 / pipe_ramp  digest + header of a group, then its put (low) while the next group is
                       digested; groups of 32, or 2 objects growing 4x a group up to 128
   kvtier_write        MooncakeBackend.batch_set as the tree has it
+  before_write        the same from another tree's kvtier, renamed to the package
+                      ``kvtier_before`` under ``--before DIR`` (the commit before this work:
+                      ``git archive 09a3c23 kvtier``, then ``kvtier.`` -> ``kvtier_before.``)
   raw_get / raw_get_low / env_get_g32 (header + payload into place, no verify)
-  kvtier_read         MooncakeBackend.batch_get
+  kvtier_read / before_read  MooncakeBackend.batch_get
 """
+
+# The sides are closures over the round's objects, called within that round.
+# ruff: noqa: B023
 
 from __future__ import annotations
 
@@ -47,8 +53,8 @@ from kvtier.storage.mooncake_local import LocalMooncake
 from kvtier.storage.mooncake_url import parse_storage_url
 
 WRITES = ["raw", "raw_low", "env_1", "env_g32", "env_g128", "digest", "pipe_g32", "pipe_ramp"]
-WRITES += ["kvtier_write"]
-READS = ["raw_get", "raw_get_low", "env_get_g32", "kvtier_read"]
+WRITES += ["kvtier_write", "before_write"]
+READS = ["raw_get", "raw_get_low", "env_get_g32", "kvtier_read", "before_read"]
 
 
 def main() -> None:
@@ -58,11 +64,16 @@ def main() -> None:
     ap.add_argument("--page-bytes", type=int, default=2 << 20)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--sides", default=",".join(WRITES + READS))
+    ap.add_argument("--before", help="directory holding the package kvtier_before")
     ap.add_argument("--json")
     a = ap.parse_args()
+    before_cls = None
+    if a.before:
+        sys.path.insert(0, a.before)
+        from kvtier_before.storage.mooncake import MooncakeBackend as before_cls
     from mooncake.store import MooncakeDistributedStore
 
-    sides = [s for s in a.sides.split(",") if s]
+    sides = [s for s in a.sides.split(",") if s and (a.before or not s.startswith("before"))]
     n, pb = a.pages, a.page_bytes
     total = n * pb
     src = torch.randint(0, 256, (n, pb), dtype=torch.uint8)
@@ -128,6 +139,10 @@ def main() -> None:
         for rnd in range(a.rounds + 1):  # round 0 warms the segment up and is not counted
             be = MooncakeBackend(url, Namespace(f"{run[:24]}{rnd:08d}"))
             be.register_buffers([src, dst])
+            old = None
+            if before_cls is not None:
+                old = before_cls(url, Namespace(f"{run[:24]}{rnd:07d}b"))
+                old.register_buffers([src, dst])
             names = {s: [f"p/{run}/{rnd}/{s}/{i}" for i in range(n)] for s in sides}
             written = names["raw"] if "raw" in names else names[sides[0]]
             fns: dict[str, Callable[[], None]] = {
@@ -159,13 +174,16 @@ def main() -> None:
                     for lo in range(0, n, 32)
                 ],
                 "kvtier_read": lambda: check([be.batch_get(keys, list(dst))], n),
+                "before_write": lambda: check([old.batch_set(keys, list(src))], n),
+                "before_read": lambda: check([old.batch_get(keys, list(dst))], n),
             }
             order = [s for s in sides if s not in READS]
             random.shuffle(order)
             reads = [s for s in sides if s in READS]
             random.shuffle(reads)
-            if "kvtier_read" in reads and "kvtier_write" not in order:
-                order.append("kvtier_write")
+            for w in ("kvtier", "before"):
+                if f"{w}_read" in reads and f"{w}_write" not in order:
+                    order.append(f"{w}_write")
             for name in order + reads:
                 dst.zero_()
                 t0 = time.perf_counter()
@@ -179,15 +197,21 @@ def main() -> None:
                 line = " ".join(f"{k}={total / v[-1] / 1e9:.2f}" for k, v in times.items())
                 print(f"round {rnd}: {line}", flush=True)
             be.close()
-            raw.batch_remove([be.store_key(k) for k in keys] + sum(names.values(), []), True)
+            stored = [be.store_key(k) for k in keys]
+            if old is not None:
+                old.close()
+                stored += [old.store_key(k) for k in keys]
+            raw.batch_remove(stored + sum(names.values(), []), True)
         raw.close()
     med = {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
 
     def paired(peer: str) -> dict[str, float]:
         if peer not in times:
             return {}
-        return {k: statistics.median(p / t for p, t in zip(times[peer], v, strict=True))
-                for k, v in times.items()}
+        return {
+            k: statistics.median(p / t for p, t in zip(times[peer], v, strict=True))
+            for k, v in times.items()
+        }
 
     w, r = paired("raw"), paired("raw_get")
     for k in times:
