@@ -36,18 +36,23 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, StorageError
 from kvtier.keys import Namespace, PageKey
 from kvtier.storage import envelope
-from kvtier.storage.base import StorageBackend, StorageCapabilities, check_lengths, flat_cpu_bytes
+from kvtier.storage.base import (
+    StorageBackend,
+    StorageCapabilities,
+    check_lengths,
+    cpu_byte_views,
+)
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.mooncake_buffers import (
     GROUP_KEYS,
     PUT_GROUP_BYTES,
     Arena,
+    Bytes,
     TransferBuffers,
     ptr,
 )
@@ -129,20 +134,21 @@ class MooncakeBackend(StorageBackend):
 
     def _data_ready(
         self, keys: Sequence[PageKey], buffers: Sequence[torch.Tensor]
-    ) -> tuple[Any, list[np.ndarray], Arena | None]:
+    ) -> tuple[Any, list[Bytes], list[int], Arena | None]:
         """``session.ready()`` for reading or writing ``buffers`` under ``keys``, with their byte
-        views and a free arena (none while every arena is held by a call that outlived its
-        timeout: then no client, counted ``skipped``)."""
+        views, their addresses and a free arena (none while every arena is held by a call that
+        outlived its timeout: then no client, counted ``skipped``)."""
         check_lengths(keys, buffers)
         client = self.session.ready() if keys else None
         if client is None:
-            return None, [], None
-        views = [flat_cpu_bytes(b) for b in buffers]  # raises before anything is held
+            return None, [], [], None
+        views = cpu_byte_views(buffers)  # raises before anything is held
+        addrs = [b.data_ptr() for b in buffers]
         arena = self._buffers.acquire()
         if arena is None:
             self.session.count(skipped=1)
-            return None, [], None
-        return client, views, arena
+            return None, [], [], None
+        return client, views, addrs, arena
 
     def read_fence(self) -> Future[None] | None:
         """A future done once no abandoned read can still write into registered caller buffers
@@ -203,12 +209,12 @@ class MooncakeBackend(StorageBackend):
         the groups grow to what the link takes while the digests run ahead, whatever the
         ratio of digest to link speed; the first call leaves once ``FIRST_PUT_BYTES`` are
         staged."""
-        client, views, arena = self._data_ready(keys, buffers)
+        client, views, addrs, arena = self._data_ready(keys, buffers)
         if client is None or arena is None:
             return 0
         futs: list[Future | None] = []
         try:
-            return self._put_all(client, keys, views, arena, futs)
+            return self._put_all(client, keys, views, addrs, arena, futs)
         finally:
             self._buffers.release(arena, futs)
 
@@ -216,11 +222,12 @@ class MooncakeBackend(StorageBackend):
         self,
         client: Any,
         keys: Sequence[PageKey],
-        views: list[np.ndarray],
+        views: list[Bytes],
+        addrs: list[int],
         arena: Arena,
         futs: list[Future | None],
     ) -> int:
-        direct = arena.prepare(views)
+        direct = arena.prepare(views, addrs)
         half = arena.bounce_bytes
         stored = bounced = 0
         g, group, flight = 0, _PutGroup(), None
@@ -251,12 +258,14 @@ class MooncakeBackend(StorageBackend):
                 if need:
                     place = arena.bounced(g, group.staged, nbytes)
                     place[:] = v
+                    at = ptr(place)
                     bounced += nbytes
                 else:
-                    place = v
+                    place, at = v, addrs[i]
                 # The digest of what is sent (a bounced copy is cache-hot here).
                 envelope.pack_into(slot, self.namespace, keys[i], nbytes, envelope.digest(place))
-                group.add(self._prefix + keys[i], ptr(slot), ptr(place), nbytes, need)
+                head_at = arena.header_at(g, len(group.names))
+                group.add(self._prefix + keys[i], head_at, at, nbytes, need)
                 if flight is None:
                     idle = group.nbytes >= FIRST_PUT_BYTES
                 else:
@@ -313,22 +322,22 @@ class MooncakeBackend(StorageBackend):
         (``foreign``, ``format``, ``checksum``, ``short_read``, ``timeout``, ``unreachable``,
         ``io``). Objects that fail verification are removed from the store. Returns within
         about ``timeout_s`` per transfer group even when the store hangs (see ``read_fence``)."""
-        client, views, arena = self._data_ready(keys, buffers)
+        client, views, addrs, arena = self._data_ready(keys, buffers)
         if client is None or arena is None:
             return 0
         groups: list[tuple[range, list[int]]] = []
         futs: list[Future | None] = []
 
-        def submit(g: int) -> tuple[Future | None, list[np.ndarray]]:
+        def submit(g: int) -> tuple[Future | None, list[Bytes]]:
             names = [self._prefix + keys[i] for i in groups[g][0]]
-            ptrs, sizes, places = arena.layout(g, *groups[g], views)
+            ptrs, sizes, places = arena.layout(g, *groups[g], views, addrs)
             fn = lambda: client.batch_get_into_multi_buffers(names, ptrs, sizes)  # noqa: E731
             futs.append(self.session.submit(self.session.data, fn))
             return futs[-1], places
 
         done, bad = 0, []
         try:
-            groups += arena.plan(views)
+            groups += arena.plan(views, addrs)
             fut, places = submit(0)
             for g, (rng, _) in enumerate(groups):
                 codes = self._get_done(fut)
@@ -360,36 +369,62 @@ class MooncakeBackend(StorageBackend):
         rng: range,
         codes: list[int],
         keys: Sequence[PageKey],
-        views: list[np.ndarray],
-        places: list[np.ndarray],
+        views: list[Bytes],
+        places: list[Bytes],
         bad: list[str],
     ) -> int:
-        n = 0
-        for j, (i, code, place) in enumerate(zip(rng, codes, places, strict=True)):
-            v, name = views[i], self._prefix + keys[i]
-            try:
-                if code in (-600, -800):
-                    self._check_size(name, HEADER_BYTES + v.nbytes)
-                if code < 0:
-                    self.session.code_fault(code, "batch_get_into_multi_buffers")
+        """How many of group ``g``'s objects (``rng``), as a leading run, are whole and this
+        deployment's; copies bounced payloads out to the caller and counts bytes once a
+        group."""
+        n = got = bounced = 0
+        try:
+            for j, (i, code, place) in enumerate(zip(rng, codes, places, strict=True)):
+                v = views[i]
+                if not self._verify_one(arena, g, j, code, keys[i], v, place, bad):
                     return n
-                head = arena.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
-                length, want = envelope.unpack(head, self.namespace, keys[i])
-                if code - HEADER_BYTES < length:
-                    raise StorageError("short_read", f"{code - HEADER_BYTES} of {length} B")
-                if length != v.nbytes or code - HEADER_BYTES != length:
-                    raise StorageError("checksum", f"{length}-byte payload, buffer {v.nbytes}")
-                if envelope.digest(place) != want:
-                    raise StorageError("checksum", "payload checksum mismatch")
-            except StorageError as e:
-                self.fault(e.kind, f"{name}: {e.detail}")
-                bad.append(name)
-                return n
-            if place is not v:
-                v[:] = place
-            n += 1
-            self.session.count(bytes_got=v.nbytes, bytes_bounced=0 if place is v else v.nbytes)
-        return n
+                if place is not v:
+                    v[:] = place
+                    bounced += v.nbytes
+                n += 1
+                got += v.nbytes
+            return n
+        finally:
+            self.session.count(bytes_got=got, bytes_bounced=bounced)
+
+    def _verify_one(
+        self,
+        arena: Arena,
+        g: int,
+        j: int,
+        code: int,
+        key: PageKey,
+        v: Bytes,
+        place: Bytes,
+        bad: list[str],
+    ) -> bool:
+        """Whether object ``j`` of group ``g`` (``key``, landed in ``place`` for the caller's
+        ``v``; the get answered ``code``) is whole and this deployment's; a fault is counted
+        and the object's name added to ``bad``."""
+        name = self._prefix + key
+        try:
+            if code in (-600, -800):
+                self._check_size(name, HEADER_BYTES + v.nbytes)
+            if code < 0:
+                self.session.code_fault(code, "batch_get_into_multi_buffers")
+                return False
+            head = arena.header(g, j)[: min(code, HEADER_BYTES)].tobytes()
+            length, want = envelope.unpack(head, self.namespace, key)
+            if code - HEADER_BYTES < length:
+                raise StorageError("short_read", f"{code - HEADER_BYTES} of {length} B")
+            if length != v.nbytes or code - HEADER_BYTES != length:
+                raise StorageError("checksum", f"{length}-byte payload, buffer {v.nbytes}")
+            if envelope.digest(place) != want:
+                raise StorageError("checksum", "payload checksum mismatch")
+        except StorageError as e:
+            self.fault(e.kind, f"{name}: {e.detail}")
+            bad.append(name)
+            return False
+        return True
 
     def _check_size(self, name: str, want: int) -> None:
         """Raise the envelope fault of an object whose size is not ``want`` bytes; the store

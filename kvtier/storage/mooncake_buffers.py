@@ -35,6 +35,9 @@ from kvtier.storage.envelope import HEADER_BYTES
 
 log = logging.getLogger("kvtier.storage")
 
+Bytes = memoryview | np.ndarray
+"""A flat byte buffer: a caller's (``cpu_byte_views``) or a slice of an arena."""
+
 GROUP_KEYS = 128
 GROUP_BYTES = 64 << 20
 PUT_GROUP_BYTES = 128 << 20
@@ -134,6 +137,7 @@ class Arena:
     def __init__(self, owner: TransferBuffers) -> None:
         self._owner = owner
         self.headers = np.zeros(2 * GROUP_KEYS * HEADER_BYTES, dtype=np.uint8)
+        self._headers_at = ptr(self.headers)
         self.bounce = [np.zeros(0, np.uint8), np.zeros(0, np.uint8)]  # allocated when needed
         self.held = False
         self.running = 0  # store calls of past batch calls not yet ended
@@ -143,21 +147,23 @@ class Arena:
         """Bytes of one bounce half."""
         return self.bounce[0].nbytes
 
-    def prepare(self, views: list[np.ndarray]) -> list[bool]:
-        """Whether each of ``views`` lies in registered memory (sent and received in place);
-        grows the bounce halves first when one payload outside it would not fit a half (only
-        before any call of this batch: a running call may be using a half)."""
-        direct = [self._owner.inside(v) for v in views]
+    def prepare(self, views: Sequence[Bytes], addrs: list[int]) -> list[bool]:
+        """Whether each of ``views`` (first bytes at ``addrs``) lies in registered memory (sent
+        and received in place); grows the bounce halves first when one payload outside it
+        would not fit a half (only before any call of this batch: a running call may be using
+        a half)."""
+        inside = self._owner.inside
+        direct = [inside(a, v.nbytes) for v, a in zip(views, addrs, strict=True)]
         need = max((v.nbytes for v, d in zip(views, direct, strict=True) if not d), default=0)
         if need > self.bounce_bytes:
             self._owner.grow_bounce(self, max(need, self._owner.bounce_bytes))
         return direct
 
-    def plan(self, views: list[np.ndarray]) -> list[tuple[range, list[int]]]:
+    def plan(self, views: Sequence[Bytes], addrs: list[int]) -> list[tuple[range, list[int]]]:
         """Read groups of consecutive objects (``GROUP_KEYS``, ``GROUP_BYTES``, bounced bytes
         within a half), each with its objects' bounce offsets (-1: direct)."""
         groups, start, size, staged, offs = [], 0, 0, 0, []
-        for i, (v, direct) in enumerate(zip(views, self.prepare(views), strict=True)):
+        for i, (v, direct) in enumerate(zip(views, self.prepare(views, addrs), strict=True)):
             need = 0 if direct else v.nbytes
             if offs and (
                 len(offs) == GROUP_KEYS
@@ -177,20 +183,28 @@ class Arena:
         slot = ((g % 2) * GROUP_KEYS + j) * HEADER_BYTES
         return self.headers[slot : slot + HEADER_BYTES]
 
+    def header_at(self, g: int, j: int) -> int:
+        """Address of ``header(g, j)``."""
+        return self._headers_at + ((g % 2) * GROUP_KEYS + j) * HEADER_BYTES
+
     def bounced(self, g: int, off: int, nbytes: int) -> np.ndarray:
         """``nbytes`` of group ``g``'s bounce half from ``off``."""
         return self.bounce[g % 2][off : off + nbytes]
 
     def layout(
-        self, g: int, rng: range, offs: list[int], views: list[np.ndarray]
-    ) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
+        self, g: int, rng: range, offs: list[int], views: Sequence[Bytes], addrs: list[int]
+    ) -> tuple[list[list[int]], list[list[int]], list[Bytes]]:
         """Buffer pointers and sizes (header slot, payload) of group ``g``'s objects, and where
-        each payload lies: the caller's buffer or a slice of the bounce arena."""
-        ptrs, sizes, places = [], [], []
+        each payload lies: the caller's buffer (first byte at ``addrs[i]``) or a slice of the
+        bounce arena."""
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        places: list[Bytes] = []
+        bounce_at = ptr(self.bounce[g % 2])
         for j, (i, off) in enumerate(zip(rng, offs, strict=True)):
             v = views[i]
             place = v if off < 0 else self.bounced(g, off, v.nbytes)
-            ptrs.append([ptr(self.header(g, j)), ptr(place)])
+            ptrs.append([self.header_at(g, j), addrs[i] if off < 0 else bounce_at + off])
             sizes.append([HEADER_BYTES, v.nbytes])
             places.append(place)
         return ptrs, sizes, places
@@ -268,10 +282,11 @@ class TransferBuffers:
                 if client is not None:
                     self._register(client, start, end)
 
-    def inside(self, a: np.ndarray) -> bool:
-        """Whether ``a`` lies in registered memory (transfers reach it without bouncing)."""
-        p, q = _span(a)
-        return any(s <= p and q <= e for s, e in self._regions)
+    def inside(self, addr: int, nbytes: int) -> bool:
+        """Whether the ``nbytes`` from ``addr`` lie in registered memory (transfers reach them
+        without bouncing)."""
+        end = addr + nbytes
+        return any(s <= addr and end <= e for s, e in self._regions)
 
     def grow_bounce(self, arena: Arena, nbytes: int) -> None:
         """Replace both bounce halves of ``arena`` (held by the caller, none of its calls
