@@ -519,7 +519,9 @@ def _wait_health(url: str, deadline_s: float = 60.0) -> None:
         conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=5)
         try:
             conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
+            resp = conn.getresponse()
+            resp.read()  # closed with its answer unread, the socket would reset the server's end
+            if resp.status == 200:
                 return
         except (OSError, http.client.HTTPException):
             pass
@@ -873,7 +875,7 @@ def _bench_closed_loop(cfg: ServeBenchConfig, quiet: bool) -> dict[str, Any]:
                     f"host {tk['host']} storage {tk['storage']} recomputed {tk['recomputed']}"
                 )
         _release(dev)
-    return _loop_summary(cfg, loop, workload, results, outputs, model, device)
+    return loop_summary(cfg, loop, workload, results, outputs, model, device)
 
 
 def _release(dev: Any) -> None:
@@ -885,7 +887,7 @@ def _release(dev: Any) -> None:
         release_pools()
 
 
-def _loop_summary(
+def loop_summary(
     cfg: ServeBenchConfig,
     loop: MultiTurnConfig,
     workload: mt.Workload,

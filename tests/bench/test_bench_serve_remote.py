@@ -1,7 +1,9 @@
 """``kvtier bench serve --url``: against a running server it requests the model the server lists
 at ``/v1/models``, names a model the server does not serve before sending anything, and exits
-non-zero naming the first error when requests fail. The server here is a small stdlib stand-in
-speaking the same streaming protocol (no engine, no torch: fast)."""
+non-zero naming the first error when requests fail; the multiturn and longdoc workloads send
+``bench multiturn``'s prompts, each turn's history with the answer the server gave, at most
+``concurrency`` at a time. The server here is a small stdlib stand-in speaking the same
+streaming protocol (no engine, no torch: fast)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvtier.bench.multiturn import MultiTurnConfig
 from kvtier.bench.serve import ServeBenchConfig, bench_serve, served_model
 from kvtier.cli import main
 from kvtier.errors import ConfigError
@@ -43,6 +46,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(self.server.models_status, "missing or wrong API key")
                 return
             cards = [{"id": m, "object": "model"} for m in self.server.models]
+            if self.server.context is not None:
+                for card in cards:
+                    card["max_model_len"] = self.server.context
             self._send(200, json.dumps({"object": "list", "data": cards}).encode())
         else:
             self._error(404, "not found")
@@ -51,6 +57,16 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.requested.append(body["model"])
+            self.server.prompts.append(body["prompt"])
+            self.server.in_flight += 1
+            self.server.peak = max(self.server.peak, self.server.in_flight)
+        try:
+            self._answer(body)
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
+
+    def _answer(self, body: dict) -> None:
         if body["model"] not in self.server.models or self.server.broken:
             self._error(404, f"The model {body['model']!r} does not exist")
             return
@@ -76,10 +92,15 @@ class _Handler(BaseHTTPRequestHandler):
 class _Stub(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, models: list[str], broken: bool, models_status: int) -> None:
+    def __init__(
+        self, models: list[str], broken: bool, models_status: int, context: int | None
+    ) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.models, self.broken, self.models_status = models, broken, models_status
+        self.context = context
         self.requested: list[str] = []
+        self.prompts: list[list[int]] = []
+        self.in_flight = self.peak = 0
         self.lock = threading.Lock()
 
     @property
@@ -89,9 +110,12 @@ class _Stub(ThreadingHTTPServer):
 
 @contextmanager
 def stub(
-    models: tuple[str, ...] = ("my-model",), broken: bool = False, models_status: int = 200
+    models: tuple[str, ...] = ("my-model",),
+    broken: bool = False,
+    models_status: int = 200,
+    context: int | None = None,
 ) -> Iterator[_Stub]:
-    server = _Stub(list(models), broken, models_status)
+    server = _Stub(list(models), broken, models_status, context)
     # a short poll interval only makes shutdown() return sooner
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
@@ -151,4 +175,65 @@ def test_a_models_list_refused_for_want_of_a_key_says_so() -> None:
     assert str(e.value) == (
         f"{s.url}/v1/models answered 401: missing or wrong API key "
         "(does the server expect --api-key?)"
+    )
+
+
+LOOP = MultiTurnConfig(
+    workload="multiturn", clients=3, rounds=3, concurrency=2, system_tokens=8, new_tokens=4,
+    output_tokens=2, progress=False,
+)  # fmt: skip
+
+
+def test_the_multiturn_workload_sends_each_history_with_the_servers_answers() -> None:
+    with stub(context=64) as s:
+        r = bench_serve(ServeBenchConfig(workload="multiturn", url=s.url, closed_loop=LOOP))
+    assert list(r["configs"]) == ["server"] and r["url"] == s.url and r["model"] == "my-model"
+    assert (r["requests"], r["requests_ok"], r["errors_by_status"]) == (9, 9, {})
+    assert r["outputs_match"] is True and r["tokens_add_up"] is True
+    assert "device_tokens" not in r["workload"] and r["workload"]["configs"] == ["server"]
+    c = r["configs"]["server"]
+    assert c["cache"] is None and c["server_stats"] is None
+    assert c["tokens"] == {"device": 0, "host": 0, "storage": 0, "recomputed": 162, "prompt": 162}
+    assert c["output_tokens"] == 18 and c["first_round_tokens"]["prompt"] == 3 * 12
+    # 8 system + 4 user tokens, then each turn adds the stub's answer [1, 2] and 4 more
+    assert sorted(len(p) for p in s.prompts) == [12] * 3 + [18] * 3 + [24] * 3
+    system = s.prompts[0][:8]
+    by_len = {n: [p for p in s.prompts if len(p) == n] for n in (12, 18, 24)}
+    assert all(p[:8] == system for p in s.prompts)
+    for shorter, longer in ((12, 18), (18, 24)):
+        assert sorted(p[: shorter + 2] for p in by_len[longer]) == sorted(
+            [*p, 1, 2] for p in by_len[shorter]
+        )
+    assert 1 <= s.peak <= 2  # never more than --concurrency in flight
+
+
+def test_a_failed_turn_ends_its_conversation_and_the_command_exits_1(capsys) -> None:
+    with stub(broken=True) as s:
+        argv = ["bench", "serve", "--url", s.url, "--workload", "multiturn", "--clients", "3"]
+        loop = ["--rounds", "4", "--system-tokens", "8", "--new-tokens", "4", "--output-tokens"]
+        assert main([*argv, *loop, "2"]) == 1
+    out = capsys.readouterr()
+    assert len(s.prompts) == 3  # every first turn, and no turn after a failed one
+    assert json.loads(out.out)["configs"]["server"]["errors_by_status"] == {"404": 3}
+    assert "kvtier bench serve: 3 of 3 requests failed (404: 3)" in out.err
+
+
+def test_a_failed_warm_up_question_still_releases_the_later_ones() -> None:
+    loop = MultiTurnConfig(
+        workload="longdoc", documents=2, document_tokens=8, question_tokens=2, rounds=3,
+        output_tokens=2, concurrency=2, progress=False,
+    )  # fmt: skip
+    with stub(broken=True) as s:
+        r = bench_serve(ServeBenchConfig(workload="longdoc", url=s.url, closed_loop=loop))
+    assert (r["requests"], r["requests_ok"], len(s.prompts)) == (6, 0, 6)
+    assert r["first_error"] == {"status": "404", "message": "The model 'my-model' does not exist"}
+
+
+def test_a_workload_longer_than_the_servers_context_is_refused_before_any_request() -> None:
+    with stub(context=23) as s, pytest.raises(ConfigError) as e:
+        bench_serve(ServeBenchConfig(workload="multiturn", url=s.url, closed_loop=LOOP))
+    assert s.prompts == []
+    assert str(e.value) == (
+        "the workload's longest request has 26 tokens (prompt + output tokens) but "
+        f"{s.url} serves a context of 23 tokens"
     )
