@@ -50,6 +50,7 @@ from kvtier.storage.base import (
 from kvtier.storage.envelope import HEADER_BYTES
 from kvtier.storage.mooncake_buffers import (
     GROUP_KEYS,
+    PUT_BYTES_PER_TIMEOUT_S,
     PUT_GROUP_BYTES,
     Arena,
     Bytes,
@@ -208,7 +209,9 @@ class MooncakeBackend(StorageBackend):
         as the one in flight has ended (looked at after each object) or the group is full, so
         the groups grow to what the link takes while the digests run ahead, whatever the
         ratio of digest to link speed; the first call leaves once ``FIRST_PUT_BYTES`` are
-        staged."""
+        staged. A group is full at ``GROUP_KEYS`` objects, a bounce half of bounced payload,
+        or ``PUT_GROUP_BYTES`` (at most ``PUT_BYTES_PER_TIMEOUT_S`` per second of
+        ``timeout_s``)."""
         client, views, addrs, arena = self._data_ready(keys, buffers)
         if client is None or arena is None:
             return 0
@@ -229,6 +232,7 @@ class MooncakeBackend(StorageBackend):
     ) -> int:
         direct = arena.prepare(views, addrs)
         half = arena.bounce_bytes
+        cap = min(PUT_GROUP_BYTES, int(self.settings.timeout_s * PUT_BYTES_PER_TIMEOUT_S))
         stored = bounced = 0
         g, group, flight = 0, _PutGroup(), None
 
@@ -249,7 +253,7 @@ class MooncakeBackend(StorageBackend):
                 need = 0 if direct[i] else nbytes
                 full = bool(group.names) and (
                     len(group.names) == GROUP_KEYS
-                    or group.nbytes + nbytes > PUT_GROUP_BYTES
+                    or group.nbytes + nbytes > cap
                     or group.staged + need > half
                 )
                 if full and not send():  # waits for the call in flight

@@ -40,11 +40,14 @@ Bytes = memoryview | np.ndarray
 
 GROUP_KEYS = 128
 GROUP_BYTES = 64 << 20
-PUT_GROUP_BYTES = 128 << 20
+PUT_GROUP_BYTES = 256 << 20
 """Writes take larger groups than reads: each put call costs two master round trips
 (allocation, commit) and a drain of the link, and the next group is staged while one is in
 flight; a read group's payloads are verified while the next one lands, so its groups stay
 small enough for the last one's verification (not overlapped) to be short."""
+PUT_BYTES_PER_TIMEOUT_S = 128 << 20
+"""A put call also carries at most this many bytes per second of ``timeout_s``, so that one
+still ends in time on a link (or a host short of cores) at an eighth of 1 GB/s."""
 MISSING = (-703, -704)  # replica not ready, object not found
 UNREACHABLE = (-800, -900, -901, -1010, -1011)  # transfer/RPC failure, unavailable
 NO_SPACE = (-200, -1700)  # no segment space, tenant quota

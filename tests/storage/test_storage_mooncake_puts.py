@@ -111,6 +111,22 @@ def test_groups_follow_the_link_and_the_caps(mooncake_cluster: MooncakeCluster) 
     b.close()
 
 
+def test_calls_are_sized_to_the_timeout(
+    mooncake_cluster: MooncakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At 1 MiB per second of the 2 s timeout a call carries at most 2 MiB.
+    monkeypatch.setattr("kvtier.storage.mooncake.PUT_BYTES_PER_TIMEOUT_S", 1 << 20)
+    b, calls = recording_backend(mooncake_cluster, timeout_s=2)
+    page = 512 << 10
+    pool = torch.randint(0, 256, (16, page), dtype=torch.uint8)
+    b.register_buffers([pool])
+    assert b.batch_set(keys(16), list(pool)) == 16
+    assert [n for names, _ in calls for n in names] == [b.store_key(k) for k in keys(16)]
+    assert all(sum(s[1] for s in sizes) <= 2 << 20 for _, sizes in calls)
+    assert len(calls) >= 4
+    b.close()
+
+
 def test_a_fault_in_the_middle_stores_the_leading_run(mooncake_cluster: MooncakeCluster) -> None:
     b, calls = recording_backend(mooncake_cluster, fail_call=1, bounce="1MB")
     page = 512 << 10
