@@ -211,14 +211,10 @@ def serve_failure(result: dict[str, Any]) -> str | None:
             f"; first: {first.get('status')} {first.get('message', '')}".rstrip() if first else ""
         )
         why.append(f"{n - ok} of {n} requests failed ({by}){what}")
-    for name, r in result.get("configs", {}).items():  # multiturn, longdoc
-        if r["mismatched_requests"]:
-            why.append(
-                f"{name}: {r['mismatched_requests']} request(s) differ from "
-                f"{result['reference_config']}"
-            )
-        if not r["tokens_add_up"]:
-            why.append(f"{name}: served + recomputed != prompt tokens")
+    if "configs" in result:  # multiturn, longdoc: the checks bench multiturn makes
+        checks = multiturn.failure(result)
+        if checks:
+            why.append(checks)
     return "; ".join(why) or None
 
 

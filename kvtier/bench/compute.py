@@ -28,6 +28,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -221,19 +222,16 @@ def _prefill(llm: LLM, cfg: ModelConfig, fresh, tokens: int, repeats: int, peak:
     }
 
 
-def _decode(
-    llm: LLM,
-    model: torch.nn.Module,
-    cfg: ModelConfig,
-    fresh,  # noqa: ANN001
-    batch: int,
-    context: int,
-    steps: int,
-    copy: float,
-) -> dict:
-    # One step prefills them all (the prefill budget and the pool hold every prompt), one
-    # decodes untimed (its kernels warm); the timed steps then read contexts of ``context``
-    # up to ``context + steps - 1`` positions.
+def decode_step_times(
+    llm: LLM, fresh: Callable[[int], list[int]], batch: int, context: int, steps: int
+) -> list[float]:
+    """Seconds of each of ``steps`` decode steps of ``batch`` requests whose prompts
+    (``fresh(n)`` draws ``n`` tokens) hold ``context - 2`` tokens: one step prefills them all
+    (the prefill budget and the pool must hold every prompt), one decodes untimed (its kernels
+    warm); the timed steps then read contexts of ``context`` up to ``context + steps - 1``
+    positions. Take their median: a step that records a CUDA graph (once per batch and
+    context bucket, ``kvtier.engine.graphs``) weighs in the mean of a few steps far more than
+    in a long decode."""
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for _ in range(batch):
         llm.add_request(fresh(context - 2), params)
@@ -246,9 +244,20 @@ def _decode(
         times.append(time.perf_counter() - t0)
     while llm.has_unfinished():
         llm.step()
-    # The median: a step that records a CUDA graph (once per batch and context bucket,
-    # ``kvtier.engine.graphs``) weighs in the mean of a few steps far more than in a long
-    # decode.
+    return times
+
+
+def _decode(
+    llm: LLM,
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    fresh,  # noqa: ANN001
+    batch: int,
+    context: int,
+    steps: int,
+    copy: float,
+) -> dict:
+    times = decode_step_times(llm, fresh, batch, context, steps)
     step_s = statistics.median(times)
     graphs = llm.runner.graphs
     mean_ctx = context + (steps - 1) / 2

@@ -543,7 +543,7 @@ def measure_rates(
 ) -> dict[str, Any]:
     """Prefill rate, decode step time and link rate (module docstring), on an engine of their
     own without a host tier; ``storage_read_*`` are filled in once an L3 is."""
-    from kvtier.bench.compute import copy_gbps
+    from kvtier.bench.compute import copy_gbps, decode_step_times
     from kvtier.bench.ttft import _link_gbps
     from kvtier.config import CacheConfig
     from kvtier.engine import LLM, SamplingParams
@@ -577,20 +577,8 @@ def measure_rates(
             out = llm.generate([_draw(rng, vocab, probe)], one)[0]
             best = min(best, out.ttft_s or math.inf)
         prefill_rate = probe / best
-        # Every prompt prefilled in one step, one decode step untimed, then the timed ones.
-        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-        for _ in range(batch):
-            llm.add_request(_draw(rng, vocab, context - 2), params)
-        llm.step()
-        llm.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            llm.step()
-            times.append(time.perf_counter() - t0)
-        while llm.has_unfinished():
-            llm.step()
-        step_s = statistics.median(times)
+        draw = lambda n: _draw(rng, vocab, n)  # noqa: E731
+        step_s = statistics.median(decode_step_times(llm, draw, batch, context, steps))
     finally:
         llm.close()
     _release(dev)
