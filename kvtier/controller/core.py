@@ -172,18 +172,7 @@ class Controller:
         cached pages if needed; ``None`` if impossible."""
         alloc = self.dev.allocator
         if owners is None:
-            # A window pool's page frees less than a fresh page takes when it had no window
-            # rows: evict until the room is there or nothing more goes.
-            while True:
-                while (short := n - alloc.available) > 0 and self.evict_device(short) > 0:
-                    pass
-                pages = self.dev.alloc_pages(n)
-                # An arena with leased pages may promise room compaction cannot make around
-                # them (``ArenaAllocator.optimistic``): make more and try again.
-                if pages is not None or not getattr(alloc, "optimistic", False):
-                    return pages
-                if self.evict_device(max(1, n - alloc.fit([0] * n))) == 0:
-                    return None
+            return self._alloc_evicting(alloc, n, self.evict_device, self.dev.alloc_pages)
         self._make_room(alloc, owners, self.evict_device)
         return alloc.alloc_owned(owners)
 
@@ -194,19 +183,31 @@ class Controller:
             return None
         alloc = self.host.allocator
         if owners is None:
-            short = n - alloc.available
-            if short > 0:
-                self.evict_host(short)
-            while True:
-                pages = alloc.alloc(n)
-                # A host arena with leased pages may promise room compaction cannot make
-                # around them (``ArenaAllocator.optimistic``): make more and try again.
-                if pages is not None or not getattr(alloc, "optimistic", False):
-                    return pages
-                if self.evict_host(max(1, n - alloc.fit([0] * n))) == 0:
-                    return None
+            return self._alloc_evicting(alloc, n, self.evict_host, alloc.alloc)
         self._make_room(alloc, owners, self.evict_host)
         return alloc.alloc_owned(owners)
+
+    @staticmethod
+    def _alloc_evicting(
+        alloc: PageAllocator,
+        n: int,
+        evict: Callable[[int], int],
+        take: Callable[[int], torch.Tensor | None],
+    ) -> torch.Tensor | None:
+        """``n`` pages of one lane (``take(n)``, from the pool ``alloc`` counts), evicting with
+        ``evict`` until they fit or nothing more goes."""
+        while True:
+            # A window pool's page frees less than a fresh page takes when it had no window
+            # rows: evict until the room is there or nothing more goes.
+            while (short := n - alloc.available) > 0 and evict(short) > 0:
+                pass
+            pages = take(n)
+            # An arena with leased pages may promise room compaction cannot make around them
+            # (``ArenaAllocator.optimistic``): make more and try again.
+            if pages is not None or not getattr(alloc, "optimistic", False):
+                return pages
+            if evict(max(1, n - alloc.fit([0] * n))) == 0:
+                return None
 
     def alloc_device_like(self, pages: torch.Tensor) -> torch.Tensor | None:
         """As many device pages as ``pages`` has, on the same lanes (a load of a host copy)."""
