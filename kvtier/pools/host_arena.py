@@ -85,9 +85,3 @@ class HostArena(UnifiedPool):
         words = self.unit_words()
         src = data.contiguous().view(torch.uint8).view(rows.shape[0], rows.shape[1], -1)
         words.index_copy_(0, rows.reshape(-1), src.reshape(rows.numel(), -1).view(words.dtype))
-
-    def page_view(self, name: str, page: int) -> torch.Tensor:
-        raise ConfigError("page_view: a relocatable host pool has no fixed page views")
-
-    def page_bytes_view(self, name: str, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        raise ConfigError("page_bytes_view: a relocatable host pool has no fixed page views")
