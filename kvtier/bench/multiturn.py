@@ -32,6 +32,12 @@ Rates measured in the same run (``rates``), on an engine of their own without a 
 
 - ``prefill_tokens_per_s``: a cold prefill of ``prefill_probe_tokens`` (the workload's mean
   prompt length) over its TTFT, best of two;
+- ``extend_probe``: a prompt of the same length whose front is the last cold prompt's (cached)
+  and whose last ``new_tokens`` (``question_tokens``) are new, best of two; with the cold
+  prefill it fits ``prefill_s_per_token`` (``a``) and ``prefill_s_per_token_context`` (``b``)
+  of the prefill cost ``r x (a + b x (h + r / 2))`` of ``r`` tokens after ``h`` cached ones
+  (``prefill_cost_model``: attention makes a token after a long history dearer than a cold
+  one);
 - ``decode_step_s``: the median decode step of ``decode_batch`` (= ``concurrency``) requests at
   a context of ``decode_context`` (the mean prompt length);
 - ``link_gbps``: host -> device bytes per second, a contiguous pinned copy on CUDA
@@ -42,17 +48,30 @@ Rates measured in the same run (``rates``), on an engine of their own without a 
 
 Per configuration (``configs[name]``): ``wall_s``, ``requests_per_s``, input/output tokens/s,
 ``ttft_s`` (p50/p90/p99/mean), prompt tokens served per tier and recomputed (``tokens``; and the
-first round's, ``first_round_tokens``), ``bound_s`` and ``wall_over_bound``, the speedup over the
-first configuration, whether every request's output equals the first configuration's
-(``outputs_match``, ``mismatched_requests``), whether served + recomputed = prompt tokens for
-every request (``tokens_add_up``; a preempted request computes more), the rate its own storage
-reads reached (``observed``), selected ``llm.stats()`` counters and one record per request
-(``requests``).
+first round's, ``first_round_tokens``, with when its last request finished and its mean TTFT,
+``first_round``), ``bound_s`` and ``wall_over_bound``, the speedup over the first configuration,
+whether every request's output equals the first configuration's (``outputs_match``,
+``mismatched_requests``), whether the outputs that differ differ only where the model was
+nearly tied (``divergences``, ``outputs_agree``: below), whether served + recomputed = prompt
+tokens for every request (``tokens_add_up``; a preempted request computes more), the rate its
+own storage reads reached (``observed``), selected ``llm.stats()`` counters and one record per
+request (``requests``).
+
+Outputs in 16-bit arithmetic depend on the batch a request ran in and on how its prefix was
+computed (chunks differ once hits differ), so greedy choices between nearly tied tokens fall
+either way. Every request whose prompt the reference configuration sent too and whose output
+differs is cut at its first differing token, and a third engine (no host tier) judges that
+position: the two tokens' log-probabilities must lie within ``logit_tolerance`` (by default
+0.1 in 16-bit, 1e-3 in 32-bit) and both among its 20 most likely. A wrong restore feeds the
+model wrong keys and values, which moves the whole distribution, not a near-tie. A request
+whose prompt the reference never sent (its conversation's earlier answer differed) cannot be
+judged and is counted (``unjudged_prompts``). The run fails on a divergence beyond the
+tolerance, not on a difference alone.
 
 The bound of a request is what it would cost if it cost only its own work at the measured rates:
-``max(recomputed / prefill rate, max((host + storage bytes) / link, storage bytes / storage
-rate)) + (output_tokens - 1) x decode_step_s / decode_batch`` (its share of the batched decode
-steps); a configuration's bound is the sum over its requests. ``wall_over_bound`` >= 1 means
+``max(prefill cost of recomputed after cached, max((host + storage bytes) / link, storage
+bytes / storage rate)) + (output_tokens - 1) x decode_step_s / decode_batch`` (its share of the
+batched decode steps); a configuration's bound is the sum over its requests. ``wall_over_bound`` >= 1 means
 slower than the bound; on a CPU, where a step's fixed cost dominates and batching prefills with
 decodes is cheaper than running them apart, it can fall below 1. On a CPU shared with other work,
 run with ``OMP_NUM_THREADS=1``: torch's threads waiting for busy cores make every rate noise.
@@ -98,6 +117,8 @@ LLAMA_8B = "llama-8b"
 """The model name of the Llama-8B-sized dense config with random weights drawn on its device
 (``bench ttft``'s and ``bench compute``'s model)."""
 TIERS = ("device", "host", "storage")
+JUDGE_TOP = 20
+"""Most likely tokens ``judge_divergences`` looks at."""
 
 RESULT_KEYS = (
     "bench",
@@ -109,6 +130,7 @@ RESULT_KEYS = (
     "configs",
     "summary",
     "outputs_match",
+    "outputs_agree",
     "tokens_add_up",
     "reference_config",
 )
@@ -126,6 +148,7 @@ CONFIG_KEYS = (
     "ttft_s",
     "tokens",
     "first_round_tokens",
+    "first_round",
     "preemptions",
     "tokens_add_up",
     "bound_s",
@@ -133,6 +156,8 @@ CONFIG_KEYS = (
     "speedup",
     "outputs_match",
     "mismatched_requests",
+    "divergences",
+    "outputs_agree",
     "observed",
     "stats",
 )
@@ -148,6 +173,7 @@ REQUEST_KEYS = (
     "cached_storage",
     "recomputed",
     "preemptions",
+    "finished_s",
     "bound_s",
 )
 """Keys of every record in ``configs[name]["requests"]`` (``conversation``: the client or the
@@ -155,6 +181,9 @@ document)."""
 RATE_KEYS = (
     "prefill_probe_tokens",
     "prefill_tokens_per_s",
+    "extend_probe",
+    "prefill_s_per_token",
+    "prefill_s_per_token_context",
     "decode_batch",
     "decode_context",
     "decode_step_s",
@@ -213,7 +242,10 @@ class MultiTurnConfig:
     concurrency: int = 16
     """Requests in flight at most (and the engine's ``max_running``)."""
     system_tokens: int = 2048
-    """``multiturn``: the system prompt every client shares."""
+    """``multiturn``: the system prompt every client shares (0: none)."""
+    context_tokens: int = 0
+    """``multiturn``: each client's own context after the system prompt in its first turn (a
+    document its conversation is about; 0: none)."""
     new_tokens: int = 512
     """``multiturn``: user tokens each turn adds."""
     output_tokens: int = 64
@@ -256,6 +288,12 @@ class MultiTurnConfig:
     """Torch device (``None``: CUDA when there is one)."""
     seed: int = 0
     """Seed of the prompts and of the ready queue's pops."""
+    logit_tolerance: float | None = None
+    """The log-probability gap at which a divergence from the reference counts as a wrong answer
+    (``None``: ``default_logit_tolerance`` of the model's dtype)."""
+    judge_max: int = 64
+    """Divergences judged per configuration at most (the first by ``(conversation, round)``;
+    the rest are counted, not judged)."""
     debug_checks: bool = False
     """``CacheConfig.debug_checks`` (integrity at every poll: for tests, not figures)."""
     progress: bool = True
@@ -270,7 +308,6 @@ class MultiTurnConfig:
             "clients",
             "rounds",
             "concurrency",
-            "system_tokens",
             "new_tokens",
             "output_tokens",
             "documents",
@@ -280,8 +317,11 @@ class MultiTurnConfig:
             "page_size",
             "max_prefill_tokens",
             "decode_steps",
+            "judge_max",
         ):
             _positive(name, getattr(self, name))
+        for name in ("system_tokens", "context_tokens"):
+            _non_negative(name, getattr(self, name))
         for name in ("host_tokens", "host_bytes", "small_host_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -290,6 +330,11 @@ class MultiTurnConfig:
                 f"host_tokens={self.host_tokens} and host_bytes={self.host_bytes} both size the "
                 "host tier: set at most one"
             )
+        tol = self.logit_tolerance
+        if tol is not None and (
+            isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0
+        ):
+            raise ConfigError(f"logit_tolerance must be a number >= 0, got {tol!r}")
         if self.ready_policy not in READY_POLICIES:
             raise ConfigError(
                 f"ready_policy must be one of {', '.join(READY_POLICIES)}, got {self.ready_policy!r}"
@@ -323,6 +368,11 @@ def _positive(name: str, v: object) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
+def _non_negative(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+
+
 # ---- workloads --------------------------------------------------------------------------
 
 
@@ -339,8 +389,9 @@ class Turn:
 
 
 class MultiTurnWorkload:
-    """Clients x rounds over a shared system prompt; every user turn is drawn up front, so
-    every configuration sends the same prompts as long as the answers agree."""
+    """Clients x rounds over a shared system prompt (and a context of each client's own);
+    every user turn is drawn up front, so every configuration sends the same prompts as long
+    as the answers agree."""
 
     def __init__(self, cfg: MultiTurnConfig, vocab: int) -> None:
         rng = random.Random(cfg.seed)
@@ -350,18 +401,18 @@ class MultiTurnWorkload:
             [_draw(rng, vocab, cfg.new_tokens) for _ in range(cfg.rounds)]
             for _ in range(cfg.clients)
         ]
+        self.context = [_draw(rng, vocab, cfg.context_tokens) for _ in range(cfg.clients)]
         self.num_requests = cfg.clients * cfg.rounds
         self.output_tokens = cfg.output_tokens
-        last = (
-            cfg.system_tokens + cfg.rounds * cfg.new_tokens + (cfg.rounds - 1) * cfg.output_tokens
-        )
+        self.new_tokens = cfg.new_tokens
+        """Tokens a turn adds after the history it repeats (``measure_rates``' extend probe)."""
+        first = cfg.system_tokens + cfg.context_tokens
+        last = first + cfg.rounds * cfg.new_tokens + (cfg.rounds - 1) * cfg.output_tokens
         self.max_prompt = last
         self.mean_prompt = (
-            cfg.system_tokens
-            + (cfg.rounds + 1) / 2 * cfg.new_tokens
-            + (cfg.rounds - 1) / 2 * cfg.output_tokens
+            first + (cfg.rounds + 1) / 2 * cfg.new_tokens + (cfg.rounds - 1) / 2 * cfg.output_tokens
         )
-        own = cfg.rounds * (cfg.new_tokens + cfg.output_tokens)
+        own = cfg.context_tokens + cfg.rounds * (cfg.new_tokens + cfg.output_tokens)
         self.working_set = cfg.system_tokens + cfg.clients * own
         """Distinct tokens the run computes (the system prompt once, every client's turns and
         answers)."""
@@ -370,7 +421,7 @@ class MultiTurnWorkload:
 
     def initial(self) -> list[Turn]:
         """The turns ready at the start of a run: every client's first."""
-        return [Turn(c, 0, self.system + u[0]) for c, u in enumerate(self.user)]
+        return [Turn(c, 0, self.system + self.context[c] + u[0]) for c, u in enumerate(self.user)]
 
     def after(self, turn: Turn, output: list[int]) -> list[Turn]:
         """The turns that become ready once ``turn`` finished with ``output``."""
@@ -396,6 +447,8 @@ class LongDocWorkload:
         self.num_requests = cfg.documents * cfg.rounds
         self.output_tokens = cfg.output_tokens
         self.max_prompt = cfg.document_tokens + cfg.question_tokens
+        self.new_tokens = cfg.question_tokens
+        """Tokens a question adds after the document (``measure_rates``' extend probe)."""
         self.mean_prompt = float(self.max_prompt)
         self.working_set = cfg.documents * (
             cfg.document_tokens + cfg.rounds * (cfg.question_tokens + cfg.output_tokens)
@@ -445,6 +498,8 @@ class Finished:
     """What was sent."""
     out: RequestOutput
     """What the engine returned."""
+    finished_s: float
+    """When it finished, seconds from the start of the run."""
 
 
 def run_closed_loop(
@@ -478,7 +533,7 @@ def run_closed_loop(
                     f"request of conversation {turn.conversation} round {turn.round} ended "
                     f"{out.finish_reason!r} after {len(out.output_ids)} tokens: {out.error}"
                 )
-            done.append(Finished(turn, out))
+            done.append(Finished(turn, out, time.perf_counter() - t0))
             ready += workload.after(turn, out.output_ids)
             on_done()
     return done, time.perf_counter() - t0
@@ -555,7 +610,7 @@ def measure_rates(
     batch = cfg.concurrency
     context = max(3, round(workload.mean_prompt))
     steps = cfg.decode_steps
-    pages = max(-(-(probe + 1) // ps), batch * -(-(context + steps + 2) // ps)) + 8
+    pages = max(2 * -(-(probe + 1) // ps), batch * -(-(context + steps + 2) // ps)) + 8
     _release(dev)
     llm = LLM(
         model,
@@ -574,9 +629,19 @@ def measure_rates(
         llm.generate([_draw(rng, vocab, min(probe, 256))], one)  # kernels warmed up
         best = math.inf
         for _ in range(2):
-            out = llm.generate([_draw(rng, vocab, probe)], one)[0]
+            cold = _draw(rng, vocab, probe)
+            out = llm.generate([cold], one)[0]
             best = min(best, out.ttft_s or math.inf)
         prefill_rate = probe / best
+        # the last cold prompt's front is cached now: the same length again, most of it a hit
+        base = max(0, probe - workload.new_tokens)
+        ext: RequestOutput | None = None
+        for _ in range(2):
+            o = llm.generate([cold[:base] + _draw(rng, vocab, probe - base)], one)[0]
+            if ext is None or (o.ttft_s or math.inf) < (ext.ttft_s or math.inf):
+                ext = o
+        assert ext is not None
+        a, b = prefill_cost_model(probe, best, ext.cached_device, ext.recomputed, ext.ttft_s)
         draw = lambda n: _draw(rng, vocab, n)  # noqa: E731
         step_s = statistics.median(decode_step_times(llm, draw, batch, context, steps))
     finally:
@@ -588,12 +653,21 @@ def measure_rates(
     else:
         link, how = copy_gbps(dev, nbytes) / 2, f"host memory copy of {nbytes} bytes"
     log(
-        f"rates: prefill {prefill_rate:.0f} tokens/s ({probe} tokens), decode step "
-        f"{step_s * 1e3:.2f} ms (batch {batch}, context {context}), link {link:.1f} GB/s"
+        f"rates: prefill {prefill_rate:.0f} tokens/s ({probe} tokens), extend "
+        f"{ext.recomputed} after {ext.cached_device} cached in {(ext.ttft_s or 0) * 1e3:.1f} ms, "
+        f"decode step {step_s * 1e3:.2f} ms (batch {batch}, context {context}), link "
+        f"{link:.1f} GB/s"
     )
     return {
         "prefill_probe_tokens": probe,
         "prefill_tokens_per_s": prefill_rate,
+        "extend_probe": {
+            "cached": ext.cached_device,
+            "recomputed": ext.recomputed,
+            "ttft_s": ext.ttft_s,
+        },
+        "prefill_s_per_token": a,
+        "prefill_s_per_token_context": b,
         "decode_batch": batch,
         "decode_context": context,
         "decode_step_s": step_s,
@@ -604,11 +678,35 @@ def measure_rates(
     }
 
 
+def prefill_cost_model(
+    cold_tokens: int, cold_s: float, cached: int, recomputed: int, extend_s: float | None
+) -> tuple[float, float]:
+    """``(a, b)`` of the prefill cost ``r x (a + b x (h + r / 2))`` of ``r`` tokens after ``h``
+    cached ones (``a`` per token, ``b`` per token and token of context it attends to), fitted
+    exactly to a cold prefill (``cold_tokens`` in ``cold_s``) and an extend (``recomputed``
+    after ``cached``, in ``extend_s``). A fit that would make either negative (step overheads
+    dominating a short probe) falls back to the cold prefill alone (``b = 0``)."""
+    u1 = cold_s / cold_tokens
+    if not cached or not recomputed or not extend_s:
+        return u1, 0.0
+    u2 = extend_s / recomputed
+    # u1 = a + b L / 2 and u2 = a + b (h + r / 2) with h + r = L: u2 - u1 = b h / 2
+    b = 2 * (u2 - u1) / cached
+    a = u1 - b * cold_tokens / 2
+    if a < 0 or b < 0:
+        return u1, 0.0
+    return a, b
+
+
 def request_bound(
     rec: dict[str, Any], rates: dict[str, Any], bpt: float, storage_gbps: float | None
 ) -> float:
     """One request's bound (module docstring) from its record and the measured rates."""
-    compute = rec["recomputed"] / rates["prefill_tokens_per_s"]
+    r = rec["recomputed"]
+    h = rec["cached_device"] + rec["cached_host"] + rec["cached_storage"]
+    compute = r * (
+        rates["prefill_s_per_token"] + rates["prefill_s_per_token_context"] * (h + r / 2)
+    )
     moved = (rec["cached_host"] + rec["cached_storage"]) * bpt
     load = moved / (rates["link_gbps"] * 1e9) if rates["link_gbps"] else 0.0
     if rec["cached_storage"] and storage_gbps:
@@ -676,6 +774,7 @@ def _record(d: Finished) -> dict[str, Any]:
         "cached_storage": o.cached_storage,
         "recomputed": o.recomputed,
         "preemptions": o.preemptions,
+        "finished_s": d.finished_s,
         "bound_s": None,
     }
 
@@ -707,6 +806,89 @@ def mismatches(
     return sum(reference.get(k) != outputs.get(k) for k in reference.keys() | outputs.keys())
 
 
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where a request's output first differs from the reference configuration's answer to
+    the same prompt."""
+
+    key: tuple[int, int]
+    """``(conversation, round)``."""
+    prefix: list[int]
+    """The prompt and the output tokens both agree on."""
+    reference: int
+    """The reference's next token."""
+    token: int
+    """This configuration's next token."""
+
+
+def divergences(
+    ref_prompts: dict[tuple[int, int], list[int]],
+    ref_outputs: dict[tuple[int, int], list[int]],
+    prompts: dict[tuple[int, int], list[int]],
+    outputs: dict[tuple[int, int], list[int]],
+) -> tuple[list[Divergence], int]:
+    """The first divergence of every request (by key order) whose prompt the reference sent too
+    and whose output differs, and how many requests had a prompt the reference never sent (a
+    conversation whose earlier answer differed: nothing here can judge them)."""
+    found: list[Divergence] = []
+    unjudged = 0
+    for key in sorted(outputs):
+        if ref_prompts.get(key) != prompts[key]:
+            unjudged += 1
+            continue
+        a, b = ref_outputs[key], outputs[key]
+        k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if k is None:
+            continue  # equal (greedy, ignore_eos: same length)
+        found.append(Divergence(key, prompts[key] + a[:k], a[k], b[k]))
+    return found, unjudged
+
+
+def default_logit_tolerance(dtype: Any) -> float:
+    """The log-probability gap a divergence may have at most for a model in ``dtype``: 16-bit
+    arithmetic makes a token's logits depend on the batch and chunk it ran in (prefill chunks
+    and decode batches differ once hits differ), so near-ties fall either way; 32-bit leaves
+    room for reduction order only."""
+    return 0.1 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 1e-3
+
+
+def judge_divergences(
+    model: Any, cfg: MultiTurnConfig, dev: torch.device, found: list[Divergence]
+) -> list[float]:
+    """For each divergence, ``|logprob(reference) - logprob(token)|`` at its prefix's next
+    position as a third computation sees it (a fresh engine without a host tier, every prefix
+    in one batch):
+    small when the two tokens were a near-tie that arithmetic noise tipped, ``inf`` when either
+    is not among its ``JUDGE_TOP`` most likely tokens."""
+    from kvtier.config import CacheConfig
+    from kvtier.engine import LLM, SamplingParams
+
+    if not found:
+        return []
+    ps = cfg.page_size
+    longest = max(len(d.prefix) for d in found) + 1
+    pages = cfg.concurrency * -(-(longest + 1) // ps) + 8
+    _release(dev)
+    llm = LLM(
+        model,
+        CacheConfig(page_size=ps, device_pages=pages, device=str(dev), enable_host=False),
+        max_running=cfg.concurrency,
+        max_prefill_tokens=max(cfg.max_prefill_tokens, longest),
+    )
+    try:
+        params = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=JUDGE_TOP)
+        outs = llm.generate([d.prefix for d in found], params)
+    finally:
+        llm.close()
+    _release(dev)
+    gaps = []
+    for d, o in zip(found, outs, strict=True):
+        top = dict(o.logprobs[0].top) if o.logprobs else {}
+        both = d.reference in top and d.token in top
+        gaps.append(abs(top[d.reference] - top[d.token]) if both else math.inf)
+    return gaps
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values``, linear between closest ranks (numpy's
     default)."""
@@ -725,9 +907,9 @@ def _run_config(
     model: Any,
     cache: CacheConfig,
     workload: Workload,
-) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
+) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]], dict[tuple[int, int], list[int]]]:
     """One configuration on a fresh engine: its figures (bound and comparisons filled in
-    later) and every request's output ids by ``(conversation, round)``."""
+    later), and every request's output ids and prompt by ``(conversation, round)``."""
     from kvtier.bench.helpers import Progress
     from kvtier.engine import LLM
 
@@ -751,7 +933,9 @@ def _run_config(
     _release(cache.device)
     recs = sorted((_record(d) for d in done), key=lambda r: (r["round"], r["conversation"]))
     outputs = {(d.turn.conversation, d.turn.round): d.out.output_ids for d in done}
+    prompts = {(d.turn.conversation, d.turn.round): d.turn.prompt for d in done}
     ttfts = [r["ttft_s"] for r in recs]
+    first = [r for r in recs if r["round"] == 0]
     n_in = sum(r["prompt_tokens"] for r in recs)
     n_out = sum(r["output_tokens"] for r in recs)
     kept = {k: stats[k] for k in STATS_KEYS if k in stats}
@@ -777,7 +961,11 @@ def _run_config(
             "mean": sum(ttfts) / len(ttfts),
         },
         "tokens": _tier_tokens(recs),
-        "first_round_tokens": _tier_tokens([r for r in recs if r["round"] == 0]),
+        "first_round_tokens": _tier_tokens(first),
+        "first_round": {
+            "wall_s": max(r["finished_s"] for r in first),
+            "ttft_mean_s": sum(r["ttft_s"] for r in first) / len(first),
+        },
         "preemptions": sum(r["preemptions"] for r in recs),
         "tokens_add_up": all(adds_up(r) for r in recs),
         "bound_s": None,
@@ -785,6 +973,8 @@ def _run_config(
         "speedup": None,
         "outputs_match": None,
         "mismatched_requests": None,
+        "divergences": None,
+        "outputs_agree": None,
         "observed": {
             "storage_read_gbps": _rate(
                 stats.get("storage_read_bytes", 0), stats.get("storage_read_seconds", 0)
@@ -792,7 +982,7 @@ def _run_config(
         },
         "stats": kept,
     }
-    return res, outputs
+    return res, outputs, prompts
 
 
 def _release(dev: object) -> None:
@@ -858,6 +1048,7 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
     salt = f"bench-multiturn-{uuid.uuid4().hex}"
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
+    prompts: dict[str, dict[tuple[int, int], list[int]]] = {}
     storage_gbps: dict[str, float | None] = {}
     with _scratch(cfg.storage_dir) as mkdir:
         filled: str | None = None
@@ -873,7 +1064,7 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
                     _run_config("fill", cfg, model, fill, workload)
                 directory = filled
             cache = cache_config(name, cfg, dev, workload.working_set, directory, salt)
-            res, outs = _run_config(name, cfg, model, cache, workload)
+            res, outs, sent = _run_config(name, cfg, model, cache, workload)
             if name == "host+file":
                 filled = directory
             if cache.storage == "file" and rates["storage_read_gbps"] is None:
@@ -886,7 +1077,7 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
             storage_gbps[name] = (
                 res["observed"]["storage_read_gbps"] if name == "mooncake" else None
             )
-            results[name], outputs[name] = res, outs
+            results[name], outputs[name], prompts[name] = res, outs, sent
             tk = res["tokens"]
             log(
                 f"{name}: {res['wall_s']:.2f} s, TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms, "
@@ -894,7 +1085,25 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
                 f"recomputed {tk['recomputed']}"
             )
     ref = names[0]
+    tol = cfg.logit_tolerance
+    if tol is None:
+        tol = default_logit_tolerance(getattr(mc, "dtype", "float32"))
     for name, res in results.items():
+        found, unjudged = divergences(prompts[ref], outputs[ref], prompts[name], outputs[name])
+        judged = found[: cfg.judge_max]
+        if judged:
+            log(f"{name}: judging {len(judged)} of {len(found)} divergence(s) from {ref}")
+        gaps = judge_divergences(model, cfg, dev, judged)
+        res["divergences"] = {
+            "requests": len(found),
+            "judged": len(judged),
+            "within_tolerance": sum(g <= tol for g in gaps),
+            "max_gap": max(gaps, default=None),
+            "gaps": gaps,
+            "unjudged_prompts": unjudged,
+            "tolerance": tol,
+        }
+        res["outputs_agree"] = all(g <= tol for g in gaps)
         gbps = storage_gbps[name] if name == "mooncake" else rates["storage_read_gbps"]
         for rec in res["requests"]:
             rec["bound_s"] = request_bound(rec, rates, bpt, gbps)
@@ -925,6 +1134,7 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
             for name, r in results.items()
         },
         "outputs_match": all(r["outputs_match"] for r in results.values()),
+        "outputs_agree": all(r["outputs_agree"] for r in results.values()),
         "tokens_add_up": all(r["tokens_add_up"] for r in results.values()),
         "reference_config": ref,
     }
@@ -939,7 +1149,7 @@ def workload_json(cfg: MultiTurnConfig, w: Workload) -> dict[str, Any]:
     """The result's ``workload``: ``cfg``'s workload fields and ``w``'s sizes."""
     keys = ["workload", "concurrency", "output_tokens", "rounds", "seed", "page_size"]
     if cfg.workload == "multiturn":
-        keys += ["clients", "system_tokens", "new_tokens", "ready_policy"]
+        keys += ["clients", "system_tokens", "context_tokens", "new_tokens", "ready_policy"]
     else:
         keys += ["documents", "document_tokens", "question_tokens"]
     out: dict[str, Any] = {k: getattr(cfg, k) for k in keys}
@@ -989,6 +1199,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--rounds", "rounds", "multiturn: turns per client; longdoc: questions per document")
     opt("--concurrency", "concurrency", "requests in flight at most")
     opt("--system-tokens", "system_tokens", "multiturn: shared system prompt, tokens")
+    opt(
+        "--context-tokens",
+        "context_tokens",
+        "multiturn: each client's own context in its first turn, tokens",
+    )
     opt("--new-tokens", "new_tokens", "multiturn: user tokens per turn")
     opt("--output-tokens", "output_tokens", "tokens generated per request")
     parser.add_argument(
@@ -1024,6 +1239,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--max-prefill-tokens", "max_prefill_tokens", "prefill tokens per engine step")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
     opt("--seed", "seed", "seed of the prompts and the ready queue")
+    parser.add_argument(
+        "--logit-tolerance",
+        type=float,
+        default=None,
+        help="largest log-probability gap of a divergence from the reference (default: 0.1 "
+        "for 16-bit models, 1e-3 for 32-bit)",
+    )
+    opt("--judge-max", "judge_max", "divergences judged per configuration at most")
     parser.add_argument("--plot", metavar="SVG", default=None, help="also draw the figures")
     with contextlib.suppress(argparse.ArgumentError):  # a parent parser may bring it
         parser.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
@@ -1041,6 +1264,7 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
         rounds=args.rounds,
         concurrency=args.concurrency,
         system_tokens=args.system_tokens,
+        context_tokens=args.context_tokens,
         new_tokens=args.new_tokens,
         output_tokens=args.output_tokens,
         ready_policy=args.ready_policy,
@@ -1058,6 +1282,8 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         device=args.device,
         seed=args.seed,
+        logit_tolerance=args.logit_tolerance,
+        judge_max=args.judge_max,
     )
 
 
@@ -1066,7 +1292,16 @@ def failure(result: dict[str, Any]) -> str | None:
     tier do not add up), or ``None``."""
     why = []
     for name, r in result["configs"].items():
-        if not r["outputs_match"]:
+        div = r.get("divergences")
+        if div is not None:  # judged: only a divergence beyond the tolerance fails
+            if not r["outputs_agree"]:
+                bad = div["judged"] - div["within_tolerance"]
+                why.append(
+                    f"{name}: {bad} of {div['judged']} divergence(s) from "
+                    f"{result['reference_config']} beyond the log-probability tolerance "
+                    f"{div['tolerance']} (largest gap {div['max_gap']})"
+                )
+        elif not r["outputs_match"]:
             why.append(
                 f"{name}: {r['mismatched_requests']} request(s) differ from "
                 f"{result['reference_config']}"

@@ -45,9 +45,14 @@ def result() -> dict:
 def test_every_configuration_gives_the_device_only_tokens(result) -> None:
     assert list(result["configs"]) == list(mt.DEFAULT_CONFIGS)
     assert result["reference_config"] == "device"
-    assert result["outputs_match"] is True
+    assert result["outputs_match"] is True and result["outputs_agree"] is True
     for c in result["configs"].values():
         assert c["outputs_match"] is True and c["mismatched_requests"] == 0
+        div = c["divergences"]
+        assert (div["requests"], div["judged"], div["unjudged_prompts"]) == (0, 0, 0)
+        assert div["tolerance"] == 1e-3 and c["outputs_agree"] is True  # float32
+        # rounds end in the order they started: the first round is over before the run
+        assert 0 < c["first_round"]["wall_s"] <= c["wall_s"]
         assert c["num_requests"] == 18 and len(c["requests"]) == 18
         assert c["output_tokens"] == 18 * 8
     assert mt.failure(result) is None
@@ -127,16 +132,72 @@ def test_the_bound_is_the_sum_of_the_requests_bounds(result) -> None:
 
 
 def test_request_bound_is_the_slower_of_compute_and_load_plus_decode_share() -> None:
-    rates = {"prefill_tokens_per_s": 1000.0, "link_gbps": 1.0, "decode_step_s": 0.01}
-    rates["decode_batch"] = 4
-    rec = {"recomputed": 100, "cached_host": 0, "cached_storage": 0, "output_tokens": 9}
+    rates = {"prefill_s_per_token": 1e-3, "prefill_s_per_token_context": 0.0, "link_gbps": 1.0}
+    rates.update(decode_step_s=0.01, decode_batch=4)
+    rec = {"recomputed": 100, "cached_device": 0, "cached_host": 0, "cached_storage": 0}
+    rec["output_tokens"] = 9
     decode = 8 * 0.01 / 4
     assert mt.request_bound(rec, rates, 1000.0, None) == pytest.approx(0.1 + decode)
+    # 100 tokens after 300 cached attend to 350 on average: 100 x 350 x 1e-6 more
+    with_context = {**rates, "prefill_s_per_token_context": 1e-6}
+    rec300 = {**rec, "cached_device": 300}
+    assert mt.request_bound(rec300, with_context, 1000.0, None) == pytest.approx(
+        0.1 + 0.035 + decode
+    )
     # 1e6 tokens x 1000 bytes over 1 GB/s: 1 s of link beats 0.1 s of compute
     rec.update(cached_host=400_000, cached_storage=600_000)
     assert mt.request_bound(rec, rates, 1000.0, None) == pytest.approx(1.0 + decode)
     # storage at 0.5 GB/s: its 6e8 bytes take 1.2 s, longer than the link
     assert mt.request_bound(rec, rates, 1000.0, 0.5) == pytest.approx(1.2 + decode)
+
+
+def test_the_prefill_cost_model_fits_a_cold_prefill_and_an_extend_exactly() -> None:
+    a, b = 1e-4, 1e-8
+    cold = 1000 * (a + b * 500)  # 1000 tokens, none cached
+    extend = 100 * (a + b * (900 + 50))  # 100 tokens after 900 cached
+    assert mt.prefill_cost_model(1000, cold, 900, 100, extend) == pytest.approx((a, b))
+    # an extend dearer per token than the whole cold prefill's average (a step's fixed cost
+    # dominating): a would be negative, so the cold prefill alone prices every token
+    assert mt.prefill_cost_model(1000, 0.1, 900, 100, 0.5) == (1e-4, 0.0)
+    assert mt.prefill_cost_model(1000, 0.1, 0, 1000, 0.1) == (1e-4, 0.0)  # nothing cached
+
+
+def test_divergences_cut_at_the_first_differing_token_and_skip_other_prompts() -> None:
+    ref_p = {(0, 0): [9, 9], (0, 1): [9, 9, 1, 2, 7], (1, 0): [8]}
+    ref_o = {(0, 0): [1, 2, 3], (0, 1): [4, 5, 6], (1, 0): [1, 1, 1]}
+    p = dict(ref_p)
+    o = {(0, 0): [1, 5, 5], (0, 1): [4, 5, 6], (1, 0): [1, 1, 1]}
+    p[(0, 1)] = [9, 9, 1, 5, 7]  # the conversation's answer differed before this turn
+    found, unjudged = mt.divergences(ref_p, ref_o, p, o)
+    assert found == [mt.Divergence((0, 0), [9, 9, 1], 2, 5)]
+    assert unjudged == 1
+    assert mt.divergences(ref_p, ref_o, ref_p, ref_o) == ([], 0)
+
+
+def test_a_near_tie_is_within_the_tolerance_and_an_unlikely_token_is_not() -> None:
+    """The judge's gaps are its own log-probabilities: the runner-up's gap to the greedy token,
+    and infinity for a token outside its top 20 (what a wrong restore produces)."""
+    import torch
+
+    from kvtier.config import CacheConfig
+    from kvtier.engine import LLM, SamplingParams
+
+    cfg = replace(TINY, concurrency=1)
+    model = mt.build_bench_model(cfg, torch.device("cpu"), 256)
+    prompt = list(range(3, 40))
+    llm = LLM(model, CacheConfig(page_size=16, device_pages=16, device="cpu", enable_host=False))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=20))
+    llm.close()
+    (first, lp1), (second, lp2) = out.logprobs[0].top[:2]
+    worst = out.logprobs[0].top[-1][1]
+    unlikely = next(t for t in range(512) if t not in dict(out.logprobs[0].top))
+    found = [
+        mt.Divergence((0, 0), prompt, first, second),
+        mt.Divergence((1, 0), prompt, first, unlikely),
+    ]
+    gaps = mt.judge_divergences(model, cfg, torch.device("cpu"), found)
+    assert gaps[0] == pytest.approx(lp1 - lp2) and gaps[1] == math.inf
+    assert lp1 - worst > 0  # the tiny model's top 20 are not all tied
 
 
 def test_mismatches_count_requests_that_differ_or_are_missing() -> None:
@@ -165,6 +226,17 @@ def test_multiturn_histories_grow_by_the_answer_and_a_new_user_turn() -> None:
     last = mt.Turn(2, 2, [0])
     assert w.after(last, [5]) == []
     assert (w.max_prompt, w.working_set, w.num_requests) == (64 + 3 * 32 + 2 * 8, 784, 18)
+
+
+def test_each_client_brings_its_own_context_after_the_system_prompt() -> None:
+    cfg = replace(TINY, system_tokens=0, context_tokens=100)
+    w = mt.MultiTurnWorkload(cfg, vocab=512)
+    first = w.initial()
+    assert [t.prompt for t in first] == [w.context[c] + w.user[c][0] for c in range(6)]
+    assert all(len(c) == 100 for c in w.context) and len({tuple(c) for c in w.context}) == 6
+    assert w.max_prompt == 100 + 3 * 32 + 2 * 8
+    assert w.working_set == 6 * (100 + 3 * (32 + 8))
+    assert w.mean_prompt == 100 + 2 * 32 + 1 * 8
 
 
 def test_longdoc_asks_again_only_after_the_warm_up_round() -> None:
@@ -237,6 +309,9 @@ def test_a_request_that_ends_early_fails_the_run() -> None:
         ({"concurrency": 0}, "concurrency must be a positive integer"),
         ({"workload": "chat"}, "workload must be one of"),
         ({"ready_policy": "lifo"}, "ready_policy"),
+        ({"context_tokens": -1}, "context_tokens must be an integer >= 0"),
+        ({"logit_tolerance": -0.5}, "logit_tolerance must be a number >= 0"),
+        ({"judge_max": 0}, "judge_max must be a positive integer"),
     ],
 )
 def test_bad_options_fail_naming_them(change: dict, match: str) -> None:
@@ -300,6 +375,17 @@ def test_a_failed_check_is_named() -> None:
     r["configs"]["host"] = {"outputs_match": False, "mismatched_requests": 2, "tokens_add_up": 0}
     assert mt.failure(r) == (
         "host: 2 request(s) differ from device; host: served + recomputed != prompt tokens"
+    )
+    # judged divergences: a difference alone is no failure, one beyond the tolerance is
+    div = {"judged": 3, "within_tolerance": 3, "tolerance": 0.1, "max_gap": 0.04}
+    r["configs"]["host"] = {"outputs_match": False, "mismatched_requests": 3, "tokens_add_up": 1}
+    r["configs"]["host"].update(divergences=div, outputs_agree=True)
+    assert mt.failure(r) is None
+    div.update(within_tolerance=2, max_gap=math.inf)
+    r["configs"]["host"]["outputs_agree"] = False
+    assert mt.failure(r) == (
+        "host: 1 of 3 divergence(s) from device beyond the log-probability tolerance 0.1 "
+        "(largest gap inf)"
     )
 
 
