@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.bench import multiturn
+from kvtier.bench import load_or_recompute, multiturn
 
 DEVICE_HELP = "torch device (default: cuda when there is one, else cpu)"
 
@@ -548,5 +548,13 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
             parents=[common],
             help=multiturn.HELP,
             description=multiturn.DESCRIPTION,
+        )
+    )
+    load_or_recompute.add_arguments(
+        names.add_parser(
+            "load-or-recompute",
+            parents=[common],
+            help=load_or_recompute.HELP,
+            description=load_or_recompute.__doc__.split("\n\n")[0].replace("``", ""),
         )
     )

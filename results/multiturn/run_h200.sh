@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
 # `bench multiturn` on one H200: does the tiered cache pay off end to end?
 #
-# Three runs of the Llama-8B-sized dense model (bf16, random weights drawn on the GPU), each
-# on every cache configuration against device memory alone, next to the bound from the
-# prefill, decode, link and storage rates measured in the same run:
+# Two runs of the Llama-8B-sized dense model (bf16, random weights drawn on the GPU), each on
+# every cache configuration against device memory alone, next to the bound from the prefill,
+# extend, decode, link and storage rates measured in the same run:
 #
-#   multiturn_4x    54 clients x 8 rounds, 8 in flight: an 8192-token shared system prompt,
-#                   256 new + 32 generated tokens per turn; working set 132,608 tokens,
-#                   4.05x the 32,768-token device pool (4 GiB of KV)
-#   multiturn_fits  the same workload with a 147,456-token device pool: it all fits
-#   longdoc         16 documents of 10,000 tokens x 3 questions of 64 tokens (the first
-#                   round warms up, the other two are shuffled), 16 generated, 4 in flight;
-#                   working set 163,840 tokens, 4x the 40,960-token device pool
+#   multiturn_5x    24 clients x 8 rounds, 4 in flight: a 512-token shared system prompt and
+#                   an 8,192-token context of each client's own, 256 new + 32 generated tokens
+#                   per turn; working set 252,416 tokens, 5.1x the 49,152-token device pool
+#   multiturn_fits  8 clients of the same shape: working set 84,480 tokens in a 98,304-token
+#                   device pool
 #
-# Each run should take under ~3 minutes. Run from anywhere inside the repository:
-#   OUT=/some/dir results/multiturn/run_h200.sh
+# Run from anywhere inside the repository:   OUT=/some/dir results/multiturn/run_h200.sh
 # JSON, SVG and one log land in $OUT (default: this folder). The file L3 directories go under
-# $L3_DIR (default: $TMPDIR or /tmp; up to ~21 GiB at once, removed after each run), never
-# under $OUT. The host pool of `host` holds the working set: up to ~21 GiB of pinned memory.
-# Exit status: 0 when every run passed its own checks (outputs equal to device-only's, tokens
-# per tier adding up), else 1; every run is attempted.
+# $L3_DIR (default: $TMPDIR or /tmp; up to ~33 GB at once, removed after each run), never
+# under $OUT. The host pool of `host` holds the working set: ~33 GB of pinned memory.
+# Exit status: 0 when every run passed its own checks (divergences from device-only within
+# the log-probability tolerance, tokens per tier adding up), else 1; every run is attempted.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/multiturn}
@@ -48,10 +45,8 @@ bench() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
 $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >>"$LOG" 2>&1
 
-TURNS=(--workload multiturn --clients 54 --rounds 8 --concurrency 8 --system-tokens 8192
+TURNS=(--workload multiturn --rounds 8 --concurrency 4 --system-tokens 512 --context-tokens 8192
     --new-tokens 256 --output-tokens 32)
-bench multiturn_4x "${TURNS[@]}" --device-tokens 32768
-bench multiturn_fits "${TURNS[@]}" --device-tokens 147456 --configs device,host,host+file
-bench longdoc --workload longdoc --documents 16 --document-tokens 10000 --question-tokens 64 \
-    --rounds 3 --output-tokens 16 --concurrency 4 --device-tokens 40960
+bench multiturn_5x "${TURNS[@]}" --clients 24 --device-tokens 49152
+bench multiturn_fits "${TURNS[@]}" --clients 8 --device-tokens 98304 --configs device,host,host+file
 exit $status
