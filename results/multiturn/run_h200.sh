@@ -12,6 +12,7 @@
 #                   device pool
 #
 # Run from anywhere inside the repository:   OUT=/some/dir results/multiturn/run_h200.sh
+# (RUNS="5x" or RUNS="fits" runs one of them.)
 # JSON, SVG and one log land in $OUT (default: this folder). The file L3 directories go under
 # $L3_DIR (default: $TMPDIR or /tmp; up to ~33 GB at once, removed after each run), never
 # under $OUT. The host pool of `host` holds the working set: ~33 GB of pinned memory.
@@ -47,6 +48,8 @@ $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >>"
 
 TURNS=(--workload multiturn --rounds 8 --concurrency 4 --system-tokens 512 --context-tokens 8192
     --new-tokens 256 --output-tokens 32)
-bench multiturn_5x "${TURNS[@]}" --clients 24 --device-tokens 49152
-bench multiturn_fits "${TURNS[@]}" --clients 8 --device-tokens 98304 --configs device,host,host+file
+RUNS=${RUNS:-5x fits}  # which of the two (each is under 10 minutes)
+[[ " $RUNS " == *" 5x "* ]] && bench multiturn_5x "${TURNS[@]}" --clients 24 --device-tokens 49152
+[[ " $RUNS " == *" fits "* ]] && bench multiturn_fits "${TURNS[@]}" --clients 8 \
+    --device-tokens 98304 --configs device,host,host+file
 exit $status
