@@ -27,6 +27,8 @@ def cache_stats(parts: CacheParts) -> dict:
         host_pages_used=host.allocator.used if host else 0,
         host_bytes_total=host.nbytes if host else 0,
         host_bytes_used=_host_pages_here(parts) * host.page_bytes if host else 0,
+        host_pages_ready=host.pages_ready if host else 0,
+        host_pin_seconds=host.pin_seconds if host else 0.0,
         tree_nodes=sum(1 for _ in parts.tree.nodes()),
     )
     if isinstance(host, HostArena):
@@ -69,7 +71,8 @@ def _host_pages_here(parts: CacheParts) -> int:
     alloc = parts.host_pool.allocator  # type: ignore[union-attr]
     if alloc.lanes == 1:
         return alloc.used
-    return alloc.num_pages // alloc.lanes - alloc.available_in(parts.config.cp_rank)
+    lane_pages = (alloc.num_pages - alloc.pending) // alloc.lanes
+    return lane_pages - alloc.available_in(parts.config.cp_rank)
 
 
 def check_cache(parts: CacheParts) -> None:

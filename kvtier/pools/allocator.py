@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,9 +25,22 @@ class PageAllocator:
 
         lanes = 2, num_pages = 8     lane 0: 0 2 4 6     lane 1: 1 3 5 7
         alloc_owned([0, 1, 1, 0])    → 0 1 3 2
+
+    With ``ready`` (a host pool pinned in the background, ``kvtier.pools.pinning``) only pages
+    ``0 .. ready()-1`` may be handed out: the rest are *pending*, neither free nor used, and
+    join the back of the free list (in id order) when ``ready()`` has grown past them, at the
+    next allocation or :meth:`poll`. ``ready`` is read here, on the allocating thread, and
+    never decreases; the thread that advances it never touches the allocator.
+    ``num_pages`` stays the configured capacity: free + used + pending == num_pages.
     """
 
-    def __init__(self, num_pages: int, name: str = "pool", lanes: int = 1) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        name: str = "pool",
+        lanes: int = 1,
+        ready: Callable[[], int] | None = None,
+    ) -> None:
         if num_pages <= 0:
             raise CapacityError(f"{name}: num_pages must be positive, got {num_pages}")
         if lanes < 1 or num_pages % lanes:
@@ -35,21 +48,56 @@ class PageAllocator:
         self.name = name
         self.num_pages = num_pages
         self.lanes = lanes
-        self._lists: list[deque[int]] = [deque(range(k, num_pages, lanes)) for k in range(lanes)]
+        self._ready_fn = ready
+        self._ready = 0
+        """Pages folded into the free lists (``0 .. _ready-1``)."""
+        self._lists: list[deque[int]] = [deque() for _ in range(lanes)]
         self._free = self._lists[0]  # the only list without lanes: the fast path
-        self._count = num_pages
-        self._is_free = bytearray(b"\x01") * num_pages
+        self._count = 0
+        # 1 free, 0 used, 2 pending
+        self._is_free = bytearray(b"\x02") * num_pages
+        if ready is None:
+            self._fold(num_pages)
+        self.poll()
+
+    def poll(self) -> None:
+        """Move pages that became ready onto the free lists."""
+        if self._ready_fn is not None:
+            self._fold(min(self._ready_fn(), self.num_pages))
+
+    def _fold(self, ready: int) -> None:
+        lo = self._ready
+        if ready <= lo:
+            return
+        self._is_free[lo:ready] = b"\x01" * (ready - lo)
+        if self.lanes == 1:
+            self._free.extend(range(lo, ready))
+        else:
+            for p in range(lo, ready):
+                self._lists[p % self.lanes].append(p)
+        self._count += ready - lo
+        self._ready = ready
+        if ready == self.num_pages:
+            self._ready_fn = None
+
+    @property
+    def pending(self) -> int:
+        """Pages not ready yet (neither free nor used)."""
+        self.poll()
+        return self.num_pages - self._ready
 
     @property
     def available(self) -> int:
+        self.poll()
         return self._count
 
     @property
     def used(self) -> int:
-        return self.num_pages - self._count
+        return self._ready - self._count
 
     def available_in(self, lane: int) -> int:
         """Free pages of ``lane``."""
+        self.poll()
         return len(self._lists[lane])
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -62,6 +110,7 @@ class PageAllocator:
                 f"{self.name}: a plain allocation of {n} pages ignores which rank owns each "
                 f"page ({self.lanes} lanes); allocate with the pages' owners"
             )
+        self.poll()
         if n > self._count:
             return None
         pages = [self._free.popleft() for _ in range(n)]
@@ -72,6 +121,7 @@ class PageAllocator:
 
     def shortfall(self, owners: Sequence[int]) -> dict[int, int]:
         """Pages missing per lane for ``alloc_owned(owners)`` (empty when it would succeed)."""
+        self.poll()
         need: dict[int, int] = {}
         for o in owners:
             need[o] = need.get(o, 0) + 1
@@ -85,6 +135,7 @@ class PageAllocator:
 
     def fit(self, owners: Sequence[int]) -> int:
         """How many leading entries of ``owners`` ``alloc_owned`` could serve now."""
+        self.poll()
         left = [len(q) for q in self._lists]
         for i, o in enumerate(owners):
             if left[o] == 0:
@@ -95,7 +146,7 @@ class PageAllocator:
     def fit_like(self, pages: torch.Tensor) -> int:
         """``fit`` of the lanes of ``pages`` (a copy of them in this pool)."""
         if self.lanes == 1:
-            return min(pages.numel(), self._count)
+            return min(pages.numel(), self.available)
         return self.fit((pages.reshape(-1).cpu() % self.lanes).tolist())
 
     def alloc_owned(self, owners: Sequence[int]) -> torch.Tensor | None:
@@ -119,6 +170,8 @@ class PageAllocator:
         for p in ids:
             if not 0 <= p < self.num_pages:
                 raise IntegrityError(f"{self.name}: free of out-of-range page {p}")
+            if self._is_free[p] == 2:
+                raise IntegrityError(f"{self.name}: free of page {p}, which is not ready yet")
             if self._is_free[p] or p in seen:
                 raise IntegrityError(f"{self.name}: double free of page {p}")
             seen.add(p)
@@ -132,13 +185,22 @@ class PageAllocator:
         self._count += len(ids)
 
     def check_integrity(self) -> None:
-        """free + used == capacity, every free list holds only its lane's pages, no duplicates."""
+        """free + used + pending == capacity, exactly the pages past the ready ones are
+        pending, every free list holds only its lane's pages, no duplicates."""
         listed = [p for q in self._lists for p in q]
         if len(set(listed)) != len(listed):
             raise IntegrityError(f"{self.name}: duplicate pages in the free list")
-        if len(listed) != self._count or sum(self._is_free) != self._count:
+        pending = self.num_pages - self._ready
+        if (
+            self._is_free[self._ready :] != b"\x02" * pending
+            or b"\x02" in self._is_free[: self._ready]
+        ):
+            raise IntegrityError(f"{self.name}: pending flags disagree with {self._ready} ready")
+        if len(listed) != self._count or self._is_free.count(1) != self._count:
             raise IntegrityError(f"{self.name}: free flags disagree with the free list")
-        if any(not self._is_free[p] for p in listed):
+        if self._count + self.used + pending != self.num_pages or self.used < 0:
+            raise IntegrityError(f"{self.name}: free + used + pending != {self.num_pages}")
+        if any(self._is_free[p] != 1 for p in listed):
             raise IntegrityError(f"{self.name}: a listed free page is marked used")
         for lane, q in enumerate(self._lists):
             if any(p % self.lanes != lane for p in q):

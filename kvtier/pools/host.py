@@ -8,11 +8,16 @@ for a compressed sidecar, one for a state pool):
 
 With a page codec (``kvtier.pools.codec``) a lossy component's buffer holds its codes and a
 ``<name>.scale`` buffer its scales, in the same layout (one row per page and layer).
+
+Pinned on CUDA, the buffers are pinned in the background (``kvtier.pools.pinning``): the pool is
+returned once its first chunk of pages is, and its allocator hands out only pages whose bytes
+are pinned in every buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -20,6 +25,15 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.pools.allocator import PageAllocator
 from kvtier.pools.codec import PageCodec, get_codec, host_specs
+from kvtier.pools.pinning import (
+    DEFAULT_ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    CudaRegistrar,
+    HostPinner,
+    Region,
+    Registrar,
+    lazy_zeros,
+)
 from kvtier.pools.spec import PoolSpec, component_buffer, page_words
 from kvtier.types import Tier
 
@@ -39,10 +53,23 @@ class HostPool:
         pin: bool = False,
         lanes: int = 1,
         codec: str | PageCodec = "none",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        registrar: Registrar | None = None,
+        background: bool = True,
+        align: int = DEFAULT_ALIGN,
     ) -> None:
         """``num_pages`` physical pages; ``lanes`` as for ``DevicePool``. ``specs`` are the
         device pool's; the pool holds ``codec``'s host specs of them (:attr:`specs`; the same
-        specs without a codec)."""
+        specs without a codec).
+
+        ``pin`` with CUDA (or with a ``registrar``, which then stands in for the driver): the
+        buffers are pinned ``chunk_bytes`` of pages at a time (:attr:`pinner`), the first chunk
+        before this returns, the others on a background thread (``background=False``: by
+        :meth:`HostPinner.pin_next_chunk` calls), and the allocator hands out a page once its
+        chunk is pinned. Under context parallelism (``lanes > 1``) every chunk is pinned
+        here: ranks must hand out the same ids, so readiness cannot depend on one rank's
+        timing. ``pin`` without CUDA or a registrar allocates with ``pin_memory=True`` as
+        torch does it."""
         if layout not in ("page_first", "layer_first"):
             raise ConfigError(f"host_layout={layout!r} is not one of page_first, layer_first")
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -57,15 +84,50 @@ class HostPool:
         self.num_pages = num_pages
         self.layout = layout
         self.pinned = pin
-        self.allocator = PageAllocator(num_pages * lanes, name="host", lanes=lanes)
         self.buffers: dict[str, torch.Tensor] = {}
+        later = pin and (registrar is not None or torch.cuda.is_available())
         for s in specs:
             r = s.rows_per_page(page_size)
             if layout == "page_first":
                 shape = (num_pages, s.num_layers, r, *s.row_shape)
             else:
                 shape = (s.num_layers, num_pages * r, *s.row_shape)
-            self.buffers[s.name] = torch.zeros(shape, dtype=s.dtype, pin_memory=pin)
+            if later:
+                self.buffers[s.name] = lazy_zeros(shape, s.dtype, align)
+            else:
+                self.buffers[s.name] = torch.zeros(shape, dtype=s.dtype, pin_memory=pin)
+        self.pinner: HostPinner | None = None
+        """Pins the buffers chunk by chunk (``None`` when they are pageable or were allocated
+        pinned)."""
+        ready: Callable[[], int] | None = None
+        if later:
+            regions = [
+                Region.of(b, 1 if layout == "page_first" else b.shape[0], num_pages)
+                for b in self.buffers.values()
+            ]
+            if registrar is None:
+                registrar = CudaRegistrar(
+                    f"host tier ({num_pages} pages, {self.nbytes / 2**30:.1f} GiB)"
+                )
+            pinner = HostPinner(
+                regions,
+                num_pages,
+                registrar,
+                chunk_bytes,
+                first_chunks=1 if lanes == 1 else num_pages,
+                background=background,
+                align=align,
+                keep=tuple(self.buffers.values()),
+            )
+            self.pinner = pinner
+            fin = weakref.finalize(self, pinner.release)
+            fin.atexit = False  # at exit the process unpins all at once
+
+            def logical_ready() -> int:
+                return pinner.ready_items * lanes  # logical id = physical * lanes + lane
+
+            ready = logical_ready
+        self.allocator = PageAllocator(num_pages * lanes, name="host", lanes=lanes, ready=ready)
 
     @property
     def logical_pages(self) -> int:
@@ -75,6 +137,25 @@ class HostPool:
     @property
     def page_bytes(self) -> int:
         return sum(s.page_bytes(self.page_size) for s in self.specs)
+
+    @property
+    def pages_ready(self) -> int:
+        """Logical pages whose bytes are pinned (all of them without background pinning)."""
+        if self.pinner is None:
+            return self.logical_pages
+        lanes = self.allocator.lanes
+        return min(self.logical_pages, self.pinner.ready_items * lanes)
+
+    @property
+    def pin_seconds(self) -> float:
+        """Seconds background pinning took (so far, while it runs); 0 without it."""
+        return self.pinner.seconds if self.pinner is not None else 0.0
+
+    def close(self) -> None:
+        """Stop background pinning (the thread is joined; pages not pinned by then are never
+        handed out). The memory stays pinned until the pool is garbage."""
+        if self.pinner is not None:
+            self.pinner.stop()
 
     @property
     def nbytes(self) -> int:

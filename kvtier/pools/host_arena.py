@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.pools.pinning import DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Registrar
 from kvtier.pools.spec import PoolSpec
 from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.types import Tier
@@ -47,7 +48,13 @@ class HostArena(UnifiedPool):
         layout: str = "page_first",
         pin: bool = False,
         compaction: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        registrar: Registrar | None = None,
+        background: bool = True,
+        align: int = DEFAULT_ALIGN,
     ) -> None:
+        """Pinned on CUDA (or with a ``registrar``), the arena is pinned in the background as
+        ``UnifiedPool`` says."""
         super().__init__(
             specs,
             num_pages,
@@ -56,6 +63,10 @@ class HostArena(UnifiedPool):
             compaction,
             layout=layout,
             pin=pin,
+            chunk_bytes=chunk_bytes,
+            registrar=registrar,
+            background=background,
+            align=align,
         )
         if not any(self.windowed):
             raise ConfigError(

@@ -24,10 +24,16 @@ other component's envelope exists while the page is allocated. Envelopes move on
 
 ``ArenaAllocator`` is the pool's ``PageAllocator`` interface: what the controller allocates
 through.
+
+A pinned host arena on CUDA is pinned in the background (``kvtier.pools.pinning``, items are
+places): places not pinned yet are marked ``2`` in the unit map, so neither placement nor
+compaction (both look for free ``0`` places) uses them until :meth:`UnifiedPool.poll` frees
+them on the allocating thread.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar, NewType
@@ -37,6 +43,15 @@ import torch
 from kvtier.errors import ConfigError, IntegrityError, RequestError
 from kvtier.paging import pages_to_locs
 from kvtier.pools import envelopes as env
+from kvtier.pools.pinning import (
+    DEFAULT_ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    CudaRegistrar,
+    HostPinner,
+    Region,
+    Registrar,
+    lazy_zeros,
+)
 from kvtier.pools.spec import PoolSpec, validate_pool_set
 from kvtier.types import Tier
 
@@ -58,7 +73,9 @@ class UnifiedPool:
     fragmentation).
 
     ``layout`` and ``pin`` are for the host arena (a ``layer_first`` arena and pinned memory);
-    the device pool is ``page_first``.
+    the device pool is ``page_first``. A pinned arena with CUDA (or a ``registrar``) is pinned
+    as ``HostPool`` pins its buffers (``chunk_bytes``, ``background``, ``align``; its items
+    are places).
     """
 
     tier: ClassVar[Tier] = "device"
@@ -73,6 +90,10 @@ class UnifiedPool:
         lanes: int = 1,
         layout: str = "page_first",
         pin: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        registrar: Registrar | None = None,
+        background: bool = True,
+        align: int = DEFAULT_ALIGN,
     ) -> None:
         validate_pool_set(specs)
         if compaction not in COMPACTION:
@@ -124,12 +145,13 @@ class UnifiedPool:
         self.num_pages = self.logical_pages
         """Logical pages (what the allocator hands out)."""
         anchor = specs[0]
-        self.arena = torch.zeros(
-            (self.units * page_size, *anchor.row_shape),
-            dtype=anchor.dtype,
-            device=device,
-            pin_memory=pin,
-        )
+        shape = (self.units * page_size, *anchor.row_shape)
+        later = pin and device.type == "cpu"
+        later = later and (registrar is not None or torch.cuda.is_available())
+        if later:
+            self.arena = lazy_zeros(shape, anchor.dtype, align)
+        else:
+            self.arena = torch.zeros(shape, dtype=anchor.dtype, device=device, pin_memory=pin)
         raw = self.arena.view(-1).view(torch.uint8)
         self.buffers: dict[str, torch.Tensor] = {
             s.name: raw.view(s.dtype).view(self.units * s.rows_per_page(page_size), *s.row_shape)
@@ -148,7 +170,63 @@ class UnifiedPool:
         """Compactions that moved at least one envelope."""
         self.relocated = 0
         """Pages moved by compactions, counted once per compaction that moved any of theirs."""
+        self.pinner: HostPinner | None = None
+        """Pins the arena place range by place range (``None`` without background pinning)."""
+        self._placeable = self.slots
+        """Places ``0 .. _placeable-1`` may hold envelopes; the rest wait for pinning."""
+        if later:
+            if registrar is None:
+                registrar = CudaRegistrar(
+                    f"host tier ({num_pages} pages, {self.bytes_total / 2**30:.1f} GiB)"
+                )
+            self.pinner = HostPinner(
+                [Region.of(self.arena, self.slot_units, self.slots)],
+                self.slots,
+                registrar,
+                chunk_bytes,
+                background=background,
+                align=align,
+                keep=(self.arena,),
+            )
+            fin = weakref.finalize(self, self.pinner.release)
+            fin.atexit = False  # at exit the process unpins all at once
+            self._placeable = 0
+            self._units[:] = b"\x02" * self.slots
+            self.poll()
         self.allocator = ArenaAllocator(self)
+
+    def poll(self) -> None:
+        """Free the places pinned since the last poll for placement (allocating thread only)."""
+        if self.pinner is None or self._placeable == self.slots:
+            return
+        ready = self.pinner.ready_items
+        if ready > self._placeable:
+            self._units[self._placeable : ready] = bytes(ready - self._placeable)
+            self._placeable = ready
+
+    @property
+    def pending_places(self) -> int:
+        """Places not pinned yet (none without background pinning)."""
+        self.poll()
+        return self.slots - self._placeable
+
+    @property
+    def pages_ready(self) -> int:
+        """Logical pages that fit in the pinned places (all without background pinning)."""
+        if self.pending_places == 0:
+            return self.logical_pages
+        return min(self.logical_pages, self._placeable // self.fixed_units)
+
+    @property
+    def pin_seconds(self) -> float:
+        """Seconds background pinning took (so far, while it runs); 0 without it."""
+        return self.pinner.seconds if self.pinner is not None else 0.0
+
+    def close(self) -> None:
+        """Stop background pinning (the thread is joined; places not pinned by then are never
+        used). The memory stays pinned until the pool is garbage."""
+        if self.pinner is not None:
+            self.pinner.stop()
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -229,6 +307,7 @@ class UnifiedPool:
             raise RequestError(f"{self.tier}: cannot allocate {n} pages")
         if n > len(self._free):
             return None
+        self.poll()
         sizes = self._page_sizes(n, windows)
         if self.compaction == "eager":
             self.compact()
@@ -253,6 +332,7 @@ class UnifiedPool:
     def fit_prefix(self, windows: torch.Tensor) -> int:
         """How many leading pages of a :meth:`take` with ``windows`` would be served now
         (compaction as its mode allows, leased envelopes fixed)."""
+        self.poll()
         sizes = self._page_sizes(windows.numel(), windows)[: len(self._free)]
         maps = [self._units]
         if self.compaction != "off":
@@ -290,6 +370,7 @@ class UnifiedPool:
 
     def fits(self) -> int:
         """The largest ``n`` :meth:`take` serves now (compaction included, leases fixed)."""
+        self.poll()
         cap = len(self._free)
         if self.compaction != "off" and not self._lease_total:
             # compaction packs every envelope below one free block
@@ -349,6 +430,7 @@ class UnifiedPool:
             )
         if not flat.numel():
             return True
+        self.poll()
         sizes = [k for k, w in zip(self.sizes, self.windowed, strict=True) if w]
         if self.compaction == "eager":
             self.compact()
@@ -471,7 +553,7 @@ class UnifiedPool:
 
     @property
     def units_used(self) -> int:
-        return (self.slots - self.free_units) * self.slot_units
+        return (self._placeable - self.free_units) * self.slot_units
 
     @property
     def bytes_used(self) -> int:
@@ -519,7 +601,8 @@ class UnifiedPool:
 
     def check_integrity(self) -> None:
         """Free + used ids and units add up, envelopes do not overlap, leases are >= 0 and
-        only on allocated pages, every allocated page has every non-window envelope."""
+        only on allocated pages, every allocated page has every non-window envelope, the
+        places past the pinned ones are exactly the pending ones."""
         alive = int(self._alive.sum())
         free = list(self._free)
         if len(set(free)) != len(free) or alive + len(free) != self.logical_pages:
@@ -538,6 +621,7 @@ class UnifiedPool:
         if bool((self._table[:, ~self._alive] >= 0).any()):
             raise IntegrityError("unified pool: a free page still has an envelope")
         seen = bytearray(self.slots)
+        seen[self._placeable :] = b"\x02" * (self.slots - self._placeable)
         for e in self._envelopes():
             if e.base < 0 or e.base + e.size > self.slots or any(seen[e.base : e.base + e.size]):
                 raise IntegrityError(
@@ -580,7 +664,13 @@ class ArenaAllocator:
         return self.pool.compaction != "off" and self.pool.leased
 
     @property
+    def pending(self) -> int:
+        """Logical pages of the places not pinned yet (an estimate: a page's places vary)."""
+        return self.pool.pending_places // self.pool.fixed_units
+
+    @property
     def available(self) -> int:
+        self.pool.poll()
         if self.optimistic:
             return min(self.pool.free_ids, self.pool.free_units // sum(self.pool.sizes))
         return self.pool.fits()

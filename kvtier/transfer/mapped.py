@@ -29,7 +29,12 @@ class _ArrayInterface:
 def map_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor aliasing pinned, contiguous CPU tensor ``t`` (same shape and dtype).
 
-    The caller keeps ``t`` alive for as long as the view is used.
+    The caller keeps ``t`` alive for as long as the view is used. ``t`` may be pinned only in
+    part (a host pool pinned in the background, ``kvtier.pools.pinning``: its start is pinned
+    first): the view is valid wherever ``t`` is registered, and kernels only touch pages the
+    pool's allocator handed out, which are. Registered memory has the same address on the
+    device where the driver can use host pointers for it (x86-64 and Grace with unified
+    addressing), as pinned allocations always do.
     """
     if not (t.is_pinned() and t.is_contiguous()):
         raise ConfigError("only contiguous pinned host tensors can be mapped (pin_host)")

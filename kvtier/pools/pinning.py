@@ -1,0 +1,306 @@
+"""Pinning host memory in the background: a host pool's buffers are registered with the CUDA
+driver chunk by chunk on a daemon thread, so that a large host tier does not hold up start-up.
+
+``torch.zeros(..., pin_memory=True)`` pins and zero-fills every byte before it returns: tens of
+seconds for a 100 GB host tier. Here the buffers are anonymous private mappings instead (zero by
+the kernel's contract, faulted in on first touch, nothing filled up front) and ``cudaHostRegister``
+pins them range by range. A pool's *items* (host pages, or an arena's placement slots) become
+usable in order as the chunks holding them are registered; :attr:`HostPinner.ready_items`
+publishes how many, and the pool's allocator folds newly ready items in on its own thread.
+
+A buffer is a :class:`Region`: ``stripes`` equal contiguous stripes, each holding items
+``0 .. items-1`` of ``item_bytes`` in order (a page-first buffer is one stripe; a layer-first
+buffer has one stripe per layer). Chunk ``k`` is an item range ``[a_k, a_{k+1})``; its ranges
+are every region's stripes' bytes of those items, cut at ``align`` boundaries::
+
+    layer_first, 2 layers, 2 chunks       stripe 0: | chunk 0 | chunk 1 | stripe 1: | 0 | 1 |
+    registration order                    chunk 0 of every stripe, then chunk 1 of every stripe
+
+An aligned block that several chunks' bytes share is registered with the earliest of them, so
+once chunks ``0 .. k`` are registered every byte of their items is, and no two registrations
+share a block (the driver refuses a range that overlaps a registered one).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger("kvtier.pools")
+
+HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: pinned for every CUDA context, not only the current one."""
+HOST_REGISTER_MAPPED = 2
+"""``cudaHostRegisterMapped``: mapped into the device address space (``transfer.mapped``)."""
+REGISTER_FLAGS = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""Bytes of items registered per step: one chunk (about 0.1-0.3 s of ``cudaHostRegister``)
+is registered before the pool is returned, the rest in the background."""
+DEFAULT_ALIGN = 2 << 20
+"""Registration boundaries (bytes). Coarser than the 4 KiB OS page on purpose: whatever block
+the driver pins at, two ranges never share one."""
+
+
+class Registrar(Protocol):
+    """Registers host ranges with the driver; ``register`` raises when the driver refuses."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaRegistrar:
+    """``cudaHostRegister`` (portable, mapped) through torch's cudart bindings. ``what`` names
+    the memory in error messages (e.g. the host tier and its size)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        torch.cuda.init()
+        self._rt = torch.cuda.cudart()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self._rt.cudaHostRegister(ptr, nbytes, REGISTER_FLAGS)
+        if int(rc) != 0:
+            raise ConfigError(
+                f"pinning the {self.what} failed at {nbytes} bytes from {ptr:#x}: "
+                f"cudaHostRegister returned {int(rc)} ({self._rt.cudaGetErrorString(rc)}). "
+                "The host may lack that much lockable memory (ulimit -l, container memory "
+                "limit, free RAM); make the host tier smaller or set pin_host=False"
+            )
+
+    def unregister(self, ptr: int) -> None:
+        self._rt.cudaHostUnregister(ptr)
+
+
+def lazy_zeros(
+    shape: Sequence[int], dtype: torch.dtype, align: int = DEFAULT_ALIGN
+) -> torch.Tensor:
+    """A contiguous zero CPU tensor whose data starts on an ``align`` boundary, in an anonymous
+    private mapping that extends at least to the next ``align`` boundary past its end.
+
+    Nothing is written: the kernel hands out zero pages on first touch (or when they are
+    pinned), so callers that read never-written bytes still read zeros, as with ``torch.zeros``.
+    The tensor keeps the mapping alive.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    size = _round_up(nbytes, align) + align
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    base = torch.frombuffer(buf, dtype=torch.uint8, count=size)
+    skip = -base.data_ptr() % align
+    return base[skip : skip + nbytes].view(dtype).view(tuple(shape))
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A contiguous buffer from ``ptr``: ``stripes`` stripes of ``items * item_bytes`` bytes,
+    item ``i`` of stripe ``s`` at ``ptr + (s * items + i) * item_bytes``."""
+
+    ptr: int
+    stripes: int
+    item_bytes: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor, stripes: int, items: int) -> Region:
+        """The region of contiguous ``t`` holding ``items`` items in each of ``stripes``."""
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous() or nbytes % (stripes * items):
+            raise ConfigError(f"{tuple(t.shape)} does not split into {stripes} x {items} items")
+        return cls(t.data_ptr(), stripes, nbytes // (stripes * items))
+
+
+def chunk_bounds(items: int, chunk_items: int) -> list[int]:
+    """Item boundaries ``[0, c, 2c, ..., items]`` of chunks of ``chunk_items``."""
+    return [*range(0, items, max(1, chunk_items)), items]
+
+
+def plan_ranges(
+    regions: Sequence[Region], items: int, bounds: Sequence[int], align: int
+) -> list[list[tuple[int, int]]]:
+    """``(ptr, nbytes)`` ranges to register per chunk (``bounds`` as :func:`chunk_bounds`).
+
+    Ranges are ``align``-aligned, disjoint, and together cover every region's aligned span;
+    an aligned block goes to the earliest chunk with bytes in it. Each region must start on an
+    ``align`` boundary with its aligned end still its own memory (:func:`lazy_zeros`).
+    """
+    out: list[list[tuple[int, int]]] = [[] for _ in range(len(bounds) - 1)]
+    for r in regions:
+        if r.ptr % align:
+            raise ConfigError(f"region at {r.ptr:#x} does not start on a {align}-byte boundary")
+        spans: list[list[int]] = []  # [start, end, chunk], increasing, disjoint
+        for s in range(r.stripes):
+            base = r.ptr + s * items * r.item_bytes
+            for k in range(len(bounds) - 1):
+                lo = base + bounds[k] * r.item_bytes
+                hi = base + bounds[k + 1] * r.item_bytes
+                start, end = _round_down(lo, align), _round_up(hi, align)
+                if spans and spans[-1][1] > start:
+                    # one block shared with earlier pieces: the earliest chunk keeps it
+                    last = spans[-1]
+                    if k < last[2]:
+                        last[1] = start
+                        if last[1] <= last[0]:
+                            spans.pop()
+                    else:
+                        start = last[1]
+                if end <= start:
+                    continue
+                if spans and spans[-1][2] == k and spans[-1][1] == start:
+                    spans[-1][1] = end
+                else:
+                    spans.append([start, end, k])
+        for start, end, k in spans:
+            out[k].append((start, end - start))
+    return out
+
+
+class HostPinner:
+    """Registers ``regions`` (sharing one item index of ``items``) chunk by chunk.
+
+    ``first_chunks`` chunks are registered before the constructor returns; with
+    ``background`` a daemon thread registers the rest, else the caller steps with
+    :meth:`pin_next_chunk`. :attr:`ready_items` (items ``0 .. ready_items-1`` are registered in
+    every region) only grows and is the one thing the thread publishes; it never touches a
+    pool's allocator. The pinner keeps ``keep`` (the buffers) alive, so the thread never
+    touches freed memory; :meth:`stop` joins it, :meth:`release` also unregisters everything.
+    A failure of the first chunks is raised by the constructor (with nothing left registered);
+    a background failure is logged, stops the pinning (later items stay unusable) and is
+    raised again by :meth:`wait`.
+    """
+
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        items: int,
+        registrar: Registrar,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        first_chunks: int = 1,
+        background: bool = True,
+        align: int = DEFAULT_ALIGN,
+        keep: Sequence[object] = (),
+    ) -> None:
+        if items <= 0 or chunk_bytes <= 0:
+            raise ConfigError(f"pinning {items} items in chunks of {chunk_bytes} bytes")
+        item_bytes = sum(r.item_bytes * r.stripes for r in regions)
+        self.items = items
+        self.bounds = chunk_bounds(items, chunk_bytes // max(1, item_bytes))
+        """Item boundaries of the chunks."""
+        self.ranges = plan_ranges(regions, items, self.bounds, align)
+        """``(ptr, nbytes)`` to register, per chunk."""
+        self.ready_items = 0
+        """Items registered in every region (a prefix); written by the pinning thread only
+        after the driver returned."""
+        self.error: BaseException | None = None
+        self._registrar = registrar
+        self._keep = tuple(keep)
+        self._registered: list[int] = []
+        self._next = 0
+        self._step = threading.Lock()
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._finished = threading.Event()
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
+        try:
+            for _ in range(min(first_chunks, len(self.ranges))):
+                self.pin_next_chunk()
+        except BaseException:
+            self.release()
+            raise
+        if background and not self.done:
+            self._thread = threading.Thread(target=self._run, name="kvtier-pin", daemon=True)
+            self._thread.start()
+        else:
+            self._finished.set()
+
+    @property
+    def done(self) -> bool:
+        return self.ready_items == self.items
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from construction until every item was ready (so far, while pinning)."""
+        end = self._t1 if self._t1 is not None else time.perf_counter()
+        return end - self._t0
+
+    def pin_next_chunk(self) -> bool:
+        """Register the next chunk and publish its items; ``False`` when none is left."""
+        with self._step:
+            if self._next >= len(self.ranges) or self._stopping.is_set():
+                return False
+            k = self._next
+            for ptr, nbytes in self.ranges[k]:
+                self._registrar.register(ptr, nbytes)
+                self._registered.append(ptr)
+            self._next = k + 1
+            with self._changed:
+                self.ready_items = self.bounds[k + 1]
+                if self.done:
+                    self._t1 = time.perf_counter()
+                self._changed.notify_all()
+            return True
+
+    def wait(self, items: int | None = None, timeout: float | None = None) -> bool:
+        """Block until ``items`` (all by default) are ready; ``False`` on timeout or when
+        pinning stopped short (a failure is raised)."""
+        want = self.items if items is None else items
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.ready_items >= want or self._finished.is_set(), timeout
+            )
+        self._raise()
+        return self.ready_items >= want
+
+    def stop(self) -> None:
+        """Stop pinning and join the thread (idempotent); registered memory stays so and
+        items not ready by then stay unusable."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def release(self) -> None:
+        """:meth:`stop`, then unregister every registered range (the buffers stay valid,
+        pageable). For the owner's end of life: no device copy may still be using them."""
+        self.stop()
+        with self._step:
+            for ptr in self._registered:
+                self._registrar.unregister(ptr)
+            self._registered.clear()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            while self.pin_next_chunk():
+                pass
+        except BaseException as e:  # noqa: BLE001 - reported to the owner, not lost in a thread
+            self.error = e
+            log.error(
+                "host memory pinning stopped at %d of %d items: %s", self.ready_items, self.items, e
+            )
+        with self._changed:
+            self._finished.set()
+            self._changed.notify_all()
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def _round_down(x: int, a: int) -> int:
+    return x // a * a
