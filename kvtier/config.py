@@ -14,13 +14,14 @@ from kvtier.errors import ConfigError
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_LAYOUTS = ("page_first", "layer_first")
-EVICTION_POLICIES = ("lru", "lfu")
+EVICTION_POLICIES = ("lru", "lfu", "cost")
 TRANSFER_MECHANISMS = ("auto", "kernel", "copy_engine")
 COMPACTIONS = ("auto", "eager", "off")
 CP_PATTERNS = ("round_robin", "zigzag")
 BACKUP_TIMINGS = ("at_insert", "per_layer")
 HOST_MODES = ("cache", "buffer_only")
 RESTORE_POLICIES = ("always", "cost")
+STORAGE_ADMISSIONS = ("all", "cost")
 KV_CODECS = ("none", "fp8_e4m3", "int8")
 
 
@@ -137,7 +138,11 @@ class CacheConfig:
     write_threshold: int = 2
     """Hits before a page is backed up under ``write_through_selective``."""
     eviction_policy: str = "lru"
-    """Which unlocked leaves go first when a tier is full: ``lru`` or ``lfu``."""
+    """Which unlocked leaves go first when a tier is full: ``lru``, ``lfu`` or ``cost``
+    (GreedyDual-Size per tier, ``kvtier.tree.eviction_order``: each copy is credited, when
+    made or used, the tier's inflation value plus the work of computing its tokens again at
+    their depth per byte it holds; the smallest credit goes first and becomes the inflation
+    value, so pages that save little per byte and have not been used lately go first)."""
     storage: str | None = None
     """L3 backend name from the storage registry (``file``), or ``None`` for no L3."""
     storage_url: str | None = None
@@ -182,6 +187,14 @@ class CacheConfig:
     restore_prefill_rate: float = 1000.0
     """Prefill rate in tokens per second until the engine reports a forward. Low on purpose:
     until then a restore has to be very slow to lose."""
+    storage_admission: str = "all"
+    """Which host copies are written to storage: ``all`` (every one storage lacks) or ``cost``
+    (``kvtier.controller.storage_admission``): a page only where computing it again (its
+    tokens at their depth, at the prefill rate) takes at least as long as reading it back at
+    the storage read rate, and only with every page before it that storage lacks; passed-over
+    pages count in ``skipped_storage_writes``. Until a storage read was measured everything
+    is written (``restore_rate_weight=0``: the priors above are the rates). Refuses
+    ``cp_size > 1``."""
     model_fingerprint: str = ""
     """Identifies model weights and architecture; part of every L3 key's namespace. ``LLM``
     sets it from the model; a cache with storage refuses to start without it unless
@@ -301,6 +314,7 @@ class CacheConfig:
         _positive("prefetch_timeout_s", self.prefetch_timeout_s)
         _integer("prefetch_min_pages", self.prefetch_min_pages, 1)
         _choice("restore_policy", self.restore_policy, RESTORE_POLICIES)
+        _choice("storage_admission", self.storage_admission, STORAGE_ADMISSIONS)
         weight = self.restore_rate_weight
         if (
             isinstance(weight, bool)
@@ -342,6 +356,12 @@ class CacheConfig:
                 "host pool has one lane"
             )
         self._check_kv_codec()
+        if self.storage_admission == "cost" and self.cp_size > 1:
+            raise ConfigError(
+                f"storage_admission='cost' with cp_size={self.cp_size} is not supported: the "
+                "ranks of a CP group would decide from their own rates; use "
+                "storage_admission='all'"
+            )
         _flag("debug_checks", self.debug_checks)
         _integer("test_completion_polls", self.test_completion_polls, 0)
         _integer("test_completion_seed", self.test_completion_seed, 0)

@@ -30,6 +30,10 @@ COUNTERS: dict[str, str] = {
     "layer_backup_pages": "Pages copied to host during the forward that computed them",
     "dropped_layer_backups": "Pages whose per-layer backup found no host room (backed up later)",
     "dropped_storage_backups": "Pages whose storage backup failed",
+    "skipped_storage_writes": (
+        "Pages not written to storage: computing them again beats reading them back "
+        "(storage_admission=cost; counted each time a write passes them over)"
+    ),
     "prefetched_pages": "Pages read from storage into the host tier",
     "prefetch_failed_pages": "Pages a prefetch wanted but storage could not deliver",
     "load_bytes": "Bytes loaded host to device",

@@ -83,13 +83,15 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "Load or recompute",
-        "Whether restoring a matched prefix beats computing it again, at measured rates.",
+        "Whether restoring a matched prefix beats computing it again, and writing a page to "
+        "storage beats computing it later, at measured rates.",
         (
             "restore_policy",
             "restore_rate_weight",
             "restore_storage_rate",
             "restore_load_rate",
             "restore_prefill_rate",
+            "storage_admission",
         ),
     ),
     (

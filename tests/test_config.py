@@ -62,7 +62,7 @@ from kvtier.errors import ConfigError
         ({"storage": 3}, "storage must be a non-empty string or None, got 3"),
         ({"storage_url": 5}, "storage_url must be a non-empty string or None, got 5"),
         ({"write_policy": None}, "write_policy=None is not one of write_through"),
-        ({"eviction_policy": ["lru"]}, r"eviction_policy=['lru'] is not one of lru, lfu"),
+        ({"eviction_policy": ["lru"]}, r"eviction_policy=['lru'] is not one of lru, lfu, cost"),
         ({"prefetch_policy": 1}, "prefetch_policy=1 is not one of best_effort"),
         ({"host_layout": b"page_first"}, "host_layout=b'page_first' is not one of"),
         ({"device": 0}, "device must be a non-empty string or None, got 0"),

@@ -17,6 +17,8 @@ from kvtier.cache.tail_copy import copy_page
 from kvtier.cache.windows import check_window_config
 from kvtier.config import CacheConfig, resolve_device
 from kvtier.controller import Controller
+from kvtier.controller.restore_cost import CostModel
+from kvtier.controller.storage_admission import StorageAdmission
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, cache_namespace
 from kvtier.metrics import Metrics
@@ -31,7 +33,9 @@ from kvtier.pools.unified_pool import UnifiedPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.registry import check_capabilities, create_backend
 from kvtier.transfer.translate import DeviceKV, PageTranslator, device_view
+from kvtier.tree.eviction_order import make_policy
 from kvtier.tree.radix import RadixTree
+from kvtier.tree.recompute import RecomputeWork
 
 
 @dataclass(slots=True)
@@ -137,6 +141,8 @@ class CacheParts:
     """What the engine reads and writes: device buffers by physical slot."""
     controller: Controller
     engine_pages: EnginePages
+    rates: CostModel
+    """The measured rates restores are priced with and storage admission reads."""
 
 
 def build_parts(
@@ -157,7 +163,14 @@ def build_parts(
     pools = build_pools(config, specs, ps, device, resume.window > 0, translator)
     namespace = cache_namespace(config, specs, ps)
     metrics = Metrics()
-    tree = RadixTree(ps, config.eviction_policy, host_flags=resume.window > 0)
+    work = RecomputeWork.from_specs(specs)
+    page_bytes = {"device": pools.device.page_bytes, "host": pools.device.page_bytes}
+    if pools.host is not None:
+        page_bytes["host"] = pools.host.page_bytes
+    policy = make_policy(config.eviction_policy, work, page_bytes, ps)
+    tree = RadixTree(ps, policy, host_flags=resume.window > 0)
+    rates = CostModel.from_config(config)
+    admission = StorageAdmission(config.storage_admission == "cost", work, rates, ps, metrics)
     translator, kv_buffers = device_view(
         pools.translator, pools.device, pools.host, group if cp > 1 else None
     )
@@ -172,6 +185,7 @@ def build_parts(
         metrics,
         translator,
         checked,
+        admission,
     )
     engine_pages = EnginePages(
         pools.device,
@@ -204,4 +218,5 @@ def build_parts(
         kv_buffers,
         controller,
         engine_pages,
+        rates,
     )

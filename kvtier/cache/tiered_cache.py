@@ -130,7 +130,7 @@ class TieredCache:
         self.controller = parts.controller
         self.engine_pages = parts.engine_pages
         self.restore_cost = RestoreCost(
-            config, self.controller, self.group, self.page_size, self.metrics
+            config, self.controller, self.group, self.page_size, self.metrics, parts.rates
         )
         """Rates measured as pages move and forwards run, and (``restore_policy='cost'``) the
         decision whether restoring a matched prefix beats computing it again."""

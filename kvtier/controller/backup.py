@@ -6,7 +6,8 @@ until it completed; only then, at a poll, do the pages become the node's host co
 (``host_mode='buffer_only'``) the backup waits for room instead and goes in chunks
 (``kvtier.controller.staging``). A storage write pins the host
 copy it reads (``host_io``) until it is reaped; the node is marked stored only when every page
-(and, for state models, every valid checkpoint) landed.
+(and, for state models, every valid checkpoint) landed. Which host copies are written at all
+is ``storage_admission``'s to say (``kvtier.controller.storage_admission``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.layered import Joined, Reservation, Reservations
 from kvtier.controller.records import Flights, InFlight, Span
 from kvtier.controller.staging import Staging
+from kvtier.controller.storage_admission import StorageAdmission
 from kvtier.controller.storage_io import StorageIO
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace
@@ -62,6 +64,8 @@ class Backups(Flights):
         """The staging rules of ``host_mode='buffer_only'`` (``None``: the host tier caches)."""
         self.leases = HostLeases(None)
         """The storage I/O's leases on a relocatable host pool (set by the controller)."""
+        self.admission: StorageAdmission | None = None
+        """Which host copies storage gets (``None``: all of them; set by the controller)."""
         super().__init__(group)
 
     # ---- device → host ------------------------------------------------------------------
@@ -209,7 +213,8 @@ class Backups(Flights):
 
     # ---- host → storage -----------------------------------------------------------------
     def to_storage(self, nodes: list[Node]) -> None:
-        """Write the host copies of ``nodes`` that storage lacks (one batch)."""
+        """Write the host copies of ``nodes`` that storage lacks and ``admission`` lets in (one
+        batch)."""
         if self.io is None:
             return
         todo = [
@@ -217,6 +222,8 @@ class Backups(Flights):
             for n in nodes
             if n.on_host and not n.in_storage and not n.host_io and n.parent is not None
         ]
+        if self.admission is not None:
+            todo = self.admission.admit(todo, self.io.pages.nbytes)
         self._write(todo)
 
     def _write(self, todo: list[Node]) -> None:

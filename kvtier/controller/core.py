@@ -26,6 +26,7 @@ from kvtier.controller.host_leases import HostLeases
 from kvtier.controller.load import Loads
 from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.staging import Staging
+from kvtier.controller.storage_admission import StorageAdmission
 from kvtier.controller.storage_io import StorageIO
 from kvtier.controller.window_backup import WindowBackups
 from kvtier.controller.write_policy import make_policy
@@ -65,10 +66,12 @@ class Controller:
         metrics: Metrics,
         translator: PageTranslator | None = None,
         group: Group | None = None,
+        admission: StorageAdmission | None = None,
     ) -> None:
         """``translator`` maps logical pages to the pools' physical pages for every copy and
         every storage object (identity when ``None``); ``group`` is the CP group whose ranks
-        agree on every completion (``config.cp_size`` ranks)."""
+        agree on every completion (``config.cp_size`` ranks); ``admission`` says which host
+        copies are written to storage (``None``: all)."""
         self.group: Group = group or SoloGroup()
         self.config = config
         self.lanes = config.cp_size
@@ -104,6 +107,7 @@ class Controller:
                 tree, host_pool, self.mover, self.alloc_host_copy, namespace, metrics, self.group
             )
             self.backups.leases = self.host_leases
+            self.backups.admission = admission
         self.loads = Loads(
             tree, device_pool, self.mover, self.alloc_device_like, metrics, self.group
         )

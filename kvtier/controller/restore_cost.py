@@ -102,6 +102,12 @@ class Rate:
         self.measurements += 1
 
     @property
+    def known(self) -> bool:
+        """Whether the rate is measured: a measurement was taken, or ``weight == 0`` makes the
+        prior the rate (set by hand)."""
+        return self.measurements > 0 or self.weight == 0
+
+    @property
     def value(self) -> float:
         """The current rate (the prior before the first measurement)."""
         return self.amount / self.seconds if self.seconds > 0 else self.prior
@@ -188,6 +194,10 @@ class CostModel:
     def rate(self, path: str) -> float:
         """``path``'s current rate."""
         return self._rate(path).value
+
+    def known(self, path: str) -> bool:
+        """Whether ``path``'s rate is measured (``Rate.known``)."""
+        return self._rate(path).known
 
     def seconds(self, path: str, amount: float) -> float:
         """How long ``amount`` takes through ``path`` (infinite at a rate of zero)."""

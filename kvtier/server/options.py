@@ -225,10 +225,11 @@ CACHE_FLAGS: tuple[CacheFlag, ...] = (
     CacheFlag(
         "eviction_policy",
         "choice",
-        "which cached pages go first when a tier is full",
+        "which cached pages go first when a tier is full: least recently used (lru), least "
+        "frequently used (lfu), or least recompute work saved per byte, aged (cost)",
         "lru",
         BEHAVIOUR,
-        choices=("lru", "lfu"),
+        choices=("lru", "lfu", "cost"),
     ),
     CacheFlag(
         "backup_timing",
@@ -311,6 +312,15 @@ CACHE_FLAGS: tuple[CacheFlag, ...] = (
         1000.0,
         BEHAVIOUR,
         metavar="TOKENS_PER_S",
+    ),
+    CacheFlag(
+        "storage_admission",
+        "choice",
+        "all: write every host copy to storage; cost: only pages that take longer to compute "
+        "again than to read back at the measured rates",
+        "all",
+        BEHAVIOUR,
+        choices=("all", "cost"),
     ),
     CacheFlag(
         "debug_checks",

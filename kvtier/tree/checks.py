@@ -47,6 +47,8 @@ def check_tree(tree: CheckedTree) -> None:
         parent = n.parent
         if parent is None or parent.children.get(bytes(n.buf[:page])) is not n:
             raise IntegrityError(f"{ctx}: not linked from its parent")
+        if n.depth != parent.depth + parent.num_tokens:
+            raise IntegrityError(f"{ctx}: recorded depth {n.depth}")
         if not n.buf or len(n.buf) % TOKEN_BYTES:
             raise IntegrityError(f"{ctx}: {len(n.buf)} token bytes")
         if n.tail(ps) and n.children:

@@ -8,7 +8,8 @@ of scanning the tree per call. The tree tells it when a node's residency, locks 
 (``RadixTree.set_device`` and friends delegate here), so node state still changes only inside
 ``kvtier.tree``. Entries go stale (the node stopped being a candidate, got locked, or was
 accessed since) and are dropped or re-queued when they reach the top, which is sound because
-priorities only grow. Invariants, checked by ``check``: every unlocked device leaf has a device
+priorities only grow (a ``cost`` credit that drops after a split only delays that node's turn,
+``kvtier.tree.eviction_order``). Invariants, checked by ``check``: every unlocked device leaf has a device
 entry; every host candidate has a host entry.
 """
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.tree.node import Node
+from kvtier.tree.node import CopyTier, Node
 from kvtier.tree.results import Evicted
 from kvtier.tree.tokens import TOKEN_BYTES
 
@@ -64,6 +65,7 @@ class EvictionIndex:
     def set_device(self, node: Node, pages: torch.Tensor) -> None:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         node.device = pages
+        self.tree.policy.touch(node, "device")
         self.refresh_leaf(node)
         # The parent now has a device child, so it is no leaf: no scan of its children.
         if node.parent is not None:
@@ -86,6 +88,7 @@ class EvictionIndex:
             raise IntegrityError(f"{node!r} already has a host copy")
         node.host = pages
         self.hosted += 1
+        self.tree.policy.touch(node, "host")
         self.queue_host(node)
 
     def refresh_leaf(self, node: Node) -> None:
@@ -104,19 +107,19 @@ class EvictionIndex:
         """Give ``node`` an eviction-queue entry at its current priority."""
         heap = self._device_heap
         if len(heap) > 2 * len(self.device_leaves) + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self.device_leaves if not n.lock_ref]
+            heap[:] = [self._entry(n, "device") for n in self.device_leaves if not n.lock_ref]
             heapq.heapify(heap)
             return  # ``node`` is a leaf: queued by the rebuild unless locked
-        heapq.heappush(heap, self._entry(node))
+        heapq.heappush(heap, self._entry(node, "device"))
 
     def queue_host(self, node: Node) -> None:
         """Give ``node`` a host-eviction entry (checked when it reaches the top)."""
         heap = self._host_heap
         if len(heap) > 2 * self.hosted + 1024:  # mostly stale: rebuild
-            heap[:] = [self._entry(n) for n in self.tree.nodes() if self._host_candidate(n)]
+            heap[:] = [self._entry(n, "host") for n in self.tree.nodes() if self._host_candidate(n)]
             heapq.heapify(heap)
             return
-        heapq.heappush(heap, self._entry(node))
+        heapq.heappush(heap, self._entry(node, "host"))
 
     def evict_device(
         self,
@@ -138,6 +141,7 @@ class EvictionIndex:
                 raise IntegrityError(f"device eviction of {node!r} without a device copy")
             out.device_pages.append(node.device)
             n = node.device.numel() if weight is None else weight(node.device)
+            self.tree.policy.evicted(node, "device")
             node.device = None
             self.device_leaves.discard(node)
             parent = node.parent
@@ -149,6 +153,7 @@ class EvictionIndex:
 
         self._drain(
             self._device_heap,
+            "device",
             num_pages,
             # stale, or locked: ``unlock`` queues it again
             candidate=lambda n: n in self.device_leaves and not n.lock_ref,
@@ -169,6 +174,7 @@ class EvictionIndex:
                 raise IntegrityError(f"host eviction of {node!r} without a host copy")
             out.host_pages.append(node.host)
             n = node.host.numel() if weight is None else weight(node.host)
+            self.tree.policy.evicted(node, "host")
             node.host = None
             self.hosted -= 1
             if not node.on_device:
@@ -179,6 +185,7 @@ class EvictionIndex:
 
         self._drain(
             self._host_heap,
+            "host",
             num_pages,
             candidate=lambda n: n.parent is not None and self._host_candidate(n),
             busy=lambda n: bool(n.host_io),
@@ -189,12 +196,13 @@ class EvictionIndex:
     def _drain(
         self,
         heap: list[tuple],
+        tier: CopyTier,
         num_pages: int,
         candidate: Callable[[Node], bool],
         busy: Callable[[Node], bool],
         take: Callable[[Node], int],
     ) -> None:
-        """Pop ``heap`` until ``take`` freed ``num_pages`` pages or it is empty.
+        """Pop ``heap`` (``tier``'s queue) until ``take`` freed ``num_pages`` pages or it is empty.
 
         Entries whose node is no longer a ``candidate`` are dropped (whatever makes it one again
         queues it); entries older than their node's priority are re-queued at it; ``busy``
@@ -207,7 +215,7 @@ class EvictionIndex:
             node = entry[-1]
             if not candidate(node):
                 continue
-            current = self._entry(node)
+            current = self._entry(node, tier)
             if current[0] != entry[0]:  # accessed since queued
                 heapq.heappush(heap, current)
                 continue
@@ -218,9 +226,9 @@ class EvictionIndex:
         for entry in aside:
             heapq.heappush(heap, entry)
 
-    def _entry(self, node: Node) -> tuple:
+    def _entry(self, node: Node, tier: CopyTier) -> tuple:
         # The sequence number keeps two entries of one node from ever comparing nodes.
-        return (self.tree.policy.priority(node), next(self._seq), node)
+        return (self.tree.policy.priority(node, tier), next(self._seq), node)
 
     def _device_evictable(self, node: Node, prepare: Callable[[Node], bool] | None = None) -> bool:
         """Whether ``node``'s device copy can go now. ``prepare`` runs before the check that

@@ -60,6 +60,13 @@ class Node:
     last_access: int = 0
     hits: int = 0
     tails: int = 0
+    depth: int = 0
+    """Tokens before the node's first token (from the root); the tree keeps it as nodes split."""
+    device_credit: float = 0.0
+    """Eviction credit of the device copy (``eviction_policy='cost'``,
+    ``kvtier.tree.eviction_order``)."""
+    host_credit: float = 0.0
+    """Eviction credit of the host copy (likewise)."""
     addr: int = 0
     """Address of ``buf``'s first byte when ``buf`` is a run in the tree's token arena (a
     read-only ``memoryview``, ``kvtier.tree.token_arena``); 0 when ``buf`` is ``bytes``."""

@@ -101,7 +101,9 @@ class RadixTree:
         arena knows its own rows) instead of every tier's copy (a state pool)."""
         self.page_size = page_size
         self.host_flags = host_flags
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = (
+            make_policy(policy, page_size=page_size) if isinstance(policy, str) else policy
+        )
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self.root = Node(id=0, parent=None, buf=b"")
@@ -177,6 +179,7 @@ class RadixTree:
             if hit:
                 n.hits += 1
                 n.last_access = now
+                self.policy.touch(n)
             n = n.parent
 
     def unlock(self, node: Node) -> None:
@@ -243,7 +246,8 @@ class RadixTree:
                 if stale is not None and not self._replace_tail(stale, tier, dropped):
                     add_range(dups, p0, n_pages)
                     break
-                child = Node(id=next(self._ids), parent=node, buf=b"")
+                depth = node.depth + node.num_tokens
+                child = Node(id=next(self._ids), parent=node, buf=b"", depth=depth)
                 self.arena.store(child, tm[pos * TOKEN_BYTES :])
                 node.children[key] = child
                 node.tails += len(key) < page
@@ -292,6 +296,7 @@ class RadixTree:
             if keys is not None and not child.in_storage:
                 child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
             child.last_access = now
+            self.policy.touch(child)
             pos += k
             node = child
         if dup_t is None:  # views of ``pages`` (the whole of it when every page was cached)
@@ -339,7 +344,9 @@ class RadixTree:
         parent = node.parent
         if parent is None:
             raise IntegrityError(f"split of a node outside the tree: {node!r}")
-        new = Node(id=next(self._ids), parent=parent, buf=node.buf[:cut], addr=node.addr)
+        new = Node(
+            id=next(self._ids), parent=parent, buf=node.buf[:cut], addr=node.addr, depth=node.depth
+        )
         new.device = node.device[:n] if node.device is not None else None
         new.host = node.host[:n] if node.host is not None else None
         new.keys = node.keys[:n] if node.keys is not None else None
@@ -348,8 +355,10 @@ class RadixTree:
         self.eviction.hosted += new.host is not None
         new.lock_ref, new.device_io, new.host_io = node.lock_ref, node.device_io, node.host_io
         new.last_access, new.hits = node.last_access, node.hits
+        new.device_credit, new.host_credit = node.device_credit, node.host_credit
         parent.children[bytes(node.buf[:page])] = new
         node.buf = node.buf[cut:]  # an arena run: a view of the same bytes, no copy
+        node.depth += n * self.page_size
         node.addr += cut if node.addr else 0
         node.device = node.device[n:] if node.device is not None else None
         node.host = node.host[n:] if node.host is not None else None

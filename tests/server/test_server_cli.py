@@ -61,6 +61,7 @@ def test_flag_defaults_and_choices_are_the_configs() -> None:
         "kv_codec": c.KV_CODECS,
         "prefetch_policy": c.PREFETCH_POLICIES,
         "restore_policy": c.RESTORE_POLICIES,
+        "storage_admission": c.STORAGE_ADMISSIONS,
         "write_policy": c.WRITE_POLICIES,
         "eviction_policy": c.EVICTION_POLICIES,
         "backup_timing": c.BACKUP_TIMINGS,
