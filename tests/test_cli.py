@@ -31,6 +31,7 @@ BENCHES = (
     "compute",
     "serve",
     "multiturn",
+    "load-or-recompute",
 )
 HELPS = [[], ["demo"], ["serve"], ["plot"], ["bench"], *(["bench", b] for b in BENCHES)]
 

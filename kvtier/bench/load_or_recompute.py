@@ -10,7 +10,8 @@ held to ``R``: ``ThrottledReads``, a slower device simulated):
 - ``restore_s``: its TTFT under ``restore_policy='always'`` with device and host empty (every
   whole page fetched from storage at ``R``, then loaded);
 - ``cost_s``: its TTFT under ``restore_policy='cost'``, device and host empty, on an engine
-  that has first served the warm-up prompts (restored from storage, or recomputed, as the
+  that has first computed a prompt no tier holds (``warmup_cold_tokens``: its prefill rate
+  measured) and served the warm-up prompts (restored from storage, or recomputed, as the
   policy chose) until its storage read rate was measured: the rates the policy prices with
   are its own online measurements, not priors.
 
@@ -82,6 +83,7 @@ def bench_load_or_recompute(
     repeats: int = 2,
     warmup_tokens: int = 512,
     warmups: int = 40,
+    warmup_cold_tokens: int = 4096,
     device: str | None = None,
     dtype: str | None = None,
     progress: bool = True,
@@ -97,7 +99,7 @@ def bench_load_or_recompute(
     from kvtier.engine import SamplingParams
 
     lengths, rates_gbps = sorted(lengths), sorted(rates_gbps)
-    _check(lengths, rates_gbps, page_size, repeats, warmup_tokens, warmups)
+    _check(lengths, rates_gbps, page_size, repeats, warmup_tokens, warmups, warmup_cold_tokens)
     log = logger("load-or-recompute") if progress else (lambda msg: None)
     dev = resolve_device(device)
     longest = lengths[-1]
@@ -109,6 +111,7 @@ def bench_load_or_recompute(
     rng = random.Random(0)
     prompts = {n: [rng.randrange(vocab) for _ in range(n)] for n in lengths}
     warm = [[rng.randrange(vocab) for _ in range(warmup_tokens)] for _ in range(warmups)]
+    cold = [rng.randrange(vocab) for _ in range(min(warmup_cold_tokens, longest))]
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     pages = 2 * (longest // page_size) + 64
     with tempfile.TemporaryDirectory(prefix="kvtier-load-or-recompute-") as tmp:
@@ -169,6 +172,7 @@ def bench_load_or_recompute(
                     log(f"{rate} GB/s restore {n}: {restore[n]['ttft_s'] * 1e3:.1f} ms")
             cost_cfg = dataclasses.replace(base, restore_policy="cost")
             with _closing(engine(cost_cfg, rate)) as llm:
+                llm.generate([cold], one)  # in no tier: computed, the prefill rate measured
                 served = _warm_up(llm, warm, one, cost_cfg.restore_storage_rate)
                 rates = _policy_rates(llm)
                 for n in lengths:
@@ -244,6 +248,7 @@ def _check(
     repeats: int,
     warmup_tokens: int,
     warmups: int,
+    warmup_cold_tokens: int,
 ) -> None:
     if not lengths or not rates:
         raise ConfigError("lengths and rates_gbps must each name at least one value")
@@ -252,6 +257,7 @@ def _check(
         ("repeats", repeats),
         ("warmup_tokens", warmup_tokens),
         ("warmups", warmups),
+        ("warmup_cold_tokens", warmup_cold_tokens),
         *(("lengths", n) for n in lengths),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -33,11 +33,13 @@ Rates measured in the same run (``rates``), on an engine of their own without a 
 - ``prefill_tokens_per_s``: a cold prefill of ``prefill_probe_tokens`` (the workload's mean
   prompt length) over its TTFT, best of two;
 - ``extend_probe``: a prompt of the same length whose front is the last cold prompt's (cached)
-  and whose last ``new_tokens`` (``question_tokens``) are new, best of two; with the cold
-  prefill it fits ``prefill_s_per_token`` (``a``) and ``prefill_s_per_token_context`` (``b``)
-  of the prefill cost ``r x (a + b x (h + r / 2))`` of ``r`` tokens after ``h`` cached ones
-  (``prefill_cost_model``: attention makes a token after a long history dearer than a cold
-  one);
+  and whose last ``new_tokens`` (``question_tokens``) are new, best of two, and
+  ``short_probe``, a cold prompt as long as that new part, best of two; with the cold prefill
+  they fit ``prefill_s_per_forward`` (``c``), ``prefill_s_per_token`` (``a``) and
+  ``prefill_s_per_token_context`` (``b``) of the prefill cost ``c + r x (a + b x (h + r / 2))``
+  of ``r`` tokens after ``h`` cached ones (``prefill_cost_model``: a forward has a cost of its
+  own, which a short extend does not amortise, and attention makes a token after a long
+  history dearer than a cold one);
 - ``decode_step_s``: the median decode step of ``decode_batch`` (= ``concurrency``) requests at
   a context of ``decode_context`` (the mean prompt length);
 - ``link_gbps``: host -> device bytes per second, a contiguous pinned copy on CUDA
@@ -182,6 +184,8 @@ RATE_KEYS = (
     "prefill_probe_tokens",
     "prefill_tokens_per_s",
     "extend_probe",
+    "short_probe",
+    "prefill_s_per_forward",
     "prefill_s_per_token",
     "prefill_s_per_token_context",
     "decode_batch",
@@ -635,13 +639,17 @@ def measure_rates(
         prefill_rate = probe / best
         # the last cold prompt's front is cached now: the same length again, most of it a hit
         base = max(0, probe - workload.new_tokens)
-        ext: RequestOutput | None = None
-        for _ in range(2):
-            o = llm.generate([cold[:base] + _draw(rng, vocab, probe - base)], one)[0]
-            if ext is None or (o.ttft_s or math.inf) < (ext.ttft_s or math.inf):
-                ext = o
-        assert ext is not None
-        a, b = prefill_cost_model(probe, best, ext.cached_device, ext.recomputed, ext.ttft_s)
+        ext = min(
+            (llm.generate([cold[:base] + _draw(rng, vocab, probe - base)], one)[0] for _ in "ab"),
+            key=lambda o: o.ttft_s or math.inf,
+        )
+        short = min(  # a cold prompt as long as the extend's computed part
+            (llm.generate([_draw(rng, vocab, ext.recomputed)], one)[0] for _ in "ab"),
+            key=lambda o: o.ttft_s or math.inf,
+        )
+        c, a, b = prefill_cost_model(
+            probe, best, ext.cached_device, ext.recomputed, ext.ttft_s or 0.0, short.ttft_s or 0.0
+        )
         draw = lambda n: _draw(rng, vocab, n)  # noqa: E731
         step_s = statistics.median(decode_step_times(llm, draw, batch, context, steps))
     finally:
@@ -666,6 +674,8 @@ def measure_rates(
             "recomputed": ext.recomputed,
             "ttft_s": ext.ttft_s,
         },
+        "short_probe": {"tokens": short.recomputed, "ttft_s": short.ttft_s},
+        "prefill_s_per_forward": c,
         "prefill_s_per_token": a,
         "prefill_s_per_token_context": b,
         "decode_batch": batch,
@@ -679,23 +689,28 @@ def measure_rates(
 
 
 def prefill_cost_model(
-    cold_tokens: int, cold_s: float, cached: int, recomputed: int, extend_s: float | None
-) -> tuple[float, float]:
-    """``(a, b)`` of the prefill cost ``r x (a + b x (h + r / 2))`` of ``r`` tokens after ``h``
-    cached ones (``a`` per token, ``b`` per token and token of context it attends to), fitted
-    exactly to a cold prefill (``cold_tokens`` in ``cold_s``) and an extend (``recomputed``
-    after ``cached``, in ``extend_s``). A fit that would make either negative (step overheads
-    dominating a short probe) falls back to the cold prefill alone (``b = 0``)."""
-    u1 = cold_s / cold_tokens
-    if not cached or not recomputed or not extend_s:
-        return u1, 0.0
-    u2 = extend_s / recomputed
-    # u1 = a + b L / 2 and u2 = a + b (h + r / 2) with h + r = L: u2 - u1 = b h / 2
-    b = 2 * (u2 - u1) / cached
-    a = u1 - b * cold_tokens / 2
-    if a < 0 or b < 0:
-        return u1, 0.0
-    return a, b
+    cold_tokens: int,
+    cold_s: float,
+    cached: int,
+    recomputed: int,
+    extend_s: float,
+    short_s: float,
+) -> tuple[float, float, float]:
+    """``(c, a, b)`` of the prefill cost ``c + r x (a + b x (h + r / 2))`` of ``r`` tokens after
+    ``h`` cached ones (``c`` per forward, ``a`` per token, ``b`` per token and token of context
+    it attends to), fitted exactly to three probes: a cold prefill (``cold_tokens`` in
+    ``cold_s``), an extend (``recomputed`` after ``cached``, ``cached + recomputed =
+    cold_tokens``, in ``extend_s``) and a cold prefill of ``recomputed`` tokens (``short_s``).
+    A coefficient the fit makes negative (timing noise) is 0 and the next ones are refitted
+    without it."""
+    L, r, h = cold_tokens, recomputed, cached
+    # t_cold - t_short = (L - r) a + b (L^2 - r^2) / 2 ;  t_extend - t_short = b r h
+    b = max(0.0, (extend_s - short_s) / (r * h)) if r and h else 0.0
+    a = (cold_s - short_s - b * (L * L - r * r) / 2) / (L - r) if r < L else cold_s / L
+    if a < 0:
+        a = 0.0
+    c = max(0.0, short_s - r * a - b * r * r / 2) if r else 0.0
+    return c, a, b
 
 
 def request_bound(
@@ -704,7 +719,7 @@ def request_bound(
     """One request's bound (module docstring) from its record and the measured rates."""
     r = rec["recomputed"]
     h = rec["cached_device"] + rec["cached_host"] + rec["cached_storage"]
-    compute = r * (
+    compute = rates["prefill_s_per_forward"] + r * (
         rates["prefill_s_per_token"] + rates["prefill_s_per_token_context"] * (h + r / 2)
     )
     moved = (rec["cached_host"] + rec["cached_storage"]) * bpt

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # `bench multiturn` on one H200: does the tiered cache pay off end to end?
 #
-# Two runs of the Llama-8B-sized dense model (bf16, random weights drawn on the GPU), each on
-# every cache configuration against device memory alone, next to the bound from the prefill,
-# extend, decode, link and storage rates measured in the same run:
+# Runs of the Llama-8B-sized dense model (bf16, random weights drawn on the GPU), each on the
+# cache configurations it names against device memory alone, next to the bound from the
+# prefill, extend, decode, link and storage rates measured in the same run:
 #
 #   multiturn_5x    24 clients x 8 rounds, 4 in flight: a 512-token shared system prompt and
 #                   an 8,192-token context of each client's own, 256 new + 32 generated tokens
-#                   per turn; working set 252,416 tokens, 5.1x the 49,152-token device pool
-#   multiturn_fits  8 clients of the same shape: working set 84,480 tokens in a 98,304-token
-#                   device pool
+#                   per turn; working set 252,416 tokens, 5.1x the 49,152-token device pool;
+#                   every configuration
+#   multiturn_16k   the same with a 16,384-token context per client and 12 rounds: working set
+#                   476,672 tokens, 4.85x the 98,304-token device pool; device and host
+#   prepopulated    12 clients x 4 rounds of the 8K shape, ready turns first in first out (the
+#                   first round runs first): device only against a file L3 an earlier engine
+#                   filled, host and device empty
+#   multiturn_fits  8 clients x 8 rounds of the 8K shape: working set 84,480 tokens in a
+#                   98,304-token device pool; device, host, host+file
 #
 # Run from anywhere inside the repository:   OUT=/some/dir results/multiturn/run_h200.sh
-# (RUNS="5x" or RUNS="fits" runs one of them.)
+# (RUNS="16k fits", say, runs those.)
 # JSON, SVG and one log land in $OUT (default: this folder). The file L3 directories go under
 # $L3_DIR (default: $TMPDIR or /tmp; up to ~33 GB at once, removed after each run), never
 # under $OUT. The host pool of `host` holds the working set: ~33 GB of pinned memory.
@@ -48,8 +54,14 @@ $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >>"
 
 TURNS=(--workload multiturn --rounds 8 --concurrency 4 --system-tokens 512 --context-tokens 8192
     --new-tokens 256 --output-tokens 32)
-RUNS=${RUNS:-5x fits}  # which of the two (each is under 10 minutes)
+LONG=(--workload multiturn --rounds 12 --concurrency 4 --system-tokens 512 --context-tokens 16384
+    --new-tokens 256 --output-tokens 32)
+RUNS=${RUNS:-5x 16k prepopulated fits}  # which of them (each is under 10 minutes)
 [[ " $RUNS " == *" 5x "* ]] && bench multiturn_5x "${TURNS[@]}" --clients 24 --device-tokens 49152
+[[ " $RUNS " == *" 16k "* ]] && bench multiturn_16k "${LONG[@]}" --clients 24 \
+    --device-tokens 98304 --configs device,host
+[[ " $RUNS " == *" prepopulated "* ]] && bench prepopulated "${TURNS[@]}" --rounds 4 \
+    --clients 12 --ready-policy fifo --device-tokens 49152 --configs device,file-prepopulated
 [[ " $RUNS " == *" fits "* ]] && bench multiturn_fits "${TURNS[@]}" --clients 8 \
     --device-tokens 98304 --configs device,host,host+file
 exit $status

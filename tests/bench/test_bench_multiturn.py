@@ -133,7 +133,7 @@ def test_the_bound_is_the_sum_of_the_requests_bounds(result) -> None:
 
 def test_request_bound_is_the_slower_of_compute_and_load_plus_decode_share() -> None:
     rates = {"prefill_s_per_token": 1e-3, "prefill_s_per_token_context": 0.0, "link_gbps": 1.0}
-    rates.update(decode_step_s=0.01, decode_batch=4)
+    rates.update(decode_step_s=0.01, decode_batch=4, prefill_s_per_forward=0.0)
     rec = {"recomputed": 100, "cached_device": 0, "cached_host": 0, "cached_storage": 0}
     rec["output_tokens"] = 9
     decode = 8 * 0.01 / 4
@@ -144,6 +144,9 @@ def test_request_bound_is_the_slower_of_compute_and_load_plus_decode_share() -> 
     assert mt.request_bound(rec300, with_context, 1000.0, None) == pytest.approx(
         0.1 + 0.035 + decode
     )
+    # a forward's own cost comes once per request
+    with_forward = {**rates, "prefill_s_per_forward": 0.02}
+    assert mt.request_bound(rec, with_forward, 1000.0, None) == pytest.approx(0.12 + decode)
     # 1e6 tokens x 1000 bytes over 1 GB/s: 1 s of link beats 0.1 s of compute
     rec.update(cached_host=400_000, cached_storage=600_000)
     assert mt.request_bound(rec, rates, 1000.0, None) == pytest.approx(1.0 + decode)
@@ -151,15 +154,23 @@ def test_request_bound_is_the_slower_of_compute_and_load_plus_decode_share() -> 
     assert mt.request_bound(rec, rates, 1000.0, 0.5) == pytest.approx(1.2 + decode)
 
 
-def test_the_prefill_cost_model_fits_a_cold_prefill_and_an_extend_exactly() -> None:
-    a, b = 1e-4, 1e-8
-    cold = 1000 * (a + b * 500)  # 1000 tokens, none cached
-    extend = 100 * (a + b * (900 + 50))  # 100 tokens after 900 cached
-    assert mt.prefill_cost_model(1000, cold, 900, 100, extend) == pytest.approx((a, b))
-    # an extend dearer per token than the whole cold prefill's average (a step's fixed cost
-    # dominating): a would be negative, so the cold prefill alone prices every token
-    assert mt.prefill_cost_model(1000, 0.1, 900, 100, 0.5) == (1e-4, 0.0)
-    assert mt.prefill_cost_model(1000, 0.1, 0, 1000, 0.1) == (1e-4, 0.0)  # nothing cached
+def test_the_prefill_cost_model_fits_three_probes_exactly() -> None:
+    c, a, b = 0.02, 1e-4, 1e-8
+
+    def t(r: int, h: int) -> float:
+        return c + r * (a + b * (h + r / 2))
+
+    got = mt.prefill_cost_model(1000, t(1000, 0), 900, 100, t(100, 900), t(100, 0))
+    assert got == pytest.approx((c, a, b))
+    # an extend no dearer than the short cold prompt: attention costs nothing measurable
+    assert mt.prefill_cost_model(1000, 0.12, 900, 100, 0.03, 0.03) == pytest.approx(
+        (0.03 - 100 * 0.09 / 900, 0.09 / 900, 0.0)
+    )
+    # a short prompt dearer than its share of the cold one: no per-token cost is left, the
+    # short prompt's time is the forward's
+    assert mt.prefill_cost_model(1000, 0.1, 900, 100, 0.2, 0.15) == pytest.approx(
+        (0.15 - 0.05 / 90_000 * 100 * 100 / 2, 0.0, 0.05 / 90_000)
+    )
 
 
 def test_divergences_cut_at_the_first_differing_token_and_skip_other_prompts() -> None:
