@@ -751,10 +751,13 @@ class TieredCache:
             check_windows(self.parts)
 
     def close(self) -> None:
-        """Finish in-flight work (storage writes land) and release the backend."""
+        """Finish in-flight work (storage writes land), release the backend and stop pinning
+        the host tier (``kvtier.pools.pinning``)."""
         if not self._closed:
             self._closed = True
             self.controller.close()
+            if self.host_pool is not None:
+                self.host_pool.close()
 
     def __enter__(self) -> TieredCache:
         return self
