@@ -139,6 +139,8 @@ class LLM:
         self._live: dict[int, Request] = {}
         """Unfinished requests by id (the step-wise API's view of them)."""
         self._closed = False
+        self._prefill_timed = False
+        """Whether a prefill forward ran before (the first one's time is not the rate's)."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Validate and queue one request; returns its id. Raises ``RequestError``."""
@@ -318,11 +320,17 @@ class LLM:
     def _record_prefill(self, work: list[Work], seconds: float | None) -> None:
         """Tell the cache the step's prefill tokens and, for a forward that ran whole
         (``seconds``), how long it took for all its tokens: the prefill rate a restore is
-        priced against (on CUDA the time may include a poll the GPU did not hide)."""
+        priced against (on CUDA the time may include a poll the GPU did not hide). The
+        engine's first timed prefill forward is counted without its time."""
         prefill = sum(w.num_new for w in work if w.prefill)
         if not prefill:
             return
-        if seconds is None or seconds <= 0:
+        timed = seconds is not None and seconds > 0
+        if not timed or not self._prefill_timed:
+            # the first prefill forward pays for one-time set-up (library handles, kernels
+            # compiled or tuned on first use): seconds of it, not a rate a restore can be
+            # priced against
+            self._prefill_timed = self._prefill_timed or timed
             self.cache.record_prefill(prefill)
             return
         self.cache.record_prefill(prefill, seconds, sum(w.num_new for w in work))

@@ -220,13 +220,18 @@ def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -
 
 
 def test_the_engine_measures_its_prefill_and_its_loads() -> None:
-    """``LLM`` reports each prefill forward (tokens and time) and the cache times its host →
-    device loads: both rates leave their priors (the stats and ``/metrics`` report them)."""
+    """``LLM`` reports each prefill forward (tokens and time; the first one's time is set-up,
+    not a rate) and the cache times its host → device loads: both rates leave their priors
+    (the stats and ``/metrics`` report them)."""
     parser = pytest.importorskip("prometheus_client.parser")
     from kvtier.server.prometheus import ServerMetrics
 
     prompt = list(range(1, 130))
     with make_llm("tiny", restore_prefill_rate=1.0, restore_load_rate=1.0) as llm:
+        llm.generate([list(range(200, 240))], SamplingParams(max_tokens=1))
+        st = llm.stats()
+        assert st["restore_prefill_tokens_per_s"] == 1.0  # the first forward: no measurement
+        assert st["recomputed_tokens"] == 40  # yet counted
         llm.generate([prompt], SamplingParams(max_tokens=2))
         st = llm.stats()
         assert st["restore_prefill_tokens_per_s"] > 1.0  # 129 tokens in well under 129 s
