@@ -166,9 +166,11 @@ class CacheConfig:
     device holds is loaded or fetched) or only where that is faster than computing it again
     (``cost``, ``kvtier.controller.restore_cost``): the time to bring the prefix up (its bytes
     at the measured rate of each tier's path, behind the bytes already queued there) against
-    its tokens at the measured prefill rate; the cheaper wins, or the front is restored and
-    the rest recomputed. Rates are measured as pages move and forwards run (the engine reports
-    them through ``TieredCache.record_prefill``), from the priors below until then, and
+    computing its tokens again (their work at their depth, priced by the slope of a line fitted
+    to the forwards measured: a forward's own cost is paid either way); the cheaper wins, or
+    the front is restored and the rest recomputed. Rates are measured as pages move and
+    forwards run (the engine reports them through ``TieredCache.record_prefill``; its first
+    forward, set-up, untimed), from the priors below until then, and
     exported in ``stats()`` under both policies. ``always`` is the default because its
     decisions never depend on a clock (the same hits in every run, no collective per match
     under context parallelism); choose ``cost`` where a tier can be slower than computing
@@ -185,8 +187,9 @@ class CacheConfig:
     restore_load_rate: float = 1e10
     """Host → device load rate in bytes per second until one is measured."""
     restore_prefill_rate: float = 1000.0
-    """Prefill rate in tokens per second until the engine reports a forward. Low on purpose:
-    until then a restore has to be very slow to lose."""
+    """Prefill rate in tokens per second (the fit's slope, ``kvtier.controller.restore_cost``)
+    until the engine reports a forward. Low on purpose: until then a restore has to be very
+    slow to lose."""
     storage_admission: str = "all"
     """Which host copies are written to storage: ``all`` (every one storage lacks) or ``cost``
     (``kvtier.controller.storage_admission``): a page only where computing it again (its

@@ -169,7 +169,7 @@ def build_parts(
         page_bytes["host"] = pools.host.page_bytes
     policy = make_policy(config.eviction_policy, work, page_bytes, ps)
     tree = RadixTree(ps, policy, host_flags=resume.window > 0)
-    rates = CostModel.from_config(config)
+    rates = CostModel.from_config(config, work)
     admission = StorageAdmission(config.storage_admission == "cost", work, rates, ps, metrics)
     translator, kv_buffers = device_view(
         pools.translator, pools.device, pools.host, group if cp > 1 else None

@@ -675,18 +675,21 @@ class TieredCache:
         recomputed_tokens: int,
         seconds: float | None = None,
         forward_tokens: int | None = None,
+        chunks: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Count prompt tokens the engine had to compute. With ``seconds``: the forward that
         computed them took that long, for ``forward_tokens`` tokens in all (default
         ``recomputed_tokens``; a forward that also decoded counts those tokens too): a
-        measurement of the prefill rate (``restore_policy='cost'`` prices recomputing with
-        it). Call it once per forward that ran prefills, or once per admission without
-        ``seconds``."""
+        measurement for the prefill fit (``restore_policy='cost'`` prices recomputing with
+        it). ``chunks``, when given, says what each item of the forward computed: ``(cached,
+        computed)``, ``computed`` tokens after ``cached`` ones (their sum is
+        ``forward_tokens``); without it the forward's tokens count as one cold prompt's. Call
+        it once per forward that ran prefills, or once per admission without ``seconds``."""
         recomputed_tokens = check_int(recomputed_tokens, "recomputed_tokens", "record_prefill")
         self.metrics.inc("recomputed_tokens", recomputed_tokens)
         if seconds is None:
-            if forward_tokens is not None:
-                raise RequestError("record_prefill: forward_tokens without seconds")
+            if forward_tokens is not None or chunks is not None:
+                raise RequestError("record_prefill: forward_tokens or chunks without seconds")
             return
         seconds = check_number(seconds, "seconds", "record_prefill")
         tokens = recomputed_tokens
@@ -697,7 +700,19 @@ class TieredCache:
                     f"record_prefill: forward_tokens={tokens} < recomputed_tokens="
                     f"{recomputed_tokens} (the forward computed them)"
                 )
-        self.restore_cost.prefill(tokens, seconds)
+        if chunks is None:
+            pairs = [(0, tokens)]
+        else:
+            pairs = [
+                (check_int(d, "chunks", "record_prefill"), check_int(n, "chunks", "record_prefill"))
+                for d, n in chunks
+            ]
+            if sum(n for _, n in pairs) != tokens:
+                raise RequestError(
+                    f"record_prefill: chunks compute {sum(n for _, n in pairs)} tokens, the "
+                    f"forward {tokens}"
+                )
+        self.restore_cost.prefill(pairs, seconds)
 
     # ---- progress and introspection -----------------------------------------------------
     def poll(self) -> None:

@@ -12,7 +12,16 @@ Restoring the front up to ``end`` and computing the rest again costs, in seconds
 
     Ql + (host pages + fetched pages) x host page bytes / load rate      when end > device
     Qs + fetched pages x storage page bytes / storage read rate         when end > usable
-    (usable + stored - end) / prefill rate                              the tokens recomputed
+    a x work(end, usable + stored - end)                                the tokens recomputed
+
+``work(d, n)`` is ``kvtier.tree.recompute``'s: ``n`` tokens after ``d`` cached ones, in units of
+one token's linear work (attention makes a token after a long prefix dearer). The prefill is
+priced by a fit, not a rate: a forward takes ``c + a x work`` seconds (``PrefillFit``), ``c``
+what a forward costs whatever it computes (launches, the weights read once), which every
+option pays alike (a request computes at least its last token), so a plan compares ``a x
+work`` alone. A tokens-per-second rate cannot do this: measured on the short forwards after a
+restore (16 tokens, say) it reads ``c``'s overhead as a slow prefill and prices a 32K-token
+recompute dozens of times too high.
 
 ``Ql`` is how long the loads already in flight keep the host → device path busy and ``Qs`` how
 long the fetches and storage writes queued on the one storage I/O thread keep it busy (the
@@ -28,8 +37,9 @@ Rates (:class:`Rate`) are exponentially weighted, from priors (``CacheConfig``) 
 measurement: storage reads and writes from the ``storage_read_*``/``storage_write_*`` counters
 (the I/O thread's own time per backend call), host → device loads timed here around the copy
 alone (the ``load_seconds`` counter runs until the poll that sees a copy done, which is a
-whole forward later on the reference engine), and the prefill rate from the forwards the
-engine reports (``TieredCache.record_prefill``).
+whole forward later on the reference engine). The prefill fit takes the forwards the engine
+reports (``TieredCache.record_prefill``, each with the work of its items), weighted the same
+way; its prior is ``a = 1 / restore_prefill_rate``, ``c = 0``.
 
 A tier declined ``PROBE_AFTER`` times in a row has its next restore taken anyway (one page
 where a fetch may stop at any page): a rate measured slow once would otherwise never be
@@ -51,6 +61,7 @@ from kvtier.config import CacheConfig
 from kvtier.errors import IntegrityError
 from kvtier.metrics import Metrics
 from kvtier.parallel.group import Group
+from kvtier.tree.recompute import RecomputeWork
 
 if TYPE_CHECKING:
     from kvtier.controller.core import Controller
@@ -113,6 +124,72 @@ class Rate:
         return self.amount / self.seconds if self.seconds > 0 else self.prior
 
 
+@dataclass(slots=True)
+class PrefillFit:
+    """Forward seconds as ``c + a x work``, fitted by exponentially weighted least squares to
+    the forwards measured (each decays the sums behind the fit by ``1 - weight``, as
+    :class:`Rate`). Without a spread of forward sizes the fit goes through the origin (``c =
+    0``: a rate); a fit that would make ``c`` negative does too, and one whose slope is not
+    positive keeps the prior's."""
+
+    prior: float
+    """Work units per second before any measurement: ``a = 1 / prior``, ``c = 0``."""
+    weight: float
+    """Share of the sums a new measurement replaces, in ``[0, 1]``."""
+    n: float = 0.0
+    """Decayed count of measurements."""
+    sx: float = 0.0
+    """Decayed sum of their work."""
+    sy: float = 0.0
+    """Decayed sum of their seconds."""
+    sxx: float = 0.0
+    """Decayed sum of their work squared."""
+    sxy: float = 0.0
+    """Decayed sum of work times seconds."""
+    measurements: int = 0
+    """Measurements taken into the sums."""
+
+    def observe(self, work: float, seconds: float) -> None:
+        """A forward did ``work`` in ``seconds``; a measurement without time or work, or not
+        finite, is dropped."""
+        if self.weight == 0 or not (
+            math.isfinite(work) and math.isfinite(seconds) and work > 0 and seconds > 0
+        ):
+            return
+        keep = 1.0 - self.weight
+        self.n = keep * self.n + 1.0
+        self.sx = keep * self.sx + work
+        self.sy = keep * self.sy + seconds
+        self.sxx = keep * self.sxx + work * work
+        self.sxy = keep * self.sxy + work * seconds
+        self.measurements += 1
+
+    @property
+    def known(self) -> bool:
+        """Whether the fit is measured (or ``weight == 0`` makes the prior the fit)."""
+        return self.measurements > 0 or self.weight == 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(c, a)``: seconds per forward and per work unit."""
+        prior = (0.0, 1.0 / self.prior)
+        if self.measurements == 0:
+            return prior
+        det = self.n * self.sxx - self.sx * self.sx
+        # the sizes must spread: a relative spread below 1e-6 is one size measured again
+        if det > 1e-6 * self.n * self.sxx:
+            a = (self.n * self.sxy - self.sx * self.sy) / det
+            c = (self.sy - a * self.sx) / self.n
+            if a > 0 and c >= 0:
+                return c, a
+        a = self.sxy / self.sxx
+        return (0.0, a) if a > 0 else prior
+
+    @property
+    def value(self) -> float:
+        """Work units per second at the margin (``1 / a``)."""
+        return 1.0 / self.coefficients()[1]
+
+
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """A matched prefix as a plan sees it (token positions from ``match``)."""
@@ -163,9 +240,12 @@ class CostModel:
         prefill: float,
         storage_write: float | None = None,
         weight: float = 0.0,
+        work: RecomputeWork | None = None,
     ) -> None:
         """Priors in bytes per second (``storage_write`` defaults to ``storage_read``) and
-        tokens per second; ``weight`` as for :class:`Rate`."""
+        work units (tokens) per second; ``weight`` as for :class:`Rate`; ``work`` prices
+        recomputed tokens by the prefix they follow (``None``: a token is a work unit
+        wherever it stands)."""
         priors = {
             "storage_read": storage_read,
             "storage_write": storage_read if storage_write is None else storage_write,
@@ -175,21 +255,38 @@ class CostModel:
         for name, prior in priors.items():
             if not (math.isfinite(prior) and prior > 0):
                 raise IntegrityError(f"cost model: the {name} prior must be positive, got {prior}")
-        self.rates: dict[str, Rate] = {n: Rate(float(p), float(weight)) for n, p in priors.items()}
+        self.rates: dict[str, Rate | PrefillFit] = {
+            n: Rate(float(p), float(weight)) for n, p in priors.items() if n != "prefill"
+        }
+        self.rates["prefill"] = PrefillFit(float(prefill), float(weight))
+        self.work = work
 
     @classmethod
-    def from_config(cls, config: CacheConfig) -> CostModel:
-        """The priors and weight of ``config``."""
+    def from_config(cls, config: CacheConfig, work: RecomputeWork | None = None) -> CostModel:
+        """The priors and weight of ``config``; ``work`` as for the constructor."""
         return cls(
             config.restore_storage_rate,
             config.restore_load_rate,
             config.restore_prefill_rate,
             weight=config.restore_rate_weight,
+            work=work,
         )
 
     def observe(self, path: str, amount: float, seconds: float) -> None:
-        """``amount`` (bytes; tokens for ``prefill``) went through ``path`` in ``seconds``."""
+        """``amount`` (bytes; work units of one forward for ``prefill``) went through ``path``
+        in ``seconds``."""
         self._rate(path).observe(amount, seconds)
+
+    def work_of(self, depth: int, tokens: int) -> float:
+        """Work units of ``tokens`` computed after ``depth`` cached ones."""
+        return self.work.tokens(depth, tokens) if self.work is not None else float(tokens)
+
+    def prefill_fit(self) -> tuple[float, float]:
+        """``(c, a)`` of the prefill fit (``PrefillFit.coefficients``)."""
+        fit = self.rates["prefill"]
+        if not isinstance(fit, PrefillFit):
+            raise IntegrityError("cost model: the prefill path is not a fit")
+        return fit.coefficients()
 
     def rate(self, path: str) -> float:
         """``path``'s current rate."""
@@ -200,13 +297,14 @@ class CostModel:
         return self._rate(path).known
 
     def seconds(self, path: str, amount: float) -> float:
-        """How long ``amount`` takes through ``path`` (infinite at a rate of zero)."""
+        """How long ``amount`` takes through ``path`` (infinite at a rate of zero; for
+        ``prefill``, work units at the margin: without the forward's own cost)."""
         if amount <= 0:
             return 0.0
         rate = self.rate(path)
         return amount / rate if rate > 0 else math.inf
 
-    def _rate(self, path: str) -> Rate:
+    def _rate(self, path: str) -> Rate | PrefillFit:
         rate = self.rates.get(path)
         if rate is None:
             raise IntegrityError(f"cost model: no path {path!r} (one of {', '.join(PATHS)})")
@@ -223,7 +321,7 @@ class CostModel:
         q_store += self.seconds("storage_write", queued.write_bytes)
 
         def cost(end: int, fetched: int) -> float:
-            t = self.seconds("prefill", p.end - end)
+            t = self.seconds("prefill", self.work_of(end, p.end - end))
             if end > p.device:
                 t += q_load + self.seconds("load", (host_pages + fetched) * p.host_page_bytes)
             if fetched:
@@ -418,9 +516,10 @@ class RestoreCost:
         end.record(mover.load_stream)
         self._timed.append(_Timed(clock.event, end, nbytes))
 
-    def prefill(self, tokens: int, seconds: float) -> None:
-        """A forward computed ``tokens`` in ``seconds``."""
-        self.model.observe("prefill", tokens, seconds)
+    def prefill(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """A forward computed, for each of its items, ``n`` tokens after ``d`` cached ones
+        (``chunks``: ``(d, n)`` pairs) in ``seconds``."""
+        self.model.observe("prefill", sum(self.model.work_of(d, n) for d, n in chunks), seconds)
 
     def poll(self) -> None:
         """Take the loads whose copy completed and the storage I/O counted since the last poll
@@ -439,5 +538,8 @@ class RestoreCost:
                 c.bytes = c.seconds = 0.0
 
     def stats(self) -> dict[str, float]:
-        """The current rates (``STATS``)."""
-        return {key: self.model.rate(path) for path, key in STATS.items()}
+        """The current rates (``STATS``; the prefill's is work units per second at the margin)
+        and the prefill fit's seconds per forward (``restore_prefill_seconds_per_forward``)."""
+        out = {key: self.model.rate(path) for path, key in STATS.items()}
+        out["restore_prefill_seconds_per_forward"] = self.model.prefill_fit()[0]
+        return out

@@ -333,7 +333,8 @@ class LLM:
             self._prefill_timed = self._prefill_timed or timed
             self.cache.record_prefill(prefill)
             return
-        self.cache.record_prefill(prefill, seconds, sum(w.num_new for w in work))
+        chunks = [(w.req.num_computed, w.num_new) for w in work]
+        self.cache.record_prefill(prefill, seconds, sum(n for _, n in chunks), chunks)
 
     def _propose(self, work: list[Work]) -> None:
         """Draft tokens for the step's speculating items. A failing draft costs only the

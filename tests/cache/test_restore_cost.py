@@ -16,7 +16,14 @@ import torch
 from factories import PS, SPEC, cache_config, kv_of, make_cache, make_llm, run_request
 
 from kvtier import CacheConfig, TieredCache
-from kvtier.controller.restore_cost import PROBE_AFTER, CostModel, Prefix, Queued, Rate
+from kvtier.controller.restore_cost import (
+    PROBE_AFTER,
+    CostModel,
+    PrefillFit,
+    Prefix,
+    Queued,
+    Rate,
+)
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError, RequestError
 from kvtier.parallel.group import LocalWorld
@@ -212,7 +219,8 @@ def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -
     read = c.stats()["restore_storage_read_bytes_per_s"]
     assert PAGE * 50 < read <= PAGE * 100  # the backend's rate, less the I/O's own time
     c.record_prefill(1, 0.001)  # a token a millisecond: 4 ms a page to compute, 10 to fetch
-    assert c.stats()["restore_prefill_tokens_per_s"] == pytest.approx(1000)
+    one = c.restore_cost.model.work_of(0, 1)  # a cold token's work: a little more than 1
+    assert c.stats()["restore_prefill_tokens_per_s"] == pytest.approx(one / 0.001)
     m = c.match(other + NEW)
     assert m.storage_len == 0
     assert _serve(c, other + NEW).storage_tokens == 0
@@ -308,18 +316,83 @@ def test_the_plan_counts_what_is_queued_ahead_and_the_deadline() -> None:
     assert m.plan(_prefix(), deadline=5.5) == 0
 
 
-def test_record_prefill_measures_the_prefill_rate(cache) -> None:
+def test_record_prefill_measures_the_prefill_fit(cache) -> None:
     cache.record_prefill(10)  # no time: a count only
     assert cache.stats()["restore_prefill_tokens_per_s"] == cache.config.restore_prefill_rate
-    cache.record_prefill(10, 0.5, forward_tokens=30)  # 30 tokens in the forward
+    model = cache.restore_cost.model
+    # 30 tokens in the forward: 10 of a prompt after 20 cached, 20 decodes after 100 each
+    cache.record_prefill(10, 0.5, forward_tokens=30, chunks=[(20, 10)] + [(100, 1)] * 20)
+    work = model.work_of(20, 10) + 20 * model.work_of(100, 1)
     st = cache.stats()
-    assert (st["recomputed_tokens"], st["restore_prefill_tokens_per_s"]) == (20, 60.0)
+    # one forward size: a rate through the origin
+    assert st["recomputed_tokens"] == 20
+    assert st["restore_prefill_tokens_per_s"] == pytest.approx(work / 0.5)
+    assert st["restore_prefill_seconds_per_forward"] == 0.0
     with pytest.raises(RequestError, match="forward_tokens=5 < recomputed_tokens=10"):
         cache.record_prefill(10, 0.5, forward_tokens=5)
-    with pytest.raises(RequestError, match="forward_tokens without seconds"):
+    with pytest.raises(RequestError, match="forward_tokens or chunks without seconds"):
         cache.record_prefill(10, forward_tokens=10)
+    with pytest.raises(RequestError, match="chunks compute 9 tokens, the forward 10"):
+        cache.record_prefill(10, 0.5, chunks=[(0, 9)])
     with pytest.raises(RequestError, match="seconds must be a finite number"):
         cache.record_prefill(10, math.inf)
+
+
+def test_the_prefill_fit_separates_a_forwards_cost_from_its_work() -> None:
+    """Short forwards after restores (16 tokens, 15 ms of them the forward's own) and one cold
+    prefill: the fit's slope, not the short forwards' tokens per second, prices a long
+    recompute."""
+    c, a = 0.015, 28e-6
+    fit = PrefillFit(prior=1000.0, weight=0.1)
+    assert fit.coefficients() == (0.0, 1e-3)  # the prior
+    for x in (16, 4096, 16, 16):
+        fit.observe(x, c + a * x)
+    assert fit.coefficients() == pytest.approx((c, a))
+    # one size only: through the origin, a rate
+    one = PrefillFit(prior=1000.0, weight=0.1)
+    one.observe(16, 0.016)
+    one.observe(16, 0.016)
+    assert one.coefficients() == pytest.approx((0.0, 1e-3))
+    # a line that would cost less than nothing per forward: through the origin as well
+    neg = PrefillFit(prior=1000.0, weight=0.1)
+    neg.observe(100, 0.001)
+    neg.observe(1000, 0.1)
+    slope = (0.9 * 100 * 0.001 + 1000 * 0.1) / (0.9 * 100**2 + 1000**2)  # the first decayed
+    assert neg.coefficients() == pytest.approx((0.0, slope))
+    # weight 0: the prior stays, measurements or not
+    fixed = PrefillFit(prior=50.0, weight=0.0)
+    fixed.observe(10, 1.0)
+    assert fixed.coefficients() == (0.0, 0.02) and fixed.known
+
+
+def test_a_long_recompute_is_priced_by_the_slope_of_the_forwards_measured() -> None:
+    """32K tokens in storage at 10 GB/s (0.43 s, and 0.09 s to load at 50 GB/s) against 32K x
+    28 us = 0.92 s to compute: the storage wins; at 2 GB/s (2.15 s) computing does. A rate
+    from the short forwards (16 tokens in 15.4 ms: ~1,000 tokens/s) would have fetched at
+    both."""
+    page = 16 * 131072  # Llama-8B-sized: 128 KiB a token
+    for gbps, want in ((10.0, 32768), (2.0, 0)):
+        m = CostModel(storage_read=gbps * 1e9, load=5e10, prefill=1000.0, weight=0.1)
+        for x in (16, 4096, 16):
+            m.observe("prefill", x, 0.015 + 28e-6 * x)
+        p = Prefix(0, 0, 32768, 2048, 16, page, page)
+        assert m.plan(p) == want, gbps
+
+
+def test_recomputing_after_a_long_prefix_costs_more_per_token() -> None:
+    """With ``RecomputeWork`` the tokens after the restored front are priced by the prefix
+    they follow: a host front of 96 tokens makes recomputing the stored 32 dearer than 32
+    cold tokens, enough to tip a near tie towards the fetch."""
+    from kvtier.tree.recompute import RecomputeWork
+
+    work = RecomputeWork(context=64.0)
+    p = Prefix(0, 96, 32, 8, PS, 0.0, 100.0)  # host front free to load, 1 s a page to fetch
+    flat = CostModel(storage_read=100.0, load=1e12, prefill=4.1)
+    assert flat.plan(p) == 96  # 8 s to fetch against 32 / 4.1 = 7.8 s to compute
+    deep = CostModel(storage_read=100.0, load=1e12, prefill=4.1, work=work)
+    # 32 x (1 + (96 + 16) / 64) = 88 units = 21.5 s to compute
+    assert deep.work_of(96, 32) == pytest.approx(88.0)
+    assert deep.plan(p) == 128
 
 
 def test_restore_options_are_checked() -> None:
