@@ -3,7 +3,7 @@ restoring a prompt from storage and computing it again, across prompt lengths an
 
 One model, one file L3 filled with a prompt per length (and short warm-up prompts) by an engine
 of its own. Then, per prompt length ``L`` and storage read rate ``R`` (the file backend's reads
-held to ``R``: ``ThrottledReads``, a slower device simulated):
+held to ``R``: ``throttled_file``, a slower device simulated):
 
 - ``recompute_s``: the prompt's TTFT on an engine without a host tier or storage (its KV
   computed whole);
@@ -53,26 +53,29 @@ RATES_GBPS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 HELP = "restore_policy='cost' against restoring and recomputing, across lengths and storage rates"
 
 
-class ThrottledReads:
-    """A storage backend whose ``batch_get`` takes at least ``bytes / rate`` seconds (what it
-    read, at ``rate`` bytes per second; a slower device, simulated); every other call goes to
-    ``inner`` as is."""
+def throttled_file(rate: float) -> str:
+    """The name of a storage backend (registered on first use) that is the file backend with
+    every ``batch_get`` taking at least ``bytes / rate`` seconds (what it read, at ``rate``
+    bytes per second: a slower device, simulated)."""
+    from kvtier.storage.file import FileBackend
+    from kvtier.storage.registry import available_backends, register_backend
 
-    def __init__(self, inner: Any, rate: float) -> None:
-        self.inner = inner
-        self.rate = rate
+    name = f"bench-throttled-file-{rate:g}"
+    if name in available_backends():
+        return name
 
-    def batch_get(self, keys: Sequence[Any], buffers: Sequence[torch.Tensor]) -> int:
-        t0 = time.perf_counter()
-        got = self.inner.batch_get(keys, buffers)
-        nbytes = sum(b.numel() * b.element_size() for b in buffers[:got])
-        left = nbytes / self.rate - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)  # the simulated device's own time, not a synchronisation
-        return got
+    class ThrottledFile(FileBackend):
+        def batch_get(self, keys: Sequence[Any], buffers: Sequence[torch.Tensor]) -> int:
+            t0 = time.perf_counter()
+            got = super().batch_get(keys, buffers)
+            nbytes = sum(b.numel() * b.element_size() for b in buffers[:got])
+            left = nbytes / rate - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)  # the simulated device's own time, not a synchronisation
+            return got
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    register_backend(name, ThrottledFile.from_config)
+    return name
 
 
 def bench_load_or_recompute(
@@ -131,11 +134,9 @@ def bench_load_or_recompute(
             from kvtier.engine import LLM
 
             _release(dev)
-            llm = LLM(net, cache, max_running=1, max_prefill_tokens=longest + 1)
-            if rate is not None:
-                io = llm.cache.controller.io
-                io.backend = ThrottledReads(io.backend, rate * 1e9)
-            return llm
+            if rate is not None:  # the same directory and keys, reads held to the rate
+                cache = dataclasses.replace(cache, storage=throttled_file(rate * 1e9))
+            return LLM(net, cache, max_running=1, max_prefill_tokens=longest + 1)
 
         def ttft(llm: LLM, prompt: list[int]) -> dict[str, Any]:
             runs = []

@@ -1,6 +1,6 @@
-"""``bench load-or-recompute``: the throttled backend holds reads to their rate and passes
-everything else through; bad grids fail naming the option; a small grid on the tiny model
-reports every point with the policy's choice."""
+"""``bench load-or-recompute``: the throttled file backend holds reads to their rate; bad grids
+fail naming the option; a small grid on the tiny model reports every point with the policy's
+choice."""
 
 from __future__ import annotations
 
@@ -10,31 +10,27 @@ import pytest
 import torch
 
 from kvtier.bench import load_or_recompute as lr
+from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 
 
-class _Inner:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+def test_a_throttled_file_backend_reads_at_its_rate(tmp_path) -> None:
+    from kvtier.keys import Namespace, PageKey
+    from kvtier.storage.registry import create_backend
 
-    def batch_get(self, keys, buffers) -> int:  # noqa: ANN001
-        self.calls.append("get")
-        return len(keys) - 1  # the last key missing
-
-    def batch_exists(self, keys) -> list[bool]:  # noqa: ANN001
-        self.calls.append("exists")
-        return [True] * len(keys)
-
-
-def test_throttled_reads_take_what_they_read_at_the_rate() -> None:
-    inner = _Inner()
-    t = lr.ThrottledReads(inner, rate=1e6)  # a megabyte per second
-    bufs = [torch.zeros(10_000, dtype=torch.uint8) for _ in range(3)]
+    name = lr.throttled_file(1e6)  # a megabyte per second
+    assert lr.throttled_file(1e6) == name  # registered once
+    cfg = CacheConfig(storage=name, storage_dir=str(tmp_path), unbound_namespace=True)
+    b = create_backend(name, cfg, Namespace("ns"))
+    keys = [PageKey("ab" * 16), PageKey("cd" * 16), PageKey("ef" * 16)]
+    pages = [torch.full((10_000,), i, dtype=torch.uint8) for i in range(3)]
+    assert b.batch_set(keys[:2], pages[:2]) == 2  # the third is never written
+    out = [torch.empty(10_000, dtype=torch.uint8) for _ in range(3)]
     t0 = time.perf_counter()
-    assert t.batch_get(["a", "b", "c"], bufs) == 2
-    assert time.perf_counter() - t0 >= 20_000 / 1e6  # the two read, not the missing one
-    assert t.batch_exists(["a"]) == [True]  # passed through, not throttled
-    assert inner.calls == ["get", "exists"]
+    assert b.batch_get(keys, out) == 2
+    assert time.perf_counter() - t0 >= 20_000 / 1e6  # the two read, at the rate
+    assert all(torch.equal(o, p) for o, p in zip(out[:2], pages[:2], strict=True))
+    b.close()
 
 
 @pytest.mark.parametrize(
