@@ -91,7 +91,13 @@ def _transfer(a: argparse.Namespace) -> dict[str, Any]:
 def _storage(a: argparse.Namespace) -> dict[str, Any]:
     from kvtier.bench.storage import bench_storage
 
-    return bench_storage(directory=a.dir, backend=a.backend, url=a.url, peer_python=a.peer_python)
+    return bench_storage(
+        directory=a.dir,
+        backend=a.backend,
+        url=a.url,
+        peer_python=a.peer_python,
+        encryption=a.encryption,
+    )
 
 
 def _ttft(a: argparse.Namespace) -> dict[str, Any]:
@@ -351,6 +357,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "--url",
         default=None,
         help="mooncake: storage_url of a running cluster (default: start a local one)",
+    )
+    p.add_argument(
+        "--encryption",
+        action="store_true",
+        help="file: also the backend sealed by storage_encryption (AES-256-GCM, a random key)",
     )
     peer_python(p, "HiCacheFile (file backend)")
 

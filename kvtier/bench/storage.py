@@ -109,8 +109,10 @@ def bench_storage(
     backend: str = "file",
     url: str | None = None,
     peer_python: str | None = None,
+    encryption: bool = False,
 ) -> dict:
-    """Benchmark L3 ``backend`` (``file`` or ``mooncake``) against its plain peer.
+    """Benchmark L3 ``backend`` (``file`` or ``mooncake``) against its plain peer; with
+    ``encryption`` (``file``), the file backend sealed by ``storage_encryption`` too.
 
     ``file`` uses ``directory`` (created when missing) and runs every size of ``SIZES``
     unless ``page_bytes`` and ``num_pages`` name one, with SGLang's ``HiCacheFile`` as a second
@@ -122,7 +124,7 @@ def bench_storage(
         if directory:
             os.makedirs(directory, exist_ok=True)
         sizes = SIZES if page_bytes is None else ((page_bytes, num_pages or 256),)
-        runs = [bench_file(directory, pb, n, repeats, peer_python) for pb, n in sizes]
+        runs = [bench_file(directory, pb, n, repeats, peer_python, encryption) for pb, n in sizes]
         return {"bench": "storage", "backend": "file", "page_cache": PAGE_CACHE, "runs": runs}
     if backend == "mooncake":
         from kvtier.bench.storage_mooncake import bench_mooncake
@@ -158,6 +160,7 @@ def bench_file(
     num_pages: int = 256,
     repeats: int = 5,
     peer_python: str | None = None,
+    encryption: bool = False,
 ) -> dict:
     """Write ``num_pages`` random pages of ``page_bytes`` through ``FileBackend`` (one
     ``batch_set``) and read them back into preallocated buffers (one ``batch_get``, every
@@ -169,7 +172,9 @@ def bench_file(
     checksum. ``verified_read_ceiling`` is that parallel plain read with each page digested
     (``envelope.digest``) right after it lands.
     With ``peer_python``, SGLang's ``HiCacheFile`` does the same in its own process
-    (``kvtier.bench.storage_peer``).
+    (``kvtier.bench.storage_peer``). With ``encryption``, the same backend sealed by
+    ``kvtier.storage.encrypted`` (AES-256-GCM, a random key) does it too
+    (``encrypted_file_backend``; ``encryption_ratio``: its rates over the plain backend's).
 
     Each repeat runs every side once, interleaved, in a fresh namespace/directory; figures are
     medians over ``repeats``. Raises ``RuntimeError`` if any read-back differs. Files go to a
@@ -199,6 +204,18 @@ def bench_file(
     torch.set_num_threads(1)
     try:
         backends = [FileBackend(work, Namespace(f"ns{r}"), budget) for r in range(repeats)]
+        sealed = []
+        if encryption:
+            from kvtier.storage.encrypted import EncryptedBackend
+
+            sealed = [
+                EncryptedBackend(
+                    FileBackend(work, Namespace(f"sealed{r}"), budget + num_pages * 64),
+                    os.urandom(32),
+                    Namespace(f"sealed{r}"),
+                )
+                for r in range(repeats)
+            ]
         threads = backends[0]._io.threads
         if threads > 1:
             # Started outside the timed phases: thread start-up is not what the side measures.
@@ -219,6 +236,23 @@ def bench_file(
             if n != num_pages:
                 raise RuntimeError(f"batch_get read {n}/{num_pages}: {dict(backends[r].errors)}")
             check_equal(src, dst, "file backend")
+            return dt
+
+        def sealed_write(r: int) -> tuple[float, float]:
+            t0 = _clock()
+            n = sealed[r].batch_set(keys, list(src))
+            dt = _since(t0)
+            if n != num_pages:
+                raise RuntimeError(f"sealed batch_set stored {n}/{num_pages}")
+            return dt
+
+        def sealed_read(r: int) -> tuple[float, float]:
+            t0 = _clock()
+            n = sealed[r].batch_get(keys, list(dst))
+            dt = _since(t0)
+            if n != num_pages:
+                raise RuntimeError(f"sealed batch_get read {n}/{num_pages}")
+            check_equal(src, dst, "encrypted file backend")
             return dt
 
         plain_dirs = [os.path.join(work, f"plain{r}") for r in range(repeats)]
@@ -278,6 +312,9 @@ def bench_file(
             ("parallel_plain_read", parallel_read),
             ("verified_read_ceiling", lambda r: parallel_read(r, digest=True)),
         ]
+        if encryption:
+            phases[1:1] = [("sealed_write", sealed_write)]
+            phases.insert(phases.index(("file_read", be_read)) + 1, ("sealed_read", sealed_read))
         for r in range(repeats):
             # Interleaved so every side sees the same page-cache and writeback state.
             for name, fn in phases:
@@ -298,6 +335,9 @@ def bench_file(
                 )
             backends[r].close()
             shutil.rmtree(backends[r].dir)
+            if sealed:
+                sealed[r].close()
+                shutil.rmtree(sealed[r].inner.dir)
             shutil.rmtree(plain_dirs[r])
             shutil.rmtree(parallel_dirs[r])
             if peer_python is not None and peer_error is None:
@@ -344,6 +384,14 @@ def bench_file(
         "verified_read_ceiling": {"read_gbps": rates["verified_read_ceiling"]},
         "ratio_vs_verified_ceiling": {"read": rates["file_read"] / rates["verified_read_ceiling"]},
     }
+    if encryption:
+        out["encrypted_file_backend"] = {
+            "write_gbps": rates["sealed_write"],
+            "read_gbps": rates["sealed_read"],
+        }
+        out["encryption_ratio"] = {
+            d: rates[f"sealed_{d}"] / rates[f"file_{d}"] for d in ("write", "read")
+        }
     sides = {"file_backend": "file", "plain_io": "plain", "parallel_plain_io": "parallel_plain"}
     if "sglang_write" in per_cpu:
         sides["sglang_hicache_file"] = "sglang"

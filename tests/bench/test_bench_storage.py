@@ -53,6 +53,20 @@ def test_bench_storage_tiny(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the bench removed what it wrote
 
 
+def test_bench_storage_with_encryption_times_the_sealed_backend_too(tmp_path: Path) -> None:
+    pytest.importorskip("cryptography")
+    top = bench_storage(str(tmp_path), page_bytes=64 << 10, num_pages=8, repeats=1, encryption=True)
+    out = top["runs"][0]
+    assert all(v > 0 for v in out["encrypted_file_backend"].values())
+    assert out["encryption_ratio"] == {
+        d: out["encrypted_file_backend"][f"{d}_gbps"] / out["file_backend"][f"{d}_gbps"]
+        for d in ("write", "read")
+    }
+    assert list(tmp_path.iterdir()) == []
+    plain = bench_storage(str(tmp_path), page_bytes=4096, num_pages=2, repeats=1)["runs"][0]
+    assert "encrypted_file_backend" not in plain and "encryption_ratio" not in plain
+
+
 def test_bench_storage_parallel_plain_uses_the_backends_threads(tmp_path: Path) -> None:
     threads = _backend_threads(tmp_path / "probe")
     (tmp_path / "work").mkdir()
