@@ -324,3 +324,48 @@ def test_cuda_roundtrip_through_the_last_chunk(layout: str) -> None:
     assert torch.equal(host.to(dev), src2)
     assert torch.equal(mapped.clone(), src2)
     pool.close()
+
+
+class PreparingRegistrar(FakeRegistrar):
+    """A fake registrar with a ``prepare`` step: both kinds of call in one log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int, int]] = []
+
+    def prepare(self, ptr: int, nbytes: int) -> None:
+        self.log.append(("prepare", ptr, nbytes))
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        super().register(ptr, nbytes)
+        self.log.append(("register", ptr, nbytes))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_every_range_is_prepared_right_before_it_is_registered(layout: str) -> None:
+    fake = PreparingRegistrar()
+    pool = host_pool(layout, num_pages=7, chunk_pages=2, registrar=fake)
+    pinner = pool.pinner
+    assert pinner is not None
+    while pinner.pin_next_chunk():
+        pass
+    assert fake.log == [(kind, ptr, n) for ptr, n in fake.calls for kind in ("prepare", "register")]
+    assert pinner.driver_seconds >= 0.0 and len(fake.calls) > 2
+
+
+@pytest.mark.parametrize("madvise", [True, False])
+def test_populate_faults_memory_in_and_keeps_its_bytes(madvise: bool, monkeypatch) -> None:
+    from kvtier.pools import pinning
+    from kvtier.pools.pinning import PAGE, populate
+
+    if not madvise:  # a kernel without MADV_POPULATE_WRITE: each page touched instead
+        monkeypatch.setattr(pinning, "_libc", lambda: None)
+
+    fresh = lazy_zeros((64, PAGE), torch.uint8)
+    populate(fresh.data_ptr(), fresh.numel())
+    assert torch.count_nonzero(fresh) == 0  # still the kernel's zero pages' contents
+    written = lazy_zeros((8, PAGE), torch.uint8)
+    written.copy_(torch.arange(8 * PAGE, dtype=torch.int64).remainder(251).view(8, PAGE))
+    before = written.clone()
+    populate(written.data_ptr(), written.numel())
+    assert torch.equal(written, before)
