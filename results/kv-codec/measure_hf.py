@@ -7,7 +7,11 @@ dtypes float32 and bfloat16: kvtier loads the checkpoint, computes a shared cont
 serves requests that reuse a prefix of it after a host restore (the device tier emptied
 before each), greedy, ``--steps`` tokens each. Each codec's run is compared with the ``none``
 run, request by request: steps equal = the outputs' common prefix (a step after the first
-difference counts as unequal, whatever follows); |Δlogit| over the steps of that prefix.
+difference counts as unequal, whatever follows); |Δlogit| over the steps of that prefix; how
+many first differences chose a token whose logit in the ``none`` run equals the maximum (an
+exact tie there, common in bfloat16: 8 bits of mantissa); and teacher-forced, each step's
+token after the ``none`` run's earlier tokens (``forced``), which a single early difference
+does not spoil for the rest of the request.
 
 Usage: python results/kv-codec/measure_hf.py [--steps 32] [--requests 16] [--out FILE]
 """
@@ -78,14 +82,41 @@ def serve(directory: Path, codec: str, requests: list[list[int]], context: list[
     return outs
 
 
+def forced(
+    directory: Path, codec: str, requests: list[list[int]], context: list[int], ref: list[Any]
+) -> tuple[int, int]:
+    """Teacher-forced: for every request and step ``t``, the codec's greedy token after the
+    request and the ``none`` run's first ``t`` tokens (its prefix restored from the host tier,
+    device emptied first) against the ``none`` run's token ``t``: (equal, steps)."""
+    cfg = CacheConfig(page_size=16, device_pages=256, host_pages=512, device="cpu", kv_codec=codec)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm = LLM(str(directory), cfg, max_running=1, max_prefill_tokens=4096)
+    equal = total = 0
+    try:
+        llm.generate([context], one)
+        for p, r in zip(requests, ref, strict=True):
+            want = list(r.output_ids)
+            for t in range(len(want)):
+                llm.cache.flush(host=False)
+                got = llm.generate([p + want[:t]], one)[0].output_ids[0]
+                equal, total = equal + (got == want[t]), total + 1
+    finally:
+        llm.close()
+    return equal, total
+
+
 def compare(outs: list[Any], ref: list[Any]) -> dict[str, Any]:
     equal = total = 0
     mx, acc, n = 0.0, 0.0, 0
     firsts = []
+    ties = 0
     for o, r in zip(outs, ref, strict=True):
         a, b = list(o.output_ids), list(r.output_ids)
         k = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
         firsts.append(k)
+        if k < len(b):  # the reference's own logits there: was the codec's token a tie?
+            row = r.logits[k].float()
+            ties += bool(row[a[k]] == row.max())
         equal, total = equal + k, total + len(b)
         if k:
             d = (o.logits[:k].float() - r.logits[:k].float()).abs()
@@ -95,6 +126,7 @@ def compare(outs: list[Any], ref: list[Any]) -> dict[str, Any]:
         "steps": total,
         "fraction_equal": equal / total,
         "first_difference_per_request": firsts,
+        "first_differences_at_an_exact_tie": ties,
         "max_abs_dlogit": mx,
         "mean_abs_dlogit": acc / n if n else 0.0,
     }
@@ -118,12 +150,17 @@ def main() -> None:
                 ref = serve(Path(d), "none", requests, context, args.steps)
                 for codec in CODECS:
                     got = compare(serve(Path(d), codec, requests, context, args.steps), ref)
+                    eq, n = forced(Path(d), codec, requests, context, ref)
+                    got.update(forced_steps_equal=eq, forced_fraction_equal=eq / n)
                     row = {"checkpoint": case, "dtype": str(dtype).removeprefix("torch.")}
                     rows.append({**row, "codec": codec, **got})
                     print(
                         f"| {case} | {row['dtype']} | {codec} | {got['steps_equal']} / "
                         f"{got['steps']} ({got['fraction_equal']:.3f}) | "
-                        f"{got['max_abs_dlogit']:.2e} | {got['mean_abs_dlogit']:.2e} |",
+                        f"{got['max_abs_dlogit']:.2e} | {got['mean_abs_dlogit']:.2e} | "
+                        f"{got['first_differences_at_an_exact_tie']} of "
+                        f"{sum(k < args.steps for k in got['first_difference_per_request'])} | "
+                        f"{eq} / {n} ({eq / n:.3f}) |",
                         flush=True,
                     )
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
