@@ -221,39 +221,36 @@ def bench_file(
             # Started outside the timed phases: thread start-up is not what the side measures.
             pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="bench-parallel-plain")
 
-        def be_write(r: int) -> tuple[float, float]:
-            t0 = _clock()
-            n = backends[r].batch_set(keys, list(src))
-            dt = _since(t0)
-            if n != num_pages:
-                raise RuntimeError(f"batch_set stored {n}/{num_pages}: {dict(backends[r].errors)}")
-            return dt
+        def writer(side: list, what: str) -> Callable[[int], tuple[float, float]]:
+            """One timed ``batch_set`` of every page through ``side[r]``."""
 
-        def be_read(r: int) -> tuple[float, float]:
-            t0 = _clock()
-            n = backends[r].batch_get(keys, list(dst))
-            dt = _since(t0)
-            if n != num_pages:
-                raise RuntimeError(f"batch_get read {n}/{num_pages}: {dict(backends[r].errors)}")
-            check_equal(src, dst, "file backend")
-            return dt
+            def write(r: int) -> tuple[float, float]:
+                t0 = _clock()
+                n = side[r].batch_set(keys, list(src))
+                dt = _since(t0)
+                if n != num_pages:
+                    raise RuntimeError(f"{what} batch_set stored {n}/{num_pages}: {side[r].errors}")
+                return dt
 
-        def sealed_write(r: int) -> tuple[float, float]:
-            t0 = _clock()
-            n = sealed[r].batch_set(keys, list(src))
-            dt = _since(t0)
-            if n != num_pages:
-                raise RuntimeError(f"sealed batch_set stored {n}/{num_pages}")
-            return dt
+            return write
 
-        def sealed_read(r: int) -> tuple[float, float]:
-            t0 = _clock()
-            n = sealed[r].batch_get(keys, list(dst))
-            dt = _since(t0)
-            if n != num_pages:
-                raise RuntimeError(f"sealed batch_get read {n}/{num_pages}")
-            check_equal(src, dst, "encrypted file backend")
-            return dt
+        def reader(side: list, what: str) -> Callable[[int], tuple[float, float]]:
+            """One timed ``batch_get`` of every page through ``side[r]``, then checked."""
+
+            def read(r: int) -> tuple[float, float]:
+                t0 = _clock()
+                n = side[r].batch_get(keys, list(dst))
+                dt = _since(t0)
+                if n != num_pages:
+                    raise RuntimeError(f"{what} batch_get read {n}/{num_pages}: {side[r].errors}")
+                check_equal(src, dst, what)
+                return dt
+
+            return read
+
+        be_write, be_read = writer(backends, "file backend"), reader(backends, "file backend")
+        sealed_write = writer(sealed, "encrypted file backend")
+        sealed_read = reader(sealed, "encrypted file backend")
 
         plain_dirs = [os.path.join(work, f"plain{r}") for r in range(repeats)]
 
