@@ -1,4 +1,4 @@
-"""Command line: ``kvtier demo | serve | bench NAME | plot`` (also ``python -m kvtier``).
+"""Command line: ``kvtier demo | serve | route | bench NAME | plot`` (also ``python -m kvtier``).
 
 ``--help`` and ``--version`` answer without importing torch: this module imports only
 ``argparse`` and the benchmarks' torch-free flag definitions (``kvtier.bench.commands``); a
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.bench.commands import add_bench_command, non_negative_int, positive_int
+from kvtier.route.route_command import add_route_command
 
 BACKUP_TIMINGS = ("at_insert", "per_layer")
 """``CacheConfig.backup_timing``'s choices, written out so that the demo's flags need no torch
@@ -144,6 +145,8 @@ def build_parser(serve: bool = True) -> argparse.ArgumentParser:
         add_serve_command(sub)
     else:
         sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
+
+    add_route_command(sub)
 
     add_bench_command(sub)
 

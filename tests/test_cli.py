@@ -33,7 +33,7 @@ BENCHES = (
     "multiturn",
     "load-or-recompute",
 )
-HELPS = [[], ["demo"], ["serve"], ["plot"], ["bench"], *(["bench", b] for b in BENCHES)]
+HELPS = [[], ["demo"], ["serve"], ["route"], ["plot"], ["bench"], *(["bench", b] for b in BENCHES)]
 
 
 def _env() -> dict[str, str]:

@@ -1,0 +1,226 @@
+"""The router's HTTP side against stub instances (an ``httpx.MockTransport``): streaming passed
+through chunk by chunk, a failure before streaming retried elsewhere, a failure after it ended
+with an error event, instances leaving and joining with their health, the prefix choice through
+``/tokenize`` and the index, ``/v1/models``, ``/health`` and ``/metrics``. The router runs under
+uvicorn on a free port in a thread; waits poll with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+msgpack = pytest.importorskip("msgpack")
+import httpx2 as httpx
+
+from kvtier.events.hashing import chain_hashes
+from kvtier.route.fleet import Fleet, FleetOptions
+from kvtier.route.instances import InstanceSpec
+from kvtier.route.proxy import create_app
+
+TIMEOUT_S = 5.0
+A, B = "http://a:8000", "http://b:8000"
+
+
+def wait(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+class Stubs:
+    """Stub ``kvtier serve`` instances by base URL: health, models, tokenize and generation,
+    each with a mode the test sets."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.healthy = dict.fromkeys(urls, True)
+        self.mode = dict.fromkeys(urls, "ok")
+        self.generated: list[str] = []
+        self.release = threading.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200 if self.healthy[base] else 503, json={"status": "x"})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny", "page_size": 4}]})
+        if path == "/tokenize":
+            body = json.loads(request.content)
+            text = body.get("prompt") or json.dumps(body["messages"])
+            return httpx.Response(200, json={"tokens": [ord(c) for c in text]})
+        mode = self.mode[base]
+        if mode == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if mode == "500":
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        self.generated.append(base)
+        body = json.loads(request.content)
+        if not body.get("stream"):
+            usage = {"prompt_tokens_details": {"cached_tokens_by_tier": {"host": 8}}}
+            return httpx.Response(200, json={"from": base, "usage": usage})
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=self._chunks(base, mode)
+        )
+
+    async def _chunks(self, base: str, mode: str):
+        yield f'data: {{"from": "{base}", "n": 1}}\n\n'.encode()
+        if mode == "slow":  # the second chunk waits until the client has the first
+            await asyncio.to_thread(self.release.wait, TIMEOUT_S)
+        if mode == "cut":
+            raise httpx.ReadError("connection reset")
+        yield b'data: {"n": 2}\n\n'
+        yield b"data: [DONE]\n\n"
+
+
+class Router:
+    def __init__(self, stubs: Stubs, specs: list[str], **options: Any) -> None:
+        self.client = httpx.AsyncClient(transport=httpx.MockTransport(stubs))
+        opts = {"health_interval_s": 0.02, "page_size": 4, **options}
+        self.fleet = Fleet(
+            [InstanceSpec.parse(s) for s in specs], FleetOptions(**opts), self.client
+        )
+        app = create_app(self.fleet, self.client)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        wait(lambda: self.server.started, "the router to start")
+        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT_S)
+
+    def instance(self, url: str):
+        return next(i for i in self.fleet.instances if i.name == url)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT_S)
+
+
+@pytest.fixture
+def stubs() -> Stubs:
+    return Stubs([A, B])
+
+
+@pytest.fixture
+def router(stubs: Stubs) -> Iterator[Router]:
+    r = Router(stubs, [A, B])
+    yield r
+    r.close()
+
+
+def _metric(text: str, line_start: str) -> float:
+    lines = text.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(line_start))
+
+
+def test_streaming_passes_through_chunk_by_chunk(router: Router, stubs: Stubs) -> None:
+    stubs.mode[A] = stubs.mode[B] = "slow"
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    with router.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = r.iter_raw()
+        first = next(chunks)
+        assert b'"n": 1' in first and b'"n": 2' not in first  # before the stub sent more
+        stubs.release.set()
+        rest = b"".join(chunks)
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"n": 2' in rest
+    wait(lambda: all(i.in_flight == 0 for i in router.fleet.instances), "in_flight to drop")
+
+
+def test_a_failure_before_streaming_is_retried_on_another_instance(
+    router: Router, stubs: Stubs
+) -> None:
+    stubs.mode[A] = "down"
+    for stream in (False, True):
+        r = router.http.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 200
+        assert B in r.text
+        stubs.mode[A] = "500"  # a 5xx is retried too, and A stays in the pool
+    assert router.instance(A).healthy
+    metrics = router.http.get("/metrics").text
+    assert _metric(metrics, f'kvtier_route_retries_total{{instance="{A}"}}') >= 1
+    # every instance failing: the last 5xx is the answer
+    stubs.mode[B] = "500"
+    r = router.http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["message"] == "boom"
+
+
+def test_a_stream_cut_after_it_started_ends_with_an_error_event(
+    router: Router, stubs: Stubs
+) -> None:
+    stubs.mode[A] = stubs.mode[B] = "cut"
+    text = router.http.post("/v1/chat/completions", json={"messages": [], "stream": True}).text
+    events = [e for e in text.split("\n\n") if e]
+    assert '"n": 1' in events[0]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+    assert events[-1] == "data: [DONE]"
+    assert len(stubs.generated) == 1  # streaming had started: no retry
+    metrics = router.http.get("/metrics").text
+    assert _metric(metrics, "kvtier_route_stream_errors_total") == 1
+
+
+def test_instances_leave_and_join_with_their_health(router: Router, stubs: Stubs) -> None:
+    stubs.healthy[A] = False
+    wait(lambda: not router.instance(A).healthy, "A to leave")
+    for _ in range(3):
+        assert router.http.post("/v1/completions", json={"prompt": "x"}).json()["from"] == B
+    stubs.healthy[B] = False
+    wait(lambda: not router.instance(B).healthy, "B to leave")
+    r = router.http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "no healthy instance" in r.json()["error"]["message"]
+    assert router.http.get("/health").status_code == 503
+    assert router.http.get("/v1/models").json()["data"] == []
+    stubs.healthy[A] = True
+    wait(lambda: router.instance(A).healthy, "A to join")
+    assert router.http.post("/v1/completions", json={"prompt": "x"}).json()["from"] == A
+    health = router.http.get("/health").json()
+    assert health["status"] == "ok" and [i["healthy"] for i in health["instances"]] == [True, False]
+    assert router.http.get("/v1/models").json()["data"] == [{"id": "tiny", "page_size": 4}]
+
+
+def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> None:
+    # event endpoints nobody publishes on: the test feeds the index and the heartbeat itself
+    specs = [f"{u},events=tcp://127.0.0.1:9" for u in (A, B)]
+    router = Router(stubs, specs)
+    try:
+        prompt = "abcdefghijkl"  # three pages of 4 tokens
+        hashes = chain_hashes([ord(c) for c in prompt], 4)
+        router.fleet.index.stored(B, hashes[:2], "device")
+        router.fleet.index.stored(A, hashes[:1], "device")
+        for url in (A, B):
+            router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
+        metrics = router.http.get("/metrics").text
+        assert _metric(metrics, 'kvtier_route_decisions_total{reason="prefix"}') == 1
+        assert _metric(metrics, 'kvtier_route_expected_hit_tokens_total{tier="device"}') == 8
+        assert _metric(metrics, 'kvtier_route_cached_tokens_total{tier="host"}') == 8
+        assert _metric(metrics, f'kvtier_route_requests_total{{instance="{B}"}}') == 1
+        assert _metric(metrics, f'kvtier_route_indexed_pages{{instance="{A}"}}') == 1
+        # events gone quiet: load decides
+        router.fleet.options = FleetOptions(events_stale_s=1e-9, page_size=4)
+        router.instance(B).in_flight = 1  # as if busy
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
+        metrics = router.http.get("/metrics").text
+        assert _metric(metrics, 'kvtier_route_decisions_total{reason="stale_events"}') == 1
+        router.instance(B).in_flight = 0
+    finally:
+        router.close()
+
+
+def test_a_body_that_is_no_json_object_is_refused(router: Router) -> None:
+    r = router.http.post("/v1/completions", content=b"[1]")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
