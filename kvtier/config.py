@@ -286,6 +286,39 @@ class CacheConfig:
     """Seed of ``test_completion_polls``' draws (mixed with ``cp_rank``)."""
     extra_namespace: tuple[str, ...] = field(default_factory=tuple)
     """Additional strings mixed into the key namespace."""
+    kv_events: str | None = None
+    """ZeroMQ endpoint on which the cache publishes KV events in vLLM's format
+    (``kvtier.events``, docs/kv-events.md): per tier (``device``, ``host``, ``storage``) which
+    pages became resident or stopped being resident, one batch per ``poll``. As in vLLM, an
+    endpoint with a wildcard (``tcp://*:5557``), ``ipc://`` or ``inproc://`` is bound, any other
+    (``tcp://127.0.0.1:5557``) connected to. ``None`` (the default): no events. Needs the
+    ``events`` extra (pyzmq, msgpack)."""
+    kv_events_replay: str | None = None
+    """ZeroMQ endpoint bound for replay requests: a client sends an 8-byte big-endian sequence
+    number and gets every buffered batch from it on, then an end marker. Needs ``kv_events``."""
+    kv_events_instance: str = ""
+    """This instance's id, sent as the ZeroMQ topic of every batch (where vLLM's format has no
+    slot for it); empty: ``<hostname>:<pid>``."""
+    kv_events_queue: int = 1000
+    """Batches that may wait for the publisher thread; when it is full, a step's batch is
+    dropped and its events counted in ``kv_events_dropped`` (publishing never blocks)."""
+    kv_events_buffer: int = 10_000
+    """Batches kept for replay."""
+
+    def _check_events(self) -> None:
+        schemes = ("tcp://", "ipc://", "inproc://")
+        for opt in ("kv_events", "kv_events_replay"):
+            value = getattr(self, opt)
+            _text(opt, value, allow_none=True, nonempty=True)
+            if value is not None and not value.startswith(schemes):
+                raise ConfigError(
+                    f"{opt}={value!r} is not a ZeroMQ endpoint ({', '.join(schemes)}...)"
+                )
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ConfigError("kv_events_replay needs kv_events (the endpoint events go to)")
+        _text("kv_events_instance", self.kv_events_instance)
+        _integer("kv_events_queue", self.kv_events_queue, 1)
+        _integer("kv_events_buffer", self.kv_events_buffer, 1)
 
     def __post_init__(self) -> None:
         for opt in ("page_size", "device_pages", "write_threshold", "storage_bytes"):
@@ -331,6 +364,7 @@ class CacheConfig:
         _text("model_fingerprint", self.model_fingerprint)
         _text("tenant_salt", self.tenant_salt)
         _flag("storage_encryption", self.storage_encryption)
+        self._check_events()
         _text("storage_key_file", self.storage_key_file, allow_none=True, nonempty=True)
         if self.storage_encryption and self.storage is None:
             raise ConfigError("storage_encryption=True needs a storage backend (storage=...)")

@@ -44,6 +44,7 @@ COUNTERS: dict[str, str] = {
     "storage_write_seconds": "Seconds spent writing to storage",
     "storage_read_bytes": "Bytes read from storage",
     "storage_read_seconds": "Seconds spent reading from storage",
+    "kv_events_dropped": "KV events dropped because the publisher's queue was full",
 }
 
 

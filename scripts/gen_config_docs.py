@@ -106,6 +106,18 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("cp_size", "cp_rank", "cp_pattern"),
     ),
     (
+        "KV events",
+        "Which pages each tier holds, published over ZeroMQ in vLLM's KV-event format; see "
+        "[kv-events.md](kv-events.md).",
+        (
+            "kv_events",
+            "kv_events_replay",
+            "kv_events_instance",
+            "kv_events_queue",
+            "kv_events_buffer",
+        ),
+    ),
+    (
         "Checks and testing",
         "Slower checks for debugging, and switches that only tests use.",
         ("debug_checks", "test_completion_polls", "test_completion_seed"),

@@ -744,6 +744,7 @@ class TieredCache:
         self.controller.evict_device(self.device_pool.logical_pages)
         if host and self.host_pool is not None:
             self.controller.evict_host(self.host_pool.logical_pages)
+        self.controller.publish_batch()
 
     def stats(self) -> dict:
         """Counters and pool usage (``report.cache_stats``, ``windows.window_stats``) and the

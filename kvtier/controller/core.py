@@ -15,6 +15,8 @@ eviction never frees memory under a transfer; node splits re-attribute every rec
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import Counter
 from collections.abc import Callable
 
@@ -31,6 +33,7 @@ from kvtier.controller.storage_io import StorageIO
 from kvtier.controller.window_backup import WindowBackups
 from kvtier.controller.write_policy import make_policy
 from kvtier.errors import ConfigError, IntegrityError
+from kvtier.events.emitter import EventEmitter, EventSink
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.parallel.alloc import check_tree_owners
@@ -132,6 +135,25 @@ class Controller:
         if storage is not None:
             self.attach_storage(storage)
         tree.split_hooks.append(self._on_split)
+        self.events: EventEmitter | None = None
+        """KV events of every residency change (``CacheConfig.kv_events``), published a batch
+        per poll."""
+        if config.kv_events is not None:
+            self.publish_events(open_publisher(config))
+
+    def publish_events(self, sink: EventSink) -> EventEmitter:
+        """Publish the tree's residency changes as KV events to ``sink`` from now on (a batch
+        per ``poll``, ``publish_batch``)."""
+        if self.events is not None:
+            raise ConfigError("KV events are already published (kv_events)")
+        self.events = EventEmitter(self.tree.root, self.tree.page_size, sink, self.metrics)
+        self.tree.listen(self.events)
+        return self.events
+
+    def publish_batch(self) -> None:
+        """Publish the KV events since the last batch as one batch (never blocks)."""
+        if self.events is not None:
+            self.events.publish()
 
     def attach_storage(self, storage: StorageBackend) -> None:
         """Start the L3 I/O thread over ``storage``."""
@@ -374,6 +396,7 @@ class Controller:
         self.loads.poll()
         if self.prefetcher is not None:
             self.prefetcher.poll()
+        self.publish_batch()
 
     def drain(self, on_progress: Callable[[], None] | None = None) -> None:
         """Block until every in-flight transfer and storage write completed and is visible."""
@@ -447,3 +470,29 @@ class Controller:
             self.prefetcher.cancel_all()
         if self.io is not None:
             self.io.close()
+        if self.events is not None:
+            self.tree.listen(None)
+            self.events.close()
+            self.events = None
+
+
+def open_publisher(config: CacheConfig) -> EventSink:
+    """The ZeroMQ publisher ``config.kv_events`` asks for; pyzmq and msgpack are imported only
+    here, so the core needs torch alone. ``ConfigError`` when they are missing or an endpoint
+    cannot be used."""
+    try:
+        from kvtier.events.publisher import ZmqPublisher
+    except ImportError as e:
+        raise ConfigError(
+            f"kv_events needs pyzmq and msgpack (pip install 'kvtier[events]'): {e}"
+        ) from None
+    endpoint = config.kv_events
+    if endpoint is None:
+        raise ConfigError("kv_events is not set: no endpoint to publish KV events on")
+    return ZmqPublisher(
+        endpoint,
+        config.kv_events_replay,
+        topic=config.kv_events_instance or f"{socket.gethostname()}:{os.getpid()}",
+        queue_batches=config.kv_events_queue,
+        buffer_batches=config.kv_events_buffer,
+    )

@@ -50,11 +50,12 @@ class CacheFlag:
         return self.flag or "--" + self.field.replace("_", "-")
 
 
-DEVICE, HOST, STORAGE, BEHAVIOUR = (
+DEVICE, HOST, STORAGE, BEHAVIOUR, EVENTS = (
     "device tier (L1)",
     "host tier (L2: pinned CPU memory; --host itself is the listen address)",
     "storage tier (L3)",
     "cache behaviour",
+    "KV events (vLLM's format over ZeroMQ; needs kvtier[events])",
 )
 _WRITE = ("write_through", "write_through_selective", "write_back")
 _PREFETCH = ("best_effort", "wait_complete", "timeout")
@@ -321,6 +322,50 @@ CACHE_FLAGS: tuple[CacheFlag, ...] = (
         "all",
         BEHAVIOUR,
         choices=("all", "cost"),
+    ),
+    CacheFlag(
+        "kv_events",
+        "text",
+        "ZeroMQ endpoint to publish which pages each tier holds on (tcp://*:5557 binds, "
+        "tcp://HOST:PORT connects, as in vLLM)",
+        None,
+        EVENTS,
+        metavar="ENDPOINT",
+        default_text="off",
+    ),
+    CacheFlag(
+        "kv_events_replay",
+        "text",
+        "ZeroMQ endpoint bound for replay requests (8-byte start sequence number)",
+        None,
+        EVENTS,
+        metavar="ENDPOINT",
+        default_text="none",
+    ),
+    CacheFlag(
+        "kv_events_instance",
+        "text",
+        "this instance's id, sent as the ZeroMQ topic of every batch",
+        "",
+        EVENTS,
+        metavar="ID",
+        default_text="HOSTNAME:PID",
+    ),
+    CacheFlag(
+        "kv_events_queue",
+        "int",
+        "batches waiting for the publisher thread before a step's batch is dropped",
+        1000,
+        EVENTS,
+        metavar="N",
+    ),
+    CacheFlag(
+        "kv_events_buffer",
+        "int",
+        "batches kept for replay",
+        10_000,
+        EVENTS,
+        metavar="N",
     ),
     CacheFlag(
         "debug_checks",

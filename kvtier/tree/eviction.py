@@ -11,6 +11,11 @@ accessed since) and are dropped or re-queued when they reach the top, which is s
 priorities only grow (a ``cost`` credit that drops after a split only delays that node's turn,
 ``kvtier.tree.eviction_order``). Invariants, checked by ``check``: every unlocked device leaf has a device
 entry; every host candidate has a host entry.
+
+Every device and host residency change passes through here, so this is also where a
+``ResidencyListener`` (KV events, ``kvtier.events``) hears of them: told while the node is still
+attached and holds its tokens, after the change for a copy that arrives and before the node
+leaves the tree for one that goes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,16 @@ class IndexedTree(Protocol):
         ...
 
 
+class ResidencyListener(Protocol):
+    """Told of every change of which tiers hold a node's pages (``RadixTree.listen``)."""
+
+    def changed(self, node: Node, tier: str, resident: bool) -> None:
+        """``node``'s pages became resident in ``tier`` (``device``, ``host``, ``storage``)
+        or stopped being resident there. ``node`` is attached to the tree during the call
+        (its ancestors give its prefix) and must not be changed."""
+        ...
+
+
 class EvictionIndex:
     """The eviction queues of one ``RadixTree`` (``tree``) and the residency changes that
     keep them current."""
@@ -61,10 +76,18 @@ class EvictionIndex:
         self.hosted = 0
         """Nodes holding a host copy (sizes the host queue's compaction)."""
         self._seq = itertools.count()
+        self.listener: ResidencyListener | None = None
+        """Told of every residency change (``RadixTree.listen``); ``None``: nobody listens."""
+
+    def tell(self, node: Node, tier: str, resident: bool) -> None:
+        """Pass a residency change to the listener, if any (the tree's writers call it)."""
+        if self.listener is not None:
+            self.listener.changed(node, tier, resident)
 
     def set_device(self, node: Node, pages: torch.Tensor) -> None:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         node.device = pages
+        self.tell(node, "device", True)
         self.tree.policy.touch(node, "device")
         self.refresh_leaf(node)
         # The parent now has a device child, so it is no leaf: no scan of its children.
@@ -80,6 +103,7 @@ class EvictionIndex:
             raise IntegrityError(f"drop_host of {node!r}: needs a host and a device copy")
         pages, node.host = node.host, None
         self.hosted -= 1
+        self.tell(node, "host", False)
         return pages
 
     def set_host(self, node: Node, pages: torch.Tensor) -> None:
@@ -88,6 +112,7 @@ class EvictionIndex:
             raise IntegrityError(f"{node!r} already has a host copy")
         node.host = pages
         self.hosted += 1
+        self.tell(node, "host", True)
         self.tree.policy.touch(node, "host")
         self.queue_host(node)
 
@@ -143,6 +168,7 @@ class EvictionIndex:
             n = node.device.numel() if weight is None else weight(node.device)
             self.tree.policy.evicted(node, "device")
             node.device = None
+            self.tell(node, "device", False)
             self.device_leaves.discard(node)
             parent = node.parent
             if not node.on_host:
@@ -177,6 +203,7 @@ class EvictionIndex:
             self.tree.policy.evicted(node, "host")
             node.host = None
             self.hosted -= 1
+            self.tell(node, "host", False)
             if not node.on_device:
                 self._detach(node)  # queues the parent when it became a host-only leaf
                 self.tree.arena.release(node)
@@ -255,6 +282,7 @@ class EvictionIndex:
                 out.host_pages.append(d.host)
                 d.host = None
                 self.hosted -= 1
+                self.tell(d, "host", False)
             out.removed_nodes += 1
             self.tree.arena.release(d)
         self._detach(node)
@@ -267,10 +295,12 @@ class EvictionIndex:
         if node.device is not None:
             out.device_pages.append(node.device)
             node.device = None
+            self.tell(node, "device", False)
         if node.host is not None:
             out.host_pages.append(node.host)
             node.host = None
             self.hosted -= 1
+            self.tell(node, "host", False)
         self.device_leaves.discard(node)
         parent = node.parent
         self._detach(node)

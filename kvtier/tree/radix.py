@@ -39,7 +39,7 @@ import torch
 from kvtier.errors import IntegrityError
 from kvtier.keys import Namespace, PageKey, chain_keys
 from kvtier.tree.checks import check_tree
-from kvtier.tree.eviction import EvictionIndex
+from kvtier.tree.eviction import EvictionIndex, ResidencyListener
 from kvtier.tree.eviction_order import EvictionPolicy, make_policy
 from kvtier.tree.node import CopyTier, Node
 from kvtier.tree.results import Evicted, InsertOutcome, TreeMatch, add_range
@@ -262,6 +262,7 @@ class RadixTree:
                     child.ckpt = checkpoints[p0:].clone()
                 if keys is not None:
                     child.keys, child.in_storage = list(keys[p0:]), True
+                    self.eviction.tell(child, "storage", True)
                 child.last_access = now
                 taken.append(child)
                 node = child
@@ -295,6 +296,7 @@ class RadixTree:
                 taken.append(child)
             if keys is not None and not child.in_storage:
                 child.keys, child.in_storage = list(keys[p0 : p0 + n]), True
+                self.eviction.tell(child, "storage", True)
             child.last_access = now
             self.policy.touch(child)
             pos += k
@@ -377,7 +379,9 @@ class RadixTree:
 
     def set_in_storage(self, node: Node, stored: bool) -> None:
         """Record whether storage holds every page object of ``node`` (``False``: rewrite)."""
-        node.in_storage = stored
+        if node.in_storage != stored:
+            node.in_storage = stored
+            self.eviction.tell(node, "storage", stored)
 
     def set_origin(self, node: Node, origin: str | None) -> None:
         """Record the tier ``node``'s newest copy came from until an admission counts it."""
@@ -435,6 +439,12 @@ class RadixTree:
         return parent
 
     # ---- residency (kept current in the eviction queues) --------------------------------
+    def listen(self, listener: ResidencyListener | None) -> None:
+        """Tell ``listener`` of every residency change from now on (one listener; ``None``
+        stops): a copy made or dropped in the device or host tier, storage found to hold a
+        node's objects or to have lost them (``ResidencyListener``)."""
+        self.eviction.listener = listener
+
     def set_device(self, node: Node, pages: torch.Tensor) -> None:
         """Record ``pages`` as ``node``'s device copy (its parent must be device-resident)."""
         self.eviction.set_device(node, pages)
