@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 msgpack = pytest.importorskip("msgpack")
+pytest.importorskip("zmq")  # the prefix test starts event subscribers
 import httpx2 as httpx
 
 from kvtier.events.hashing import chain_hashes
