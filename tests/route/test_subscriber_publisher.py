@@ -1,0 +1,51 @@
+"""The router's subscriber reads what kvtier's own publisher (``kvtier.events.publisher``)
+sends: live batches, and the history before it connected through the replay socket."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+
+from kvtier.events import wire
+from kvtier.events.hashing import chain_hashes
+from kvtier.events.publisher import ZmqPublisher
+from kvtier.route.prefix_index import PrefixIndex, PrefixMatch
+from kvtier.route.subscriber import EventSubscriber
+
+TIMEOUT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kvtier_publisher_to_router_index() -> None:
+    ev, rp = _free_port(), _free_port()
+    pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}")  # "*" binds, as in vLLM
+    index = PrefixIndex()
+    sub = EventSubscriber(
+        "i", f"tcp://127.0.0.1:{ev}", index, replay_endpoint=f"tcp://127.0.0.1:{rp}"
+    )
+    try:
+        hashes = chain_hashes(list(range(12)), 4)
+        stored = wire.block_stored(hashes, 0, list(range(12)), 4, "device")
+        pub.publish(wire.event_batch(0.0, [stored]))  # before the subscriber: replayed
+        pub.publish(wire.event_batch(0.0, [wire.block_removed(hashes[2:], "device")]))
+        assert pub.wait_sent(TIMEOUT_S)
+        sub.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not sub.wait_for(lambda s: s.last_seq >= 2, 0.05):
+            assert time.monotonic() < deadline, "the subscriber saw no heartbeat"
+            pub.publish(wire.event_batch(0.0, []))
+        assert index.match("i", hashes) == PrefixMatch(device=2)
+        assert sub.page_size == 4 and sub.gaps == 0
+    finally:
+        sub.stop()
+        pub.close()
