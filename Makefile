@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[server,dev,mooncake,encryption,events]"
+	$(BIN)/python -m pip install -q -e ".[server,dev,mooncake,encryption,events,route]"
 	sh scripts/install_system_deps.sh
 	touch $(STAMP)
 
