@@ -10,6 +10,11 @@
 * ``publish`` only puts the batch on a bounded queue: the engine never waits on the network.
   A full queue refuses the batch (the caller counts it); the publisher thread packs, sends and
   keeps the last ``buffer_batches`` batches for replay.
+* Heartbeats: when no batch was sent for ``heartbeat_s`` seconds, the thread sends an empty
+  batch ``[ts, [], None]``, so that a consumer tells an idle instance from a dead stream (and
+  one that connected late learns the current ``seq`` and replays the history before it). A
+  heartbeat is a batch like any other: it takes the next ``seq`` and is kept for replay, so a
+  replay never has holes.
 
 Only the publisher thread touches the sockets after start-up.
 """
@@ -19,18 +24,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 
 import msgpack
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.events.wire import END_SEQ, seq_bytes
+from kvtier.events.wire import END_SEQ, event_batch, seq_bytes
 
 log = logging.getLogger(__name__)
 
 _IDLE_S = 0.02
 """How long the thread waits for a batch before looking at the replay socket again."""
+
+HEARTBEAT_S = 2.0
+"""Default seconds without a batch before the thread sends an empty one (well under the
+router's ``--events-stale-s`` default of 10, so an idle instance never looks stale)."""
 
 
 def binds(endpoint: str) -> bool:
@@ -42,7 +52,8 @@ class ZmqPublisher:
     """Publishes batches on ``endpoint`` under ``topic``; serves replays on ``replay_endpoint``.
 
     ``queue_batches`` bounds the batches waiting for the thread, ``buffer_batches`` the ones
-    kept for replay. ``start=False`` leaves the thread stopped until ``start()`` (tests fill
+    kept for replay. ``heartbeat_s``: seconds without a batch before an empty one is sent
+    (``None``: no heartbeats). ``start=False`` leaves the thread stopped until ``start()`` (tests fill
     the queue with it). Raises ``ConfigError`` naming ``option``/``replay_option`` when a
     socket cannot be bound or connected.
     """
@@ -55,11 +66,17 @@ class ZmqPublisher:
         queue_batches: int = 1000,
         buffer_batches: int = 10_000,
         hwm: int = 100_000,
+        heartbeat_s: float | None = HEARTBEAT_S,
         start: bool = True,
         option: str = "kv_events",
         replay_option: str = "kv_events_replay",
     ) -> None:
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be positive or None, got {heartbeat_s}")
         self.topic = topic.encode()
+        self.heartbeat_s = heartbeat_s
+        self.heartbeats = 0
+        """Empty batches sent because the stream was idle."""
         self._queue: queue.Queue[list] = queue.Queue(maxsize=queue_batches)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._ctx = zmq.Context()
@@ -139,23 +156,36 @@ class ZmqPublisher:
 
     # ---- the publisher thread ------------------------------------------------------------
     def _run(self) -> None:
+        last_sent = time.monotonic()
         while not self._stop.is_set():
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             try:
                 batch = self._queue.get(timeout=_IDLE_S)
             except queue.Empty:
+                if (
+                    self.heartbeat_s is not None
+                    and time.monotonic() - last_sent >= self.heartbeat_s
+                ):
+                    self._send(event_batch(time.time(), []))
+                    self.heartbeats += 1
+                    last_sent = time.monotonic()
                 continue
-            try:
-                payload = msgpack.packb(batch, use_bin_type=True)
-                seq, self._seq = self._seq, self._seq + 1
-                self._pub.send_multipart((self.topic, seq_bytes(seq), payload))
-                self._buffer.append((seq, payload))
-            except Exception:  # never let one bad batch stop the stream; it is logged
-                log.exception("kv events: a batch could not be sent")
+            self._send(batch)
+            last_sent = time.monotonic()
             with self._done:
                 self._sent += 1
                 self._done.notify_all()
+
+    def _send(self, batch: list) -> None:
+        """Pack ``batch``, send it under the next ``seq`` and keep it for replay."""
+        try:
+            payload = msgpack.packb(batch, use_bin_type=True)
+            seq, self._seq = self._seq, self._seq + 1
+            self._pub.send_multipart((self.topic, seq_bytes(seq), payload))
+            self._buffer.append((seq, payload))
+        except Exception:  # never let one bad batch stop the stream; it is logged
+            log.exception("kv events: a batch could not be sent")
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()  # type: ignore[union-attr]

@@ -116,7 +116,11 @@ def test_live_stream_seqs_are_contiguous_and_replay_returns_the_missed_batches()
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
     pub = ZmqPublisher(
-        f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", topic="inst-7", buffer_batches=100
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{rport}",
+        topic="inst-7",
+        buffer_batches=100,
+        heartbeat_s=None,  # the seqs below are the published batches' alone
     )
     try:
         # PUB/SUB drops what is sent before the subscription arrives: probe until one lands.
@@ -158,7 +162,13 @@ def test_live_stream_seqs_are_contiguous_and_replay_returns_the_missed_batches()
 
 def test_a_full_queue_drops_and_counts_without_blocking():
     rport = free_port()
-    pub = ZmqPublisher("inproc://kv-full", f"tcp://127.0.0.1:{rport}", queue_batches=2, start=False)
+    pub = ZmqPublisher(
+        "inproc://kv-full",
+        f"tcp://127.0.0.1:{rport}",
+        queue_batches=2,
+        heartbeat_s=None,
+        start=False,
+    )
     metrics = Metrics()
     emitter = EventEmitter(Node(id=0, parent=None, buf=b""), PS, pub, metrics)
     try:
@@ -181,6 +191,43 @@ def test_a_full_queue_drops_and_counts_without_blocking():
         ]
     finally:
         pub.close()
+
+
+def test_an_idle_publisher_sends_heartbeats_that_replay_keeps():
+    port, rport = free_port(), free_port()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    pub = ZmqPublisher(
+        f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", topic="idle", heartbeat_s=0.05
+    )
+    try:
+        # Nothing is published: whatever arrives is a heartbeat (the first ones may be sent
+        # before the subscription lands, so the first seq seen need not be 0).
+        got = []
+        for _ in range(3):
+            assert sub.poll(WAIT_MS), "no heartbeat from an idle publisher"
+            topic, seq, payload = sub.recv_multipart()
+            ts, events, dp_rank = decode(payload)
+            assert topic == b"idle" and events == [] and dp_rank is None
+            assert isinstance(ts, float) and ts > 0
+            got.append(int.from_bytes(seq, "big"))
+        assert got == list(range(got[0], got[0] + 3))
+        assert pub.heartbeats >= got[-1] + 1
+        # Heartbeats take seqs, so they are replayed too: a replay has no holes.
+        history = replay_all(f"tcp://127.0.0.1:{rport}")
+        assert [s for s, _ in history] == list(range(len(history)))
+        assert len(history) >= got[-1] + 1
+        assert all(decode(p)[1] == [] for _, p in history)
+    finally:
+        pub.close()
+        sub.close(linger=0)
+
+
+def test_a_heartbeat_period_must_be_positive():
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        ZmqPublisher("inproc://kv-hb", heartbeat_s=0)
 
 
 # ---- a cache's events against its tree ----------------------------------------------------

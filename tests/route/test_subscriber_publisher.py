@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 def test_kvtier_publisher_to_router_index() -> None:
     ev, rp = _free_port(), _free_port()
-    pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}")  # "*" binds, as in vLLM
+    pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}", heartbeat_s=None)  # "*" binds
     index = PrefixIndex()
     sub = EventSubscriber(
         "i", f"tcp://127.0.0.1:{ev}", index, replay_endpoint=f"tcp://127.0.0.1:{rp}"
@@ -46,6 +46,26 @@ def test_kvtier_publisher_to_router_index() -> None:
             pub.publish(wire.event_batch(0.0, []))
         assert index.match("i", hashes) == PrefixMatch(device=2)
         assert sub.page_size == 4 and sub.gaps == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_heartbeats_keep_an_idle_instance_fresh() -> None:
+    """No cache activity at all: the publisher's empty batches reach the router's subscriber,
+    which counts them as messages (not stale) and indexes nothing."""
+    ev, rp = _free_port(), _free_port()
+    pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}", heartbeat_s=0.05)
+    index = PrefixIndex()
+    sub = EventSubscriber(
+        "i", f"tcp://127.0.0.1:{ev}", index, replay_endpoint=f"tcp://127.0.0.1:{rp}"
+    )
+    try:
+        sub.start()
+        assert sub.stale(10.0)  # nothing yet
+        assert sub.wait_for(lambda s: s.applied >= 3, TIMEOUT_S), "no heartbeat arrived"
+        assert not sub.stale(10.0)
+        assert sub.gaps == 0 and index.pages("i") == 0 and sub.page_size is None
     finally:
         sub.stop()
         pub.close()
