@@ -165,6 +165,9 @@ def create_app(state: ServerState) -> FastAPI:
             "owned_by": "kvtier",
             "max_model_len": state.info.context_tokens,
         }
+        if state.info.page_size is not None:
+            # the KV events' block_size: what `kvtier route` hashes prompts with
+            card["page_size"] = state.info.page_size
         return {"object": "list", "data": [card]}
 
     def _chat_tokens(body: dict[str, Any], generation_prompt: bool = True) -> list[int]:

@@ -472,7 +472,12 @@ class Server:
         if context_tokens is None:
             pool = llm.cache.kv_buffers
             context_tokens = min(llm.model_config.max_position, pool.num_pages * pool.page_size)
-        info = ModelInfo(served_model_name, context_tokens, llm.model_config.vocab_size)
+        info = ModelInfo(
+            served_model_name,
+            context_tokens,
+            llm.model_config.vocab_size,
+            page_size=llm.cache.tree_page_tokens,
+        )
         seeds = random.Random(seed) if seed is not None else None
         self.state = ServerState(
             self.loop, info, metrics, llm.tokenizer, chat_template, api_key, seeds

@@ -53,6 +53,10 @@ class ModelInfo:
     context length and the device pool, whichever is least)."""
     vocab_size: int = 0
     """Token ids are ``[0, vocab_size)`` (``/detokenize`` checks them; 0: unchecked)."""
+    page_size: int | None = None
+    """Tokens per tree page of the cache (``TieredCache.tree_page_tokens``: the ``block_size``
+    of its KV events), shown on the model card so that a router hashes prompts in the same
+    pages; ``None``: not shown."""
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,9 @@ def test_stream_with_usage_ends_with_usage_then_done(srv) -> None:
 def test_models_and_health(srv) -> None:
     models = client(srv).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    # the tree page, which KV events call block_size: a router hashes prompts with it
+    card = http().get(f"{srv.url}/v1/models").json()["data"][0]
+    assert card["page_size"] == srv.loop.llm.cache.tree_page_tokens == 4
     h = http().get(f"{srv.url}/health").json()
     assert h["status"] == "ok" and h["storage"] is None
 
