@@ -1,0 +1,477 @@
+"""Routers compared over the same ``kvtier serve`` instances.
+
+For each front, a fresh fleet (so that every cache starts empty): ``--instances`` ``kvtier serve
+tiny`` processes on the CPU with small device pools, a host tier, a shared local Mooncake store
+(same tenant salt) and KV events; the front over them; then the same closed-loop multi-turn
+workload through the front with ``kvtier bench serve --workload multiturn``. Collected per
+front: prompt tokens served per tier (device, host, storage) and recomputed, TTFT p50/p90,
+requests/s, and, from the instances' ``/metrics``, the requests each one answered.
+
+Fronts (``--fronts``, comma-separated):
+
+- ``prefix``: ``kvtier route`` with every instance's KV event and replay endpoints;
+- ``least_loaded``: ``kvtier route`` without ``events=``: the fewest requests in flight wins;
+- ``round_robin``: a minimal proxy run by this script (``compare.py proxy``), streams passed
+  through chunk by chunk;
+- ``sglang``: SGLang's router (``sglang_router.launch_router --policy cache_aware``) from its
+  own venv (``--sglang-python``). It is probed with the request the bench sends (a
+  ``/v1/completions`` whose ``prompt`` is token ids); when it refuses it, the answer is kept in
+  the results instead of a run.
+
+Usage::
+
+    . .venv/bin/activate
+    python results/route/compare.py                       # writes results/route/compare.json
+    python results/route/compare.py --fronts prefix,round_robin --clients 24 --rounds 6
+    python results/route/compare.py --no-mooncake         # device and host tiers only
+
+Progress lines go to stderr; every process started is stopped at the end, also on failure
+(each runs in its own process group, which is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+DEADLINE_S = 90.0
+TIERS = ("device", "host", "storage")
+FRONTS = ("prefix", "round_robin", "least_loaded", "sglang")
+
+
+def log(msg: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S) -> Any:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {deadline_s:.0f} s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    """A child process in its own process group, with its output in ``log``."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    events: str = ""
+    replay: str = ""
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
+        return True
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+
+
+def start(name: str, cmd: list[str], logdir: Path) -> Proc:
+    path = logdir / f"{name}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with path.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
+    return Proc(name, proc, path)
+
+
+def healthy(p: Proc, path: str = "/health") -> bool:
+    p.alive()
+    try:
+        return httpx.get(f"{p.url}{path}", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` as ``{(sample name, sorted labels): value}``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+@dataclass
+class Settings:
+    instances: int
+    device_pages: int
+    host_pages: int
+    page_size: int
+    mooncake: bool
+    clients: int
+    rounds: int
+    system_tokens: int
+    new_tokens: int
+    output_tokens: int
+    concurrency: int
+    sglang_python: str
+    logdir: Path
+    bench_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.bench_args = [
+            "--workload", "multiturn", "--clients", str(self.clients),
+            "--rounds", str(self.rounds), "--system-tokens", str(self.system_tokens),
+            "--new-tokens", str(self.new_tokens), "--output-tokens", str(self.output_tokens),
+            "--concurrency", str(self.concurrency), "--seed", "0",
+        ]  # fmt: skip
+
+
+def serve(i: int, s: Settings, storage_url: str | None, tag: str) -> Proc:
+    port, ev, rp = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "tiny", "--port", str(port)]
+    cmd += ["--device", "cpu", "--page-size", str(s.page_size)]
+    cmd += ["--device-pages", str(s.device_pages), "--host-pages", str(s.host_pages)]
+    if storage_url:
+        cmd += ["--storage", "mooncake", "--storage-url", storage_url, "--tenant-salt", "fleet"]
+    cmd += ["--log-level", "warning", "--seed", "0"]
+    cmd += ["--kv-events", f"tcp://*:{ev}", "--kv-events-replay", f"tcp://*:{rp}"]
+    cmd += ["--kv-events-instance", f"instance-{i}"]
+    p = start(f"{tag}-serve-{i}", cmd, s.logdir)
+    p.url = f"http://127.0.0.1:{port}"
+    p.events, p.replay = f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}"
+    return p
+
+
+def fleet(s: Settings, stack: ExitStack, tag: str) -> list[Proc]:
+    """A fresh Mooncake store (when asked) and ``s.instances`` fresh instances, healthy."""
+    storage_url = None
+    if s.mooncake:
+        from kvtier.storage.mooncake_local import LocalMooncake
+
+        (s.logdir / f"{tag}-mooncake").mkdir()
+        store = LocalMooncake(256 << 20, log_dir=str(s.logdir / f"{tag}-mooncake"))
+        store.start()
+        stack.callback(store.stop)
+        storage_url = store.url()
+    procs = [serve(i, s, storage_url, tag) for i in range(s.instances)]
+    for p in procs:
+        stack.callback(p.stop)
+    for p in procs:
+        wait_until(lambda p=p: healthy(p), f"{p.name} /health")
+    return procs
+
+
+def front_prefix(s: Settings, procs: list[Proc], stack: ExitStack, events: bool) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier.cli", "route", "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    for p in procs:
+        cmd += ["--instance", f"{p.url},events={p.events},replay={p.replay}" if events else p.url]
+    r = start("route" if events else "route-least-loaded", cmd, s.logdir)
+    r.url = f"http://127.0.0.1:{port}"
+    stack.callback(r.stop)
+    wait_until(lambda: healthy(r), "kvtier route /health")
+
+    def ready() -> bool:
+        h = httpx.get(f"{r.url}/health", timeout=5).json()
+        insts = h["instances"]
+        if len(insts) != len(procs) or not all(i.get("healthy", True) for i in insts):
+            return False
+        return not events or all(
+            i["events"] is not None and not i["events"]["stale"] for i in insts
+        )
+
+    wait_until(ready, "every instance healthy (and its event stream fresh) at the router")
+    return r
+
+
+def front_round_robin(s: Settings, procs: list[Proc], stack: ExitStack) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "proxy", "--port", str(port)]
+    for p in procs:
+        cmd += ["--upstream", p.url]
+    r = start("round-robin", cmd, s.logdir)
+    r.url = f"http://127.0.0.1:{port}"
+    stack.callback(r.stop)
+    wait_until(lambda: healthy(r, "/v1/models"), "round-robin proxy")
+    return r
+
+
+def front_sglang(s: Settings, procs: list[Proc], stack: ExitStack) -> tuple[Proc, dict[str, Any]]:
+    """SGLang's router in cache-aware mode, and what it answers to the bench's requests."""
+    port = free_port()
+    cmd = [s.sglang_python, "-m", "sglang_router.launch_router", "--policy", "cache_aware"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+    cmd += ["--worker-urls", *[p.url for p in procs]]
+    r = start("sglang-router", cmd, s.logdir)
+    r.url = f"http://127.0.0.1:{port}"
+    stack.callback(r.stop)
+    wait_until(lambda: healthy(r, "/v1/models"), "sglang router /v1/models")
+    version = subprocess.run(
+        [
+            s.sglang_python,
+            "-c",
+            "import importlib.metadata as m; print(m.version('sglang-router'))",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    probe: dict[str, Any] = {"version": version}
+    probe["models"] = httpx.get(f"{r.url}/v1/models", timeout=10).json()
+    body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    got = httpx.post(f"{r.url}/v1/completions", json=body, timeout=30)
+    probe["token_ids_prompt"] = {"status": got.status_code, "body": got.text[:400]}
+    text = {**body, "prompt": "hello"}
+    got = httpx.post(f"{r.url}/v1/completions", json=text, timeout=30)
+    probe["text_prompt"] = {"status": got.status_code, "usage_in_stream": "usage" in got.text}
+    return r, probe
+
+
+def bench(s: Settings, url: str, tag: str, model: str | None) -> dict[str, Any]:
+    out = s.logdir / f"{tag}-bench.json"
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "serve", "--url", url, *s.bench_args]
+    cmd += ["--json", str(out)] + (["--model", model] if model else [])
+    with (s.logdir / f"{tag}-bench.log").open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=f, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if not out.exists():
+        raise RuntimeError(f"bench at {url} exited {rc.returncode} without a result")
+    d = json.loads(out.read_text())
+    summ = d["summary"]["server"]
+    if not d["requests_ok"]:
+        raise RuntimeError(f"every request failed through {url}: {d['first_error']}")
+    reqs = d["configs"]["server"]["requests"]
+    return {
+        "bench_rc": rc.returncode,
+        "requests": d["requests"],
+        "requests_ok": d["requests_ok"],
+        "first_error": d["first_error"],
+        "wall_s": summ["wall_s"],
+        "requests_per_s": summ["requests_per_s"],
+        "ttft_p50_s": summ["ttft_p50_s"],
+        "ttft_p90_s": summ["ttft_p90_s"],
+        "ttft_p99_s": summ["ttft_p99_s"],
+        "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
+        "served": summ["served"],
+    }
+
+
+def instance_counts(procs: list[Proc]) -> list[dict[str, Any]]:
+    rows = []
+    for p in procs:
+        m = scrape(p.url)
+        reqs = sum(v for (n, _), v in m.items() if n == "kvtier_requests_total")
+        hits = {
+            t: int(m.get(("kvtier_cached_tokens_total", (("cache_source", t),)), 0)) for t in TIERS
+        }
+        rows.append({"url": p.url, "requests": int(reqs), "cached_tokens": hits})
+    return rows
+
+
+def run_front(name: str, s: Settings) -> dict[str, Any]:
+    log(f"{name}: starting {s.instances} fresh instances")
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        procs = fleet(s, stack, name)
+        result: dict[str, Any] = {"front": name}
+        model = None
+        if name == "prefix":
+            r = front_prefix(s, procs, stack, events=True)
+        elif name == "least_loaded":
+            r = front_prefix(s, procs, stack, events=False)
+        elif name == "round_robin":
+            r = front_round_robin(s, procs, stack)
+        else:
+            r, probe = front_sglang(s, procs, stack)
+            result["sglang_probe"] = probe
+            log(f"sglang: probe {json.dumps(probe)[:400]}")
+            if probe["token_ids_prompt"]["status"] != 200:
+                result["skipped"] = (
+                    "sglang-router refuses /v1/completions with a token-id prompt: "
+                    + probe["token_ids_prompt"]["body"]
+                )
+                log(f"sglang: skipped ({result['skipped'][:160]})")
+                return result
+            model = str(probe["models"]["data"][0]["id"])
+        log(f"{name}: front up at {r.url} after {time.monotonic() - t0:.1f} s; running the bench")
+        result |= bench(s, r.url, name, model)
+        result["instances"] = instance_counts(procs)
+        if name in ("prefix", "least_loaded"):
+            m = scrape(r.url)
+            result["route_decisions"] = {
+                dict(k[1])["reason"]: int(v)
+                for k, v in m.items()
+                if k[0] == "kvtier_route_decisions_total"
+            }
+        log(
+            f"{name}: {result['requests_ok']}/{result['requests']} ok, "
+            f"{result['requests_per_s']:.2f} req/s, TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms "
+            f"p90 {result['ttft_p90_s'] * 1e3:.0f} ms, served {result['served']}, "
+            f"per instance {[i['requests'] for i in result['instances']]}"
+        )
+        log(f"{name}: stopping the fleet")
+    return result
+
+
+def proxy_main(argv: list[str]) -> None:
+    """``compare.py proxy --port P --upstream URL ...``: round-robin over the upstreams."""
+    ap = argparse.ArgumentParser(prog="compare.py proxy")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--upstream", action="append", required=True)
+    args = ap.parse_args(argv)
+    ups: list[str] = args.upstream
+    turn = itertools.cycle(range(len(ups)))
+    app = FastAPI()
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256)
+    )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await client.get(f"{ups[0]}/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def forward(request: Request, path: str) -> Response:
+        body = await request.body()
+        up = ups[next(turn)]
+        req = client.build_request(
+            "POST", f"{up}{path}", content=body, headers={"content-type": "application/json"}
+        )
+        resp = await client.send(req, stream=True)
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+
+            async def relay() -> Any:
+                try:
+                    async for chunk in resp.aiter_raw():
+                        yield chunk
+                finally:
+                    await resp.aclose()
+
+            return StreamingResponse(relay(), resp.status_code, media_type="text/event-stream")
+        data = await resp.aread()
+        await resp.aclose()
+        try:
+            return JSONResponse(json.loads(data), status_code=resp.status_code)
+        except ValueError:
+            return Response(data, status_code=resp.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    return out.stdout.decode().strip()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "proxy":
+        proxy_main(sys.argv[2:])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--fronts", default=",".join(FRONTS), help="comma-separated, of " + ",".join(FRONTS)
+    )
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--device-pages", type=int, default=64, help="per instance (16-token pages)")
+    ap.add_argument("--host-pages", type=int, default=384, help="per instance")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--no-mooncake", action="store_true", help="no shared storage tier")
+    ap.add_argument("--clients", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
+    ap.add_argument("--json", type=Path, default=HERE / "compare.json")
+    args = ap.parse_args()
+    fronts = [f for f in args.fronts.split(",") if f]
+    bad = [f for f in fronts if f not in FRONTS]
+    if bad:
+        ap.error(f"--fronts: unknown {bad}")
+    logdir = Path(tempfile.mkdtemp(prefix="route-compare-"))
+    s = Settings(
+        instances=args.instances,
+        device_pages=args.device_pages,
+        host_pages=args.host_pages,
+        page_size=args.page_size,
+        mooncake=not args.no_mooncake,
+        clients=args.clients,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        new_tokens=args.new_tokens,
+        output_tokens=args.output_tokens,
+        concurrency=args.concurrency,
+        sglang_python=args.sglang_python,
+        logdir=logdir,
+    )
+    log(f"logs in {logdir}")
+    results = []
+    for name in fronts:
+        try:
+            results.append(run_front(name, s))
+        except Exception as e:  # the other fronts still run; the failure is in the results
+            log(f"{name}: FAILED {type(e).__name__}: {e}")
+            results.append({"front": name, "error": f"{type(e).__name__}: {e}"})
+    doc = {
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        "commit": git_commit(),
+        "settings": {k: v for k, v in vars(s).items() if k not in ("logdir", "sglang_python")},
+        "fronts": results,
+    }
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
