@@ -732,6 +732,13 @@ class TieredCache:
         """Whether any transfer or storage I/O is still in flight (``drain`` would wait)."""
         return self.controller.in_flight()
 
+    def publish_events(self) -> None:
+        """Publish the KV events (``CacheConfig.kv_events``) recorded since the last batch as
+        one batch now; ``poll`` does so at its end. An engine calls it once a step's finished
+        requests left their pages here, so that an engine going idle announces them. Never
+        blocks; without ``kv_events`` it does nothing."""
+        self.controller.publish_batch()
+
     def drain(self) -> None:
         """Wait until every transfer and storage write in flight completed and is visible."""
         self.controller.drain()

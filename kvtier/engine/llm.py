@@ -216,15 +216,21 @@ class LLM:
         return checked_tokens(prompt)
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step (at most one forward); returns the requests that finished.
+        """One scheduler step (at most one forward); returns the requests that finished. The
+        cache's KV events of the step (``CacheConfig.kv_events``) are published by its end.
 
         A request whose forward or sampling raises is finished with ``finish_reason="error"``
         and the error in ``RequestOutput.error``; its pages go back and the others go on."""
         self._check_open("step")
         if self._compute_stream is None:
-            return self._step()
-        with torch.cuda.stream(self._compute_stream):
-            return self._step()
+            done = self._step()
+        else:
+            with torch.cuda.stream(self._compute_stream):
+                done = self._step()
+        # the pages the step's finished requests left in the cache are announced now, not at
+        # the next step's poll, which an idle engine may never take
+        self.cache.publish_events()
+        return done
 
     def _step(self) -> list[RequestOutput]:
         work = self.scheduler.schedule()
