@@ -192,13 +192,19 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
     async def _relay(
         inst: Instance, resp: Any, chunks: AsyncIterator[bytes], first: bytes
     ) -> AsyncIterator[bytes]:
-        """The instance's bytes as they come; an error event when they stop short."""
+        """The instance's bytes as they come; an error event when they stop short. The usage
+        chunk (a stream that reports one) is counted as a JSON answer's usage is."""
         tail = first[-len(DONE) :]
+        usage = UsageScanner()
         try:
+            for body in usage.feed(first):
+                metrics.count_usage(body)
             yield first
             try:
                 async for chunk in chunks:
                     tail = (tail + chunk)[-len(DONE) :]
+                    for body in usage.feed(chunk):
+                        metrics.count_usage(body)
                     yield chunk
                 problem = None if tail == DONE else "the instance ended the stream early"
             except httpx.HTTPError as e:
@@ -213,3 +219,28 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
             await resp.aclose()
 
     return app
+
+
+class UsageScanner:
+    """The server-sent events of a stream that carry ``usage``, decoded as their bytes pass
+    (events may be cut anywhere between chunks; only events naming ``usage`` are parsed)."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The JSON objects of the events ``chunk`` completes that hold a ``usage`` key."""
+        self._pending += chunk
+        found: list[dict[str, Any]] = []
+        while (end := self._pending.find(b"\n\n")) >= 0:
+            event, self._pending = self._pending[:end], self._pending[end + 2 :]
+            if b'"usage"' not in event:
+                continue
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                with contextlib.suppress(ValueError):
+                    body = json.loads(line[5:])
+                    if isinstance(body, dict) and "usage" in body:
+                        found.append(body)
+        return found

@@ -81,6 +81,11 @@ class Stubs:
         if mode == "cut":
             raise httpx.ReadError("connection reset")
         yield b'data: {"n": 2}\n\n'
+        if mode == "usage":  # the usage chunk, cut in two
+            usage = {"prompt_tokens_details": {"cached_tokens_by_tier": {"host": 8, "storage": 4}}}
+            event = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            yield event[:17]
+            yield event[17:]
         yield b"data: [DONE]\n\n"
 
 
@@ -140,6 +145,28 @@ def test_streaming_passes_through_chunk_by_chunk(router: Router, stubs: Stubs) -
         rest = b"".join(chunks)
     assert rest.endswith(b"data: [DONE]\n\n") and b'"n": 2' in rest
     wait(lambda: all(i.in_flight == 0 for i in router.fleet.instances), "in_flight to drop")
+
+
+def test_a_streamed_answers_usage_is_counted(router: Router, stubs: Stubs) -> None:
+    stubs.mode[A] = stubs.mode[B] = "usage"
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    for _ in range(2):
+        with router.http.stream("POST", "/v1/completions", json=body) as r:
+            assert b"".join(r.iter_raw()).endswith(b"data: [DONE]\n\n")
+    wait(lambda: all(i.in_flight == 0 for i in router.fleet.instances), "in_flight to drop")
+    metrics = router.http.get("/metrics").text
+    assert _metric(metrics, 'kvtier_route_cached_tokens_total{tier="host"}') == 16
+    assert _metric(metrics, 'kvtier_route_cached_tokens_total{tier="storage"}') == 8
+
+
+def test_usage_is_found_in_events_cut_anywhere() -> None:
+    from kvtier.route.proxy import UsageScanner
+
+    stream = b'data: {"n": 1}\n\ndata: {"choices": [], "usage": {"x": 1}}\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        scan = UsageScanner()
+        got = scan.feed(stream[:cut]) + scan.feed(stream[cut:])
+        assert got == [{"choices": [], "usage": {"x": 1}}], cut
 
 
 def test_a_failure_before_streaming_is_retried_on_another_instance(
