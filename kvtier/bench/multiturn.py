@@ -640,11 +640,14 @@ def measure_rates(
         # the last cold prompt's front is cached now: the same length again, most of it a hit
         base = max(0, probe - workload.new_tokens)
         ext = min(
-            (llm.generate([cold[:base] + _draw(rng, vocab, probe - base)], one)[0] for _ in "ab"),
+            (
+                llm.generate([cold[:base] + _draw(rng, vocab, probe - base)], one)[0]
+                for _ in range(2)
+            ),
             key=lambda o: o.ttft_s or math.inf,
         )
         short = min(  # a cold prompt as long as the extend's computed part
-            (llm.generate([_draw(rng, vocab, ext.recomputed)], one)[0] for _ in "ab"),
+            (llm.generate([_draw(rng, vocab, ext.recomputed)], one)[0] for _ in range(2)),
             key=lambda o: o.ttft_s or math.inf,
         )
         c, a, b = prefill_cost_model(

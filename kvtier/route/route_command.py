@@ -8,37 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvtier.bench.commands import non_negative_float, positive_float, positive_int
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
 
 
 def add_route_command(sub: argparse._SubParsersAction) -> None:
@@ -64,43 +36,43 @@ def add_route_command(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free)")
     r.add_argument(
         "--page-size",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="tokens per page when neither an instance's KV events nor its model card say",
     )
     r.add_argument(
         "--prefill-rate",
-        type=_positive_float,
+        type=positive_float,
         default=8000.0,
         help="prompt tokens per second an instance computes (prices uncached tokens)",
     )
     r.add_argument(
         "--host-rate",
-        type=_positive_float,
+        type=positive_float,
         default=200000.0,
         help="tokens per second an instance loads from its host tier",
     )
     r.add_argument(
         "--storage-rate",
-        type=_positive_float,
+        type=positive_float,
         default=40000.0,
         help="tokens per second an instance reads from its storage tier",
     )
     r.add_argument(
         "--request-cost-s",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.05,
         help="seconds each request in flight on an instance adds to a new one's wait",
     )
     r.add_argument(
         "--health-interval-s",
-        type=_positive_float,
+        type=positive_float,
         default=2.0,
         help="seconds between two /health checks of an instance",
     )
     r.add_argument(
         "--events-stale-s",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         help="an instance whose KV events (or heartbeats) stopped this long is routed by load",
     )
