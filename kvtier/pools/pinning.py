@@ -32,6 +32,7 @@ through between chunks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -150,6 +151,11 @@ def lazy_zeros(
         return torch.zeros(tuple(shape), dtype=dtype)
     size = _round_up(nbytes, align) + align
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        # 2 MiB pages: a 512th of the page-table entries to fault in and to pin
+        with contextlib.suppress(OSError):  # transparent huge pages off: only slower
+            buf.madvise(advice)
     base = torch.frombuffer(buf, dtype=torch.uint8, count=size)
     skip = -base.data_ptr() % align
     return base[skip : skip + nbytes].view(dtype).view(tuple(shape))
