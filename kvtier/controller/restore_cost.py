@@ -12,16 +12,18 @@ Restoring the front up to ``end`` and computing the rest again costs, in seconds
 
     Ql + (host pages + fetched pages) x host page bytes / load rate      when end > device
     Qs + fetched pages x storage page bytes / storage read rate         when end > usable
-    a x work(end, usable + stored - end)                                the tokens recomputed
+    max(c, a x work(end, usable + stored - end))                        the forward after it
 
 ``work(d, n)`` is ``kvtier.tree.recompute``'s: ``n`` tokens after ``d`` cached ones, in units of
-one token's linear work (attention makes a token after a long prefix dearer). The prefill is
-priced by a fit, not a rate: a forward takes ``c + a x work`` seconds (``PrefillFit``), ``c``
-what a forward costs whatever it computes (launches, the weights read once), which every
-option pays alike (a request computes at least its last token), so a plan compares ``a x
-work`` alone. A tokens-per-second rate cannot do this: measured on the short forwards after a
-restore (16 tokens, say) it reads ``c``'s overhead as a slow prefill and prices a 32K-token
-recompute dozens of times too high.
+one token's linear work (attention makes a token after a long prefix dearer). The forward is
+priced by a fit, not a rate (``PrefillFit``): it takes at least ``c``, the time to launch it,
+and otherwise its work at ``a`` seconds a unit; every option pays one forward (a request
+computes at least its last token), so restoring pays off only where the bytes move in less
+than the work it saves beyond ``c``. A tokens-per-second rate cannot do this: measured on the
+short forwards after a restore (16 tokens, say) it reads the launch time as a slow prefill and
+prices a 32K-token recompute dozens of times too high; and a line ``c + a x work`` adds the
+launch time to work the device does while the host is still launching, pricing a 1K-token
+recompute on a GPU at twice its time.
 
 ``Ql`` is how long the loads already in flight keep the host → device path busy and ``Qs`` how
 long the fetches and storage writes queued on the one storage I/O thread keep it busy (the
@@ -39,7 +41,7 @@ measurement: storage reads and writes from the ``storage_read_*``/``storage_writ
 alone (the ``load_seconds`` counter runs until the poll that sees a copy done, which is a
 whole forward later on the reference engine). The prefill fit takes the forwards the engine
 reports (``TieredCache.record_prefill``, each with the work of its items), weighted the same
-way; its prior is ``a = 1 / restore_prefill_rate``, ``c = 0``.
+way within each size class; its prior is ``a = 1 / restore_prefill_rate``, ``c = 0``.
 
 A tier declined ``PROBE_AFTER`` times in a row has its next restore taken anyway (one page
 where a fetch may stop at any page): a rate measured slow once would otherwise never be
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,29 +127,41 @@ class Rate:
 
 
 @dataclass(slots=True)
+class _Bucket:
+    """Forwards of one size class: decayed sums of their count, work and seconds."""
+
+    n: float = 0.0
+    work: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class PrefillFit:
-    """Forward seconds as ``c + a x work``, fitted by exponentially weighted least squares to
-    the forwards measured (each decays the sums behind the fit by ``1 - weight``, as
-    :class:`Rate`). Without a spread of forward sizes the fit goes through the origin (``c =
-    0``: a rate); a fit that would make ``c`` negative does too, and one whose slope is not
-    positive keeps the prior's."""
+    """Forward seconds as ``max(c, a x work)``, from the forwards measured.
+
+    A forward runs on two clocks: the host launching its kernels (about the same whatever it
+    computes) and the device computing them (proportional to the work). The device overlaps
+    the host's launches, so a short forward takes the launch time ``c`` and a long one its
+    work, ``a x work``; on a CPU the two add, and ``max`` is short by at most ``c``, which is
+    small there. Measured on an H200 (Llama-8B-sized, eager): 16 tokens after a 1K prefix
+    took as long as 1,024 tokens cold, about 30 ms, while 4,096 took 119 ms; a line through
+    such points prices the 1K recompute at twice its time.
+
+    Forwards are kept in size classes (a power of two of work each), every class an
+    exponentially weighted mean of its forwards (each decays the class's sums by ``1 -
+    weight``, as :class:`Rate`). ``a`` is the least seconds per work unit of any class (the
+    longest forwards, where launching no longer shows), ``c`` the least seconds of any class
+    (the shortest). From one class only the fit is a rate through the origin (``c = 0``):
+    nothing tells the launch time from the work. ``prior`` until the first measurement."""
 
     prior: float
     """Work units per second before any measurement: ``a = 1 / prior``, ``c = 0``."""
     weight: float
-    """Share of the sums a new measurement replaces, in ``[0, 1]``."""
-    n: float = 0.0
-    """Decayed count of measurements."""
-    sx: float = 0.0
-    """Decayed sum of their work."""
-    sy: float = 0.0
-    """Decayed sum of their seconds."""
-    sxx: float = 0.0
-    """Decayed sum of their work squared."""
-    sxy: float = 0.0
-    """Decayed sum of work times seconds."""
+    """Share of a class's sums a new measurement replaces, in ``[0, 1]``."""
+    classes: dict[int, _Bucket] = field(default_factory=dict)
+    """Size class (``floor(log2(work))``) → its decayed sums."""
     measurements: int = 0
-    """Measurements taken into the sums."""
+    """Measurements taken."""
 
     def observe(self, work: float, seconds: float) -> None:
         """A forward did ``work`` in ``seconds``; a measurement without time or work, or not
@@ -156,12 +170,11 @@ class PrefillFit:
             math.isfinite(work) and math.isfinite(seconds) and work > 0 and seconds > 0
         ):
             return
+        b = self.classes.setdefault(math.floor(math.log2(work)), _Bucket())
         keep = 1.0 - self.weight
-        self.n = keep * self.n + 1.0
-        self.sx = keep * self.sx + work
-        self.sy = keep * self.sy + seconds
-        self.sxx = keep * self.sxx + work * work
-        self.sxy = keep * self.sxy + work * seconds
+        b.n = keep * b.n + 1.0
+        b.work = keep * b.work + work
+        b.seconds = keep * b.seconds + seconds
         self.measurements += 1
 
     @property
@@ -170,19 +183,18 @@ class PrefillFit:
         return self.measurements > 0 or self.weight == 0
 
     def coefficients(self) -> tuple[float, float]:
-        """``(c, a)``: seconds per forward and per work unit."""
-        prior = (0.0, 1.0 / self.prior)
-        if self.measurements == 0:
-            return prior
-        det = self.n * self.sxx - self.sx * self.sx
-        # the sizes must spread: a relative spread below 1e-6 is one size measured again
-        if det > 1e-6 * self.n * self.sxx:
-            a = (self.n * self.sxy - self.sx * self.sy) / det
-            c = (self.sy - a * self.sx) / self.n
-            if a > 0 and c >= 0:
-                return c, a
-        a = self.sxy / self.sxx
-        return (0.0, a) if a > 0 else prior
+        """``(c, a)``: the launch time of a forward, seconds per work unit."""
+        if not self.classes:
+            return 0.0, 1.0 / self.prior
+        a = min(b.seconds / b.work for b in self.classes.values())
+        if len(self.classes) == 1:
+            return 0.0, a
+        return min(b.seconds / b.n for b in self.classes.values()), a
+
+    def seconds(self, work: float) -> float:
+        """A forward of ``work``: ``max(c, a x work)``."""
+        c, a = self.coefficients()
+        return max(c, a * work)
 
     @property
     def value(self) -> float:
@@ -288,6 +300,14 @@ class CostModel:
             raise IntegrityError("cost model: the prefill path is not a fit")
         return fit.coefficients()
 
+    def forward_seconds(self, work: float) -> float:
+        """How long the forward computing ``work`` units takes (``PrefillFit.seconds``: its
+        launch time included, which every plan pays at least once)."""
+        fit = self.rates["prefill"]
+        if not isinstance(fit, PrefillFit):
+            raise IntegrityError("cost model: the prefill path is not a fit")
+        return fit.seconds(work)
+
     def rate(self, path: str) -> float:
         """``path``'s current rate."""
         return self._rate(path).value
@@ -321,7 +341,7 @@ class CostModel:
         q_store += self.seconds("storage_write", queued.write_bytes)
 
         def cost(end: int, fetched: int) -> float:
-            t = self.seconds("prefill", self.work_of(end, p.end - end))
+            t = self.forward_seconds(self.work_of(end, p.end - end))
             if end > p.device:
                 t += q_load + self.seconds("load", (host_pages + fetched) * p.host_page_bytes)
             if fetched:

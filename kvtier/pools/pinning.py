@@ -60,6 +60,9 @@ the rest in the background. Small, so that the driver is never held long at a ti
 MADV_POPULATE_WRITE = 23
 """Linux ``madvise`` advice (5.14+): fault a range in, writable, without touching it."""
 PAGE = mmap.PAGESIZE
+DEFAULT_PACE = 1.0
+"""How long the pinning thread leaves the driver alone after a chunk, as a multiple of the time
+the chunk's registrations held it (``HostPinner.pace``)."""
 DEFAULT_ALIGN = 2 << 20
 """Registration boundaries (bytes). Coarser than the 4 KiB OS page on purpose: whatever block
 the driver pins at, two ranges never share one."""
@@ -250,7 +253,7 @@ class HostPinner:
         background: bool = True,
         align: int = DEFAULT_ALIGN,
         keep: Sequence[object] = (),
-        pace: float = 1.0,
+        pace: float | None = None,
     ) -> None:
         if items <= 0 or chunk_bytes <= 0:
             raise ConfigError(f"pinning {items} items in chunks of {chunk_bytes} bytes")
@@ -266,7 +269,7 @@ class HostPinner:
         self.error: BaseException | None = None
         self.driver_seconds = 0.0
         """Seconds spent in ``register`` calls so far (the driver held)."""
-        self.pace = pace
+        self.pace = DEFAULT_PACE if pace is None else pace
         self._last_driver_s = 0.0
         self._registrar = registrar
         self._prepare = getattr(registrar, "prepare", None)

@@ -324,7 +324,7 @@ def test_record_prefill_measures_the_prefill_fit(cache) -> None:
     cache.record_prefill(10, 0.5, forward_tokens=30, chunks=[(20, 10)] + [(100, 1)] * 20)
     work = model.work_of(20, 10) + 20 * model.work_of(100, 1)
     st = cache.stats()
-    # one forward size: a rate through the origin
+    # one forward size class: a rate through the origin
     assert st["recomputed_tokens"] == 20
     assert st["restore_prefill_tokens_per_s"] == pytest.approx(work / 0.5)
     assert st["restore_prefill_seconds_per_forward"] == 0.0
@@ -338,31 +338,48 @@ def test_record_prefill_measures_the_prefill_fit(cache) -> None:
         cache.record_prefill(10, math.inf)
 
 
-def test_the_prefill_fit_separates_a_forwards_cost_from_its_work() -> None:
-    """Short forwards after restores (16 tokens, 15 ms of them the forward's own) and one cold
-    prefill: the fit's slope, not the short forwards' tokens per second, prices a long
-    recompute."""
-    c, a = 0.015, 28e-6
-    fit = PrefillFit(prior=1000.0, weight=0.1)
+def test_the_prefill_fit_is_a_launch_floor_and_a_slope() -> None:
+    """Short forwards after restores (16 tokens in 30 ms: the launch time) and cold prefills
+    (4,096 tokens in 120 ms): a 1K-token forward is priced at the floor, a 32K one by the
+    long forwards' seconds per unit, not the short forwards' tokens per second."""
+    fit = PrefillFit(prior=1000.0, weight=0.5)
     assert fit.coefficients() == (0.0, 1e-3)  # the prior
-    for x in (16, 4096, 16, 16):
-        fit.observe(x, c + a * x)
-    assert fit.coefficients() == pytest.approx((c, a))
-    # one size only: through the origin, a rate
-    one = PrefillFit(prior=1000.0, weight=0.1)
+    assert fit.seconds(100) == pytest.approx(0.1)
+    for x, s in ((16, 0.030), (4096, 0.120), (16, 0.026)):
+        fit.observe(x, s)
+    # the 16-token class: (0.5 x 0.030 + 0.026) / 1.5 seconds; slope: the 4096 class's
+    floor = (0.5 * 0.030 + 0.026) / 1.5
+    assert fit.coefficients() == pytest.approx((floor, 0.120 / 4096))
+    assert fit.seconds(512) == pytest.approx(floor)  # 27 ms > 512 x 29 us
+    assert fit.seconds(1024) == pytest.approx(0.030)
+    assert fit.seconds(32768) == pytest.approx(0.960)
+    assert fit.value == pytest.approx(4096 / 0.120)
+    # forwards of 16 and 31 units share a class; one class is a rate through the origin
+    one = PrefillFit(prior=1000.0, weight=0.5)
     one.observe(16, 0.016)
-    one.observe(16, 0.016)
-    assert one.coefficients() == pytest.approx((0.0, 1e-3))
-    # a line that would cost less than nothing per forward: through the origin as well
-    neg = PrefillFit(prior=1000.0, weight=0.1)
-    neg.observe(100, 0.001)
-    neg.observe(1000, 0.1)
-    slope = (0.9 * 100 * 0.001 + 1000 * 0.1) / (0.9 * 100**2 + 1000**2)  # the first decayed
-    assert neg.coefficients() == pytest.approx((0.0, slope))
+    one.observe(31, 0.031 * 3)
+    assert one.coefficients() == pytest.approx((0.0, (0.5 * 0.016 + 0.093) / (0.5 * 16 + 31)))
+    # not a measurement: no time, no work, not finite
+    for x, s in ((0, 1.0), (10, 0.0), (math.nan, 1.0), (10, math.inf)):
+        one.observe(x, s)
+    assert one.measurements == 2
     # weight 0: the prior stays, measurements or not
     fixed = PrefillFit(prior=50.0, weight=0.0)
     fixed.observe(10, 1.0)
     assert fixed.coefficients() == (0.0, 0.02) and fixed.known
+
+
+def test_a_short_prefix_is_recomputed_where_the_forward_costs_its_launch_anyway() -> None:
+    """H200 figures: 1K tokens recomputed in 31 ms, the forward after a restore as long (its
+    launch); 132 MB to read at 10 GB/s and load at 40 GB/s: restoring costs 16 ms on top of
+    the forward, and the recompute only 31 ms in all. At 4K the work (119 ms) outweighs the
+    launch and the 4080 restored tokens' 66 ms of bytes."""
+    page = 16 * 131072
+    m = CostModel(storage_read=10e9, load=40e9, prefill=1000.0, weight=0.5)
+    for x, s in ((16, 0.030), (4096, 0.119), (16, 0.030)):
+        m.observe("prefill", x, s)
+    assert m.plan(Prefix(0, 0, 1008, 63, 16, page, page)) == 0
+    assert m.plan(Prefix(0, 0, 4080, 255, 16, page, page)) == 4080
 
 
 def test_a_long_recompute_is_priced_by_the_slope_of_the_forwards_measured() -> None:
