@@ -10,10 +10,12 @@ held to ``R``: ``throttled_file``, a slower device simulated):
 - ``restore_s``: its TTFT under ``restore_policy='always'`` with device and host empty (every
   whole page fetched from storage at ``R``, then loaded);
 - ``cost_s``: its TTFT under ``restore_policy='cost'``, device and host empty, on an engine
-  that has first computed two prompts no tier holds (the engine's first forward is not timed;
-  then ``warmup_cold_tokens``, a long forward for the prefill fit) and served the warm-up prompts (restored from storage, or recomputed, as the
-  policy chose) until its storage read rate was measured: the rates the policy prices with
-  are its own online measurements, not priors.
+  that has first computed prompts no tier holds (a short one, then two of
+  ``warmup_cold_tokens``: the first forward of each size pays for set-up and is not timed, so
+  the second long one gives the prefill fit its slope) and served warm-up prompts (restored
+  from storage, or recomputed, as the policy chose) until its storage read rate was measured
+  and a short forward timed (the fit's launch time): the rates the policy prices with are its
+  own online measurements, not priors.
 
 Each TTFT is the best of ``repeats`` (device and host flushed before each). Per point:
 ``cost_over_best`` = ``cost_s / min(recompute_s, restore_s)`` and what the policy did
@@ -114,7 +116,9 @@ def bench_load_or_recompute(
     rng = random.Random(0)
     prompts = {n: [rng.randrange(vocab) for _ in range(n)] for n in lengths}
     warm = [[rng.randrange(vocab) for _ in range(warmup_tokens)] for _ in range(warmups)]
-    cold = [rng.randrange(vocab) for _ in range(min(warmup_cold_tokens, longest))]
+    colds = [
+        [rng.randrange(vocab) for _ in range(min(warmup_cold_tokens, longest))] for _ in range(2)
+    ]
     first = [rng.randrange(vocab) for _ in range(2 * page_size)]
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     pages = 2 * (longest // page_size) + 64
@@ -174,10 +178,10 @@ def bench_load_or_recompute(
                     log(f"{rate} GB/s restore {n}: {restore[n]['ttft_s'] * 1e3:.1f} ms")
             cost_cfg = dataclasses.replace(base, restore_policy="cost")
             with _closing(engine(cost_cfg, rate)) as llm:
-                # the engine's first forward is set-up, untimed; then a cold prompt (a long
-                # forward) and the warm-up restores (short ones) give the prefill fit its line
-                llm.generate([first], one)
-                llm.generate([cold], one)
+                # the first forward of each size is set-up, untimed: the second cold prompt
+                # (a long forward) and the warm-up restores (short ones) give the fit its line
+                for p in (first, *colds):
+                    llm.generate([p], one)
                 served = _warm_up(llm, warm, one, cost_cfg.restore_storage_rate)
                 rates = _policy_rates(llm)
                 for n in lengths:
@@ -219,11 +223,16 @@ def bench_load_or_recompute(
 
 def _warm_up(llm: LLM, warm: list[list[int]], params: Any, prior: float) -> int:
     """Serve warm-up prompts until the engine's storage read rate left its prior (a restore
-    was measured); how many it took."""
+    was measured) and its prefill fit has a launch time (short forwards were timed as well as
+    long ones); how many it took."""
     for i, p in enumerate(warm, 1):
         llm.generate([p], params)
         llm.cache.drain()
-        if llm.stats().get("restore_storage_read_bytes_per_s") != prior:
+        st = llm.stats()
+        if (
+            st.get("restore_storage_read_bytes_per_s") != prior
+            and st.get("restore_prefill_seconds_per_forward", 0.0) > 0
+        ):
             return i
     return len(warm)
 
@@ -233,6 +242,7 @@ def _policy_rates(llm: LLM) -> dict[str, float]:
         "restore_storage_read_bytes_per_s",
         "restore_load_bytes_per_s",
         "restore_prefill_tokens_per_s",
+        "restore_prefill_seconds_per_forward",
     )
     stats = llm.stats()
     return {k: stats[k] for k in keys if k in stats}

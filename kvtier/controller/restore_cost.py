@@ -45,7 +45,9 @@ way within each size class; its prior is ``a = 1 / restore_prefill_rate``, ``c =
 
 A tier declined ``PROBE_AFTER`` times in a row has its next restore taken anyway (one page
 where a fetch may stop at any page): a rate measured slow once would otherwise never be
-measured again. Under context parallelism every rank plans from its own rates and the group
+measured again. A tier whose rate was never measured is probed at its first decline: its
+prior is a guess, and with the forward's launch time priced a short prefix is never worth
+restoring, so without a probe the rate of a fast tier would stay a guess for 32 requests. Under context parallelism every rank plans from its own rates and the group
 takes the MIN of the planned ends (contract 4: the least any rank would restore); the probe
 counts follow the agreed ends, so they agree too.
 """
@@ -152,7 +154,12 @@ class PrefillFit:
     weight``, as :class:`Rate`). ``a`` is the least seconds per work unit of any class (the
     longest forwards, where launching no longer shows), ``c`` the least seconds of any class
     (the shortest). From one class only the fit is a rate through the origin (``c = 0``):
-    nothing tells the launch time from the work. ``prior`` until the first measurement."""
+    nothing tells the launch time from the work. ``prior`` until the first measurement.
+
+    The first forward of each class is counted, not timed: it pays for one-time set-up
+    (library handles, kernels compiled or tuned for its shapes, workspaces allocated), seconds
+    of it on a GPU, which would price every recompute of its size dozens of times too high
+    until decayed."""
 
     prior: float
     """Work units per second before any measurement: ``a = 1 / prior``, ``c = 0``."""
@@ -160,17 +167,23 @@ class PrefillFit:
     """Share of a class's sums a new measurement replaces, in ``[0, 1]``."""
     classes: dict[int, _Bucket] = field(default_factory=dict)
     """Size class (``floor(log2(work))``) → its decayed sums."""
+    seen: set[int] = field(default_factory=set)
+    """Classes whose first forward went by (untimed)."""
     measurements: int = 0
     """Measurements taken."""
 
     def observe(self, work: float, seconds: float) -> None:
         """A forward did ``work`` in ``seconds``; a measurement without time or work, or not
-        finite, is dropped."""
+        finite, is dropped, and so is the first of each size class."""
         if self.weight == 0 or not (
             math.isfinite(work) and math.isfinite(seconds) and work > 0 and seconds > 0
         ):
             return
-        b = self.classes.setdefault(math.floor(math.log2(work)), _Bucket())
+        size = math.floor(math.log2(work))
+        if size not in self.seen:
+            self.seen.add(size)
+            return
+        b = self.classes.setdefault(size, _Bucket())
         keep = 1.0 - self.weight
         b.n = keep * b.n + 1.0
         b.work = keep * b.work + work
@@ -465,12 +478,15 @@ class RestoreCost:
 
     def _probe(self, p: Prefix, end: int) -> int:
         """``end``, or one tier deeper when that tier was declined ``PROBE_AFTER`` times in a
-        row (its rate is measured again)."""
+        row (its rate is measured again), or declined at all while its rate was never measured
+        (a prior decides nothing for good)."""
         ps = p.page_size
+        host_after = PROBE_AFTER if self.model.known("load") else 1
+        storage_after = PROBE_AFTER if self.model.known("storage_read") else 1
         if p.usable > p.device:
             if end < p.usable:
                 self.declined["host"] += 1
-                if self.declined["host"] >= PROBE_AFTER:
+                if self.declined["host"] >= host_after:
                     self.declined["host"] = 0
                     end = min(p.usable, p.device + ps) if p.cuttable else p.usable
             else:
@@ -478,7 +494,7 @@ class RestoreCost:
         if p.stored_pages and end >= p.usable:
             if end == p.usable:
                 self.declined["storage"] += 1
-                if self.declined["storage"] >= PROBE_AFTER:
+                if self.declined["storage"] >= storage_after:
                     self.declined["storage"] = 0
                     one = p.usable + ps if p.cuttable and p.stored_pages > 1 else p.end
                     end = one

@@ -139,7 +139,6 @@ class LLM:
         self._live: dict[int, Request] = {}
         """Unfinished requests by id (the step-wise API's view of them)."""
         self._closed = False
-        self._prefill_timed = False
         """Whether a prefill forward ran before (the first one's time is not the rate's)."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
@@ -326,17 +325,12 @@ class LLM:
     def _record_prefill(self, work: list[Work], seconds: float | None) -> None:
         """Tell the cache the step's prefill tokens and, for a forward that ran whole
         (``seconds``), how long it took for all its tokens: the prefill rate a restore is
-        priced against (on CUDA the time may include a poll the GPU did not hide). The
-        engine's first timed prefill forward is counted without its time."""
+        priced against (on CUDA the time may include a poll the GPU did not hide; the fit
+        leaves out each size's first forward, which pays for set-up)."""
         prefill = sum(w.num_new for w in work if w.prefill)
         if not prefill:
             return
-        timed = seconds is not None and seconds > 0
-        if not timed or not self._prefill_timed:
-            # the first prefill forward pays for one-time set-up (library handles, kernels
-            # compiled or tuned on first use): seconds of it, not a rate a restore can be
-            # priced against
-            self._prefill_timed = self._prefill_timed or timed
+        if seconds is None or seconds <= 0:
             self.cache.record_prefill(prefill)
             return
         chunks = [(w.req.num_computed, w.num_new) for w in work]

@@ -11,7 +11,7 @@
 #                   every configuration
 #   multiturn_16k   the same with a 16,384-token context per client and 12 rounds: working set
 #                   476,672 tokens, 4.85x the 98,304-token device pool; device and host
-#   prepopulated    12 clients x 4 rounds of the 8K shape, ready turns first in first out (the
+#   prepopulated    12 clients x 2 rounds of the 16K shape, ready turns first in first out (the
 #                   first round runs first): device only against a file L3 an earlier engine
 #                   filled, host and device empty
 #   multiturn_fits  8 clients x 8 rounds of the 8K shape: working set 84,480 tokens in a
@@ -60,8 +60,8 @@ RUNS=${RUNS:-5x 16k prepopulated fits}  # which of them (each is under 10 minute
 [[ " $RUNS " == *" 5x "* ]] && bench multiturn_5x "${TURNS[@]}" --clients 24 --device-tokens 49152
 [[ " $RUNS " == *" 16k "* ]] && bench multiturn_16k "${LONG[@]}" --clients 24 \
     --device-tokens 98304 --configs device,host
-[[ " $RUNS " == *" prepopulated "* ]] && bench prepopulated "${TURNS[@]}" --rounds 4 \
-    --clients 12 --ready-policy fifo --device-tokens 49152 --configs device,file-prepopulated
+[[ " $RUNS " == *" prepopulated "* ]] && bench prepopulated "${LONG[@]}" --rounds 2 \
+    --clients 12 --ready-policy fifo --device-tokens 98304 --configs device,file-prepopulated
 [[ " $RUNS " == *" fits "* ]] && bench multiturn_fits "${TURNS[@]}" --clients 8 \
     --device-tokens 98304 --configs device,host,host+file
 exit $status

@@ -218,6 +218,7 @@ def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -
     c.poll()
     read = c.stats()["restore_storage_read_bytes_per_s"]
     assert PAGE * 50 < read <= PAGE * 100  # the backend's rate, less the I/O's own time
+    c.record_prefill(1, 0.5)  # the first forward of its size: set-up, not timed
     c.record_prefill(1, 0.001)  # a token a millisecond: 4 ms a page to compute, 10 to fetch
     one = c.restore_cost.model.work_of(0, 1)  # a cold token's work: a little more than 1
     assert c.stats()["restore_prefill_tokens_per_s"] == pytest.approx(one / 0.001)
@@ -228,7 +229,7 @@ def test_rates_are_measured_online_and_the_next_request_follows_them(tmp_path) -
 
 
 def test_the_engine_measures_its_prefill_and_its_loads() -> None:
-    """``LLM`` reports each prefill forward (tokens and time; the first one's time is set-up,
+    """``LLM`` reports each prefill forward (tokens and time; the first of a size is set-up,
     not a rate) and the cache times its host → device loads: both rates leave their priors
     (the stats and ``/metrics`` report them)."""
     parser = pytest.importorskip("prometheus_client.parser")
@@ -238,11 +239,12 @@ def test_the_engine_measures_its_prefill_and_its_loads() -> None:
     with make_llm("tiny", restore_prefill_rate=1.0, restore_load_rate=1.0) as llm:
         llm.generate([list(range(200, 240))], SamplingParams(max_tokens=1))
         st = llm.stats()
-        assert st["restore_prefill_tokens_per_s"] == 1.0  # the first forward: no measurement
+        assert st["restore_prefill_tokens_per_s"] == 1.0  # the first of its size: no measurement
         assert st["recomputed_tokens"] == 40  # yet counted
-        llm.generate([prompt], SamplingParams(max_tokens=2))
+        llm.generate([list(range(300, 340))], SamplingParams(max_tokens=1))
         st = llm.stats()
-        assert st["restore_prefill_tokens_per_s"] > 1.0  # 129 tokens in well under 129 s
+        assert st["restore_prefill_tokens_per_s"] > 1.0  # 40 tokens in well under 40 s
+        llm.generate([prompt], SamplingParams(max_tokens=2))
         assert st["restore_load_bytes_per_s"] == 1.0  # nothing loaded yet
         llm.cache.flush(host=False)
         llm.generate([prompt], SamplingParams(max_tokens=2))
@@ -321,11 +323,15 @@ def test_record_prefill_measures_the_prefill_fit(cache) -> None:
     assert cache.stats()["restore_prefill_tokens_per_s"] == cache.config.restore_prefill_rate
     model = cache.restore_cost.model
     # 30 tokens in the forward: 10 of a prompt after 20 cached, 20 decodes after 100 each
-    cache.record_prefill(10, 0.5, forward_tokens=30, chunks=[(20, 10)] + [(100, 1)] * 20)
+    chunks = [(20, 10)] + [(100, 1)] * 20
+    cache.record_prefill(10, 0.5, forward_tokens=30, chunks=chunks)
+    # the first forward of its size: set-up, counted without its time
+    assert cache.stats()["restore_prefill_tokens_per_s"] == cache.config.restore_prefill_rate
+    cache.record_prefill(10, 0.5, forward_tokens=30, chunks=chunks)
     work = model.work_of(20, 10) + 20 * model.work_of(100, 1)
     st = cache.stats()
     # one forward size class: a rate through the origin
-    assert st["recomputed_tokens"] == 20
+    assert st["recomputed_tokens"] == 30
     assert st["restore_prefill_tokens_per_s"] == pytest.approx(work / 0.5)
     assert st["restore_prefill_seconds_per_forward"] == 0.0
     with pytest.raises(RequestError, match="forward_tokens=5 < recomputed_tokens=10"):
@@ -345,6 +351,9 @@ def test_the_prefill_fit_is_a_launch_floor_and_a_slope() -> None:
     fit = PrefillFit(prior=1000.0, weight=0.5)
     assert fit.coefficients() == (0.0, 1e-3)  # the prior
     assert fit.seconds(100) == pytest.approx(0.1)
+    fit.observe(16, 2.5)  # each size's first forward is set-up: not timed
+    fit.observe(4096, 4.0)
+    assert (fit.coefficients(), fit.measurements) == ((0.0, 1e-3), 0)
     for x, s in ((16, 0.030), (4096, 0.120), (16, 0.026)):
         fit.observe(x, s)
     # the 16-token class: (0.5 x 0.030 + 0.026) / 1.5 seconds; slope: the 4096 class's
@@ -356,6 +365,7 @@ def test_the_prefill_fit_is_a_launch_floor_and_a_slope() -> None:
     assert fit.value == pytest.approx(4096 / 0.120)
     # forwards of 16 and 31 units share a class; one class is a rate through the origin
     one = PrefillFit(prior=1000.0, weight=0.5)
+    one.observe(20, 9.0)  # the class's first: not timed
     one.observe(16, 0.016)
     one.observe(31, 0.031 * 3)
     assert one.coefficients() == pytest.approx((0.0, (0.5 * 0.016 + 0.093) / (0.5 * 16 + 31)))
@@ -376,7 +386,7 @@ def test_a_short_prefix_is_recomputed_where_the_forward_costs_its_launch_anyway(
     launch and the 4080 restored tokens' 66 ms of bytes."""
     page = 16 * 131072
     m = CostModel(storage_read=10e9, load=40e9, prefill=1000.0, weight=0.5)
-    for x, s in ((16, 0.030), (4096, 0.119), (16, 0.030)):
+    for x, s in ((16, 3.0), (4096, 5.0), (16, 0.030), (4096, 0.119), (16, 0.030)):
         m.observe("prefill", x, s)
     assert m.plan(Prefix(0, 0, 1008, 63, 16, page, page)) == 0
     assert m.plan(Prefix(0, 0, 4080, 255, 16, page, page)) == 4080
@@ -390,7 +400,7 @@ def test_a_long_recompute_is_priced_by_the_slope_of_the_forwards_measured() -> N
     page = 16 * 131072  # Llama-8B-sized: 128 KiB a token
     for gbps, want in ((10.0, 32768), (2.0, 0)):
         m = CostModel(storage_read=gbps * 1e9, load=5e10, prefill=1000.0, weight=0.1)
-        for x in (16, 4096, 16):
+        for x in (16, 4096, 16, 4096):  # the first of each size is not timed
             m.observe("prefill", x, 0.015 + 28e-6 * x)
         p = Prefix(0, 0, 32768, 2048, 16, page, page)
         assert m.plan(p) == want, gbps
@@ -448,6 +458,31 @@ def test_a_tier_declined_again_and_again_is_probed_with_one_page(tmp_path) -> No
     ld = c.load(m)
     assert (ld.locs.numel(), ld.host_tokens) == (PS, PS)
     c.unlock(m.handle)
+    c.close()
+
+
+def test_a_tier_never_measured_is_probed_at_its_first_decline(tmp_path) -> None:
+    """A slow prior (one page a second) declines the fetch, but it is a guess: the first
+    decline fetches one page, whose read measures the backend; declines after that wait for
+    ``PROBE_AFTER`` again."""
+    _seed(tmp_path)
+    c = _cache(
+        tmp_path,
+        read_rate=PAGE,
+        backend_rate=PAGE * 1e4,
+        restore_prefill_rate=1e6,
+        restore_rate_weight=0.5,
+    )
+    m = c.match(TOKENS + NEW)
+    assert (m.storage_len, len(m.handle.storage_keys)) == (PS, 1)  # the probe
+    assert _serve(c, TOKENS + NEW).storage_tokens == PS
+    c.poll()
+    assert c.stats()["restore_storage_read_bytes_per_s"] != PAGE  # measured
+    c.flush()
+    c.record_prefill(1, 0.5)  # a prefill a million times slower than the prior said...
+    c.record_prefill(1, 1e-6)  # ...then faster: computing 7 pages beats any fetch
+    for _ in range(PROBE_AFTER - 1):
+        assert c.match(TOKENS + NEW).storage_len == 0
     c.close()
 
 
