@@ -116,10 +116,12 @@ def bench_load_or_recompute(
     rng = random.Random(0)
     prompts = {n: [rng.randrange(vocab) for _ in range(n)] for n in lengths}
     warm = [[rng.randrange(vocab) for _ in range(warmup_tokens)] for _ in range(warmups)]
-    colds = [
-        [rng.randrange(vocab) for _ in range(min(warmup_cold_tokens, longest))] for _ in range(2)
-    ]
-    first = [rng.randrange(vocab) for _ in range(2 * page_size)]
+
+    def unseen(n: int) -> list[int]:
+        # drawn per engine: what an earlier engine computed is in the shared L3 and would be
+        # restored, not computed
+        return [rng.randrange(vocab) for _ in range(n)]
+
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     pages = 2 * (longest // page_size) + 64
     with tempfile.TemporaryDirectory(prefix="kvtier-load-or-recompute-") as tmp:
@@ -180,7 +182,8 @@ def bench_load_or_recompute(
             with _closing(engine(cost_cfg, rate)) as llm:
                 # the first forward of each size is set-up, untimed: the second cold prompt
                 # (a long forward) and the warm-up restores (short ones) give the fit its line
-                for p in (first, *colds):
+                cold = min(warmup_cold_tokens, longest)
+                for p in (unseen(2 * page_size), unseen(cold), unseen(cold)):
                     llm.generate([p], one)
                 served = _warm_up(llm, warm, one, cost_cfg.restore_storage_rate)
                 rates = _policy_rates(llm)
