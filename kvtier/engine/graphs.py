@@ -40,6 +40,7 @@ from kvtier.engine import attention, cp, decode_kernel
 from kvtier.engine.batch import SeqSlots
 from kvtier.engine.model import Attention, CausalLM
 from kvtier.errors import IntegrityError
+from kvtier.pools.pinning import no_registrations
 from kvtier.transfer import DeviceKV
 
 if TYPE_CHECKING:
@@ -243,7 +244,8 @@ class DecodeGraphs:
     def _record(self, g: _Graph, b: int, c: int) -> None:
         graph = torch.cuda.CUDAGraph()
         # Recording runs nothing: the eager step just run on these buffers stays the result.
-        with torch.cuda.graph(graph, pool=self._pool):
+        # A host tier pinning in the background would invalidate the capture.
+        with no_registrations(), torch.cuda.graph(graph, pool=self._pool):
             g.logits = self._run(g, b, c)
         g.graph = graph
         self.captures += 1

@@ -39,7 +39,7 @@ import math
 import mmap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,6 +68,20 @@ engine's first request beside it 0.9 s against 1.8 s (``results/startup``)."""
 DEFAULT_ALIGN = 2 << 20
 """Registration boundaries (bytes). Coarser than the 4 KiB OS page on purpose: whatever block
 the driver pins at, two ranges never share one."""
+
+
+_REGISTRATIONS = threading.RLock()
+"""Held around every registration and unregistration (:func:`no_registrations`)."""
+
+
+@contextlib.contextmanager
+def no_registrations() -> Iterator[None]:
+    """No host memory is registered or unregistered by a :class:`HostPinner` while inside
+    (a registration under way finishes first). Hold it across a CUDA graph capture: under the
+    default (global) capture mode a registration from another thread while a stream captures
+    invalidates the capture, and the step that captured fails."""
+    with _REGISTRATIONS:
+        yield
 
 
 class Registrar(Protocol):
@@ -317,9 +331,10 @@ class HostPinner:
             for ptr, nbytes in self.ranges[k]:
                 if self._prepare is not None:
                     self._prepare(ptr, nbytes)
-                t = time.perf_counter()
-                self._registrar.register(ptr, nbytes)
-                held += time.perf_counter() - t
+                with _REGISTRATIONS:
+                    t = time.perf_counter()
+                    self._registrar.register(ptr, nbytes)
+                    held += time.perf_counter() - t
                 self._registered.append(ptr)
             self.driver_seconds += held
             self._last_driver_s = held
@@ -354,7 +369,7 @@ class HostPinner:
         """:meth:`stop`, then unregister every registered range (the buffers stay valid,
         pageable). For the owner's end of life: no device copy may still be using them."""
         self.stop()
-        with self._step:
+        with self._step, _REGISTRATIONS:
             for ptr in self._registered:
                 self._registrar.unregister(ptr)
             self._registered.clear()

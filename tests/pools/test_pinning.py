@@ -16,7 +16,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.pools.host import HostPool
 from kvtier.pools.host_arena import HostArena
-from kvtier.pools.pinning import HostPinner, Region, lazy_zeros, plan_ranges
+from kvtier.pools.pinning import HostPinner, Region, lazy_zeros, no_registrations, plan_ranges
 from kvtier.pools.spec import PoolSpec
 from tests.factories import PS, WINDOW_SPECS
 
@@ -292,6 +292,39 @@ def test_a_pinner_can_stop_between_chunks() -> None:
     pinner.stop()
     assert not pinner.pin_next_chunk() and pinner.ready_items == 2
     assert not pinner.wait(timeout=0)
+
+
+class SignallingRegistrar(FakeRegistrar):
+    """Sets ``entered`` when ``register`` is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.entered.set()
+        super().register(ptr, nbytes)
+
+
+def test_no_registration_runs_inside_no_registrations() -> None:
+    """A CUDA graph capture holds ``no_registrations``: the pinning thread's next chunk waits
+    for its end (a registration during a capture invalidates it), then goes on."""
+    buf = lazy_zeros((8, 16), torch.uint8, align=ALIGN)
+    fake = SignallingRegistrar()
+    pinner = HostPinner([Region.of(buf, 1, 8)], 8, fake, chunk_bytes=32, background=False, align=16)
+    fake.entered.clear()
+    t = threading.Thread(target=pinner.pin_next_chunk)
+    with no_registrations():
+        t.start()
+        # a negative check, bounded: without the lock the call lands within microseconds
+        assert not fake.entered.wait(timeout=0.2)
+        assert pinner.ready_items == 2
+    t.join()
+    assert fake.entered.is_set() and pinner.ready_items == 4
+    with no_registrations():  # the capturing thread itself may register (a re-entrant lock)
+        assert pinner.pin_next_chunk() and pinner.ready_items == 6
+    pinner.release()
+    assert len(fake.unregistered) == len(fake.calls)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
