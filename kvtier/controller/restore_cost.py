@@ -43,9 +43,9 @@ whole forward later on the reference engine). The prefill fit takes the forwards
 reports (``TieredCache.record_prefill``, each with the work of its items), weighted the same
 way within each size class; its prior is ``a = 1 / restore_prefill_rate``, ``c = 0``.
 
-A tier declined ``PROBE_AFTER`` times in a row has its next restore taken anyway (one page
-where a fetch may stop at any page): a rate measured slow once would otherwise never be
-measured again. A tier whose rate was never measured is probed at its first decline: its
+A tier declined ``PROBE_AFTER`` times in a row has its next restore taken anyway (the front
+that moves in the time its tokens take to compute, at least a page, where a fetch may stop at
+any page): a rate measured slow once would otherwise never be measured again. A tier whose rate was never measured is probed at its first decline: its
 prior is a guess, and with the forward's launch time priced a short prefix is never worth
 restoring, so without a probe the rate of a fast tier would stay a guess for 32 requests. Under context parallelism every rank plans from its own rates and the group
 takes the MIN of the planned ends (contract 4: the least any rank would restore); the probe
@@ -479,7 +479,10 @@ class RestoreCost:
     def _probe(self, p: Prefix, end: int) -> int:
         """``end``, or one tier deeper when that tier was declined ``PROBE_AFTER`` times in a
         row (its rate is measured again), or declined at all while its rate was never measured
-        (a prior decides nothing for good)."""
+        (a prior decides nothing for good). A probe takes the front of the tier that, at the
+        current rates, moves in no longer than computing the tier's tokens would take, and
+        at least a page (:meth:`_probe_pages`): one page measures mostly a call's own
+        overhead, and a rate read from it would keep the tier declined."""
         ps = p.page_size
         host_after = PROBE_AFTER if self.model.known("load") else 1
         storage_after = PROBE_AFTER if self.model.known("storage_read") else 1
@@ -488,7 +491,10 @@ class RestoreCost:
                 self.declined["host"] += 1
                 if self.declined["host"] >= host_after:
                     self.declined["host"] = 0
-                    end = min(p.usable, p.device + ps) if p.cuttable else p.usable
+                    pages = -(-(p.usable - p.device) // ps)
+                    per_page = self.model.seconds("load", p.host_page_bytes)
+                    n = self._probe_pages(p.device, p.usable, pages, per_page)
+                    end = min(p.usable, p.device + n * ps) if p.cuttable else p.usable
             else:
                 self.declined["host"] = 0
         if p.stored_pages and end >= p.usable:
@@ -496,11 +502,20 @@ class RestoreCost:
                 self.declined["storage"] += 1
                 if self.declined["storage"] >= storage_after:
                     self.declined["storage"] = 0
-                    one = p.usable + ps if p.cuttable and p.stored_pages > 1 else p.end
-                    end = one
+                    per_page = self.model.seconds("storage_read", p.storage_page_bytes)
+                    per_page += self.model.seconds("load", p.host_page_bytes)
+                    n = self._probe_pages(p.usable, p.end, p.stored_pages, per_page)
+                    end = p.usable + n * ps if p.cuttable and n < p.stored_pages else p.end
             else:
                 self.declined["storage"] = 0
         return end
+
+    def _probe_pages(self, start: int, stop: int, pages: int, per_page: float) -> int:
+        """How many of a tier's ``pages`` (tokens ``[start, stop)``) a probe restores: those
+        that move, at ``per_page`` seconds each, in the time computing the tokens takes."""
+        budget = self.model.forward_seconds(self.model.work_of(start, stop - start))
+        fit = pages if per_page <= 0 else math.floor(budget / per_page)
+        return max(1, min(pages, fit))
 
     def _queued(self, p: Prefix) -> Queued:
         """Bytes queued ahead on each path now: loads in flight (CUDA; a CPU copy is done when

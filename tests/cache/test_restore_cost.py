@@ -486,6 +486,19 @@ def test_a_tier_never_measured_is_probed_at_its_first_decline(tmp_path) -> None:
     c.close()
 
 
+def test_a_probe_takes_the_front_that_moves_in_the_time_computing_it_takes(tmp_path) -> None:
+    """Storage priced at 10 s a page and the prefill at one work unit a second: fetching the
+    8 stored pages (80 s) loses to computing their 32 tokens (42.7 units, attention included:
+    42.7 s), so the first decline probes, with the 4 pages that land in that time, not one."""
+    _seed(tmp_path)
+    c = _cache(tmp_path, read_rate=PAGE / 10, backend_rate=PAGE * 1e4, restore_rate_weight=0.5)
+    work = c.restore_cost.model.work_of(0, 32)
+    assert work == pytest.approx(128 / 3)
+    m = c.match(TOKENS + NEW)
+    assert (m.storage_len, len(m.handle.storage_keys)) == (4 * PS, 4)
+    c.close()
+
+
 # ---- context parallelism ----------------------------------------------------------------------
 def test_a_cp_group_restores_the_least_any_rank_would(tmp_path) -> None:
     """Rank 0's rates say fetch, rank 1's say recompute: both recompute. Without the MIN the
