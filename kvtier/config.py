@@ -166,11 +166,12 @@ class CacheConfig:
     device holds is loaded or fetched) or only where that is faster than computing it again
     (``cost``, ``kvtier.controller.restore_cost``): the time to bring the prefix up (its bytes
     at the measured rate of each tier's path, behind the bytes already queued there) against
-    computing its tokens again (their work at their depth, priced by the slope of a line fitted
-    to the forwards measured: a forward's own cost is paid either way); the cheaper wins, or
-    the front is restored and the rest recomputed. Rates are measured as pages move and
-    forwards run (the engine reports them through ``TieredCache.record_prefill``; its first
-    forward, set-up, untimed), from the priors below until then, and
+    computing its tokens again (a forward takes the longer of its launch time and its work at
+    the tokens' depth, both fitted to the forwards measured; every option pays one forward);
+    the cheaper wins, or the front is restored and the rest recomputed. Rates are measured as
+    pages move and forwards run (the engine reports them through
+    ``TieredCache.record_prefill``; the first forward of each size, set-up, untimed), from the
+    priors below until then (a tier never measured is probed at its first decline), and
     exported in ``stats()`` under both policies. ``always`` is the default because its
     decisions never depend on a clock (the same hits in every run, no collective per match
     under context parallelism); choose ``cost`` where a tier can be slower than computing
