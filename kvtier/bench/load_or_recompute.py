@@ -19,8 +19,10 @@ held to ``R``: ``throttled_file``, a slower device simulated):
 
 Each TTFT is the best of ``repeats`` (device and host flushed before each). Per point:
 ``cost_over_best`` = ``cost_s / min(recompute_s, restore_s)`` and what the policy did
-(``restored_tokens``, ``recomputed_tokens``); ``max_cost_over_best`` over the grid. Rows for one
-``R`` share their engines; lengths run shortest first.
+(``restored_tokens``, ``recomputed_tokens``), and how the cost engine was warmed
+(``warmups_served``, ``warmup_computed_tokens``: the prompts no tier held, computed whole, and
+``policy_rates_before``); ``max_cost_over_best`` over the grid. Rows for one ``R`` share their
+engines; lengths run shortest first.
 
 This module imports only the standard library and ``kvtier.errors`` at import time.
 """
@@ -183,8 +185,10 @@ def bench_load_or_recompute(
                 # the first forward of each size is set-up, untimed: the second cold prompt
                 # (a long forward) and the warm-up restores (short ones) give the fit its line
                 cold = min(warmup_cold_tokens, longest)
+                before = llm.stats()["recomputed_tokens"]
                 for p in (unseen(2 * page_size), unseen(cold), unseen(cold)):
                     llm.generate([p], one)
+                computed = llm.stats()["recomputed_tokens"] - before
                 served = _warm_up(llm, warm, one, cost_cfg.restore_storage_rate)
                 rates = _policy_rates(llm)
                 for n in lengths:
@@ -201,6 +205,7 @@ def bench_load_or_recompute(
                             "restored_tokens": c["restored_tokens"],
                             "recomputed_tokens": c["recomputed_tokens"],
                             "warmups_served": served,
+                            "warmup_computed_tokens": computed,
                             "policy_rates_before": rates,
                         }
                     )

@@ -72,6 +72,9 @@ def test_a_small_grid_reports_every_point() -> None:
         # whole pages restored or computed: the prompt less its last token's page at most
         assert g["restored_tokens"] + g["recomputed_tokens"] == g["prompt_tokens"]
         assert g["restored_tokens"] % 16 == 0
+        # each cost engine computed its warm-up prompts (32 + 2 x 64 tokens) whole: none came
+        # from the L3 an earlier engine wrote, so the fit saw its long forwards
+        assert g["warmup_computed_tokens"] == 32 + 2 * 64
     # at 100 kB/s a 64-token prompt's 3 pages (3 x 16 KiB) take half a second to read: the
     # policy, having measured that rate, computes it instead
     slow = r["grid"][0]
