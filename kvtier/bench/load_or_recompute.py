@@ -82,6 +82,23 @@ def throttled_file(rate: float) -> str:
     return name
 
 
+def file_l3_config(page_size: int, pages: int, device: str, storage_dir: str) -> CacheConfig:
+    """The cache every engine of the grid starts from: ``pages`` device and host pages, a
+    file L3 in ``storage_dir`` with no budget to speak of, fetches waited for whole."""
+    from kvtier.config import CacheConfig
+
+    return CacheConfig(
+        page_size=page_size,
+        device_pages=pages,
+        host_pages=pages,
+        device=device,
+        storage="file",
+        storage_dir=storage_dir,
+        storage_bytes=1 << 50,
+        prefetch_policy="wait_complete",
+    )
+
+
 def bench_load_or_recompute(
     model: str = "llama-8b",
     lengths: Sequence[int] = LENGTHS,
@@ -102,7 +119,7 @@ def bench_load_or_recompute(
     restores)."""
     from kvtier.bench.helpers import logger
     from kvtier.bench.multiturn import MultiTurnConfig, _release, build_bench_model
-    from kvtier.config import CacheConfig, resolve_device
+    from kvtier.config import resolve_device
     from kvtier.engine import SamplingParams
 
     lengths, rates_gbps = sorted(lengths), sorted(rates_gbps)
@@ -127,16 +144,7 @@ def bench_load_or_recompute(
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     pages = 2 * (longest // page_size) + 64
     with tempfile.TemporaryDirectory(prefix="kvtier-load-or-recompute-") as tmp:
-        base = CacheConfig(
-            page_size=page_size,
-            device_pages=pages,
-            host_pages=pages,
-            device=str(dev),
-            storage="file",
-            storage_dir=tmp,
-            storage_bytes=1 << 50,
-            prefetch_policy="wait_complete",
-        )
+        base = file_l3_config(page_size, pages, str(dev), tmp)
 
         def engine(cache: CacheConfig, rate: float | None = None) -> LLM:
             from kvtier.engine import LLM

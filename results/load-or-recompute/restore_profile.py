@@ -15,8 +15,9 @@ import sys
 import tempfile
 import time
 
+from kvtier.bench.load_or_recompute import file_l3_config
 from kvtier.bench.multiturn import MultiTurnConfig, build_bench_model
-from kvtier.config import CacheConfig, resolve_device
+from kvtier.config import resolve_device
 from kvtier.engine import LLM, SamplingParams
 
 
@@ -38,16 +39,7 @@ def main() -> int:
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     pages = 2 * n_max // 16 + 64
     with tempfile.TemporaryDirectory() as tmp:
-        base = CacheConfig(
-            page_size=16,
-            device_pages=pages,
-            host_pages=pages,
-            device=str(dev),
-            storage="file",
-            storage_dir=tmp,
-            storage_bytes=1 << 50,
-            prefetch_policy="wait_complete",
-        )
+        base = file_l3_config(16, pages, str(dev), tmp)
         llm = LLM(net, base, max_running=1, max_prefill_tokens=n_max + 1)
         for p in [warm, *prompts.values()]:
             llm.generate([p], one)
