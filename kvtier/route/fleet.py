@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections import OrderedDict
@@ -46,6 +47,24 @@ class FleetOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.tokenize_cache < 0:
             raise ValueError(f"tokenize_cache must be >= 0, got {self.tokenize_cache}")
+
+
+def reported_rates(health: Any, defaults: Rates) -> Rates | None:
+    """The rates an instance's ``/health`` answer reports (``rates``: tokens per second of
+    prefill, host loads and storage reads, each as measured by its cache), the ``defaults``
+    for what it leaves out; ``None`` when it reports none or a value is not a positive
+    number (that instance is priced with ``defaults``)."""
+    got = health.get("rates") if isinstance(health, dict) else None
+    if not isinstance(got, dict):
+        return None
+    fields = ("prefill_tokens_per_s", "host_tokens_per_s", "storage_tokens_per_s")
+    values = {k: got[k] for k in fields if k in got}
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values.values()):
+        return None
+    try:
+        return dataclasses.replace(defaults, **values)
+    except ValueError:
+        return None
 
 
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int] | None:
@@ -123,6 +142,8 @@ class Fleet:
         try:
             r = await self._client.get(f"{inst.name}/health", timeout=self.options.health_timeout_s)
             ok = r.status_code == 200
+            if ok:
+                inst.rates = reported_rates(r.json(), self.options.rates)
         except Exception:
             ok = False
         if ok and not inst.healthy:
@@ -207,7 +228,7 @@ class Fleet:
                 if size not in hashes:
                     hashes[size] = chain_hashes(tokens, size)
                 match = self.index.match(inst.name, hashes[size])
-            candidates.append(Candidate(inst.name, inst.in_flight, match, stale, size))
+            candidates.append(Candidate(inst.name, inst.in_flight, match, stale, size, inst.rates))
         n = len(tokens) if tokens is not None else 0
         decision = choose(candidates, n, self.options.rates)
         return next(i for i in pool if i.name == decision.name), decision

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvtier.route.scorer import Rates
 from kvtier.route.subscriber import EventSubscriber
 
 
@@ -83,6 +84,9 @@ class Instance:
     """Its ``/v1/models`` cards, read when it joins."""
     page_size: int | None = None
     """Tokens per page, from its model card's ``page_size`` when it has one."""
+    rates: Rates | None = None
+    """The rates its ``/health`` reported at the last check (``None``: it reported none,
+    and the router's ``--*-rate`` defaults price it)."""
     subscriber: EventSubscriber | None = None
 
     @property

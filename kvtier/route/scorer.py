@@ -6,7 +6,9 @@ pages, ``PrefixIndex.match``) is::
 
     (n - d - h - s) / prefill_rate  +  h / host_rate  +  s / storage_rate  +  in_flight * request_cost
 
-Device pages cost nothing (attention reads them where they are). The smallest time wins; ties go
+Device pages cost nothing (attention reads them where they are). Each instance is priced with
+the rates its cache measured (reported by its ``/health``), the router's own where it reports
+none. The smallest time wins; ties go
 to the fewer requests in flight, then to the earlier-listed instance. When some instance's
 events are stale the index cannot be trusted for the comparison, so the request goes to the
 least-loaded instance instead (reason ``stale_events``).
@@ -63,6 +65,8 @@ class Candidate:
     """Its event stream exists but went quiet (no event or heartbeat within the limit)."""
     page_size: int = 16
     """Tokens per page of ``match``."""
+    rates: Rates | None = None
+    """The rates the instance measured (its ``/health``); ``None``: the router's."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,8 @@ def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
 
 def choose(candidates: Sequence[Candidate], prompt_tokens: int, rates: Rates) -> Decision:
     """Where one request goes (module docstring). ``candidates`` are the healthy instances
-    not yet tried for it, in the configured order; raises ``ValueError`` when there are none."""
+    not yet tried for it, in the configured order; ``rates`` price those that report none.
+    Raises ``ValueError`` when there are none."""
     if not candidates:
         raise ValueError("no instance to choose from")
     if len(candidates) == 1:
@@ -109,7 +114,11 @@ def choose(candidates: Sequence[Candidate], prompt_tokens: int, rates: Rates) ->
     ):
         return Decision(least_loaded(candidates).name, "least_loaded")
     scored = [
-        (expected_seconds(prompt_tokens, c.match, c.page_size, c.in_flight, rates), c.in_flight, i)
+        (
+            expected_seconds(prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates),
+            c.in_flight,
+            i,
+        )
         for i, c in enumerate(candidates)
         if c.match is not None
     ]

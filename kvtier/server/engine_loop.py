@@ -157,7 +157,7 @@ class EngineLoop:
     def health(self) -> dict[str, Any]:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
-        ``stopped``; ``storage`` (``None`` without a storage tier): ``backend``, ``healthy``
+        ``stopped``; ``rates`` (:meth:`_rates`); ``storage`` (``None`` without a storage tier): ``backend``, ``healthy``
         (no fault within the window and the backend says it is), ``backend_healthy``,
         ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
         them), ``errors_total``, ``last_error_age_s`` and the backend's own figures
@@ -323,7 +323,7 @@ class EngineLoop:
             return
         self._health_at = now
         backend = self.llm.cache.storage
-        health: dict[str, Any] = {"status": "ok", "storage": None}
+        health: dict[str, Any] = {"status": "ok", "storage": None, "rates": self._rates()}
         if backend is not None:
             # dict() of a Counter copies it in one step under the GIL: the I/O thread may
             # count a fault meanwhile without breaking the copy.
@@ -349,6 +349,20 @@ class EngineLoop:
             }
         with self._lock:
             self._health = health
+
+    def _rates(self) -> dict[str, float]:
+        """The rates the cache measured (its priors until then), in tokens per second: prompt
+        tokens computed, and tokens of KV loaded from host and read from storage (where those
+        tiers exist). ``kvtier route`` prices its choice of instance with them."""
+        cache = self.llm.cache
+        st = cache.stats()
+        rates = {"prefill_tokens_per_s": float(st["restore_prefill_tokens_per_s"])}
+        if cache.host_pool is not None:
+            per_token = cache.host_pool.page_bytes / cache.page_size
+            rates["host_tokens_per_s"] = st["restore_load_bytes_per_s"] / per_token
+            if cache.storage is not None:
+                rates["storage_tokens_per_s"] = st["restore_storage_read_bytes_per_s"] / per_token
+        return rates
 
     def _shutdown(self) -> None:
         self._stopped.set()

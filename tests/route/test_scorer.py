@@ -61,3 +61,16 @@ def test_expected_seconds_and_rate_checks() -> None:
     )
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         Rates(prefill_tokens_per_s=0)
+
+
+def test_each_instance_is_priced_with_the_rates_it_reported() -> None:
+    """The same 4 host pages on both: on the router's rates "a" (listed first) wins the tie;
+    "b" reported a host path ten times faster (its loads measured), so it wins, and an
+    instance that reported nothing keeps the router's rates."""
+    fast = Rates(1000.0, 100000.0, 2000.0, 0.5)
+    a = _c("a", host=4)
+    b = Candidate("b", 0, PrefixMatch(host=4), page_size=16, rates=fast)
+    d = choose([a, b], 128, RATES)
+    assert d.name == "b"
+    assert d.expected_s == pytest.approx(64 / 1000 + 64 / 100000)
+    assert choose([a, _c("b", host=4)], 128, RATES).name == "a"

@@ -1,0 +1,67 @@
+"""The router prices each instance with the rates its ``/health`` reports: read from the JSON
+(``fleet.reported_rates``), and reported by a real ``kvtier serve``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtier.route.fleet import reported_rates
+from kvtier.route.scorer import Rates
+
+DEFAULTS = Rates(8000.0, 200000.0, 40000.0, 0.05)
+
+
+def test_reported_rates_replace_the_defaults_they_name() -> None:
+    got = reported_rates(
+        {"status": "ok", "rates": {"prefill_tokens_per_s": 500, "host_tokens_per_s": 9e4}},
+        DEFAULTS,
+    )
+    assert got == Rates(500.0, 90000.0, 40000.0, 0.05)
+
+
+@pytest.mark.parametrize(
+    "health",
+    [
+        {"status": "ok"},
+        {"rates": None},
+        {"rates": {"prefill_tokens_per_s": 0.0}},
+        {"rates": {"prefill_tokens_per_s": "fast"}},
+        {"rates": {"host_tokens_per_s": True}},
+        {"rates": {"storage_tokens_per_s": float("nan")}},
+        ["not", "a", "dict"],
+    ],
+)
+def test_no_rates_or_a_bad_one_keep_the_defaults(health: object) -> None:
+    assert reported_rates(health, DEFAULTS) is None
+
+
+def test_a_kvtier_server_reports_its_measured_rates() -> None:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import httpx2 as httpx
+    from server_harness import cache_config, start
+
+    from kvtier.route.fleet import Fleet, FleetOptions
+    from kvtier.route.instances import InstanceSpec
+
+    server = start(cache=cache_config(page_size=8))
+    try:
+        h = httpx.get(f"{server.url}/health").json()
+        rates = h["rates"]
+        assert set(rates) == {"prefill_tokens_per_s", "host_tokens_per_s"}
+        assert all(v > 0 for v in rates.values())
+
+        async def join() -> Rates | None:
+            async with httpx.AsyncClient() as client:
+                fleet = Fleet([InstanceSpec(server.url)], FleetOptions(page_size=16), client)
+                await fleet.check_health()
+                return fleet.instances[0].rates
+
+        got = asyncio.run(join())
+        assert got is not None
+        assert got.prefill_tokens_per_s == rates["prefill_tokens_per_s"]
+        assert got.host_tokens_per_s == rates["host_tokens_per_s"]
+    finally:
+        server.stop()
