@@ -180,7 +180,9 @@ def storage_extension(
     tokens found is the run every owner found, whole pages and tail alike."""
     start = m.matched_len
     if m.tail:
-        return [], 0  # nothing hangs below a partial tail
+        # nothing hangs below a partial tail (``TieredCache.match`` asks from the whole pages
+        # before it)
+        return [], 0
     prev = None
     if m.path:
         prev = tree.ensure_keys(m.path[-1], namespace)[m.last_pages - 1]

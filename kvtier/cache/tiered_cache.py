@@ -221,17 +221,21 @@ class TieredCache:
         except RequestError as e:
             raise _token_error(tokens, "match", e) from None
         end = max(align_down(len(tokens), ps), tm.matched_len)
-        device_len, usable = usable_lengths(tm, self.resume, ps, self._on_device)
         keys: list[PageKey] = []
         tail = 0
         io = self.controller.io
         if probe_storage and io is not None:
+            # Nothing hangs below a cached partial tail, but storage may hold the whole page
+            # it is the front of and more (written by a request that ran on, or by another
+            # instance): look from the whole pages before the tail, and take that run where
+            # it reaches past the tail (the fetch replaces the tail in the tree when it lands).
+            whole = truncate_match(tm, tm.matched_len - tm.tail, ps) if tm.tail else tm
             tails = self.engine_pages.tails
             keys, tail = storage_extension(
                 io.backend,
                 self.tree,
                 self.namespace,
-                tm,
+                whole,
                 tokens if tails else tokens[:end],
                 ps,
                 self.resume,
@@ -243,6 +247,13 @@ class TieredCache:
             )
             if len(keys) < self.config.prefetch_min_pages:
                 keys, tail = [], 0
+            if whole is not tm:
+                reach = len(keys) * ps - (ps - tail) % ps if keys else 0
+                if reach > tm.tail:
+                    tm = whole
+                else:
+                    keys, tail = [], 0
+        device_len, usable = usable_lengths(tm, self.resume, ps, self._on_device)
         if self.restore_cost.on:
             usable, keys, tail = self._restore_cut(device_len, usable, tm.matched_len, keys, tail)
         fetched = len(keys) * ps - (ps - tail) % ps if keys else 0

@@ -182,6 +182,7 @@ class Controller:
             self.staging,
         )
         self.prefetcher.leases = self.host_leases
+        self.prefetcher.release_replaced = self.release_replaced
 
     @property
     def storage(self) -> StorageBackend | None:

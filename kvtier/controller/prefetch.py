@@ -29,7 +29,7 @@ from kvtier.pools.host import HostPool
 from kvtier.pools.host_arena import HostArena
 from kvtier.tree.node import Node
 from kvtier.tree.radix import RadixTree
-from kvtier.tree.results import TreeMatch
+from kvtier.tree.results import Evicted, TreeMatch
 
 
 class Prefetcher:
@@ -64,6 +64,8 @@ class Prefetcher:
         self.leases = HostLeases(None)
         """The storage I/O's leases on a relocatable host pool (set by the controller): a
         fetch's pages are leased until committed or freed."""
+        self.release_replaced: Callable[[Evicted], None] | None = None
+        """Frees the pages of a partial tail a fetch replaced (set by the controller)."""
         self._fetching: dict[PageKey, PrefetchOp] = {}
 
     def start(
@@ -149,6 +151,11 @@ class Prefetcher:
         )
         for node in out.taken:
             self.tree.set_origin(node, "storage")
+        if out.dropped.device_pages or out.dropped.host_pages:
+            # a partial tail the fetched pages run on past (``RadixTree.insert``)
+            if self.release_replaced is None:
+                raise IntegrityError("a fetch replaced a partial tail with nobody to free it")
+            self.release_replaced(out.dropped)
         pages = op.pages[lo:hi]
         self.leases.drop(pages)  # verified: the I/O thread is done with them
         if out.duplicates.numel():

@@ -25,8 +25,10 @@ Rules (``RadixTree.match`` / ``insert``)::
     diverge inside the tail                              0 of it      new sibling
 
     * the tail node is dropped with every copy (device, host) when unlocked and idle
-      (no lock, no device or host I/O); otherwise the caller's pages from that page on are
-      duplicates. Host-tier inserts (storage fetches) never drop a tail.
+      (no lock, no device or host I/O); otherwise it stays, a sibling of its longer version
+      (keyed by fewer tokens, so a lookup running on past it finds the longer one), until
+      eviction takes it. The same for host-tier inserts (storage fetches that run on past a
+      cached tail: ``TieredCache.match`` fetches from the whole pages before it).
 """
 
 from __future__ import annotations
@@ -216,9 +218,9 @@ class RadixTree:
         node adopting a copy keeps a checkpoint only where both copies have one.
 
         Partial tails (the module docstring): tokens that run on past a cached partial tail
-        (a longer tail, or a whole page) replace it when ``tier`` is ``device`` and the tail is
-        unlocked and idle: its node is dropped with every copy (``dropped``, the caller frees
-        them). Otherwise the caller's pages from that page on are returned as duplicates.
+        (a longer tail, or a whole page) replace it when the tail is unlocked and idle: its
+        node is dropped with every copy (``dropped``, the caller frees them). Otherwise the
+        tail stays beside the caller's longer pages, which the tree takes all the same.
         """
         ps = self.page_size
         tm = packed(tokens)
@@ -243,9 +245,9 @@ class RadixTree:
             child = node.children.get(key)
             if child is None:
                 stale = shorter_tail(node, key, ps)
-                if stale is not None and not self._replace_tail(stale, tier, dropped):
-                    add_range(dups, p0, n_pages)
-                    break
+                if stale is not None:
+                    # a busy tail stays beside its longer version (a later eviction takes it)
+                    self._replace_tail(stale, tier, dropped)
                 depth = node.depth + node.num_tokens
                 child = Node(id=next(self._ids), parent=node, buf=b"", depth=depth)
                 self.arena.store(child, tm[pos * TOKEN_BYTES :])
@@ -317,7 +319,7 @@ class RadixTree:
     def _replace_tail(self, stale: Node, tier: CopyTier, out: Evicted) -> bool:
         """Drop the partial tail ``stale`` that a longer version replaces, if allowed (see
         ``insert``); its pages go to ``out``. Returns whether it was dropped."""
-        if tier != "device" or stale.lock_ref or stale.device_io or stale.host_io:
+        if stale.lock_ref or stale.device_io or stale.host_io:
             return False
         self.eviction.drop_leaf(stale, out)
         return True

@@ -131,7 +131,7 @@ def test_a_served_tail_is_a_fresh_copy_and_extending_replaces_it(tmp_path):
     c.close()
 
 
-def test_a_locked_tail_is_kept_and_the_longer_copy_freed(tmp_path):
+def test_a_locked_tail_is_kept_beside_the_longer_copy(tmp_path):
     c = make(tmp_path)
     play(c, T)
     a, b = T + [1, 2], T + [3, 4, 5]
@@ -143,16 +143,18 @@ def test_a_locked_tail_is_kept_and_the_longer_copy_freed(tmp_path):
     mb = c.match(b)
     c.lock(mb.handle)  # b pins the tail until its own load
     assert tail.lock_ref == 1
-    c.finish(a, la, lda.locs.numel(), ha)  # the tail is locked: a's page is freed
-    assert shape(c) == [(16, 16, [0]), (21, 5, [1])]
+    # the tail is locked: it stays, and a's longer tail goes in beside it
+    c.finish(a, la, lda.locs.numel(), ha)
+    assert shape(c) == [(16, 16, [0]), (21, 5, [1]), (23, 7, [2])]
     assert c.engine_pages.count == 0
+    assert c.match(a + [9]).cached_len == 23 and c.match(T + [9]).cached_len == 21
     c.check_integrity()
     ldb = c.load(mb)
     assert ldb.locs[16:].tolist() == list(range(48, 53))
     lb = torch.cat((ldb.locs, c.alloc(3, at=21)))
     c.finish(b, lb, ldb.locs.numel(), mb.handle)  # nobody holds it now: b's page replaces it
-    assert shape(c) == [(16, 16, [0]), (24, 8, [3])]
-    assert c.engine_pages.count == 0 and c.device_pool.allocator.used == 2
+    assert shape(c) == [(16, 16, [0]), (23, 7, [2]), (24, 8, [3])]
+    assert c.engine_pages.count == 0 and c.device_pool.allocator.used == 3
     c.check_integrity()
     c.close()
 
@@ -294,6 +296,43 @@ def test_storage_restore_of_a_tail_is_byte_exact(tmp_path, specs):
     c.unlock(m.handle)
     c.check_integrity()
     assert node.in_storage
+    c.close()
+
+
+def test_storage_beyond_a_cached_tail_is_fetched_and_replaces_it(tmp_path):
+    """The tree holds a page and a 5-token tail; storage holds that page, the next one and a
+    9-token tail (a request that ran on, since evicted). A prompt running on past both is
+    matched to the whole page on device and the rest from storage; the fetch replaces the
+    cached tail, and the restored rows are the stored ones, byte for byte."""
+    longer = T + list(range(500, 520))  # 41 tokens: two pages and a tail of 9
+    c = make(tmp_path, write_policy="write_through")
+    _, locs = play(c, longer)
+    c.drain()
+    pages = (locs[16:].div(16, rounding_mode="floor")).unique().tolist()
+    orig = rows(c, pages)  # the second page and the tail's page, as stored
+    c.flush()
+    play(c, T)  # the first page and a 5-token tail: on device, the tail the tree's last page
+    c.drain()  # its backups landed: the tail is idle, and a fetch that runs on past it may drop it
+    m = c.match(longer + [1])
+    assert (m.device_len, m.host_len, m.storage_len) == (16, 0, 25)
+    pf = c.prefetch(m)
+    pf.future.result()
+    c.finish_prefetch(pf)
+    assert [n.num_tokens % 16 for n in c.tree.nodes() if n.tail(16)] == [9]  # the 5 went
+    m = c.match(longer + [1])
+    assert (m.device_len, m.host_len, m.storage_len) == (16, 25, 0)
+    c.lock(m.handle)
+    ld = c.load(m)
+    assert ld.locs.numel() == 41
+    got = ld.locs[16:].div(16, rounding_mode="floor").unique().tolist()
+    assert same(rows(c, got), orig)
+    c.unlock(m.handle)
+    c.check_integrity()
+    # storage that ends inside the cached tail: the tail is served, nothing fetched
+    c.flush()
+    play(c, T)
+    m = c.match(T + [1])
+    assert (m.device_len, m.storage_len) == (21, 0)
     c.close()
 
 

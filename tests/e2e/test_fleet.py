@@ -159,10 +159,6 @@ def serve(i: int, storage_url: str, tmp: Path) -> Proc:
     cmd += ["--device-pages", str(DEVICE_PAGES), "--host-pages", "512"]
     cmd += ["--storage", "mooncake", "--storage-url", storage_url, "--tenant-salt", "fleet"]
     cmd += ["--prefetch-policy", "wait_complete", "--log-level", "warning"]
-    # whole pages only: a tree match that ends in a cached partial page does not continue
-    # into storage (kvtier.cache.resume.storage_extension), and a moved conversation would
-    # then recompute what its earlier instance wrote
-    cmd += ["--no-cache-partial-pages"]
     cmd += ["--kv-events", f"tcp://*:{ev}", "--kv-events-replay", f"tcp://*:{rp}"]
     cmd += ["--kv-events-instance", f"instance-{i}"]
     p = spawn(cmd, tmp / f"serve-{i}.log", f"http://127.0.0.1:{port}")
