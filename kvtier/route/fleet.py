@@ -183,7 +183,8 @@ class Fleet:
         ask = tokenize_request(body, chat)
         if ask is None or isinstance(ask, list):
             return ask
-        key = json.dumps(ask, sort_keys=True)
+        # per model: instances of another model tokenize the same text their own way
+        key = json.dumps([str(body.get("model")), ask], sort_keys=True)
         hit = self._tokens.get(key)
         if hit is not None:
             self._tokens.move_to_end(key)
@@ -210,8 +211,9 @@ class Fleet:
         self, body: dict[str, Any], chat: bool, tried: Sequence[Instance] = ()
     ) -> tuple[Instance, Decision] | None:
         """The instance this request goes to next and why, among the healthy ones not in
-        ``tried``; ``None`` when none is left."""
-        pool = [i for i in self.healthy() if i not in tried]
+        ``tried`` that serve its ``model`` (``Instance.serves``); ``None`` when none is left."""
+        model = body.get("model")
+        pool = [i for i in self.healthy() if i not in tried and i.serves(model)]
         if not pool:
             return None
         tokens: list[int] | None = None

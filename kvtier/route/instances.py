@@ -93,6 +93,12 @@ class Instance:
     def name(self) -> str:
         return self.spec.url
 
+    def serves(self, model: object) -> bool:
+        """Whether a request naming ``model`` belongs here: one of its model cards has that
+        ``id``. A request without a model name (not a string) may go anywhere: the instance
+        answers it as it would without a router."""
+        return not isinstance(model, str) or any(c.get("id") == model for c in self.models)
+
     def page_size_or(self, default: int) -> int:
         """Its page size: the KV events' ``block_size``, else the model card's, else
         ``default`` (``--page-size``)."""

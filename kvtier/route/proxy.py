@@ -34,8 +34,14 @@ FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
 DONE = b"data: [DONE]\n\n"
 
 
-def _error(status: int, message: str, type_: str = "server_error") -> JSONResponse:
-    return JSONResponse(error_body(message, type_), status_code=status)
+def _error(
+    status: int,
+    message: str,
+    type_: str = "server_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
 def _sse_error(message: str) -> bytes:
@@ -110,6 +116,18 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
             return _error(400, "the request body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
+        model = body.get("model")
+        healthy = fleet.healthy()
+        if healthy and not any(i.serves(model) for i in healthy):
+            served = sorted({str(c.get("id")) for i in healthy for c in i.models})
+            return _error(
+                404,
+                f"the model {model!r} does not exist; this fleet serves "
+                + (", ".join(map(repr, served)) or "no model"),
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         stream = body.get("stream") is True
         tried: list[Instance] = []

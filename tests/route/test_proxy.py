@@ -46,6 +46,7 @@ class Stubs:
     def __init__(self, urls: list[str]) -> None:
         self.healthy = dict.fromkeys(urls, True)
         self.mode = dict.fromkeys(urls, "ok")
+        self.model = dict.fromkeys(urls, "tiny")
         self.generated: list[str] = []
         self.release = threading.Event()
 
@@ -55,7 +56,7 @@ class Stubs:
         if path == "/health":
             return httpx.Response(200 if self.healthy[base] else 503, json={"status": "x"})
         if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny", "page_size": 4}]})
+            return httpx.Response(200, json={"data": [{"id": self.model[base], "page_size": 4}]})
         if path == "/tokenize":
             body = json.loads(request.content)
             text = body.get("prompt") or json.dumps(body["messages"])
@@ -252,3 +253,30 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
 def test_a_body_that_is_no_json_object_is_refused(router: Router) -> None:
     r = router.http.post("/v1/completions", content=b"[1]")
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_a_request_goes_to_an_instance_serving_its_model(stubs: Stubs) -> None:
+    """A serves "tiny", B "big": each model's requests go to its own instance whatever the
+    load, a request without a model may go to either, and a model nobody serves is a 404
+    naming what the fleet serves."""
+    stubs.model[B] = "big"
+    r = Router(stubs, [A, B])
+    try:
+        for model, home in (("big", B), ("tiny", A), ("big", B), ("tiny", A)):
+            got = r.http.post("/v1/completions", json={"model": model, "prompt": "x"}).json()
+            assert got["from"] == home, model
+        assert r.http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        bad = r.http.post("/v1/completions", json={"model": "huge", "prompt": "x"})
+        assert bad.status_code == 404
+        err = bad.json()["error"]
+        assert (err["code"], err["param"]) == ("model_not_found", "model")
+        assert "'huge'" in err["message"] and "'big', 'tiny'" in err["message"]
+        ids = sorted(c["id"] for c in r.http.get("/v1/models").json()["data"])
+        assert ids == ["big", "tiny"]
+        # B fails: a "big" request has no other instance to go to
+        stubs.mode[B] = "500"
+        on_a = stubs.generated.count(A)
+        failed = r.http.post("/v1/completions", json={"model": "big", "prompt": "x"})
+        assert failed.status_code == 500 and stubs.generated.count(A) == on_a
+    finally:
+        r.close()
