@@ -38,6 +38,10 @@ class FleetOptions:
     tokenize_timeout_s: float = 2.0
     tokenize_cache: int = 4096
     """Prompts whose token ids are remembered (by text); 0 turns the cache off."""
+    shared_storage: bool = False
+    """Every instance reads one L3 (one Mooncake master and tenant salt): a page any of them
+    stored counts as a storage page of each, so that storage hits, which every instance can
+    take alike, do not pull requests to the instance that wrote them."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -221,6 +225,8 @@ class Fleet:
             tokens = await self.prompt_tokens(body, chat, pool[0])
         candidates = []
         hashes: dict[int, list[int]] = {}
+        # every configured instance: what one that left wrote to the L3 is still there
+        shared = [i.name for i in self.instances] if self.options.shared_storage else []
         for inst in pool:
             size = inst.page_size_or(self.options.page_size)
             sub = inst.subscriber
@@ -229,7 +235,7 @@ class Fleet:
             if sub is not None and not stale and tokens is not None:
                 if size not in hashes:
                     hashes[size] = chain_hashes(tokens, size)
-                match = self.index.match(inst.name, hashes[size])
+                match = self.index.match(inst.name, hashes[size], shared)
             candidates.append(Candidate(inst.name, inst.in_flight, match, stale, size, inst.rates))
         n = len(tokens) if tokens is not None else 0
         decision = choose(candidates, n, self.options.rates)

@@ -91,15 +91,23 @@ class PrefixIndex:
         with self._lock:
             return len(self._pages.get(instance, {}))
 
-    def match(self, instance: str, hashes: Sequence[int]) -> PrefixMatch:
+    def match(
+        self, instance: str, hashes: Sequence[int], shared: Sequence[str] = ()
+    ) -> PrefixMatch:
         """The leading pages of ``hashes`` (a prompt's chained page hashes, in order) that
-        ``instance`` holds, by the cheapest tier holding each (``PrefixMatch``)."""
+        ``instance`` holds, by the cheapest tier holding each (``PrefixMatch``). A page that
+        ``instance`` does not hold but one of ``shared`` (instances whose storage tier it
+        reads: one L3 shared by all) has in storage counts as a storage page."""
         counts = dict.fromkeys(TIERS, 0)
         with self._lock:
             pages = self._pages.get(instance, {})
+            others = [self._pages.get(s, {}) for s in shared if s != instance]
             for h in hashes:
                 tiers = pages.get(h)
-                if not tiers:
+                if tiers:
+                    counts[next(t for t in TIERS if t in tiers)] += 1
+                elif any("storage" in o.get(h, ()) for o in others):
+                    counts["storage"] += 1
+                else:
                     break
-                counts[next(t for t in TIERS if t in tiers)] += 1
         return PrefixMatch(**counts)

@@ -76,6 +76,12 @@ def add_route_command(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="an instance whose KV events (or heartbeats) stopped this long is routed by load",
     )
+    r.add_argument(
+        "--shared-storage",
+        action="store_true",
+        help="the instances share one L3 (one Mooncake master and tenant salt): a page any of "
+        "them stored counts as a storage hit on every instance",
+    )
     r.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
     r.set_defaults(func=route)
 
@@ -115,6 +121,7 @@ def route(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         health_interval_s=args.health_interval_s,
         events_stale_s=args.events_stale_s,
+        shared_storage=args.shared_storage,
     )
 
     async def main() -> None:

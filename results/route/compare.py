@@ -143,6 +143,7 @@ class Settings:
     host_pages: int
     page_size: int
     mooncake: bool
+    shared_storage: bool
     clients: int
     rounds: int
     system_tokens: int
@@ -201,6 +202,8 @@ def front_prefix(s: Settings, procs: list[Proc], stack: ExitStack, events: bool)
     port = free_port()
     cmd = [sys.executable, "-m", "kvtier.cli", "route", "--port", str(port)]
     cmd += ["--log-level", "warning"]
+    if events and s.mooncake and s.shared_storage:
+        cmd += ["--shared-storage"]  # the instances share one Mooncake store
     for p in procs:
         cmd += ["--instance", f"{p.url},events={p.events},replay={p.replay}" if events else p.url]
     r = start("route" if events else "route-least-loaded", cmd, s.logdir)
@@ -424,6 +427,11 @@ def main() -> None:
     ap.add_argument("--host-pages", type=int, default=384, help="per instance")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-mooncake", action="store_true", help="no shared storage tier")
+    ap.add_argument(
+        "--no-shared-storage",
+        action="store_true",
+        help="kvtier route without --shared-storage (each instance credited its own writes)",
+    )
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--system-tokens", type=int, default=256)
@@ -444,6 +452,7 @@ def main() -> None:
         host_pages=args.host_pages,
         page_size=args.page_size,
         mooncake=not args.no_mooncake,
+        shared_storage=not args.no_shared_storage,
         clients=args.clients,
         rounds=args.rounds,
         system_tokens=args.system_tokens,

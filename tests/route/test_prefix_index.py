@@ -44,3 +44,21 @@ def test_mediums_name_tiers() -> None:
     ]
     with pytest.raises(ValueError, match="unknown KV event medium 'tape'"):
         tier_of("tape")
+
+
+def test_a_shared_l3_counts_every_instances_stored_pages_as_storage() -> None:
+    """One L3 for all: b holds page 1 on device, a wrote pages 1-3 to storage and holds 4 on
+    host. With ``shared``, b's match runs on through a's stored pages (storage hits b can
+    take as well as a), but not through a's host page, which only a can load."""
+    ix = PrefixIndex()
+    ix.stored("a", [1, 2, 3], "storage")
+    ix.stored("a", [4], "host")
+    ix.stored("b", [1], "device")
+    prompt = [1, 2, 3, 4]
+    assert ix.match("b", prompt) == PrefixMatch(device=1)
+    assert ix.match("b", prompt, ["a", "b"]) == PrefixMatch(device=1, storage=2)
+    assert ix.match("c", prompt, ["a", "b", "c"]) == PrefixMatch(storage=3)
+    # its own pages, as without sharing
+    assert (
+        ix.match("a", prompt, ["a", "b"]) == ix.match("a", prompt) == PrefixMatch(host=1, storage=3)
+    )
