@@ -242,7 +242,7 @@ def fleet(mooncake_cluster: MooncakeCluster, tmp_path: Path) -> Iterator[tuple[l
             raise failed
         port = free_port()
         cmd = ["route", "--port", str(port), "--health-interval-s", "60"]
-        cmd += ["--log-level", "warning"]
+        cmd += ["--log-level", "warning", "--shared-storage"]  # one Mooncake store for all
         for p in instances:
             cmd += ["--instance", f"{p.url},events={p.events},replay={p.replay}"]
         router = spawn(cmd, tmp_path / "route.log", f"http://127.0.0.1:{port}")
