@@ -149,6 +149,12 @@ def usable_lengths(
     )
 
 
+def run_tokens(keys: Sequence[PageKey], tail: int, page_size: int) -> int:
+    """Tokens a storage run covers: ``keys``' pages, the last holding ``tail`` valid tokens
+    when that is not 0 (``storage_extension``'s result)."""
+    return len(keys) * page_size - (page_size - tail) % page_size if keys else 0
+
+
 def storage_extension(
     backend: StorageBackend,
     tree: RadixTree,

@@ -61,7 +61,7 @@ from kvtier.cache.parts import build_parts
 from kvtier.cache.ranks import handshake, owned_exists
 from kvtier.cache.report import cache_stats, check_cache, check_windows, window_stats
 from kvtier.cache.results import Admission, Handle, InsertResult, LoadResult, MatchResult
-from kvtier.cache.resume import served_prefix, storage_extension, usable_lengths
+from kvtier.cache.resume import run_tokens, served_prefix, storage_extension, usable_lengths
 from kvtier.cache.tail_copy import with_tail_copy
 from kvtier.config import CacheConfig
 from kvtier.controller import PrefetchOp
@@ -248,15 +248,14 @@ class TieredCache:
             if len(keys) < self.config.prefetch_min_pages:
                 keys, tail = [], 0
             if whole is not tm:
-                reach = len(keys) * ps - (ps - tail) % ps if keys else 0
-                if reach > tm.tail:
+                if run_tokens(keys, tail, ps) > tm.tail:
                     tm = whole
                 else:
                     keys, tail = [], 0
         device_len, usable = usable_lengths(tm, self.resume, ps, self._on_device)
         if self.restore_cost.on:
             usable, keys, tail = self._restore_cut(device_len, usable, tm.matched_len, keys, tail)
-        fetched = len(keys) * ps - (ps - tail) % ps if keys else 0
+        fetched = run_tokens(keys, tail, ps)
         if tail:  # the fetch's last page is a partial tail: the handle's tokens end with it
             end = tm.matched_len + fetched
         storage_len = tm.matched_len + fetched - usable if keys else 0
@@ -270,7 +269,7 @@ class TieredCache:
         again (``RestoreCost.restore_end``; on every rank of a CP group alike: its arguments
         are the same everywhere)."""
         ps = self.page_size
-        stored = matched + len(keys) * ps - (ps - tail) % ps - usable if keys else 0
+        stored = matched + run_tokens(keys, tail, ps) - usable if keys else 0
         if usable == device_len and not keys:
             return usable, keys, tail  # nothing to restore
         end = self.restore_cost.restore_end(

@@ -308,18 +308,18 @@ class CostModel:
 
     def prefill_fit(self) -> tuple[float, float]:
         """``(c, a)`` of the prefill fit (``PrefillFit.coefficients``)."""
-        fit = self.rates["prefill"]
-        if not isinstance(fit, PrefillFit):
-            raise IntegrityError("cost model: the prefill path is not a fit")
-        return fit.coefficients()
+        return self._fit().coefficients()
 
     def forward_seconds(self, work: float) -> float:
         """How long the forward computing ``work`` units takes (``PrefillFit.seconds``: its
         launch time included, which every plan pays at least once)."""
+        return self._fit().seconds(work)
+
+    def _fit(self) -> PrefillFit:
         fit = self.rates["prefill"]
         if not isinstance(fit, PrefillFit):
             raise IntegrityError("cost model: the prefill path is not a fit")
-        return fit.seconds(work)
+        return fit
 
     def rate(self, path: str) -> float:
         """``path``'s current rate."""
