@@ -109,12 +109,17 @@ def replay_all(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
 
 
 # ---- the publisher ---------------------------------------------------------------------------
-def test_live_stream_seqs_are_contiguous_and_replay_returns_the_missed_batches():
-    port, rport = free_port(), free_port()
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
+def subscriber(port: int) -> zmq.Socket:
+    """A SUB socket bound on ``port`` (the publisher connects to it), subscribed to all."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
+def test_live_stream_seqs_are_contiguous_and_replay_returns_the_missed_batches():
+    port, rport = free_port(), free_port()
+    sub = subscriber(port)
     pub = ZmqPublisher(
         f"tcp://127.0.0.1:{port}",
         f"tcp://127.0.0.1:{rport}",
@@ -195,10 +200,7 @@ def test_a_full_queue_drops_and_counts_without_blocking():
 
 def test_an_idle_publisher_sends_heartbeats_that_replay_keeps():
     port, rport = free_port(), free_port()
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(f"tcp://127.0.0.1:{port}")
+    sub = subscriber(port)
     pub = ZmqPublisher(
         f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", topic="idle", heartbeat_s=0.05
     )
