@@ -167,8 +167,10 @@ class ZmqPublisher:
                     self.heartbeat_s is not None
                     and time.monotonic() - last_sent >= self.heartbeat_s
                 ):
-                    self._send(event_batch(time.time(), []))
+                    # Counted before the send: a subscriber that has received heartbeat n
+                    # must already see ``heartbeats > n`` here.
                     self.heartbeats += 1
+                    self._send(event_batch(time.time(), []))
                     last_sent = time.monotonic()
                 continue
             self._send(batch)
