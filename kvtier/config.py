@@ -272,10 +272,11 @@ class CacheConfig:
     scale per page, layer and KV head (per latent block for MLA): half of a 16-bit pool's host
     bytes, a quarter of a float32 one's, and so about twice (four times) the pages in the same
     ``host_bytes``. Lossy: the page is quantized on device → host backup and dequantized on
-    host → device load. Components not marked lossy by the model (indexer keys, recurrent
-    state, window rows, draft hidden states) stay exact. Part of the L3 namespace. CPU only
-    for now (a CUDA device refuses it at start); refuses ``host_compaction``,
-    ``backup_timing='per_layer'`` and ``cp_size > 1``, and needs ``enable_host=True``."""
+    host → device load, on the device (on CUDA the link carries the coded bytes; the host
+    pool must be pinned). Under context parallelism each rank codes the pages it owns.
+    Components not marked lossy by the model (indexer keys, recurrent state, window rows, draft
+    hidden states) stay exact. Part of the L3 namespace. Refuses ``host_compaction`` and
+    ``backup_timing='per_layer'``, and needs ``enable_host=True``."""
     test_completion_polls: int = 0
     """For tests only, never in production: every device <-> host copy and every storage I/O
     completes, as ``poll`` sees it, only after a random number (0 to this many) of completion
@@ -442,11 +443,6 @@ class CacheConfig:
             raise ConfigError(
                 f"{codec} with backup_timing='per_layer' is not supported: the per-layer copy "
                 "path moves raw rows; use backup_timing='at_insert' or kv_codec='none'"
-            )
-        if self.cp_size > 1:
-            raise ConfigError(
-                f"{codec} with cp_size={self.cp_size} is not supported yet: use cp_size=1 or "
-                "kv_codec='none'"
             )
 
     def _check_host_mode(self) -> None:

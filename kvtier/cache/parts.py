@@ -60,8 +60,7 @@ def build_pools(
 ) -> Pools:
     """The device pool (a ``UnifiedPool`` arena when the set has a ``window`` pool), the host
     pool when ``config.enable_host`` (holding ``config.kv_codec``'s host specs, sized by their
-    page bytes), and under CP the layout's translator. A codec on a CUDA device raises
-    ``ConfigError`` (the coded copy is CPU only)."""
+    page bytes), and under CP the layout's translator."""
     cp = config.cp_size
     on_device = None
     dev: DevicePool | UnifiedPool
@@ -72,11 +71,6 @@ def build_pools(
         dev = DevicePool(specs, config.device_pages, page_size, device, cp)
     host = None
     codec = get_codec(config.kv_codec)
-    if codec.dtype is not None and device.type == "cuda":
-        raise ConfigError(
-            f"kv_codec={config.kv_codec!r} on {device}: the CUDA codec is not available yet "
-            "(host pages are coded on CPU caches only); use kv_codec='none' or device='cpu'"
-        )
     if config.enable_host:
         pin = config.pin_host if config.pin_host is not None else torch.cuda.is_available()
         # Sized by the host's own page bytes: a coded pool fits more pages in ``host_bytes``.

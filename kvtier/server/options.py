@@ -119,7 +119,7 @@ CACHE_FLAGS: tuple[CacheFlag, ...] = (
         "kv_codec",
         "choice",
         "how host and storage tiers hold attention KV: none (exact), fp8_e4m3 or int8 (one "
-        "byte per element plus a scale per page and head; lossy, CPU only for now)",
+        "byte per element plus a scale per page and head; lossy)",
         "none",
         HOST,
         choices=("none", "fp8_e4m3", "int8"),

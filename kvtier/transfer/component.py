@@ -358,16 +358,25 @@ def device_rows_view(
     return dview.reshape(-1, words), layers, dev.num_pages, 0
 
 
+CODED_TEMP_BYTES = 64 << 20
+"""Largest float32 temporary of one coded chunk on CUDA: each chunk is a handful of kernel
+launches (gather, scale, cast, two row copies), so chunks are large enough that launches do not
+bound a copy of GiBs (``FALLBACK_TEMP_BYTES`` bounds them on CPU, where large temporaries cost
+page faults)."""
+
+
 @dataclass(slots=True)
 class CodedRows:
     """A lossy component held in coded form in the host pool (``kvtier.pools.codec``): rows
-    are quantized on their way to the host and dequantized on their way back. CPU only; the
-    row numbers are those of :class:`ComponentRows` (one row is one page of one layer), the
-    host codes and scales being laid out alike.
+    are quantized on their way to the host and dequantized on their way back, on the device
+    that holds the device pool. The row numbers are those of :class:`ComponentRows` (one row is
+    one page of one layer), the host codes and scales being laid out alike.
 
     ``device`` is ``[device rows, row elements of a page]`` in the device element type,
-    ``codes`` ``[host rows, row elements of a page]`` raw bytes of the codec's element type,
-    ``scales`` ``[host rows, groups]`` float32."""
+    ``codes`` ``[host rows, row words]`` (the codec's one-byte elements as 4-byte words where a
+    row's bytes allow, else as bytes), ``scales`` ``[host rows, groups]`` float32. On CUDA
+    ``mapped_codes`` and ``mapped_scales`` are device views of the pinned host rows: the link
+    carries the coded bytes, and the host never touches a row."""
 
     geo: RowGeometry
     spec: PoolSpec
@@ -375,10 +384,15 @@ class CodedRows:
     device: torch.Tensor
     codes: torch.Tensor
     scales: torch.Tensor
+    mapped_codes: torch.Tensor | None = None
+    mapped_scales: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, dev: DevicePool | UnifiedPool, host: HostPool, spec: PoolSpec) -> CodedRows:
-        """Rows of coded component ``spec`` (a device spec) between ``dev`` and ``host``."""
+    def of(
+        cls, dev: DevicePool | UnifiedPool, host: HostPool, spec: PoolSpec, mapped: bool = False
+    ) -> CodedRows:
+        """Rows of coded component ``spec`` (a device spec) between ``dev`` and ``host``;
+        ``mapped``: a pinned host pool on CUDA (rows cross by kernel through its device view)."""
         flat, layers, pages, stride = device_rows_view(dev, spec.name)
         r = spec.rows_per_page(host.page_size)
         numel = r * spec.row_numel
@@ -388,10 +402,9 @@ class CodedRows:
                 f"component {spec.name!r}: a device row holds {device.shape[1]} elements, a "
                 f"coded host row {numel}"
             )
-        # Raw bytes: CPU index ops do not take float8 tensors.
-        codes = host.buffers[spec.name].view(torch.uint8).view(-1, numel)
-        scales = host.buffers[spec.name + SCALE_SUFFIX]
-        scales = scales.view(-1, scales.shape[-1])
+        # Raw words: index ops and row kernels do not take float8 tensors.
+        word = torch.int32 if numel % 4 == 0 else torch.uint8
+        hcodes, hscales = host.buffers[spec.name], host.buffers[spec.name + SCALE_SUFFIX]
         geo = RowGeometry(
             layers=layers,
             row_bytes=numel * spec.dtype.itemsize,
@@ -400,27 +413,90 @@ class CodedRows:
             host_layout=host.layout,
             device_layer_stride=stride,
         )
-        return cls(geo, spec, host.codec, device, codes, scales)
+        rows = cls(geo, spec, host.codec, device, *_coded_views(hcodes, hscales, word))
+        if mapped:
+            views = _coded_views(
+                map_pinned(hcodes, dev.device), map_pinned(hscales, dev.device), word
+            )
+            rows.mapped_codes, rows.mapped_scales = views
+        return rows
+
+    def warm_up(self) -> None:
+        """Compile the row kernels of the coded rows and scales (see
+        :meth:`ComponentRows.warm_up`)."""
+        for t in (self.codes, self.scales):
+            compile_kernels(
+                t.shape[1], t.dtype, self.device.device, self.geo.layers, False, staged=False
+            )
 
     def cpu(self, direction: str, pages: PageLists) -> None:
-        """Synchronous coded copy between CPU tensors: ``d2h`` encodes, ``h2d`` decodes, in
-        chunks of bounded temporaries."""
+        """Synchronous coded copy between CPU tensors: ``d2h`` encodes, ``h2d`` decodes."""
         h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
+        queue_all(self._chunks(direction, h, d, self.codes, self.scales, FALLBACK_TEMP_BYTES))
+
+    def kernel(self, direction: str, pages: PageLists, op: TransferOp) -> Iterator[int]:
+        """The coded copy on CUDA, on the current stream, through the device views of the
+        pinned host rows. A generator of chunks (see :meth:`ComponentRows.kernel`)."""
+        if self.mapped_codes is None or self.mapped_scales is None:
+            raise IntegrityError(
+                f"coded copy of {self.spec.name!r} on CUDA without a device view of the host "
+                "pool (a pageable host pool)"
+            )
+        hg, dg = pages.on_gpu(self.device.device, op)
+        h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
+        codes, scales = self.mapped_codes, self.mapped_scales
+        yield from self._chunks(direction, h, d, codes, scales, CODED_TEMP_BYTES, op)
+
+    def _chunks(
+        self,
+        direction: str,
+        h: torch.Tensor,
+        d: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        temp_bytes: int,
+        op: TransferOp | None = None,
+    ) -> Iterator[int]:
+        """Rows ``d`` of the device coded into host rows ``h`` of ``codes``/``scales``
+        (``d2h``), or back (``h2d``), in chunks of at most ``temp_bytes`` of float32
+        temporaries, on the rows' device. Yields a chunk's coded bytes, then queues it when
+        resumed; ``op`` (CUDA) keeps each chunk's temporaries until the copy is done."""
+        spec, codec = self.spec, self.codec
         numel = self.device.shape[1]
-        step = max(1, FALLBACK_TEMP_BYTES // (numel * 4))  # float32 temporaries
-        spec = self.spec
-        for lo in range(0, h.numel(), step):
+        step = max(1, temp_bytes // (numel * 4))
+        n = h.numel()
+        for lo in range(0, n, step):
             hi, di = h[lo : lo + step], d[lo : lo + step]
+            k = hi.numel()
+            yield k * (codes.shape[1] * codes.element_size() + scales.shape[1] * 4)
+            at = torch.arange(k, device=hi.device)
             if direction == "d2h":
                 x = self.device.index_select(0, di)
-                codes, scale = self.codec.encode(x.view(x.shape[0], -1, spec.row_numel), spec)
-                self.codes.index_copy_(0, hi, codes.view(torch.uint8).view(x.shape[0], numel))
-                self.scales.index_copy_(0, hi, scale)
+                coded, scale = codec.encode(x.view(k, -1, spec.row_numel), spec)
+                words = coded.view(torch.uint8).view(k, -1).view(codes.dtype)
+                copy_rows(words, at, codes, hi, ctas=PCIE_CTAS)
+                copy_rows(scale, at, scales, hi, ctas=PCIE_CTAS)
+                temps = [x, words, scale]
             else:
-                codes = self.codes.index_select(0, hi).view(self.codec.dtype)
-                codes = codes.view(hi.numel(), -1, spec.row_numel)
-                x = self.codec.decode(codes, self.scales.index_select(0, hi), spec)
-                self.device.index_copy_(0, di, x.view(hi.numel(), numel))
+                words = torch.empty((k, codes.shape[1]), dtype=codes.dtype, device=hi.device)
+                scale = torch.empty((k, scales.shape[1]), dtype=scales.dtype, device=hi.device)
+                copy_rows(codes, hi, words, at, ctas=PCIE_CTAS)
+                copy_rows(scales, hi, scale, at, ctas=PCIE_CTAS)
+                coded = words.view(torch.uint8).view(codec.dtype).view(k, -1, spec.row_numel)
+                x = codec.decode(coded, scale, spec).view(k, numel)
+                self.device.index_copy_(0, di, x)
+                temps = [words, scale, x]
+            if op is not None:
+                op.keepalive += [at, *temps]
+
+
+def _coded_views(
+    codes: torch.Tensor, scales: torch.Tensor, word: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``[host rows, row words]`` views of a coded component's host buffer and of its
+    scale sidecar's ``[host rows, groups]``."""
+    rows = scales.numel() // scales.shape[-1]
+    return codes.view(torch.uint8).view(rows, -1).view(word), scales.view(rows, -1)
 
 
 def component_rows(
@@ -429,18 +505,17 @@ def component_rows(
     """Every component's rows, in pool order; with a ``pinned`` host pool (on CUDA) each has a
     device view of its host rows and its kernels compiled and loaded (rows cross PCIe by kernel,
     or stage, only from a pinned pool). A component the host pool's codec holds coded gets
-    :class:`CodedRows` (CPU copies only)."""
+    :class:`CodedRows`."""
     codec = getattr(host, "codec", CODECS["none"])  # a host arena holds every component exactly
     rows: dict[str, ComponentRows | CodedRows] = {}
     for s in dev.specs:
         if codec.codes(s):
-            rows[s.name] = CodedRows.of(dev, host, s)
+            rows[s.name] = CodedRows.of(dev, host, s, mapped=pinned)
         else:
             rows[s.name] = ComponentRows.of(dev, host, s.name, mapped=pinned)
     if pinned:
         for r in rows.values():
-            if isinstance(r, ComponentRows):
-                r.warm_up()
+            r.warm_up()
     return rows
 
 

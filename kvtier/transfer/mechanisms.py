@@ -14,7 +14,7 @@ import torch
 
 from kvtier.transfer import dma
 from kvtier.transfer.chunks import queue_all
-from kvtier.transfer.component import ComponentRows
+from kvtier.transfer.component import CodedRows, ComponentRows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.plan import DIRECT, KERNEL, STAGED, choose
@@ -45,7 +45,7 @@ class Mechanisms:
     def chunks(
         self,
         name: str,
-        r: ComponentRows,
+        r: ComponentRows | CodedRows,
         direction: str,
         pages: PageLists,
         stream: torch.cuda.Stream,
@@ -61,6 +61,11 @@ class Mechanisms:
         warning) and the component is copied again by kernel: the rows already queued are
         rewritten with the same bytes, so nothing is lost.
         """
+        if isinstance(r, CodedRows):
+            # Coded on the device by torch kernels, the coded rows crossing by row kernel.
+            op.paths[name] = "coded"
+            yield from r.kernel(direction, pages, op)
+            return None
         if not self.pinned:
             op.paths[name] = "unpinned"
             yield pages.host.numel() * r.geo.layers * r.geo.row_bytes

@@ -8,8 +8,8 @@ kernel through a device view of the pinned host pool, chosen by block size
 their own (a backup never delays a load) and complete asynchronously: ``TransferOp.done()`` polls
 an event without blocking. On CPU copies are synchronous and ops are born done; the caller's
 visibility rules are the same. A component the host pool holds through a page codec
-(``kvtier.pools.codec``) is encoded on its way to the host and decoded on its way back (CPU
-only: a CUDA mover refuses such a host pool).
+(``kvtier.pools.codec``) is encoded on its way to the host and decoded on its way back, on the
+device (so the link carries coded bytes; on CUDA the host pool must be pinned).
 """
 
 from __future__ import annotations
@@ -123,11 +123,11 @@ class Mover:
                 "copy-engine transfers (cuMemcpyBatchAsync, driver 12.8+): use 'auto' or 'kernel'"
             )
         codec = getattr(host_pool, "codec", None)
-        if self.cuda and codec is not None and any(codec.codes(s) for s in device_pool.specs):
+        if self.cuda and not pinned and codec is not None and codec.dtype is not None:
             raise ConfigError(
-                f"kv_codec={codec.name!r} on {device_pool.device}: the CUDA codec is not "
-                "available yet (the coded copy runs on CPU caches only); use kv_codec='none' "
-                "or device='cpu'"
+                f"kv_codec={codec.name!r} on {device_pool.device} needs a pinned host pool (the "
+                "coded rows cross by kernel through its device view): use pin_host=True or "
+                "kv_codec='none'"
             )
         self.rows = component_rows(device_pool, host_pool, pinned)
         self.coded = [n for n, r in self.rows.items() if isinstance(r, CodedRows)]
@@ -404,7 +404,8 @@ class Mover:
         for them at the end (unless ``overlap``)."""
         stream, anchor = self._stream(self.load_stream), self.dev.specs[0].name
         stream.wait_stream(compute)
-        overlap = overlap and self.pinned and anchor in pages
+        # A coded anchor is decoded in chunks of rows, not layer by layer: loaded whole.
+        overlap = overlap and self.pinned and anchor in pages and anchor not in self.coded
         for name, part in pages.items():
             if not (overlap and name == anchor) and part.device.numel():
                 yield from self.mechanisms.chunks(name, self.rows[name], "h2d", part, stream, op)

@@ -18,8 +18,9 @@ FAMILY = {"dsa-compressed": {"index_page_size": 8, "index_kpool": 2}}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
 
 
-def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
-    """``storage_dir`` is a directory (file L3), a ``mooncake://`` URL or ``None`` (no L2/L3)."""
+def cache_config(storage_dir: str | None, cp: int, rank: int, codec: str = "none") -> CacheConfig:
+    """``storage_dir`` is a directory (file L3), a ``mooncake://`` URL or ``None`` (no L2/L3);
+    ``codec`` is ``kv_codec`` (it needs the host tier)."""
     mooncake = storage_dir is not None and storage_dir.startswith("mooncake://")
     return CacheConfig(
         page_size=PAGE,
@@ -35,12 +36,13 @@ def cache_config(storage_dir: str | None, cp: int, rank: int) -> CacheConfig:
         cp_rank=rank,
         cp_pattern="zigzag" if cp > 2 else "round_robin",
         debug_checks=True,
+        kv_codec=codec,
     )
 
 
-def make_llm(family: str, storage_dir: str | None, group=None) -> LLM:
+def make_llm(family: str, storage_dir: str | None, group=None, codec: str = "none") -> LLM:
     cp, rank = (group.size, group.rank) if group is not None else (1, 0)
-    cfg = cache_config(storage_dir, cp, rank)
+    cfg = cache_config(storage_dir, cp, rank, codec)
     return LLM(
         preset(family, **FAMILY.get(family, {})),
         cfg,
@@ -106,13 +108,15 @@ def live(
     prompts: list[list[int]],
     base: list[int],
     follow: list[list[int]],
+    codec: str = "none",
 ) -> dict:
     """Cold at CP, then a device hit, then a host restore (device flushed); the bytes of the
     shared prefix as first written and after the host restore. Then, device flushed again,
     the follow-up turns (``follow``: each prompt, its answer and a question): each resumes
     from the valid partial tail its first turn cached, restored from host and continued
-    through a tail copy on the tail page's owner."""
-    llm = make_llm(family, storage_dir, group)
+    through a tail copy on the tail page's owner. ``codec``: the host and storage tiers'
+    ``kv_codec``."""
+    llm = make_llm(family, storage_dir, group, codec)
     first = _gen(llm, prompts)
     llm.cache.drain()
     rows = snapshot(llm, base)
@@ -145,11 +149,12 @@ def restore(
     prompts: list[list[int]],
     base: list[int],
     follow: list[list[int]],
+    codec: str = "none",
 ):
     """A fresh group (any CP size) on the storage ``live`` filled: the shared prefix from
     storage alone (its bytes), then the follow-up turns (resuming from the partial tails
     ``live`` stored), then the prompts."""
-    llm = make_llm(family, storage_dir, group)
+    llm = make_llm(family, storage_dir, group, codec)
     m = llm.cache.match(base)
     pf = llm.cache.prefetch(m)
     llm.cache.drain()
@@ -170,8 +175,9 @@ def restore_solo(
     prompts: list[list[int]],
     base: list[int],
     follow: list[list[int]],
+    codec: str = "none",
 ):
-    return restore(None, family, storage_dir, prompts, base, follow)
+    return restore(None, family, storage_dir, prompts, base, follow, codec)
 
 
 def die_mid_write(group, storage_dir: str, prompts: list[list[int]]) -> str:

@@ -22,11 +22,11 @@ TOLERANCE = {"fp8_e4m3": 0.1, "int8": 0.03}
 """About 3.5 times the largest |Δlogit| measured on CPU (``results/kv-codec/README.md``)."""
 
 
-def make_llm(codec: str, storage_dir: Path | None = None) -> LLM:
+def make_llm(codec: str, storage_dir: Path | None = None, device: str = "cpu") -> LLM:
     cfg = CacheConfig(
         page_size=16,
         device_pages=64,
-        device="cpu",
+        device=device,
         storage="file" if storage_dir else None,
         storage_dir=str(storage_dir) if storage_dir else "unused",
         prefetch_policy="wait_complete",
@@ -36,9 +36,10 @@ def make_llm(codec: str, storage_dir: Path | None = None) -> LLM:
     return LLM(preset("tiny"), cfg, max_running=1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
-def test_tiny_restores_through_a_codec_within_the_measured_tolerance(tmp_path, codec):
-    cold_llm = make_llm("none")
+def test_tiny_restores_through_a_codec_within_the_measured_tolerance(tmp_path, codec, device):
+    cold_llm = make_llm("none", device=device)
     vocab = cold_llm.model_config.vocab_size
     rng = random.Random(5)
     base = [rng.randrange(vocab) for _ in range(CONTEXT)]
@@ -50,7 +51,7 @@ def test_tiny_restores_through_a_codec_within_the_measured_tolerance(tmp_path, c
         expected.append(Expected(list(out.output_ids), out.logits))
     cold_llm.close()
 
-    llm = make_llm(codec, tmp_path / "l3")
+    llm = make_llm(codec, tmp_path / "l3", device)
     llm.generate([base], GREEDY)
     host_diffs = []
     for p, e in zip(ps, expected, strict=True):
@@ -59,7 +60,7 @@ def test_tiny_restores_through_a_codec_within_the_measured_tolerance(tmp_path, c
         assert out.cached_device == 0 and out.cached_host >= len(p) - 2 - 16
         host_diffs.append(compare(out.output_ids, out.logits, e))
     llm.close()
-    fresh = make_llm(codec, tmp_path / "l3")
+    fresh = make_llm(codec, tmp_path / "l3", device)
     storage_diffs = []
     for p, e in zip(ps, expected, strict=True):
         out = fresh.generate([p], GREEDY)[0]
