@@ -92,6 +92,7 @@ def _transfer(a: argparse.Namespace) -> dict[str, Any]:
             target_mib=a.target_mib,
             host_pages=a.host_pages,
             repeats=a.repeats,
+            kv_codec=a.kv_codec,
         )
 
     if a.family == "all":
@@ -342,6 +343,13 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         choices=("churned", "random"),
         default="churned",
         help="host pages as a host tier hands them out after churn, or random ones",
+    )
+    p.add_argument(
+        "--kv-codec",
+        choices=("none", "fp8_e4m3", "int8"),  # CacheConfig's KV_CODECS (help imports no torch)
+        default="none",
+        help="also time copies into a host pool holding the KV coded (fp8_e4m3, int8), "
+        "against the uncoded copies of the same run",
     )
     p.add_argument(
         "--repeats",

@@ -22,7 +22,9 @@ the end of the step that produced the request's first token. Outputs are greedy 
 ``ignore_eos``: every request generates exactly ``output_tokens``.
 
 Configurations (``MultiTurnConfig.configs``), each a fresh engine: ``device`` (no host tier),
-``host`` (device + a host tier, by default holding the whole working set), ``host+file`` (a
+``host`` (device + a host tier, by default holding the whole working set), ``host-coded`` (the
+host tier of ``host_bytes`` holding the attention KV through ``kv_codec``: about twice the pages
+of a 16-bit model in the same bytes; its bound prices loads at the uncoded bytes), ``host+file`` (a
 small host tier + the file L3 in a fresh directory), ``file-prepopulated`` (small host + a file
 L3 that an earlier engine filled over the same workload, the ``host+file`` run's directory or an
 untimed pass of its own, device and host empty: the first round is served from storage), and
@@ -110,7 +112,7 @@ if TYPE_CHECKING:
     from kvtier.engine import LLM, RequestOutput
 
 WORKLOADS = ("multiturn", "longdoc")
-CONFIGS = ("device", "host", "host+file", "file-prepopulated", "mooncake")
+CONFIGS = ("device", "host", "host-coded", "host+file", "file-prepopulated", "mooncake")
 """Every configuration the benchmark knows, in the order it runs them."""
 DEFAULT_CONFIGS = ("device", "host", "host+file", "file-prepopulated")
 """What runs unless told otherwise (``mooncake`` joins them when ``mooncake_url`` is given)."""
@@ -272,6 +274,9 @@ class MultiTurnConfig:
     """Host tier of ``host``, bytes (instead of ``host_tokens``)."""
     small_host_tokens: int | None = None
     """Host tier of the configurations with L3, tokens (``None``: ``device_tokens``)."""
+    kv_codec: str = "fp8_e4m3"
+    """``CacheConfig.kv_codec`` of ``host-coded``: the ``host`` tier's bytes (``host_bytes``)
+    holding the attention KV coded, so about twice the pages of a 16-bit model."""
     configs: tuple[str, ...] = DEFAULT_CONFIGS
     """Configurations to run, of ``CONFIGS`` (run in that order; the first one is the
     reference the others' outputs are compared with)."""
@@ -352,6 +357,14 @@ class MultiTurnConfig:
             )
         if len(set(self.configs)) != len(self.configs):
             raise ConfigError(f"configs names a configuration twice: {self.configs!r}")
+        if "host-coded" in self.configs:
+            if self.host_bytes is None:
+                raise ConfigError(
+                    "configs has 'host-coded', which compares host tiers of equal bytes: set "
+                    "host_bytes (--host-bytes)"
+                )
+            if self.kv_codec == "none":
+                raise ConfigError("configs has 'host-coded' but kv_codec is 'none'")
         if "mooncake" in self.configs and not self.mooncake_url:
             raise ConfigError("configs has 'mooncake' but no mooncake_url is given")
         if not isinstance(self.model, str) and not dataclasses.is_dataclass(self.model):
@@ -758,6 +771,8 @@ def cache_config(
     )
     if name == "device":
         return dataclasses.replace(base, enable_host=False)
+    if name == "host-coded":
+        return dataclasses.replace(base, host_bytes=cfg.host_bytes, kv_codec=cfg.kv_codec)
     if name == "host":
         if cfg.host_bytes is not None:
             return dataclasses.replace(base, host_bytes=cfg.host_bytes)
@@ -1242,6 +1257,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "host tier of the configurations with L3, tokens (default: --device-tokens)",
     )
     parser.add_argument(
+        "--kv-codec",
+        choices=("fp8_e4m3", "int8"),
+        default="fp8_e4m3",
+        help="kv_codec of 'host-coded' (the host tier of --host-bytes holding the KV coded)",
+    )
+    parser.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
         help=f"comma-separated configurations of {', '.join(CONFIGS)} (default: "
@@ -1293,6 +1314,7 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
         host_tokens=args.host_tokens,
         host_bytes=args.host_bytes,
         small_host_tokens=args.small_host_tokens,
+        kv_codec=args.kv_codec,
         configs=names,
         mooncake_url=args.mooncake_url,
         storage_dir=args.storage_dir,

@@ -17,9 +17,11 @@ FAMILIES = ("dense", "mla", "dsa", "dsa-compressed", "hybrid", "swa")
 
 
 def family_pool_set(family: str, dtype: torch.dtype = torch.bfloat16) -> list[PoolSpec]:
-    """The pool set of ``family`` (anchor first)."""
-    mla = PoolSpec("kv", 61, (512 + 64,), dtype)
-    gqa = PoolSpec("kv", 32, (2, 8, 128), dtype)
+    """The pool set of ``family`` (anchor first). The attention KV is ``lossy`` as the engine's
+    families mark it (a page codec may hold it coded; one scale per KV head, per 64-element
+    latent block for MLA)."""
+    mla = PoolSpec("kv", 61, (512 + 64,), dtype, lossy=True, scale_block=64)
+    gqa = PoolSpec("kv", 32, (2, 8, 128), dtype, lossy=True)
     sets = {
         "dense": [gqa],
         "swa": [gqa],
@@ -30,7 +32,7 @@ def family_pool_set(family: str, dtype: torch.dtype = torch.bfloat16) -> list[Po
             PoolSpec("index_rows", 61, (128,), dtype, kind="sidecar", tokens_per_row=64),
         ],
         "hybrid": [
-            PoolSpec("kv", 8, (2, 8, 128), dtype),
+            PoolSpec("kv", 8, (2, 8, 128), dtype, lossy=True),
             PoolSpec("state", 24, (4096 * (3 + 16),), dtype, kind="state"),
         ],
     }

@@ -16,6 +16,7 @@ from kvtier.bench.helpers import gbps, logger
 from kvtier.bench.host_runs import churned, mean_run
 from kvtier.bench.pool_sets import family_pool_set
 from kvtier.errors import ConfigError, IntegrityError
+from kvtier.pools.codec import get_codec
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
 from kvtier.pools.spec import PoolSpec, tree_page_size
@@ -68,6 +69,7 @@ def bench_transfer(
     staging_mib: int | None = None,
     target_mib: int | None = None,
     host_pages: str = "churned",
+    kv_codec: str = "none",
 ) -> dict:
     """Time ``Mover`` copies of ``num_pages`` scattered pages of one GQA KV pool and a single
     contiguous ``copy_`` of the same byte count, in each direction, in the same process.
@@ -101,8 +103,14 @@ def bench_transfer(
     once; its GB/s count the bytes of both directions. ``both_whole`` times the same pair queued
     one after the other (the backup whole, then the load), the order without ``exchange``.
 
+    ``kv_codec`` (``fp8_e4m3``, ``int8``) also times the same copies into a host pool holding
+    the lossy KV coded (``kvtier.pools.codec``), after checking that a roundtrip gives the
+    codec's decode of the source rows exactly (and every other component byte for byte):
+    ``codec`` reports host bytes per page against ``none`` and, per direction, logical bytes
+    (the device pages' bytes) over time against the uncoded copies of the same run.
+
     Returns ``{"bench": "transfer", "device", "sizes", "verified", "repeats", "d2h", "h2d",
-    "both", "both_whole"}`` where
+    "both", "both_whole", "codec"}`` where
     each direction has ``paths`` (the mechanism per component), ``gbps``, ``median_gbps``, ``contiguous_gbps``, ``contiguous_median_gbps``,
     ``ratio`` (best scattered / best contiguous) and ``median_ratio``.
     """
@@ -116,13 +124,14 @@ def bench_transfer(
         raise ConfigError(f"host_pages={host_pages!r} is not one of {', '.join(HOST_PAGES)}")
     if target_mib is not None and target_mib <= 0:
         raise ConfigError(f"target_mib={target_mib} must be positive")
+    codec = get_codec(kv_codec)
     cuda = dev.type == "cuda"
     row = (2, num_kv_heads, head_dim)
     if family is not None:
         specs = family_pool_set(family, tdtype)
         page_size = tree_page_size(page_size, specs)
     else:
-        specs = [PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)]
+        specs = [PoolSpec("kv", num_layers, row, tdtype, lossy=True)]
     if target_mib is not None:
         num_pages = max(1, (target_mib << 20) // sum(s.page_bytes(page_size) for s in specs))
     requested = {"num_pages": num_pages, "num_layers": num_layers}
@@ -135,13 +144,18 @@ def bench_transfer(
         if not cuda:
             layer_page = PoolSpec("kv", 1, row, tdtype).page_bytes(page_size)
             num_pages, num_layers = _fit_cpu(num_pages, num_layers, layer_page)
-        specs = [PoolSpec(name="kv", num_layers=num_layers, row_shape=row, dtype=tdtype)]
+        specs = [PoolSpec("kv", num_layers, row, tdtype, lossy=True)]
     spec = specs[0]
     pool_pages = 2 * num_pages
     dpool = DevicePool(specs, pool_pages, page_size, dev)
     hpool = HostPool(specs, 2 * pool_pages, page_size, layout=host_layout, pin=cuda)
     staging = STAGING_BYTES if staging_mib is None else staging_mib << 20
     mover = Mover(dpool, hpool, staging_bytes=staging)
+    coded_pool = coded_mover = None
+    if codec.dtype is not None:
+        pin = cuda
+        coded_pool = HostPool(specs, 2 * pool_pages, page_size, host_layout, pin, codec=codec)
+        coded_mover = Mover(dpool, coded_pool, staging_bytes=staging)
     total = num_pages * dpool.page_bytes
     sizes = {
         "family": family or "single GQA pool",
@@ -246,13 +260,48 @@ def bench_transfer(
         if not torch.equal(pages_of(dst), orig):
             raise RuntimeError("host_to_device: restored device pages differ from the originals")
 
+    def coded_d2h() -> None:
+        assert coded_mover is not None
+        op = coded_mover.device_to_host(src, hpages)
+        op.wait()
+        op.complete()
+        paths["coded_d2h"] = op.paths
+
+    def coded_h2d() -> None:
+        assert coded_mover is not None
+        op = coded_mover.host_to_device(hpages, dst)
+        op.wait()
+        paths["coded_h2d"] = op.paths
+
+    def verify_coded() -> None:
+        want = {}
+        for s in specs:
+            view = dpool.page_bytes_view(s.name).view(s.dtype)  # [layers, pages, elements]
+            x = view.index_select(1, src.to(dev))
+            if codec.codes(s):
+                rows = x.reshape(-1, s.rows_per_page(page_size), s.row_numel)
+                x = codec.decode(*codec.encode(rows, s), s).view(x.shape)
+            want[s.name] = _bytes(x)
+        coded_d2h()
+        coded_h2d()
+        sync()
+        for s in specs:
+            got = dpool.page_bytes_view(s.name).view(s.dtype).index_select(1, dst.to(dev))
+            if not torch.equal(_bytes(got), want[s.name]):
+                raise RuntimeError(f"kv_codec={codec.name!r}: restored {s.name!r} rows differ")
+
     verify()
+    if coded_mover is not None:
+        verify_coded()
     phases: list[tuple[str, Callable[[], object]]] = [
         ("d2h", d2h),
         ("contiguous_d2h", lambda: chost.copy_(cdev)),
         ("h2d", h2d),
         ("contiguous_h2d", lambda: cdev.copy_(chost)),
     ]
+    if coded_mover is not None:
+        phases += [("coded_d2h", coded_d2h), ("d2h_again", d2h)]
+        phases += [("coded_h2d", coded_h2d), ("h2d_again", h2d)]
     if cuda:  # both directions at once only mean something with two copy engines
         phases += [("both", both), ("contiguous_both", contiguous_both)]
         phases += [("both_whole", both_whole), ("contiguous_both_whole", contiguous_both)]
@@ -285,6 +334,27 @@ def bench_transfer(
             "median_ratio": med / cmed,
         }
 
+    def coded(name: str) -> dict:
+        # Against the uncoded copies of both passes (each pair ran back to back).
+        plain = min(times[name] + times[f"{name}_again"])
+        best = gbps(total, min(times[f"coded_{name}"]))
+        return {
+            "paths": paths.get(f"coded_{name}", {}),
+            "logical_gbps": best,
+            "none_gbps": gbps(total, plain),
+            "ratio": best / gbps(total, plain),
+        }
+
+    coded_result = None
+    if coded_pool is not None:
+        coded_result = {
+            "kv_codec": codec.name,
+            "host_page_bytes": coded_pool.page_bytes,
+            "host_page_bytes_none": hpool.page_bytes,
+            "pages_per_gib_ratio": hpool.page_bytes / coded_pool.page_bytes,
+            "d2h": coded("d2h"),
+            "h2d": coded("h2d"),
+        }
     out = {
         "bench": "transfer",
         "device": str(dev),
@@ -295,6 +365,7 @@ def bench_transfer(
         "h2d": direction("h2d"),
         "both": direction("both") if cuda else None,
         "both_whole": direction("both_whole") if cuda else None,
+        "codec": coded_result,
     }
     _log(
         f"ratio scattered/contiguous: d2h {out['d2h']['ratio']:.2f}, h2d {out['h2d']['ratio']:.2f}"

@@ -323,6 +323,8 @@ def test_a_request_that_ends_early_fails_the_run() -> None:
         ({"context_tokens": -1}, "context_tokens must be an integer >= 0"),
         ({"logit_tolerance": -0.5}, "logit_tolerance must be a number >= 0"),
         ({"judge_max": 0}, "judge_max must be a positive integer"),
+        ({"configs": ("device", "host-coded")}, "compares host tiers of equal bytes"),
+        ({"configs": ("host-coded",), "host_bytes": 1 << 20, "kv_codec": "none"}, "is 'none'"),
     ],
 )
 def test_bad_options_fail_naming_them(change: dict, match: str) -> None:
@@ -333,6 +335,18 @@ def test_bad_options_fail_naming_them(change: dict, match: str) -> None:
 def test_a_device_pool_smaller_than_a_request_fails_before_any_engine() -> None:
     with pytest.raises(ConfigError, match="device_tokens=128 cannot hold one request of up to 184"):
         mt.bench_multiturn(replace(TINY, device_tokens=128))
+
+
+def test_a_coded_host_tier_holds_more_of_the_working_set_in_the_same_bytes() -> None:
+    # 12 float32 pages of the tiny model (4 layers x 16 tokens x 128 x 4 bytes); coded, a page
+    # takes 8,256 bytes, so the same bytes hold 47 of the working set's 49 pages
+    cfg = replace(TINY, configs=("host", "host-coded"), host_bytes=12 * 32768, kv_codec="int8")
+    r = mt.bench_multiturn(cfg)
+    plain, coded = r["configs"]["host"], r["configs"]["host-coded"]
+    assert (plain["cache"]["host_tokens"], coded["cache"]["host_tokens"]) == (12 * 16, 47 * 16)
+    assert coded["tokens"]["host"] > plain["tokens"]["host"]
+    assert coded["tokens"]["recomputed"] < plain["tokens"]["recomputed"]
+    assert r["tokens_add_up"]
 
 
 def test_mooncake_joins_the_configurations_with_a_url() -> None:
