@@ -75,7 +75,8 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
     """What ``/tokenize`` of ``kvtier serve`` is asked for this generation request's prompt
     (chat: its messages, rendered with the generation prompt as the chat route does), the
     prompt's token ids when it already is ids, or ``None`` when there is nothing to tokenize.
-    A batch of prompts is routed by its first."""
+    A text prompt keeps the request's ``add_special_tokens``. A batch of prompts is routed by
+    its first."""
     if chat:
         messages = body.get("messages")
         return {"messages": messages} if isinstance(messages, list) and messages else None
@@ -86,7 +87,13 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
         prompt = prompt[0]
         if isinstance(prompt, list):
             return [t for t in prompt if isinstance(t, int)]
-    return {"prompt": prompt} if isinstance(prompt, str) else None
+    if not isinstance(prompt, str):
+        return None
+    special = body.get("add_special_tokens")  # as the instance will encode the text
+    return {
+        "prompt": prompt,
+        **({"add_special_tokens": special} if isinstance(special, bool) else {}),
+    }
 
 
 class Fleet:

@@ -310,14 +310,18 @@ def parse_completion(
     tokenizer: Any = None,
     seeds: random.Random | None = None,
 ) -> Parsed:
-    """A ``/v1/completions`` body; raises ``APIError``. ``seeds`` draws the seed of a
-    sampled request that gives none (``--seed``)."""
+    """A ``/v1/completions`` body; raises ``APIError``. A text ``prompt`` is encoded with the
+    tokenizer's special tokens (a leading BOS) unless ``add_special_tokens`` is false (vLLM's
+    extension). ``seeds`` draws the seed of a sampled request that gives none (``--seed``)."""
     check_model(body, info)
     _refuse_unsupported(body, chat=False)
     stream, usage = _stream(body)
     prompt = _prompt(body)
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
     if isinstance(prompt, str):
-        prompt = encode_text(tokenizer, prompt, "prompt")
+        prompt = encode_text(tokenizer, prompt, "prompt", special)
     params, _ = _params(body, "max_tokens", 16, False, seeds)
     _check_length(prompt, params[0], info, "prompt")
     return Parsed(prompt, params, stream, usage, "prompt")

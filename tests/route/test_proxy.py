@@ -23,7 +23,7 @@ pytest.importorskip("zmq")  # the prefix test starts event subscribers
 import httpx2 as httpx
 
 from kvtier.events.hashing import chain_hashes
-from kvtier.route.fleet import Fleet, FleetOptions
+from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import InstanceSpec
 from kvtier.route.proxy import create_app
 
@@ -248,6 +248,17 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
         router.instance(B).in_flight = 0
     finally:
         router.close()
+
+
+def test_a_text_prompt_is_tokenized_as_the_instance_will_encode_it() -> None:
+    assert tokenize_request({"prompt": "ab"}, False) == {"prompt": "ab"}
+    no_bos = {"prompt": "ab", "add_special_tokens": False}
+    assert tokenize_request(no_bos, False) == no_bos
+    assert tokenize_request({"prompt": "ab", "add_special_tokens": "no"}, False) == {"prompt": "ab"}
+    assert tokenize_request({"prompt": [5, 6]}, False) == [5, 6]
+    assert tokenize_request({"messages": [{"role": "user", "content": "x"}]}, True) == {
+        "messages": [{"role": "user", "content": "x"}]
+    }
 
 
 def test_a_body_that_is_no_json_object_is_refused(router: Router) -> None:

@@ -218,7 +218,31 @@ BAD = [
         "stop_token_ids",
         "invalid_value",
     ),
+    (
+        {"model": "tiny", "prompt": "hi", "add_special_tokens": "no"},
+        400,
+        "add_special_tokens",
+        "invalid_value",
+    ),
 ]
+
+
+def test_a_text_prompt_takes_a_bos_unless_told_not_to(srv) -> None:
+    c = client(srv)
+    text = "text prompts"
+    ids = list(text.encode())
+    want = cold(ids, SamplingParams(max_tokens=3, temperature=0.0)).output_ids
+    plain = c.completions.create(
+        model="tiny",
+        prompt=text,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"add_special_tokens": False},
+    )
+    assert plain.usage.prompt_tokens == len(ids)
+    assert plain.choices[0].model_extra["token_ids"] == want
+    with_bos = c.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0)
+    assert with_bos.usage.prompt_tokens == len(ids) + 1
 
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), BAD)
