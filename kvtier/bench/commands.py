@@ -191,6 +191,7 @@ def _serve(a: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"{flags(wrong)}: for the in-process servers, not with --url")
     common = {"workload": a.workload, "model": a.model, "url": a.url, "api_key": a.api_key}
     common["device"] = a.device
+    common["prompt_format"] = a.prompt_format
     if chat:
         out = given("output_tokens")
         cfg = ServeBenchConfig(
@@ -491,6 +492,14 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "served model name (default: the one the server lists at /v1/models)",
     )
     p.add_argument("--api-key", default=None, help="bearer key the server at --url expects")
+    p.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="multiturn, longdoc: prompts as token ids, or as text (printable ASCII, for "
+        "fronts that route on text; needs a byte-level tokenizer such as the presets') "
+        "(default ids)",
+    )
     p.add_argument(
         "--clients",
         type=positive_int,

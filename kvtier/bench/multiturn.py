@@ -410,15 +410,15 @@ class MultiTurnWorkload:
     every user turn is drawn up front, so every configuration sends the same prompts as long
     as the answers agree."""
 
-    def __init__(self, cfg: MultiTurnConfig, vocab: int) -> None:
+    def __init__(self, cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> None:
         rng = random.Random(cfg.seed)
+        ids = (first_id, vocab)
         self.rounds = cfg.rounds
-        self.system = _draw(rng, vocab, cfg.system_tokens)
+        self.system = _draw(rng, ids, cfg.system_tokens)
         self.user = [
-            [_draw(rng, vocab, cfg.new_tokens) for _ in range(cfg.rounds)]
-            for _ in range(cfg.clients)
+            [_draw(rng, ids, cfg.new_tokens) for _ in range(cfg.rounds)] for _ in range(cfg.clients)
         ]
-        self.context = [_draw(rng, vocab, cfg.context_tokens) for _ in range(cfg.clients)]
+        self.context = [_draw(rng, ids, cfg.context_tokens) for _ in range(cfg.clients)]
         self.num_requests = cfg.clients * cfg.rounds
         self.output_tokens = cfg.output_tokens
         self.new_tokens = cfg.new_tokens
@@ -451,11 +451,12 @@ class MultiTurnWorkload:
 class LongDocWorkload:
     """Documents asked questions: round 0 in document order, then the other rounds shuffled."""
 
-    def __init__(self, cfg: MultiTurnConfig, vocab: int) -> None:
+    def __init__(self, cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> None:
         rng = random.Random(cfg.seed)
-        self.docs = [_draw(rng, vocab, cfg.document_tokens) for _ in range(cfg.documents)]
+        ids = (first_id, vocab)
+        self.docs = [_draw(rng, ids, cfg.document_tokens) for _ in range(cfg.documents)]
         self.questions = [
-            [_draw(rng, vocab, cfg.question_tokens) for _ in range(cfg.rounds)]
+            [_draw(rng, ids, cfg.question_tokens) for _ in range(cfg.rounds)]
             for _ in range(cfg.documents)
         ]
         later = [(d, r) for r in range(1, cfg.rounds) for d in range(cfg.documents)]
@@ -493,15 +494,16 @@ class LongDocWorkload:
 Workload = MultiTurnWorkload | LongDocWorkload
 
 
-def _draw(rng: random.Random, vocab: int, n: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
+def _draw(rng: random.Random, ids: tuple[int, int], n: int) -> list[int]:
+    return [rng.randrange(*ids) for _ in range(n)]
 
 
-def make_workload(cfg: MultiTurnConfig, vocab: int) -> Workload:
-    """The workload ``cfg`` names over a vocabulary of ``vocab`` ids."""
+def make_workload(cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> Workload:
+    """The workload ``cfg`` names over token ids ``first_id`` to ``vocab - 1`` (``bench serve``'s
+    text prompts draw printable ASCII)."""
     if cfg.workload == "multiturn":
-        return MultiTurnWorkload(cfg, vocab)
-    return LongDocWorkload(cfg, vocab)
+        return MultiTurnWorkload(cfg, vocab, first_id)
+    return LongDocWorkload(cfg, vocab, first_id)
 
 
 # ---- the closed loop --------------------------------------------------------------------

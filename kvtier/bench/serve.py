@@ -73,6 +73,10 @@ REMOTE = "server"
 REMOTE_VOCAB = 256
 """Token ids of the prompts sent to a remote server are below this (its vocabulary is unknown
 here; every model has this many ids)."""
+PROMPT_FORMATS = ("ids", "text")
+"""How ``multiturn``/``longdoc`` prompts are sent (``ServeBenchConfig.prompt_format``)."""
+TEXT_IDS = (32, 127)
+"""Token ids of text prompts: printable ASCII, each one byte and one character."""
 LOOP_KEYS = (
     "cache",
     "wall_s",
@@ -165,6 +169,12 @@ class ServeBenchConfig:
     """Seed of the user turns (``chat``)."""
     timeout_s: float = 120.0
     """Socket timeout of one request."""
+    prompt_format: str = "ids"
+    """``multiturn``/``longdoc``: ``ids`` sends each prompt as token ids; ``text`` as a string
+    (with ``add_special_tokens: false``) for fronts that route on text, the workload drawn in
+    printable ASCII (``TEXT_IDS``) and each turn's history grown by the answer's text as
+    streamed. It needs a server whose tokenizer gives each byte one id (the presets' byte
+    tokenizer): a request whose ``usage`` counts other than its bytes fails, naming it."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -201,6 +211,13 @@ class ServeBenchConfig:
             raise ConfigError(f"model must be a non-empty string or None, got {self.model!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ConfigError("api_key must be a non-empty string or None")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ConfigError(
+                f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got "
+                f"{self.prompt_format!r}"
+            )
+        if self.prompt_format == "text" and self.workload == "chat":
+            raise ConfigError("prompt_format='text' is for the multiturn and longdoc workloads")
         if self.url is not None:
             parts = urlsplit(self.url)
             if parts.scheme != "http" or not parts.hostname:
@@ -228,6 +245,8 @@ class Sample:
     recomputed: int = 0
     served_by: str = "none"
     reply: list[int] = field(default_factory=list)
+    reply_text: str = ""
+    """The answer's text as streamed (``choices[].text`` joined)."""
     error: str = ""
     """What the server said about a failed request (its error message, shortened)."""
 
@@ -300,6 +319,7 @@ class _Client:
                 if ids and s.ttft_s is None:
                     s.ttft_s = time.perf_counter() - start
                 s.reply.extend(ids)
+                s.reply_text += choice.get("text") or ""
             usage = obj.get("usage")
             if usage:
                 details = usage["prompt_tokens_details"]
@@ -416,17 +436,38 @@ def _client(
         client.close()
 
 
-def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """A greedy streaming completion of exactly ``max_tokens`` tokens, usage included."""
-    return {
+def request_body(
+    model: str, prompt: list[int], max_tokens: int, text: bool = False
+) -> dict[str, Any]:
+    """A greedy streaming completion of exactly ``max_tokens`` tokens, usage included; with
+    ``text`` the prompt goes as the string its ids are the UTF-8 bytes of, encoded without
+    special tokens."""
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": prompt,
+        "prompt": bytes(prompt).decode("utf-8") if text else prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if text:
+        body["add_special_tokens"] = False
+    return body
+
+
+def _text_history(turn: Turn, s: Sample) -> list[int] | None:
+    """What a text-prompt answer adds to its conversation's history: its text's bytes (as the
+    server will encode the next prompt); ``None`` (and ``s`` failed, naming why) when the
+    server counted the prompt's tokens otherwise than its bytes."""
+    if s.prompt_tokens != len(turn.prompt):
+        s.status = "tokenizer"
+        s.error = (
+            f"the server counted {s.prompt_tokens} tokens in a text prompt of {len(turn.prompt)} "
+            "bytes: prompt_format='text' needs a tokenizer that gives each byte one id"
+        )
+        return None
+    return list(s.reply_text.encode("utf-8"))
 
 
 def summarize(cfg: ServeBenchConfig, samples: list[Sample], wall_s: float) -> dict[str, Any]:
@@ -621,6 +662,7 @@ def run_closed_loop(
     api_key: str | None,
     timeout_s: float,
     progress: Progress,
+    text: bool = False,
 ) -> tuple[list[tuple[Turn, Sample]], float]:
     """``workload`` against the server at ``url`` with at most ``loop.concurrency`` requests in
     flight, one keep-alive connection per slot (a thread each): a slot starts a ready turn
@@ -628,8 +670,9 @@ def run_closed_loop(
     finished, and the turns a finished request makes ready (``workload.after``) join the queue.
     A failed ``multiturn`` request ends its conversation (its next turn needs the answer; its
     turns left count as failed for ``progress``); a failed ``longdoc`` question still counts
-    for the warm-up. Returns every request sent with its sample, in finishing order, and the
-    wall time."""
+    for the warm-up. ``text``: prompts go as text (``ServeBenchConfig.prompt_format``) and an
+    answer adds its text's bytes to the history. Returns every request sent with its sample,
+    in finishing order, and the wall time."""
     cond = threading.Condition()
     ready = workload.initial()
     flying = 0
@@ -652,15 +695,19 @@ def run_closed_loop(
                     flying += 1
                 s = Sample(turn.conversation, turn.round, "connection")
                 try:
-                    client.complete(request_body(model, turn.prompt, workload.output_tokens), s)
+                    body = request_body(model, turn.prompt, workload.output_tokens, text)
+                    client.complete(body, s)
                 except Exception as e:  # noqa: BLE001 - an unparsable answer fails this request only
                     client.close()
                     s.status, s.error = "unreadable", f"{type(e).__name__}: {e}"[:200]
+                history = s.reply
+                if text and s.status == "200":
+                    history = _text_history(turn, s)
                 with cond:
                     flying -= 1
                     done.append((turn, s))
-                    if s.status == "200":
-                        ready.extend(workload.after(turn, s.reply))
+                    if s.status == "200" and history is not None:
+                        ready.extend(workload.after(turn, history))
                     elif longdoc:
                         ready.extend(workload.after(turn, []))
                     cond.notify_all()
@@ -787,12 +834,20 @@ def _bench_closed_loop(cfg: ServeBenchConfig, quiet: bool) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
     workload: mt.Workload | None = None  # drawn once, over the served model's vocabulary
+    text = cfg.prompt_format == "text"
+
+    def draw(vocab: int) -> mt.Workload:
+        return (
+            mt.make_workload(loop, TEXT_IDS[1], TEXT_IDS[0])
+            if text
+            else mt.make_workload(loop, vocab)
+        )
 
     def measure(name: str, url: str, model: str, workload: mt.Workload, shown: bool = True) -> None:
         bar = Progress(name, probe.num_requests, shown=shown and not quiet)
         try:
             done, wall = run_closed_loop(
-                url, model, workload, loop, cfg.api_key, cfg.timeout_s, bar
+                url, model, workload, loop, cfg.api_key, cfg.timeout_s, bar, text
             )
         finally:
             bar.close()
@@ -801,7 +856,7 @@ def _bench_closed_loop(cfg: ServeBenchConfig, quiet: bool) -> dict[str, Any]:
     if cfg.url:
         _wait_health(cfg.url)
         model = _check_context(cfg.url, cfg.model, cfg.api_key, longest, cfg.timeout_s)
-        workload = mt.make_workload(loop, REMOTE_VOCAB)
+        workload = draw(REMOTE_VOCAB)
         measure(REMOTE, cfg.url, model, workload)
         device = None
     else:
@@ -827,7 +882,7 @@ def _bench_closed_loop(cfg: ServeBenchConfig, quiet: bool) -> dict[str, Any]:
             _wait_health(server.url)
             _check_context(server.url, model, None, longest, cfg.timeout_s)
             if workload is None:
-                workload = mt.make_workload(loop, _vocab(server))
+                workload = draw(_vocab(server))
             return workload
 
         with tempfile.TemporaryDirectory(

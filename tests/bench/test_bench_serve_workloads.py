@@ -7,6 +7,7 @@ are the same token ids in every configuration."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,15 +16,17 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from kvtier.bench.commands import serve_failure
-from kvtier.bench.multiturn import MultiTurnConfig, make_workload
+from kvtier.bench.multiturn import MultiTurnConfig, Turn, make_workload
 from kvtier.bench.serve import (
     LOOP_KEYS,
     LOOP_REQUEST_KEYS,
     Sample,
     ServeBenchConfig,
+    _text_history,
     bench_serve,
     loop_result,
     loop_summary,
+    request_body,
 )
 from kvtier.cli import main
 from kvtier.errors import ConfigError
@@ -172,3 +175,42 @@ def test_outputs_that_differ_from_the_first_runs_fail_the_run() -> None:
     assert [c["mismatched_requests"] for c in r["configs"].values()] == [0, 1]
     assert r["outputs_match"] is False and r["requests"] == r["requests_ok"] == 2
     assert serve_failure(r) == "host: 1 request(s) differ from device"
+
+
+@pytest.mark.slow  # two servers in turn
+def test_text_prompts_grow_by_the_answers_text_and_find_their_history() -> None:
+    cfg = ServeBenchConfig(
+        workload="multiturn",
+        device="cpu",
+        prompt_format="text",
+        closed_loop=replace(MULTITURN, configs=("device", "host")),
+    )
+    r = bench_serve(cfg)
+    _check(r, ["device", "host"], requests=12, output_tokens=4)
+    for name, c in r["configs"].items():
+        first = {rec["conversation"]: rec for rec in c["requests"] if rec["round"] == 0}
+        assert all(rec["prompt_tokens"] == 32 + 16 for rec in first.values())
+        for rec in (rec for rec in c["requests"] if rec["round"] == 1):
+            # the history grew by the answer's text: 4 tokens of which a byte may read as a
+            # 3-byte replacement character, so 4 to 12 bytes
+            grown = rec["prompt_tokens"] - first[rec["conversation"]]["prompt_tokens"] - 16
+            assert 4 <= grown <= 12, (name, rec)
+            # the first prompt's text is sent byte for byte: with the host tier holding every
+            # page, all of it is found (without, the device pool may have let it go)
+            assert _served(rec) >= (48 if name == "host" else 32), (name, rec)
+
+
+def test_a_text_prompt_is_its_ids_bytes_and_a_miscounting_server_fails_the_request() -> None:
+    body = request_body("tiny", [104, 105], 4, text=True)
+    assert (body["prompt"], body["add_special_tokens"]) == ("hi", False)
+    assert "add_special_tokens" not in request_body("tiny", [104, 105], 4)
+    turn = Turn(0, 0, [104, 105])
+    ok = Sample(0, 0, "200", prompt_tokens=2, reply_text="\ufffdx")
+    assert _text_history(turn, ok) == [0xEF, 0xBF, 0xBD, ord("x")] and ok.status == "200"
+    bos = Sample(0, 0, "200", prompt_tokens=3, reply_text="x")
+    assert _text_history(turn, bos) is None
+    assert bos.status == "tokenizer" and "3 tokens in a text prompt of 2 bytes" in bos.error
+    with pytest.raises(ConfigError, match="prompt_format='text' is for the multiturn"):
+        ServeBenchConfig(prompt_format="text")
+    with pytest.raises(ConfigError, match="prompt_format must be one of ids, text"):
+        ServeBenchConfig(workload="multiturn", prompt_format="bytes")
