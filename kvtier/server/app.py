@@ -170,6 +170,23 @@ def create_app(state: ServerState) -> FastAPI:
             card["page_size"] = state.info.page_size
         return {"object": "list", "data": [card]}
 
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        """The served model as SGLang's native API describes it, for routers built on that
+        API (SGLang's names a worker's model from it and ``/server_info``)."""
+        return {"model_path": state.info.name, "tokenizer_path": None, "is_generation": True}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        """The fields of SGLang's ``/server_info`` a router reads: the served model's name."""
+        return {
+            "served_model_name": state.info.name,
+            "model_path": state.info.name,
+            "tokenizer_path": None,
+            "page_size": state.info.page_size,
+            "context_length": state.info.context_tokens,
+        }
+
     def _chat_tokens(body: dict[str, Any], generation_prompt: bool = True) -> list[int]:
         messages = check_messages(body.get("messages"))
         if state.chat_template is None or state.tokenizer is None:

@@ -14,9 +14,10 @@ Fronts (``--fronts``, comma-separated):
 - ``round_robin``: a minimal proxy run by this script (``compare.py proxy``), streams passed
   through chunk by chunk;
 - ``sglang``: SGLang's router (``sglang_router.launch_router --policy cache_aware``) from its
-  own venv (``--sglang-python``). It is probed with the request the bench sends (a
-  ``/v1/completions`` whose ``prompt`` is token ids); when it refuses it, the answer is kept in
-  the results instead of a run.
+  own venv (``--sglang-python``). It routes on request text, so the bench sends text prompts
+  (``--prompt-format text``, the default: printable ASCII, which the instances' byte tokenizer
+  encodes one id a byte); with ``--prompt-format ids`` it refuses every request and the
+  answer is kept in the results instead of a run.
 
 Usage::
 
@@ -150,6 +151,7 @@ class Settings:
     new_tokens: int
     output_tokens: int
     concurrency: int
+    prompt_format: str
     sglang_python: str
     logdir: Path
     bench_args: list[str] = field(default_factory=list)
@@ -160,6 +162,7 @@ class Settings:
             "--rounds", str(self.rounds), "--system-tokens", str(self.system_tokens),
             "--new-tokens", str(self.new_tokens), "--output-tokens", str(self.output_tokens),
             "--concurrency", str(self.concurrency), "--seed", "0",
+            "--prompt-format", self.prompt_format,
         ]  # fmt: skip
 
 
@@ -241,6 +244,7 @@ def front_sglang(s: Settings, procs: list[Proc], stack: ExitStack) -> tuple[Proc
     port = free_port()
     cmd = [s.sglang_python, "-m", "sglang_router.launch_router", "--policy", "cache_aware"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += ["--worker-urls", *[p.url for p in procs]]
     r = start("sglang-router", cmd, s.logdir)
     r.url = f"http://127.0.0.1:{port}"
@@ -261,9 +265,12 @@ def front_sglang(s: Settings, procs: list[Proc], stack: ExitStack) -> tuple[Proc
     body["stream_options"] = {"include_usage": True}
     got = httpx.post(f"{r.url}/v1/completions", json=body, timeout=30)
     probe["token_ids_prompt"] = {"status": got.status_code, "body": got.text[:400]}
-    text = {**body, "prompt": "hello"}
+    text = {**body, "prompt": "hello", "add_special_tokens": False}
     got = httpx.post(f"{r.url}/v1/completions", json=text, timeout=30)
-    probe["text_prompt"] = {"status": got.status_code, "usage_in_stream": "usage" in got.text}
+    usage = [json.loads(x[6:]) for x in got.text.splitlines() if '"usage"' in x]
+    counted = usage[-1]["usage"]["prompt_tokens"] if usage else None
+    # 5: the router passed add_special_tokens on (no BOS), as the text workload needs
+    probe["text_prompt"] = {"status": got.status_code, "prompt_tokens_of_hello": counted}
     return r, probe
 
 
@@ -324,7 +331,7 @@ def run_front(name: str, s: Settings) -> dict[str, Any]:
             r, probe = front_sglang(s, procs, stack)
             result["sglang_probe"] = probe
             log(f"sglang: probe {json.dumps(probe)[:400]}")
-            if probe["token_ids_prompt"]["status"] != 200:
+            if s.prompt_format == "ids" and probe["token_ids_prompt"]["status"] != 200:
                 result["skipped"] = (
                     "sglang-router refuses /v1/completions with a token-id prompt: "
                     + probe["token_ids_prompt"]["body"]
@@ -438,6 +445,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="text",
+        help="how the bench sends prompts (SGLang's router routes on text and refuses ids)",
+    )
     ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
     ap.add_argument("--json", type=Path, default=HERE / "compare.json")
     args = ap.parse_args()
@@ -459,6 +472,7 @@ def main() -> None:
         new_tokens=args.new_tokens,
         output_tokens=args.output_tokens,
         concurrency=args.concurrency,
+        prompt_format=args.prompt_format,
         sglang_python=args.sglang_python,
         logdir=logdir,
     )

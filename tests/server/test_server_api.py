@@ -307,3 +307,11 @@ def test_the_engine_model_of_the_preset_is_the_cold_one() -> None:
     """The cold runs above build the preset the server builds: same seeded weights."""
     a, b = build_model(preset("tiny")), build_model(preset("tiny"))
     assert all((pa == pb).all() for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_routers_built_on_sglangs_api_learn_the_served_model(srv) -> None:
+    info = http().get(f"{srv.url}/server_info").json()
+    assert (info["served_model_name"], info["model_path"]) == ("tiny", "tiny")
+    assert info["context_length"] == client(srv).models.list().data[0].model_extra["max_model_len"]
+    model = http().get(f"{srv.url}/model_info").json()
+    assert (model["model_path"], model["is_generation"]) == ("tiny", True)
