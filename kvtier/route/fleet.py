@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.engine.byte_tokenizer import ByteTokenizer
+from kvtier.errors import ConfigError
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.instances import Instance, InstanceSpec
 from kvtier.route.prefix_index import PrefixIndex
@@ -96,6 +99,11 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
     }
 
 
+@functools.cache
+def _byte_tokenizer(vocab_size: int) -> ByteTokenizer:
+    return ByteTokenizer(vocab_size)
+
+
 class Fleet:
     """Instances, their health and their event subscribers; ``decide`` picks one per request.
     ``start``/``stop`` run on the proxy's event loop."""
@@ -174,6 +182,18 @@ class Fleet:
         inst.models = cards
         sizes = [c.get("page_size") for c in cards if isinstance(c.get("page_size"), int)]
         inst.page_size = sizes[0] if sizes and sizes[0] > 0 else None
+        vocabs = [
+            c.get("vocab_size")
+            for c in cards
+            if c.get("tokenizer") == "bytes" and isinstance(c.get("vocab_size"), int)
+        ]
+        inst.byte_vocab = None
+        if vocabs:
+            try:
+                _byte_tokenizer(vocabs[0])
+                inst.byte_vocab = vocabs[0]
+            except ConfigError as e:  # a card the byte tokenizer cannot have: ask /tokenize
+                log.warning("%s: model card: %s", inst.name, e)
 
     def leave(self, inst: Instance, why: str) -> None:
         """Take ``inst`` out until its next successful health check."""
@@ -189,11 +209,16 @@ class Fleet:
     async def prompt_tokens(
         self, body: dict[str, Any], chat: bool, via: Instance
     ) -> list[int] | None:
-        """The request's prompt as token ids, tokenized by ``via`` (cached by prompt);
-        ``None`` when it cannot be (no prompt, the instance refused or failed)."""
+        """The request's prompt as token ids, tokenized by ``via`` (cached by prompt), or here
+        when ``via`` has a byte-level tokenizer (``Instance.byte_vocab``) and the prompt is
+        text; ``None`` when it cannot be (no prompt, the instance refused or failed)."""
         ask = tokenize_request(body, chat)
         if ask is None or isinstance(ask, list):
             return ask
+        if via.byte_vocab is not None and "prompt" in ask:
+            return _byte_tokenizer(via.byte_vocab).encode(
+                ask["prompt"], add_special_tokens=ask.get("add_special_tokens", True)
+            )
         # per model: instances of another model tokenize the same text their own way
         key = json.dumps([str(body.get("model")), ask], sort_keys=True)
         hit = self._tokens.get(key)

@@ -84,6 +84,9 @@ class Instance:
     """Its ``/v1/models`` cards, read when it joins."""
     page_size: int | None = None
     """Tokens per page, from its model card's ``page_size`` when it has one."""
+    byte_vocab: int | None = None
+    """The vocabulary of its byte-level tokenizer when its model card says it has one
+    (``"tokenizer": "bytes"``): the router then encodes text prompts itself."""
     rates: Rates | None = None
     """The rates its ``/health`` reported at the last check (``None``: it reported none,
     and the router's ``--*-rate`` defaults price it)."""

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.engine.sampling import StopScan, TextStream
 from kvtier.server import protocol as P
 from kvtier.server.api_errors import APIError, error_body, invalid, server_error, unauthorized
@@ -168,6 +169,10 @@ def create_app(state: ServerState) -> FastAPI:
         if state.info.page_size is not None:
             # the KV events' block_size: what `kvtier route` hashes prompts with
             card["page_size"] = state.info.page_size
+        if isinstance(state.tokenizer, ByteTokenizer):
+            # a router can encode text prompts itself, without a /tokenize round trip
+            card["tokenizer"] = "bytes"
+            card["vocab_size"] = state.tokenizer.vocab_size
         return {"object": "list", "data": [card]}
 
     @app.get("/model_info")

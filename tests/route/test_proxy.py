@@ -22,6 +22,7 @@ msgpack = pytest.importorskip("msgpack")
 pytest.importorskip("zmq")  # the prefix test starts event subscribers
 import httpx2 as httpx
 
+from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import InstanceSpec
@@ -49,6 +50,8 @@ class Stubs:
         self.model = dict.fromkeys(urls, "tiny")
         self.generated: list[str] = []
         self.release = threading.Event()
+        self.card: dict[str, Any] = {"page_size": 4}
+        self.tokenized = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -56,8 +59,9 @@ class Stubs:
         if path == "/health":
             return httpx.Response(200 if self.healthy[base] else 503, json={"status": "x"})
         if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": self.model[base], "page_size": 4}]})
+            return httpx.Response(200, json={"data": [{"id": self.model[base], **self.card}]})
         if path == "/tokenize":
+            self.tokenized += 1
             body = json.loads(request.content)
             text = body.get("prompt") or json.dumps(body["messages"])
             return httpx.Response(200, json={"tokens": [ord(c) for c in text]})
@@ -259,6 +263,33 @@ def test_a_text_prompt_is_tokenized_as_the_instance_will_encode_it() -> None:
     assert tokenize_request({"messages": [{"role": "user", "content": "x"}]}, True) == {
         "messages": [{"role": "user", "content": "x"}]
     }
+
+
+@pytest.mark.parametrize("vocab", [512, 3])
+def test_text_for_a_byte_tokenizer_is_encoded_without_a_round_trip(stubs: Stubs, vocab) -> None:
+    """Instances whose card names the byte tokenizer: the router encodes text as they will
+    (BOS or not), with no ``/tokenize``; a card no byte tokenizer can have is not trusted."""
+    stubs.card = {"page_size": 4, "tokenizer": "bytes", "vocab_size": vocab}
+    specs = [f"{u},events=tcp://127.0.0.1:9" for u in (A, B)]
+    router = Router(stubs, specs)
+    try:
+        wait(lambda: all(router.instance(u).healthy for u in (A, B)), "both instances")
+        prompt = "abcdefghijk"  # with a BOS: three pages of 4 tokens
+        ids = ByteTokenizer(512).encode(prompt)
+        router.fleet.index.stored(B, chain_hashes(ids, 4)[:3], "device")
+        router.fleet.index.stored(A, chain_hashes(list(prompt.encode()), 4)[:2], "device")
+        for url in (A, B):
+            router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
+        got = router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"]
+        if vocab == 512:
+            assert (got, stubs.tokenized) == (B, 0)
+            body = {"prompt": prompt, "add_special_tokens": False}
+            assert router.http.post("/v1/completions", json=body).json()["from"] == A
+            assert stubs.tokenized == 0
+        else:  # asked the instance, whose stub tokenizes without a BOS
+            assert router.instance(A).byte_vocab is None and stubs.tokenized == 1
+    finally:
+        router.close()
 
 
 def test_a_body_that_is_no_json_object_is_refused(router: Router) -> None:

@@ -315,3 +315,8 @@ def test_routers_built_on_sglangs_api_learn_the_served_model(srv) -> None:
     assert info["context_length"] == client(srv).models.list().data[0].model_extra["max_model_len"]
     model = http().get(f"{srv.url}/model_info").json()
     assert (model["model_path"], model["is_generation"]) == ("tiny", True)
+
+
+def test_the_model_card_names_the_byte_tokenizer_for_routers_to_encode_with(srv) -> None:
+    card = client(srv).models.list().data[0].model_extra
+    assert (card["tokenizer"], card["vocab_size"]) == ("bytes", preset("tiny").vocab_size)
