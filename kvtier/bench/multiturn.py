@@ -494,7 +494,9 @@ class LongDocWorkload:
 Workload = MultiTurnWorkload | LongDocWorkload
 
 
-def _draw(rng: random.Random, ids: tuple[int, int], n: int) -> list[int]:
+def _draw(rng: random.Random, vocab: int | tuple[int, int], n: int) -> list[int]:
+    """``n`` ids below ``vocab``, or in ``range(*vocab)``."""
+    ids = (0, vocab) if isinstance(vocab, int) else vocab
     return [rng.randrange(*ids) for _ in range(n)]
 
 

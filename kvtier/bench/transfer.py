@@ -151,7 +151,7 @@ def bench_transfer(
     hpool = HostPool(specs, 2 * pool_pages, page_size, layout=host_layout, pin=cuda)
     staging = STAGING_BYTES if staging_mib is None else staging_mib << 20
     mover = Mover(dpool, hpool, staging_bytes=staging)
-    coded_pool = coded_mover = None
+    coded_pool, coded_mover = None, mover  # the coded copies run only with a coded pool
     if codec.dtype is not None:
         pin = cuda
         coded_pool = HostPool(specs, 2 * pool_pages, page_size, host_layout, pin, codec=codec)
@@ -261,14 +261,12 @@ def bench_transfer(
             raise RuntimeError("host_to_device: restored device pages differ from the originals")
 
     def coded_d2h() -> None:
-        assert coded_mover is not None
         op = coded_mover.device_to_host(src, hpages)
         op.wait()
         op.complete()
         paths["coded_d2h"] = op.paths
 
     def coded_h2d() -> None:
-        assert coded_mover is not None
         op = coded_mover.host_to_device(hpages, dst)
         op.wait()
         paths["coded_h2d"] = op.paths
@@ -291,7 +289,7 @@ def bench_transfer(
                 raise RuntimeError(f"kv_codec={codec.name!r}: restored {s.name!r} rows differ")
 
     verify()
-    if coded_mover is not None:
+    if coded_pool is not None:
         verify_coded()
     phases: list[tuple[str, Callable[[], object]]] = [
         ("d2h", d2h),
@@ -299,7 +297,7 @@ def bench_transfer(
         ("h2d", h2d),
         ("contiguous_h2d", lambda: cdev.copy_(chost)),
     ]
-    if coded_mover is not None:
+    if coded_pool is not None:
         phases += [("coded_d2h", coded_d2h), ("d2h_again", d2h)]
         phases += [("coded_h2d", coded_h2d), ("h2d_again", h2d)]
     if cuda:  # both directions at once only mean something with two copy engines
