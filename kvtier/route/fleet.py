@@ -120,6 +120,8 @@ class Fleet:
         self.instances = [Instance(s) for s in specs]
         self._client = client
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+        self._turn = 0
+        """Advanced every decision: ties between instances are broken in turn."""
         self._task: asyncio.Task | None = None
 
     # lifecycle
@@ -270,5 +272,6 @@ class Fleet:
                 match = self.index.match(inst.name, hashes[size], shared)
             candidates.append(Candidate(inst.name, inst.in_flight, match, stale, size, inst.rates))
         n = len(tokens) if tokens is not None else 0
-        decision = choose(candidates, n, self.options.rates)
+        self._turn += 1
+        decision = choose(candidates, n, self.options.rates, self._turn)
         return next(i for i in pool if i.name == decision.name), decision

@@ -8,8 +8,9 @@ pages, ``PrefixIndex.match``) is::
 
 Device pages cost nothing (attention reads them where they are). Each instance is priced with
 the rates its cache measured (reported by its ``/health``), the router's own where it reports
-none. The smallest time wins; ties go
-to the fewer requests in flight, then to the earlier-listed instance. When some instance's
+none. The smallest time wins; ties go to the fewer requests in flight, then to the instance
+first in turn: the candidates' order rotated by ``turn`` (the fleet advances it every request,
+so idle instances take turns instead of the first-listed taking every tie). When some instance's
 events are stale the index cannot be trusted for the comparison, so the request goes to the
 least-loaded instance instead (reason ``stale_events``).
 """
@@ -93,35 +94,42 @@ def expected_seconds(
     )
 
 
-def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
-    """The candidate with the fewest requests in flight (the earlier-listed on a tie)."""
-    return min(candidates, key=lambda c: c.in_flight)
+def least_loaded(candidates: Sequence[Candidate], turn: int = 0) -> Candidate:
+    """The candidate with the fewest requests in flight (on a tie, the first in turn: see
+    the module docstring)."""
+    n = len(candidates)
+    return min(enumerate(candidates), key=lambda ic: (ic[1].in_flight, (ic[0] - turn) % n))[1]
 
 
-def choose(candidates: Sequence[Candidate], prompt_tokens: int, rates: Rates) -> Decision:
+def choose(
+    candidates: Sequence[Candidate], prompt_tokens: int, rates: Rates, turn: int = 0
+) -> Decision:
     """Where one request goes (module docstring). ``candidates`` are the healthy instances
-    not yet tried for it, in the configured order; ``rates`` price those that report none.
-    Raises ``ValueError`` when there are none."""
+    not yet tried for it, in the configured order; ``rates`` price those that report none;
+    ``turn`` rotates the order ties are broken in. Raises ``ValueError`` when there are
+    none."""
     if not candidates:
         raise ValueError("no instance to choose from")
     if len(candidates) == 1:
         c = candidates[0]
         return Decision(c.name, "only_healthy", match=c.match)
     if any(c.stale for c in candidates):
-        return Decision(least_loaded(candidates).name, "stale_events")
+        return Decision(least_loaded(candidates, turn).name, "stale_events")
     if any(c.match is None for c in candidates) or not any(
         c.match is not None and c.match.pages for c in candidates
     ):
-        return Decision(least_loaded(candidates).name, "least_loaded")
+        return Decision(least_loaded(candidates, turn).name, "least_loaded")
+    n = len(candidates)
     scored = [
         (
             expected_seconds(prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates),
             c.in_flight,
+            (i - turn) % n,
             i,
         )
         for i, c in enumerate(candidates)
         if c.match is not None
     ]
-    seconds, _, i = min(scored)
+    seconds, _, _, i = min(scored)
     best = candidates[i]
     return Decision(best.name, "prefix", seconds, best.match)

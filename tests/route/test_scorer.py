@@ -74,3 +74,17 @@ def test_each_instance_is_priced_with_the_rates_it_reported() -> None:
     assert d.name == "b"
     assert d.expected_s == pytest.approx(64 / 1000 + 64 / 100000)
     assert choose([a, _c("b", host=4)], 128, RATES).name == "a"
+
+
+def test_ties_are_broken_in_turn() -> None:
+    """Equal expected time and load: the candidates take turns (``turn`` rotates who is
+    first); a lower load or a longer prefix still wins whatever the turn."""
+    same = [_c("a", host=4), _c("b", host=4), _c("c", host=4)]
+    assert [choose(same, 128, RATES, turn).name for turn in range(4)] == ["a", "b", "c", "a"]
+    idle = [_c("a"), _c("b"), _c("c")]  # nothing held anywhere: least loaded, in turn
+    picks = [choose(idle, 128, RATES, turn) for turn in range(3)]
+    assert [(d.name, d.reason) for d in picks] == [(n, "least_loaded") for n in "abc"]
+    busy = [_c("a", in_flight=1), _c("b", in_flight=1), _c("c")]
+    assert {choose(busy, 128, RATES, turn).name for turn in range(3)} == {"c"}
+    longer = [_c("a", host=4), _c("b", host=5), _c("c", host=4)]
+    assert {choose(longer, 128, RATES, turn).name for turn in range(3)} == {"b"}
