@@ -275,8 +275,8 @@ class CacheConfig:
     host → device load, on the device (on CUDA the link carries the coded bytes; the host
     pool must be pinned). Under context parallelism each rank codes the pages it owns.
     Components not marked lossy by the model (indexer keys, recurrent state, window rows, draft
-    hidden states) stay exact. Part of the L3 namespace. Refuses ``host_compaction`` and
-    ``backup_timing='per_layer'``, and needs ``enable_host=True``."""
+    hidden states) stay exact. Part of the L3 namespace. Refuses ``host_compaction``, and
+    needs ``enable_host=True``."""
     test_completion_polls: int = 0
     """For tests only, never in production: every device <-> host copy and every storage I/O
     completes, as ``poll`` sees it, only after a random number (0 to this many) of completion
@@ -438,11 +438,6 @@ class CacheConfig:
                 f"{codec} with host_compaction={self.host_compaction!r} is not supported: the "
                 "relocatable host arena needs every component's one-layer page to have the "
                 "same bytes; use host_compaction='off' or kv_codec='none'"
-            )
-        if self.backup_timing == "per_layer":
-            raise ConfigError(
-                f"{codec} with backup_timing='per_layer' is not supported: the per-layer copy "
-                "path moves raw rows; use backup_timing='at_insert' or kv_codec='none'"
             )
 
     def _check_host_mode(self) -> None:

@@ -432,7 +432,25 @@ class CodedRows:
     def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous coded copy between CPU tensors: ``d2h`` encodes, ``h2d`` decodes."""
         h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
-        queue_all(self._chunks(direction, h, d, self.codes, self.scales, FALLBACK_TEMP_BYTES))
+        self.copy(direction, h, d)
+
+    def copy(
+        self, direction: str, h: torch.Tensor, d: torch.Tensor, op: TransferOp | None = None
+    ) -> None:
+        """Queue the coded copy of device rows ``d`` and host rows ``h`` (on the rows'
+        device; on CUDA on the current stream, through the device views of the pinned host
+        rows, ``op`` keeping the temporaries) in one go: what a per-layer backup queues for a
+        layer."""
+        if self.device.is_cuda:
+            if self.mapped_codes is None or self.mapped_scales is None:
+                raise IntegrityError(
+                    f"coded copy of {self.spec.name!r} on CUDA without a device view of the "
+                    "host pool (a pageable host pool)"
+                )
+            codes, scales, temp = self.mapped_codes, self.mapped_scales, CODED_TEMP_BYTES
+        else:
+            codes, scales, temp = self.codes, self.scales, FALLBACK_TEMP_BYTES
+        queue_all(self._chunks(direction, h, d, codes, scales, temp, op))
 
     def kernel(self, direction: str, pages: PageLists, op: TransferOp) -> Iterator[int]:
         """The coded copy on CUDA, on the current stream, through the device views of the

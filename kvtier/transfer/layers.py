@@ -11,7 +11,9 @@ completion; visibility is the caller's, after ``op.done()`` (contract 3)::
     backup            kv 0 ─    kv 1 ─ ...   ─ kv L-1 ─ sidecars ─ event (op done)
 
 On CPU each layer is copied synchronously when reported. On CUDA the rows move by the row kernel
-through the device view of the pinned host pool (a pageable one takes the plain backup).
+through the device view of the pinned host pool (a pageable one takes the plain backup). A
+component the host pool holds coded (``kvtier.pools.codec``) is encoded layer by layer on its
+way (``CodedRows.copy``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.transfer.component import ComponentRows, queue_rows
+from kvtier.transfer.component import CodedRows, ComponentRows, queue_rows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
 from kvtier.transfer.rows import copy_rows
@@ -45,7 +47,7 @@ class Layered:
         pages: PageLists,
         op: TransferOp,
         *,
-        rows: Mapping[str, ComponentRows],
+        rows: Mapping[str, ComponentRows | CodedRows],
         specs: Sequence[PoolSpec],
         device: torch.device,
         backup_stream: torch.cuda.Stream | None,
@@ -100,7 +102,10 @@ class Layered:
                 r = self.rows[name]
                 for j in ls:
                     h, d = r.geo.host_rows(pages.host, j), r.geo.device_rows(pages.device, j)
-                    copy_rows(r.device, d, r.host, h)
+                    if isinstance(r, CodedRows):
+                        r.copy("d2h", h, d)
+                    else:
+                        copy_rows(r.device, d, r.host, h)
             return
         stream = self.backup_stream
         compute = torch.cuda.current_stream(self.device)
@@ -110,6 +115,11 @@ class Layered:
                 hg, dg = pages.on_gpu(self.device, self.op)
                 for name, ls in layers.items():
                     r = self.rows[name]
+                    if isinstance(r, CodedRows):  # coded on the device, layer by layer
+                        for j in ls:
+                            d, h = r.geo.device_rows(dg, j), r.geo.host_rows(hg, j)
+                            r.copy("d2h", h, d, self.op)
+                        continue
                     if r.mapped is None:
                         raise IntegrityError(f"per-layer backup of {name} without a mapped host")
                     for j in ls:

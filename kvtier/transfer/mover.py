@@ -211,11 +211,6 @@ class Mover:
         kernel needs the pinned pool's device view): back up at insertion instead."""
         if self.arena is not None:
             raise IntegrityError("per-layer backups are not supported for a unified device pool")
-        if self.coded:
-            raise ConfigError(
-                f"per-layer backups of coded components {self.coded} are not supported: use "
-                "backup_timing='at_insert' or kv_codec='none'"
-            )
         if self.cuda and not self.pinned:
             return None
         lists, op = self._begin("d2h", device_pages, host_pages, copy=False)

@@ -30,17 +30,19 @@ def _host_rows(llm: LLM, tokens: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(cache.host_pool.read_pages(s.name, pages) for s in cache.specs)
 
 
-@pytest.mark.parametrize(("model", "spec"), [("tiny", 0), ("tiny-mtp", 3)])
-def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path, model, spec):
+@pytest.mark.parametrize(
+    ("model", "spec", "codec"), [("tiny", 0, "none"), ("tiny-mtp", 3, "none"), ("tiny", 0, "int8")]
+)
+def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(
+    tmp_path, model, spec, codec
+):
     """Also with speculative decoding (draft KV as two sidecars; rejected positions are
-    written by the verify forward and must not be what reaches the host)."""
+    written by the verify forward and must not be what reaches the host), and with a page
+    codec (each layer coded on its way: the host holds the codes a backup at insert writes)."""
     ps = _prompts()
-    at_insert = make_llm(
-        model, tmp_path / "at_insert", backup_timing="at_insert", speculative_tokens=spec
-    )
-    per_layer = make_llm(
-        model, tmp_path / "per_layer", backup_timing="per_layer", speculative_tokens=spec
-    )
+    kw = {"speculative_tokens": spec, "kv_codec": codec}
+    at_insert = make_llm(model, tmp_path / "at_insert", backup_timing="at_insert", **kw)
+    per_layer = make_llm(model, tmp_path / "per_layer", backup_timing="per_layer", **kw)
     # One at a time on both: the shared prefix is then cached, and the batches (hence the
     # float bytes on CUDA) are the same on both sides.
     cold = [at_insert.generate([p], GREEDY)[0].output_ids for p in ps]
@@ -71,6 +73,8 @@ def test_per_layer_copies_equal_backups_at_insert_and_serve_the_oracle(tmp_path,
     for p in ps:
         mine, theirs = _host_rows(per_layer, p), _host_rows(at_insert, p)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+        if codec != "none":
+            continue  # the host holds codes (their bytes are checked just above)
         # and each host copy holds exactly what its device copy holds
         for node in per_layer.cache.tree.match(p).path:
             for comp in per_layer.cache.specs:

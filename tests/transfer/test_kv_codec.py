@@ -235,10 +235,24 @@ def test_a_component_subset_moves_only_those(tmp_path):
     assert host.buffers["kv.scale"][1].all()
 
 
-def test_per_layer_backups_of_coded_components_are_refused():
-    dev, host = _pools(16, "page_first", "fp8_e4m3")
-    with pytest.raises(ConfigError, match="backup_timing='at_insert' or kv_codec='none'"):
-        Mover(dev, host).layered_backup(torch.tensor([0]), torch.tensor([0]))
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_per_layer_backup_writes_the_codes_of_a_backup_at_insert(layout):
+    """Layer by layer as a forward reports them (the anchor's; the rest at ``finish``), the
+    host gets byte for byte what one backup at insert writes."""
+    dev, host = _pools(16, layout, "fp8_e4m3")
+    _, whole = _pools(16, layout, "fp8_e4m3")
+    _fill(dev, seed=3)
+    src, hp = torch.tensor([4, 1, 2]), torch.tensor([3, 0, 4])
+    Mover(dev, whole).device_to_host(src, hp)
+    layered = Mover(dev, host).layered_backup(src, hp)
+    for layer in (2, 0):
+        layered.layer_done(layer)
+    kv = host.buffers["kv"].view(torch.uint8)
+    assert kv.any() and not host.buffers["index"].any()  # only the layers reported so far
+    op = layered.finish()
+    assert op.done() and op.paths["kv"] == "per layer"
+    for name, buf in host.buffers.items():
+        assert torch.equal(buf.view(torch.uint8), whole.buffers[name].view(torch.uint8)), name
 
 
 @pytest.mark.parametrize(
@@ -246,7 +260,6 @@ def test_per_layer_backups_of_coded_components_are_refused():
     [
         ({"enable_host": False}, "needs enable_host=True"),
         ({"host_compaction": "auto"}, "host_compaction='off' or kv_codec='none'"),
-        ({"backup_timing": "per_layer"}, "backup_timing='at_insert' or kv_codec='none'"),
         ({"kv_codec": "fp4"}, "kv_codec='fp4' is not one of none, fp8_e4m3, int8"),
     ],
 )
