@@ -3,6 +3,8 @@
 #
 #   tests           the GPU tests of the coded copy (host bytes equal to the CPU path's, loads
 #                   decoding to its rows) and the tiny model's restores through each codec
+#   families        every family's rows through int8 on the GPU, page sizes 1 and 16, both
+#                   host layouts (the codec's decode exactly, the rest byte for byte)
 #   transfer_*      `bench transfer --kv-codec C --target-mib 1024`: a 1 GiB logical copy of the
 #                   dense and MLA pool sets (bf16) each way, coded against `none` in the same run,
 #                   and host bytes per page
@@ -27,6 +29,8 @@ step() {
 }
 step tests $PY -m pytest -q -p no:cacheprovider tests/transfer/test_kv_codec.py \
     tests/e2e/test_kv_codec_oracle.py
+step families env KVTIER_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
+    tests/e2e/test_family_codec.py
 for codec in fp8_e4m3 int8; do
     for family in dense mla; do
         step "transfer_${family}_$codec" $PY -m kvtier bench transfer --family "$family" \

@@ -2,10 +2,11 @@
 lossy components (the attention KV anchors) hold exactly the codec's decode of the rows first
 computed, and every other component (indexer keys and rows, recurrent state, window rows,
 draft KV and hidden states) its rows byte for byte, at page sizes 1 and 16 and both host
-layouts."""
+layouts (on ``KVTIER_TEST_DEVICE``, CPU by default)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -46,7 +47,7 @@ def test_every_family_restores_the_codecs_rows_and_the_rest_exactly(family, ps, 
     cfg = CacheConfig(
         page_size=ps,
         device_pages=1536 // ps,
-        device="cpu",
+        device=os.environ.get("KVTIER_TEST_DEVICE", "cpu"),
         host_layout=layout,
         kv_codec="int8",
         prefetch_policy="wait_complete",
