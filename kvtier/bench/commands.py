@@ -258,6 +258,41 @@ def _run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _multiturn(a: argparse.Namespace) -> int:
+    """``bench multiturn``: in-process engines (``multiturn.run``), or with ``--url`` the same
+    closed loop over HTTP (``bench serve``'s), its result and exit status as ``bench serve``
+    gives them."""
+    if a.url is None:
+        return multiturn.run(a)
+    from kvtier.bench.serve import ServeBenchConfig, bench_serve
+    from kvtier.errors import ConfigError
+
+    try:
+        loop = multiturn.config_from_args(a)
+        cfg = ServeBenchConfig(
+            workload=loop.workload,
+            closed_loop=loop,
+            model=a.model,
+            url=a.url,
+            api_key=a.api_key,
+            prompt_format=a.prompt_format,
+        )
+        result = bench_serve(cfg)
+    except ConfigError as e:
+        print(f"kvtier bench multiturn: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    why = serve_failure(result)
+    if why:
+        print(f"kvtier bench multiturn: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """``kvtier bench <name>``: the benchmarks and their flags."""
     b = sub.add_parser(
@@ -581,14 +616,26 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     page_size(p)
     device(p)
-    multiturn.add_arguments(
-        names.add_parser(
-            "multiturn",
-            parents=[common],
-            help=multiturn.HELP,
-            description=multiturn.DESCRIPTION,
-        )
+    p = names.add_parser(
+        "multiturn", parents=[common], help=multiturn.HELP, description=multiturn.DESCRIPTION
     )
+    multiturn.add_arguments(p)
+    p.add_argument(
+        "--url",
+        default=None,
+        help="run the workload against a running server or router (http://HOST:PORT: kvtier "
+        "serve, kvtier route, ...) over HTTP, as bench serve --workload does, instead of "
+        "in-process engines; --model is then the served model name (default: the one "
+        "/v1/models lists), and the cache flags are not used",
+    )
+    p.add_argument("--api-key", default=None, help="--url: bearer key the server expects")
+    p.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="--url: prompts as token ids, or as text (see bench serve) (default ids)",
+    )
+    p.set_defaults(func=_multiturn)
     load_or_recompute.add_arguments(
         names.add_parser(
             "load-or-recompute",

@@ -1227,7 +1227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        default="tiny",
+        default=None,
         help=f"model preset, checkpoint directory or {LLAMA_8B} (Llama-8B-sized, random "
         "weights drawn on the device; default tiny)",
     )
@@ -1301,7 +1301,7 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
     names = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     return MultiTurnConfig(
         workload=args.workload,
-        model=args.model,
+        model=args.model or "tiny",
         dtype=args.dtype,
         clients=args.clients,
         rounds=args.rounds,

@@ -237,3 +237,24 @@ def test_a_workload_longer_than_the_servers_context_is_refused_before_any_reques
         "the workload's longest request has 26 tokens (prompt + output tokens) but "
         f"{s.url} serves a context of 23 tokens"
     )
+
+
+def test_bench_multiturn_with_a_url_runs_the_closed_loop_over_http(tmp_path, capsys) -> None:
+    """``kvtier bench multiturn --url``: the same requests as ``bench serve --workload
+    multiturn --url``, and its exit status."""
+    out = tmp_path / "r.json"
+    flags = ["--clients", "3", "--rounds", "2", "--system-tokens", "8", "--new-tokens", "4"]
+    flags += ["--output-tokens", "2", "--concurrency", "2"]
+    with stub() as s:
+        assert main(["bench", "multiturn", "--url", s.url, *flags, "--json", str(out)]) == 0
+        sent = sorted(map(tuple, s.prompts))
+    with stub() as s:
+        assert main(["bench", "serve", "--url", s.url, "--workload", "multiturn", *flags]) == 0
+        assert sorted(map(tuple, s.prompts)) == sent and len(sent) == 6
+    r = json.loads(out.read_text())
+    assert r["url"] is not None and r["requests_ok"] == 6 and r["model"] == "my-model"
+    with stub(broken=True) as s:
+        assert main(["bench", "multiturn", "--url", s.url, *flags]) == 1
+    assert "kvtier bench multiturn: 3 of 3 requests failed (404: 3)" in capsys.readouterr().err
+    with stub() as s:
+        assert main(["bench", "multiturn", "--url", s.url, "--model", "other", *flags]) == 2
