@@ -3,7 +3,7 @@
 For each front, a fresh fleet (so that every cache starts empty): ``--instances`` ``kvtier serve
 tiny`` processes on the CPU with small device pools, a host tier, a shared local Mooncake store
 (same tenant salt) and KV events; the front over them; then the same closed-loop multi-turn
-workload through the front with ``kvtier bench serve --workload multiturn``. Collected per
+workload through the front with ``kvtier bench multiturn --url``. Collected per
 front: prompt tokens served per tier (device, host, storage) and recomputed, TTFT p50/p90,
 requests/s, and, from the instances' ``/metrics``, the requests each one answered.
 
@@ -276,7 +276,7 @@ def front_sglang(s: Settings, procs: list[Proc], stack: ExitStack) -> tuple[Proc
 
 def bench(s: Settings, url: str, tag: str, model: str | None) -> dict[str, Any]:
     out = s.logdir / f"{tag}-bench.json"
-    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "serve", "--url", url, *s.bench_args]
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--url", url, *s.bench_args]
     cmd += ["--json", str(out)] + (["--model", model] if model else [])
     with (s.logdir / f"{tag}-bench.log").open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=f, env={**os.environ, "PYTHONPATH": str(ROOT)})
