@@ -358,11 +358,12 @@ def device_rows_view(
     return dview.reshape(-1, words), layers, dev.num_pages, 0
 
 
-CODED_TEMP_BYTES = 64 << 20
-"""Largest float32 temporary of one coded chunk on CUDA: each chunk is a handful of kernel
-launches (gather, scale, cast, two row copies), so chunks are large enough that launches do not
-bound a copy of GiBs (``FALLBACK_TEMP_BYTES`` bounds them on CPU, where large temporaries cost
-page faults)."""
+CODED_TEMP_BYTES = 32 << 20
+"""Largest float32 temporary of one coded chunk on CUDA (the chunk's device memory peaks at
+about five times this: the gathered rows, three float32 steps of the scaling, the codes):
+each chunk is a handful of kernel launches (gather, scale, cast, two row copies), so chunks
+are large enough that launches do not bound a copy of GiBs (``FALLBACK_TEMP_BYTES`` bounds
+them on CPU, where large temporaries cost page faults)."""
 
 
 @dataclass(slots=True)
@@ -434,52 +435,40 @@ class CodedRows:
         h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
         self.copy(direction, h, d)
 
-    def copy(
-        self, direction: str, h: torch.Tensor, d: torch.Tensor, op: TransferOp | None = None
-    ) -> None:
+    def copy(self, direction: str, h: torch.Tensor, d: torch.Tensor) -> None:
         """Queue the coded copy of device rows ``d`` and host rows ``h`` (on the rows'
         device; on CUDA on the current stream, through the device views of the pinned host
-        rows, ``op`` keeping the temporaries) in one go: what a per-layer backup queues for a
-        layer."""
-        if self.device.is_cuda:
-            if self.mapped_codes is None or self.mapped_scales is None:
-                raise IntegrityError(
-                    f"coded copy of {self.spec.name!r} on CUDA without a device view of the "
-                    "host pool (a pageable host pool)"
-                )
-            codes, scales, temp = self.mapped_codes, self.mapped_scales, CODED_TEMP_BYTES
-        else:
-            codes, scales, temp = self.codes, self.scales, FALLBACK_TEMP_BYTES
-        queue_all(self._chunks(direction, h, d, codes, scales, temp, op))
+        rows) in one go: what a per-layer backup queues for a layer."""
+        queue_all(self._chunks(direction, h, d))
 
     def kernel(self, direction: str, pages: PageLists, op: TransferOp) -> Iterator[int]:
         """The coded copy on CUDA, on the current stream, through the device views of the
         pinned host rows. A generator of chunks (see :meth:`ComponentRows.kernel`)."""
+        hg, dg = pages.on_gpu(self.device.device, op)
+        yield from self._chunks(direction, self.geo.host_rows(hg), self.geo.device_rows(dg))
+
+    def _targets(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(codes, scales, temporary bytes)`` a copy on the device pool's device goes
+        through: the device views of the pinned host rows on CUDA, the host rows on CPU."""
+        if not self.device.is_cuda:
+            return self.codes, self.scales, FALLBACK_TEMP_BYTES
         if self.mapped_codes is None or self.mapped_scales is None:
             raise IntegrityError(
                 f"coded copy of {self.spec.name!r} on CUDA without a device view of the host "
                 "pool (a pageable host pool)"
             )
-        hg, dg = pages.on_gpu(self.device.device, op)
-        h, d = self.geo.host_rows(hg), self.geo.device_rows(dg)
-        codes, scales = self.mapped_codes, self.mapped_scales
-        yield from self._chunks(direction, h, d, codes, scales, CODED_TEMP_BYTES, op)
+        return self.mapped_codes, self.mapped_scales, CODED_TEMP_BYTES
 
-    def _chunks(
-        self,
-        direction: str,
-        h: torch.Tensor,
-        d: torch.Tensor,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        temp_bytes: int,
-        op: TransferOp | None = None,
-    ) -> Iterator[int]:
-        """Rows ``d`` of the device coded into host rows ``h`` of ``codes``/``scales``
-        (``d2h``), or back (``h2d``), in chunks of at most ``temp_bytes`` of float32
-        temporaries, on the rows' device. Yields a chunk's coded bytes, then queues it when
-        resumed; ``op`` (CUDA) keeps each chunk's temporaries until the copy is done."""
+    def _chunks(self, direction: str, h: torch.Tensor, d: torch.Tensor) -> Iterator[int]:
+        """Rows ``d`` of the device coded into host rows ``h`` (``d2h``), or back (``h2d``),
+        through :meth:`_targets`, in chunks of bounded float32 temporaries. Yields a chunk's
+        coded bytes, then queues it when resumed.
+
+        On CUDA every temporary is made and used on the current stream only, so it is freed
+        as soon as it is queued: the caching allocator hands its memory out again only to work
+        queued after it on that stream."""
         spec, codec = self.spec, self.codec
+        codes, scales, temp_bytes = self._targets()
         numel = self.device.shape[1]
         step = max(1, temp_bytes // (numel * 4))
         n = h.numel()
@@ -494,7 +483,6 @@ class CodedRows:
                 words = coded.view(torch.uint8).view(k, -1).view(codes.dtype)
                 copy_rows(words, at, codes, hi, ctas=PCIE_CTAS)
                 copy_rows(scale, at, scales, hi, ctas=PCIE_CTAS)
-                temps = [x, words, scale]
             else:
                 words = torch.empty((k, codes.shape[1]), dtype=codes.dtype, device=hi.device)
                 scale = torch.empty((k, scales.shape[1]), dtype=scales.dtype, device=hi.device)
@@ -503,9 +491,6 @@ class CodedRows:
                 coded = words.view(torch.uint8).view(codec.dtype).view(k, -1, spec.row_numel)
                 x = codec.decode(coded, scale, spec).view(k, numel)
                 self.device.index_copy_(0, di, x)
-                temps = [words, scale, x]
-            if op is not None:
-                op.keepalive += [at, *temps]
 
 
 def _coded_views(

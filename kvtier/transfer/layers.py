@@ -118,7 +118,7 @@ class Layered:
                     if isinstance(r, CodedRows):  # coded on the device, layer by layer
                         for j in ls:
                             d, h = r.geo.device_rows(dg, j), r.geo.host_rows(hg, j)
-                            r.copy("d2h", h, d, self.op)
+                            r.copy("d2h", h, d)
                         continue
                     if r.mapped is None:
                         raise IntegrityError(f"per-layer backup of {name} without a mapped host")
