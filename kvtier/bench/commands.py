@@ -258,14 +258,32 @@ def _run(a: argparse.Namespace) -> int:
     return 0
 
 
+_MULTITURN_IN_PROCESS = (
+    "dtype", "device_tokens", "host_tokens", "host_bytes", "small_host_tokens", "kv_codec",
+    "configs", "mooncake_url", "storage_dir", "page_size", "max_prefill_tokens", "device",
+    "logit_tolerance", "judge_max", "plot",
+)  # fmt: skip
+"""``bench multiturn`` flags of its in-process engines, refused with ``--url``."""
+_MULTITURN_URL = ("api_key", "prompt_format")
+"""``bench multiturn`` flags of ``--url`` alone."""
+
+
 def _multiturn(a: argparse.Namespace) -> int:
     """``bench multiturn``: in-process engines (``multiturn.run``), or with ``--url`` the same
     closed loop over HTTP (``bench serve``'s), its result and exit status as ``bench serve``
-    gives them."""
+    gives them. A flag of the other mode (one not at its default) is refused, naming it."""
+    from kvtier.errors import ConfigError
+
+    other = _MULTITURN_IN_PROCESS if a.url is not None else _MULTITURN_URL
+    given = [n for n in other if getattr(a, n) != a.multiturn_defaults[n]]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        where = "the in-process engines, not with --url" if a.url is not None else "--url"
+        print(f"kvtier bench multiturn: {flags}: for {where}", file=sys.stderr)
+        return 2
     if a.url is None:
         return multiturn.run(a)
     from kvtier.bench.serve import ServeBenchConfig, bench_serve
-    from kvtier.errors import ConfigError
 
     try:
         loop = multiturn.config_from_args(a)
@@ -626,7 +644,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         help="run the workload against a running server or router (http://HOST:PORT: kvtier "
         "serve, kvtier route, ...) over HTTP, as bench serve --workload does, instead of "
         "in-process engines; --model is then the served model name (default: the one "
-        "/v1/models lists), and the cache flags are not used",
+        "/v1/models lists); the engines' flags (--configs, --device-tokens, ...) are refused",
     )
     p.add_argument("--api-key", default=None, help="--url: bearer key the server expects")
     p.add_argument(
@@ -635,7 +653,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         default="ids",
         help="--url: prompts as token ids, or as text (see bench serve) (default ids)",
     )
-    p.set_defaults(func=_multiturn)
+    modes = _MULTITURN_IN_PROCESS + _MULTITURN_URL
+    p.set_defaults(func=_multiturn, multiturn_defaults={n: p.get_default(n) for n in modes})
     load_or_recompute.add_arguments(
         names.add_parser(
             "load-or-recompute",

@@ -258,3 +258,12 @@ def test_bench_multiturn_with_a_url_runs_the_closed_loop_over_http(tmp_path, cap
     assert "kvtier bench multiturn: 3 of 3 requests failed (404: 3)" in capsys.readouterr().err
     with stub() as s:
         assert main(["bench", "multiturn", "--url", s.url, "--model", "other", *flags]) == 2
+
+
+def test_bench_multiturn_refuses_the_flags_of_the_other_mode(capsys) -> None:
+    with stub() as s:
+        assert main(["bench", "multiturn", "--url", s.url, "--device-tokens", "64"]) == 2
+        assert s.prompts == []
+    assert "--device-tokens: for the in-process engines, not with --url" in capsys.readouterr().err
+    assert main(["bench", "multiturn", "--prompt-format", "text"]) == 2
+    assert "--prompt-format: for --url" in capsys.readouterr().err
