@@ -38,8 +38,8 @@ for codec in fp8_e4m3 int8; do
     done
 done
 # Llama-8B-sized: 128 KiB of KV a token in bf16; 24 clients x 6 rounds of 512 shared + 4,096
-# own + 256 new + 32 generated: ~130K tokens of working set against a 16K-token device pool
-# and 8 GiB of host (~64K tokens uncoded, ~127K coded).
+# own + 256 new + 32 generated: 140,288 tokens of working set against a 16K-token device pool
+# and 8 GiB of host (65,536 tokens uncoded, about 131K coded).
 step multiturn $PY -m kvtier bench multiturn --model llama-8b --device cuda --clients 24 \
     --rounds 6 --concurrency 4 --system-tokens 512 --context-tokens 4096 --new-tokens 256 \
     --output-tokens 32 --device-tokens 16384 --host-bytes $((8 << 30)) \
