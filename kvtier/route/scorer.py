@@ -4,9 +4,12 @@ For an instance whose KV events are current, the expected prefill time of a prom
 tokens of which the instance holds ``d`` on device, ``h`` on host and ``s`` in storage (leading
 pages, ``PrefixIndex.match``) is::
 
-    (n - d - h - s) / prefill_rate  +  h / host_rate  +  s / storage_rate  +  in_flight * request_cost
+    (n - d - h - s) / prefill_rate  +  (h + s) / host_rate  +  s / storage_rate
+        +  in_flight * request_cost
 
-Device pages cost nothing (attention reads them where they are). Each instance is priced with
+Device pages cost nothing (attention reads them where they are); a storage page is read into
+the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
+host hit is never dearer than a storage hit of the same pages). Each instance is priced with
 the rates its cache measured (reported by its ``/health``), the router's own where it reports
 none. The smallest time wins; ties go to the fewer requests in flight, then to the instance
 first in turn: the candidates' order rotated by ``turn`` (the fleet advances it every request,
@@ -88,7 +91,7 @@ def expected_seconds(
     uncached = max(prompt_tokens - device - host - storage, 0)
     return (
         uncached / rates.prefill_tokens_per_s
-        + host / rates.host_tokens_per_s
+        + (host + storage) / rates.host_tokens_per_s
         + storage / rates.storage_tokens_per_s
         + in_flight * rates.request_cost_s
     )

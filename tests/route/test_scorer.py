@@ -29,6 +29,10 @@ def test_host_beats_storage_for_the_same_prefix() -> None:
     d = choose([_c("s", storage=4), _c("h", host=4)], 128, RATES)
     assert d.name == "h"
     assert d.expected_s == pytest.approx(64 / 1000 + 64 / 10000)
+    # also where the storage rate (a prior, say) is above the host rate: a storage page is
+    # loaded from host after it is read
+    fast = Rates(1000.0, 10000.0, 1e9, 0.5)
+    assert choose([_c("s", storage=4), _c("h", host=4)], 128, fast).name == "h"
 
 
 def test_a_loaded_instance_loses_to_an_idle_one_with_a_shorter_prefix() -> None:
@@ -56,8 +60,9 @@ def test_no_prefix_anywhere_is_least_loaded_and_one_candidate_is_only_healthy() 
 
 def test_expected_seconds_and_rate_checks() -> None:
     m = PrefixMatch(device=1, host=1, storage=1)
+    # the storage page is read, then loaded like the host page
     assert expected_seconds(64, m, 16, 2, RATES) == pytest.approx(
-        16 / 1000 + 16 / 10000 + 16 / 2000 + 1.0
+        16 / 1000 + 16 / 10000 + (16 / 2000 + 16 / 10000) + 1.0
     )
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         Rates(prefill_tokens_per_s=0)
