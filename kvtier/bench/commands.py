@@ -238,6 +238,9 @@ def serve_failure(result: dict[str, Any]) -> str | None:
 
 
 def _run(a: argparse.Namespace) -> int:
+    """Run ``a.bench_run``, print its JSON (and write ``--json``); exit 2 for a bad option,
+    1 when a served run failed (``serve_failure``: ``bench serve``, ``bench multiturn --url``),
+    else 0."""
     from kvtier.errors import ConfigError
 
     try:
@@ -251,9 +254,10 @@ def _run(a: argparse.Namespace) -> int:
     if a.json:
         with open(a.json, "w") as f:
             f.write(text + "\n")
-    failure = serve_failure(result) if a.bench == "serve" else None
+    served = a.bench == "serve" or getattr(a, "url", None) is not None
+    failure = serve_failure(result) if served else None
     if failure:
-        print(f"kvtier bench serve: {failure}", file=sys.stderr)
+        print(f"kvtier bench {a.bench}: {failure}", file=sys.stderr)
         return 1
     return 0
 
@@ -272,7 +276,6 @@ def _multiturn(a: argparse.Namespace) -> int:
     """``bench multiturn``: in-process engines (``multiturn.run``), or with ``--url`` the same
     closed loop over HTTP (``bench serve``'s), its result and exit status as ``bench serve``
     gives them. A flag of the other mode (one not at its default) is refused, naming it."""
-    from kvtier.errors import ConfigError
 
     other = _MULTITURN_IN_PROCESS if a.url is not None else _MULTITURN_URL
     given = [n for n in other if getattr(a, n) != a.multiturn_defaults[n]]
@@ -283,32 +286,36 @@ def _multiturn(a: argparse.Namespace) -> int:
         return 2
     if a.url is None:
         return multiturn.run(a)
+    a.bench_run = _multiturn_over_http
+    return _run(a)
+
+
+def _multiturn_over_http(a: argparse.Namespace) -> dict[str, Any]:
     from kvtier.bench.serve import ServeBenchConfig, bench_serve
 
-    try:
-        loop = multiturn.config_from_args(a)
-        cfg = ServeBenchConfig(
-            workload=loop.workload,
-            closed_loop=loop,
-            model=a.model,
-            url=a.url,
-            api_key=a.api_key,
-            prompt_format=a.prompt_format,
-        )
-        result = bench_serve(cfg)
-    except ConfigError as e:
-        print(f"kvtier bench multiturn: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
-    why = serve_failure(result)
-    if why:
-        print(f"kvtier bench multiturn: {why}", file=sys.stderr)
-        return 1
-    return 0
+    loop = multiturn.config_from_args(a)
+    cfg = ServeBenchConfig(
+        workload=loop.workload,
+        closed_loop=loop,
+        model=a.model,
+        url=a.url,
+        api_key=a.api_key,
+        prompt_format=a.prompt_format,
+    )
+    return bench_serve(cfg)
+
+
+def _http_flags(p: argparse.ArgumentParser, key_scope: str, format_scope: str) -> None:
+    """``--api-key`` and ``--prompt-format`` of the benchmarks that send requests to a server,
+    their help led by the flag's scope."""
+    p.add_argument("--api-key", default=None, help=f"{key_scope}bearer key the server expects")
+    p.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help=f"{format_scope}prompts as token ids, or as text (printable ASCII, for fronts "
+        "that route on text; needs a byte-level tokenizer such as the presets') (default ids)",
+    )
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
@@ -544,15 +551,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         help="in-process server: model preset or checkpoint (default tiny); with --url: the "
         "served model name (default: the one the server lists at /v1/models)",
     )
-    p.add_argument("--api-key", default=None, help="bearer key the server at --url expects")
-    p.add_argument(
-        "--prompt-format",
-        choices=("ids", "text"),
-        default="ids",
-        help="multiturn, longdoc: prompts as token ids, or as text (printable ASCII, for "
-        "fronts that route on text; needs a byte-level tokenizer such as the presets') "
-        "(default ids)",
-    )
+    _http_flags(p, "", "multiturn, longdoc: ")
     p.add_argument(
         "--clients",
         type=positive_int,
@@ -646,13 +645,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "in-process engines; --model is then the served model name (default: the one "
         "/v1/models lists); the engines' flags (--configs, --device-tokens, ...) are refused",
     )
-    p.add_argument("--api-key", default=None, help="--url: bearer key the server expects")
-    p.add_argument(
-        "--prompt-format",
-        choices=("ids", "text"),
-        default="ids",
-        help="--url: prompts as token ids, or as text (see bench serve) (default ids)",
-    )
+    _http_flags(p, "--url: ", "--url: ")
     modes = _MULTITURN_IN_PROCESS + _MULTITURN_URL
     p.set_defaults(func=_multiturn, multiturn_defaults={n: p.get_default(n) for n in modes})
     load_or_recompute.add_arguments(
