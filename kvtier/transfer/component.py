@@ -134,10 +134,31 @@ class ComponentRows:
     def cpu(self, direction: str, pages: PageLists) -> None:
         """Synchronous copy between CPU tensors."""
         h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
-        if direction == "d2h":
-            copy_rows(self.device, d, self.host, h)
-        else:
-            copy_rows(self.host, h, self.device, d)
+        self.copy(direction, h, d)
+
+    def copy(
+        self, direction: str, h: torch.Tensor, d: torch.Tensor, op: TransferOp | None = None
+    ) -> None:
+        """Queue the copy of device rows ``d`` and host rows ``h`` in one go (on the rows'
+        device; on CUDA on the current stream by row kernel through the device view of the
+        pinned host pool, ``op`` keeping the row lists): what a per-layer backup queues for a
+        layer."""
+        if not self.device.is_cuda:
+            src, si, dst, di = (
+                (self.device, d, self.host, h)
+                if direction == "d2h"
+                else (self.host, h, self.device, d)
+            )
+            copy_rows(src, si, dst, di)
+            return
+        if self.mapped is None or op is None:
+            raise IntegrityError("a row copy on CUDA without a mapped host pool or its op")
+        src, si, dst, di = (
+            (self.device, d, self.mapped, h)
+            if direction == "d2h"
+            else (self.mapped, h, self.device, d)
+        )
+        queue_rows(src, si, dst, di, op)
 
     def kernel(
         self, direction: str, pages: PageLists, op: TransferOp, chunk: int = 0
@@ -435,10 +456,13 @@ class CodedRows:
         h, d = self.geo.host_rows(pages.host), self.geo.device_rows(pages.device)
         self.copy(direction, h, d)
 
-    def copy(self, direction: str, h: torch.Tensor, d: torch.Tensor) -> None:
+    def copy(
+        self, direction: str, h: torch.Tensor, d: torch.Tensor, op: TransferOp | None = None
+    ) -> None:
         """Queue the coded copy of device rows ``d`` and host rows ``h`` (on the rows'
         device; on CUDA on the current stream, through the device views of the pinned host
-        rows) in one go: what a per-layer backup queues for a layer."""
+        rows) in one go: what a per-layer backup queues for a layer. ``op`` is not needed:
+        every temporary lives on the current stream (:meth:`_chunks`)."""
         queue_all(self._chunks(direction, h, d))
 
     def kernel(self, direction: str, pages: PageLists, op: TransferOp) -> Iterator[int]:

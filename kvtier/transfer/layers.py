@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import IntegrityError
-from kvtier.transfer.component import CodedRows, ComponentRows, queue_rows
+from kvtier.transfer.component import CodedRows, ComponentRows
 from kvtier.transfer.op import TransferOp
 from kvtier.transfer.page_lists import PageLists
-from kvtier.transfer.rows import copy_rows
 from kvtier.transfer.streams import recorded
 
 if TYPE_CHECKING:
@@ -101,11 +100,9 @@ class Layered:
             for name, ls in layers.items():
                 r = self.rows[name]
                 for j in ls:
-                    h, d = r.geo.host_rows(pages.host, j), r.geo.device_rows(pages.device, j)
-                    if isinstance(r, CodedRows):
-                        r.copy("d2h", h, d)
-                    else:
-                        copy_rows(r.device, d, r.host, h)
+                    r.copy(
+                        "d2h", r.geo.host_rows(pages.host, j), r.geo.device_rows(pages.device, j)
+                    )
             return
         stream = self.backup_stream
         compute = torch.cuda.current_stream(self.device)
@@ -115,13 +112,5 @@ class Layered:
                 hg, dg = pages.on_gpu(self.device, self.op)
                 for name, ls in layers.items():
                     r = self.rows[name]
-                    if isinstance(r, CodedRows):  # coded on the device, layer by layer
-                        for j in ls:
-                            d, h = r.geo.device_rows(dg, j), r.geo.host_rows(hg, j)
-                            r.copy("d2h", h, d)
-                        continue
-                    if r.mapped is None:
-                        raise IntegrityError(f"per-layer backup of {name} without a mapped host")
                     for j in ls:
-                        d, h = r.geo.device_rows(dg, j), r.geo.host_rows(hg, j)
-                        queue_rows(r.device, d, r.mapped, h, self.op)
+                        r.copy("d2h", r.geo.host_rows(hg, j), r.geo.device_rows(dg, j), self.op)
