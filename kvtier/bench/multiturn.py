@@ -412,13 +412,13 @@ class MultiTurnWorkload:
 
     def __init__(self, cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> None:
         rng = random.Random(cfg.seed)
-        ids = (first_id, vocab)
         self.rounds = cfg.rounds
-        self.system = _draw(rng, ids, cfg.system_tokens)
+        self.system = _draw(rng, vocab, cfg.system_tokens, first_id)
         self.user = [
-            [_draw(rng, ids, cfg.new_tokens) for _ in range(cfg.rounds)] for _ in range(cfg.clients)
+            [_draw(rng, vocab, cfg.new_tokens, first_id) for _ in range(cfg.rounds)]
+            for _ in range(cfg.clients)
         ]
-        self.context = [_draw(rng, ids, cfg.context_tokens) for _ in range(cfg.clients)]
+        self.context = [_draw(rng, vocab, cfg.context_tokens, first_id) for _ in range(cfg.clients)]
         self.num_requests = cfg.clients * cfg.rounds
         self.output_tokens = cfg.output_tokens
         self.new_tokens = cfg.new_tokens
@@ -453,10 +453,9 @@ class LongDocWorkload:
 
     def __init__(self, cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> None:
         rng = random.Random(cfg.seed)
-        ids = (first_id, vocab)
-        self.docs = [_draw(rng, ids, cfg.document_tokens) for _ in range(cfg.documents)]
+        self.docs = [_draw(rng, vocab, cfg.document_tokens, first_id) for _ in range(cfg.documents)]
         self.questions = [
-            [_draw(rng, ids, cfg.question_tokens) for _ in range(cfg.rounds)]
+            [_draw(rng, vocab, cfg.question_tokens, first_id) for _ in range(cfg.rounds)]
             for _ in range(cfg.documents)
         ]
         later = [(d, r) for r in range(1, cfg.rounds) for d in range(cfg.documents)]
@@ -494,10 +493,9 @@ class LongDocWorkload:
 Workload = MultiTurnWorkload | LongDocWorkload
 
 
-def _draw(rng: random.Random, vocab: int | tuple[int, int], n: int) -> list[int]:
-    """``n`` ids below ``vocab``, or in ``range(*vocab)``."""
-    ids = (0, vocab) if isinstance(vocab, int) else vocab
-    return [rng.randrange(*ids) for _ in range(n)]
+def _draw(rng: random.Random, vocab: int, n: int, first_id: int = 0) -> list[int]:
+    """``n`` ids in ``range(first_id, vocab)``."""
+    return [rng.randrange(first_id, vocab) for _ in range(n)]
 
 
 def make_workload(cfg: MultiTurnConfig, vocab: int, first_id: int = 0) -> Workload:

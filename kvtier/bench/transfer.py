@@ -153,8 +153,7 @@ def bench_transfer(
     mover = Mover(dpool, hpool, staging_bytes=staging)
     coded_pool, coded_mover = None, mover  # the coded copies run only with a coded pool
     if codec.dtype is not None:
-        pin = cuda
-        coded_pool = HostPool(specs, 2 * pool_pages, page_size, host_layout, pin, codec=codec)
+        coded_pool = HostPool(specs, 2 * pool_pages, page_size, host_layout, cuda, codec=codec)
         coded_mover = Mover(dpool, coded_pool, staging_bytes=staging)
     total = num_pages * dpool.page_bytes
     sizes = {
@@ -211,16 +210,16 @@ def bench_transfer(
         parts = [hpool.page_bytes_view(s.name).index_select(1, pages) for s in specs]
         return torch.cat([_bytes(p).reshape(-1) for p in parts])
 
-    def d2h() -> None:
-        op = mover.device_to_host(src, hpages)
+    def d2h(m: Mover = mover, key: str = "d2h") -> None:
+        op = m.device_to_host(src, hpages)
         op.wait()
         op.complete()
-        paths["d2h"] = op.paths
+        paths[key] = op.paths
 
-    def h2d() -> None:
-        op = mover.host_to_device(hpages, dst)
+    def h2d(m: Mover = mover, key: str = "h2d") -> None:
+        op = m.host_to_device(hpages, dst)
         op.wait()
-        paths["h2d"] = op.paths
+        paths[key] = op.paths
 
     def both() -> None:
         # A backup of the source pages into the other host pages while the load runs.
@@ -261,15 +260,10 @@ def bench_transfer(
             raise RuntimeError("host_to_device: restored device pages differ from the originals")
 
     def coded_d2h() -> None:
-        op = coded_mover.device_to_host(src, hpages)
-        op.wait()
-        op.complete()
-        paths["coded_d2h"] = op.paths
+        d2h(coded_mover, "coded_d2h")
 
     def coded_h2d() -> None:
-        op = coded_mover.host_to_device(hpages, dst)
-        op.wait()
-        paths["coded_h2d"] = op.paths
+        h2d(coded_mover, "coded_h2d")
 
     def verify_coded() -> None:
         want = {}
