@@ -111,9 +111,18 @@ class Proc:
                 pass
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH`` (what was there is
+    kept: packages installed outside a venv stay importable)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
 def start(name: str, cmd: list[str], logdir: Path) -> Proc:
     path = logdir / f"{name}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     with path.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
     return Proc(name, proc, path)
@@ -279,7 +288,7 @@ def bench(s: Settings, url: str, tag: str, model: str | None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--url", url, *s.bench_args]
     cmd += ["--json", str(out)] + (["--model", model] if model else [])
     with (s.logdir / f"{tag}-bench.log").open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=f, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        rc = subprocess.run(cmd, stdout=f, stderr=f, env=child_env())
     if not out.exists():
         raise RuntimeError(f"bench at {url} exited {rc.returncode} without a result")
     d = json.loads(out.read_text())
@@ -488,6 +497,7 @@ def main() -> None:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "commit": git_commit(),
         "settings": {k: v for k, v in vars(s).items() if k not in ("logdir", "sglang_python")},
         "fronts": results,
