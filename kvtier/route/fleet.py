@@ -74,6 +74,16 @@ def reported_rates(health: Any, defaults: Rates) -> Rates | None:
         return None
 
 
+def output_tokens(body: dict[str, Any]) -> int:
+    """The most tokens the request may generate (``max_completion_tokens``, else
+    ``max_tokens``); 0 when it names no number (its footprint then counts the prompt only)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int] | None:
     """What ``/tokenize`` of ``kvtier serve`` is asked for this generation request's prompt
     (chat: its messages, rendered with the generation prompt as the chat route does), the
@@ -184,6 +194,8 @@ class Fleet:
         inst.models = cards
         sizes = [c.get("page_size") for c in cards if isinstance(c.get("page_size"), int)]
         inst.page_size = sizes[0] if sizes and sizes[0] > 0 else None
+        pools = [c.get("device_tokens") for c in cards if isinstance(c.get("device_tokens"), int)]
+        inst.device_tokens = pools[0] if pools and pools[0] > 0 else None
         vocabs = [
             c.get("vocab_size")
             for c in cards
@@ -270,8 +282,19 @@ class Fleet:
                 if size not in hashes:
                     hashes[size] = chain_hashes(tokens, size)
                 match = self.index.match(inst.name, hashes[size], shared)
-            candidates.append(Candidate(inst.name, inst.in_flight, match, stale, size, inst.rates))
+            candidates.append(
+                Candidate(
+                    inst.name,
+                    inst.in_flight,
+                    match,
+                    stale,
+                    size,
+                    inst.rates,
+                    inst.device_tokens,
+                    tuple(inst.flights),
+                )
+            )
         n = len(tokens) if tokens is not None else 0
         self._turn += 1
-        decision = choose(candidates, n, self.options.rates, self._turn)
+        decision = choose(candidates, n, self.options.rates, self._turn, output_tokens(body))
         return next(i for i in pool if i.name == decision.name), decision

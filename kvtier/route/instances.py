@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvtier.route.scorer import Rates
+from kvtier.route.scorer import Footprint, Rates
 from kvtier.route.subscriber import EventSubscriber
 
 
@@ -80,6 +80,11 @@ class Instance:
     when it does not, or when a request to it fails to connect)."""
     in_flight: int = 0
     """Requests sent to it that have not finished (the load)."""
+    flights: list[Footprint | None] = field(default_factory=list)
+    """What those requests hold on its device, oldest first (``None``: not known);
+    ``begin`` and ``end`` keep it and ``in_flight`` together."""
+    device_tokens: int | None = None
+    """Its device pool's size in tokens, from its model card's ``device_tokens``."""
     models: list[dict] = field(default_factory=list)
     """Its ``/v1/models`` cards, read when it joins."""
     page_size: int | None = None
@@ -101,6 +106,16 @@ class Instance:
         ``id``. A request without a model name (not a string) may go anywhere: the instance
         answers it as it would without a router."""
         return not isinstance(model, str) or any(c.get("id") == model for c in self.models)
+
+    def begin(self, footprint: Footprint | None) -> None:
+        """A request was sent to it, holding ``footprint`` while it runs."""
+        self.in_flight += 1
+        self.flights.append(footprint)
+
+    def end(self, footprint: Footprint | None) -> None:
+        """That request finished (answered, failed or cut off)."""
+        self.in_flight -= 1
+        self.flights.remove(footprint)
 
     def page_size_or(self, default: int) -> int:
         """Its page size: the KV events' ``block_size``, else the model card's, else

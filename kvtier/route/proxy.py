@@ -24,6 +24,7 @@ from kvtier.route.fleet import Fleet
 from kvtier.route.instances import Instance
 from kvtier.route.prefix_index import TIERS
 from kvtier.route.route_metrics import RouteMetrics
+from kvtier.route.scorer import Footprint
 from kvtier.server.api_errors import error_body
 
 log = logging.getLogger("kvtier.route")
@@ -145,7 +146,9 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                     metrics.expected_hits.labels(tier).inc(getattr(decision.match, tier) * size)
             metrics.requests.labels(inst.name).inc()
             send = _stream if stream else _once
-            answer, failure = await send(inst, f"{inst.name}{path}", raw, headers)
+            answer, failure = await send(
+                inst, decision.footprint, f"{inst.name}{path}", raw, headers
+            )
             if answer is not None:
                 return answer
             metrics.retries.labels(inst.name).inc()
@@ -156,17 +159,17 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         return _error(503, "no healthy instance to send the request to")
 
     async def _once(
-        inst: Instance, url: str, raw: bytes, headers: dict[str, str]
+        inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
         """``(answer, None)``, or ``(None, what to answer if no other instance can)``."""
-        inst.in_flight += 1
+        inst.begin(fp)
         try:
             r = await client.post(url, content=raw, headers=headers)
         except httpx.HTTPError as e:
             fleet.leave(inst, f"request failed: {e!r}")
             return None, None
         finally:
-            inst.in_flight -= 1
+            inst.end(fp)
         out = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         if r.status_code >= 500:
             return None, out
@@ -176,9 +179,9 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         return out, None
 
     async def _stream(
-        inst: Instance, url: str, raw: bytes, headers: dict[str, str]
+        inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
-        inst.in_flight += 1
+        inst.begin(fp)
         resp = None
         try:
             resp = await client.send(
@@ -190,25 +193,25 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 out = Response(
                     content, resp.status_code, media_type=resp.headers.get("content-type")
                 )
-                inst.in_flight -= 1
+                inst.end(fp)
                 return (None, out) if resp.status_code >= 500 else (out, None)
             chunks = resp.aiter_raw()
             first = await anext(chunks, b"")
         except httpx.HTTPError as e:
             if resp is not None:
                 await resp.aclose()
-            inst.in_flight -= 1
+            inst.end(fp)
             fleet.leave(inst, f"request failed before streaming: {e!r}")
             return None, None
         if not first:  # ended before any output: nothing was streamed, another may serve it
             await resp.aclose()
-            inst.in_flight -= 1
+            inst.end(fp)
             return None, None
-        relay = _relay(inst, resp, chunks, first)
+        relay = _relay(inst, fp, resp, chunks, first)
         return StreamingResponse(relay, media_type="text/event-stream"), None
 
     async def _relay(
-        inst: Instance, resp: Any, chunks: AsyncIterator[bytes], first: bytes
+        inst: Instance, fp: Footprint | None, resp: Any, chunks: AsyncIterator[bytes], first: bytes
     ) -> AsyncIterator[bytes]:
         """The instance's bytes as they come; an error event when they stop short. The usage
         chunk (a stream that reports one) is counted as a JSON answer's usage is."""
@@ -233,7 +236,7 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 lead = b"" if tail.endswith(b"\n\n") else b"\n\n"
                 yield lead + _sse_error(problem) + DONE
         finally:
-            inst.in_flight -= 1
+            inst.end(fp)
             await resp.aclose()
 
     return app

@@ -5,7 +5,7 @@ tokens of which the instance holds ``d`` on device, ``h`` on host and ``s`` in s
 pages, ``PrefixIndex.match``) is::
 
     (n - d - h - s) / prefill_rate  +  (h + s) / host_rate  +  s / storage_rate
-        +  in_flight * request_cost
+        +  in_flight * request_cost  +  blocking * request_cost
 
 Device pages cost nothing (attention reads them where they are); a storage page is read into
 the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
@@ -16,6 +16,16 @@ first in turn: the candidates' order rotated by ``turn`` (the fleet advances it 
 so idle instances take turns instead of the first-listed taking every tie). When some instance's
 events are stale the index cannot be trusted for the comparison, so the request goes to the
 least-loaded instance instead (reason ``stale_events``).
+
+``blocking`` is the room term. An instance admits a request only when its device pool has
+pages for it (what it does not hold on device: prompt and output tokens less the device hit),
+and until then the request waits for running ones to finish. The router knows the pool's size
+(``device_tokens`` on the instance's model card) and what each request it sent there and that
+has not finished holds (its ``Footprint``), so it counts the requests in flight that must finish,
+oldest first, before the new one fits: 0 where it fits now. Shared prefixes are counted once
+(the largest device prefix among them and the new request), as the pool holds them once.
+Without the size, or while a request in flight has an unknown footprint (it was routed without
+its tokens), the term is 0.
 """
 
 from __future__ import annotations
@@ -57,6 +67,33 @@ class Rates:
 
 
 @dataclass(frozen=True)
+class Footprint:
+    """The device tokens a request holds on the instance it was sent to while it runs."""
+
+    own: int
+    """Tokens it needs pages of its own for: its prompt and output less its device hit."""
+    prefix: int
+    """Tokens of its prompt already on the instance's device (shared with other requests)."""
+
+
+def blocking(device_tokens: int | None, flights: Sequence[Footprint | None], new: Footprint) -> int:
+    """How many of ``flights`` (in the order they were sent) must finish before ``new`` fits
+    in a device pool of ``device_tokens`` (module docstring); 0 when it fits now, when the size
+    or some flight's footprint is unknown, or when ``new`` could not fit an empty pool."""
+    if device_tokens is None or any(f is None for f in flights):
+        return 0
+    held = [f for f in flights if f is not None]
+
+    def fits(rest: list[Footprint]) -> bool:
+        prefix = max([new.prefix, *(f.prefix for f in rest)])
+        return prefix + new.own + sum(f.own for f in rest) <= device_tokens
+
+    if not fits([]):
+        return 0
+    return next(k for k in range(len(held) + 1) if fits(held[k:]))
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One healthy instance as the choice sees it."""
 
@@ -71,6 +108,17 @@ class Candidate:
     """Tokens per page of ``match``."""
     rates: Rates | None = None
     """The rates the instance measured (its ``/health``); ``None``: the router's."""
+    device_tokens: int | None = None
+    """Its device pool's size in tokens (its model card's); ``None``: unknown."""
+    flights: tuple[Footprint | None, ...] = ()
+    """What the requests in flight that the router sent it hold, oldest first (``None``: not
+    known)."""
+
+    def footprint(self, prompt_tokens: int, output_tokens: int) -> Footprint:
+        """What a request of these sizes would hold here (whole pages)."""
+        prefix = min(self.match.device * self.page_size, prompt_tokens) if self.match else 0
+        own = -(-(prompt_tokens + output_tokens - prefix) // self.page_size) * self.page_size
+        return Footprint(own, prefix)
 
 
 @dataclass(frozen=True)
@@ -81,19 +129,28 @@ class Decision:
     reason: str
     expected_s: float | None = None
     match: PrefixMatch | None = None
+    footprint: Footprint | None = None
+    """What the request will hold on the chosen instance; ``None`` when its tokens are not
+    known."""
 
 
 def expected_seconds(
-    prompt_tokens: int, match: PrefixMatch, page_size: int, in_flight: int, rates: Rates
+    prompt_tokens: int,
+    match: PrefixMatch,
+    page_size: int,
+    in_flight: int,
+    rates: Rates,
+    blocked_by: int = 0,
 ) -> float:
-    """The expected prefill time (module docstring) of ``prompt_tokens`` tokens."""
+    """The expected prefill time (module docstring) of ``prompt_tokens`` tokens, where
+    ``blocked_by`` requests in flight must finish before it fits."""
     device, host, storage = (p * page_size for p in (match.device, match.host, match.storage))
     uncached = max(prompt_tokens - device - host - storage, 0)
     return (
         uncached / rates.prefill_tokens_per_s
         + (host + storage) / rates.host_tokens_per_s
         + storage / rates.storage_tokens_per_s
-        + in_flight * rates.request_cost_s
+        + (in_flight + blocked_by) * rates.request_cost_s
     )
 
 
@@ -105,34 +162,43 @@ def least_loaded(candidates: Sequence[Candidate], turn: int = 0) -> Candidate:
 
 
 def choose(
-    candidates: Sequence[Candidate], prompt_tokens: int, rates: Rates, turn: int = 0
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    rates: Rates,
+    turn: int = 0,
+    output_tokens: int = 0,
 ) -> Decision:
-    """Where one request goes (module docstring). ``candidates`` are the healthy instances
-    not yet tried for it, in the configured order; ``rates`` price those that report none;
-    ``turn`` rotates the order ties are broken in. Raises ``ValueError`` when there are
-    none."""
+    """Where one request of ``prompt_tokens`` tokens generating up to ``output_tokens`` goes
+    (module docstring). ``candidates`` are the healthy instances not yet tried for it, in the
+    configured order; ``rates`` price those that report none; ``turn`` rotates the order ties
+    are broken in. A ``prompt_tokens`` of 0 means the tokens are not known (the decision
+    then has no footprint). Raises ``ValueError`` when there are none."""
     if not candidates:
         raise ValueError("no instance to choose from")
+
+    def decision(c: Candidate, reason: str, seconds: float | None = None) -> Decision:
+        fp = c.footprint(prompt_tokens, output_tokens) if prompt_tokens > 0 else None
+        # a match only where the index's prediction was used (``expected_hit_tokens``)
+        match = c.match if reason in ("prefix", "only_healthy") else None
+        return Decision(c.name, reason, seconds, match, fp)
+
     if len(candidates) == 1:
-        c = candidates[0]
-        return Decision(c.name, "only_healthy", match=c.match)
+        return decision(candidates[0], "only_healthy")
     if any(c.stale for c in candidates):
-        return Decision(least_loaded(candidates, turn).name, "stale_events")
+        return decision(least_loaded(candidates, turn), "stale_events")
     if any(c.match is None for c in candidates) or not any(
         c.match is not None and c.match.pages for c in candidates
     ):
-        return Decision(least_loaded(candidates, turn).name, "least_loaded")
+        return decision(least_loaded(candidates, turn), "least_loaded")
     n = len(candidates)
-    scored = [
-        (
-            expected_seconds(prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates),
-            c.in_flight,
-            (i - turn) % n,
-            i,
+    scored = []
+    for i, c in enumerate(candidates):
+        if c.match is None:
+            continue
+        wait = blocking(c.device_tokens, c.flights, c.footprint(prompt_tokens, output_tokens))
+        seconds = expected_seconds(
+            prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates, wait
         )
-        for i, c in enumerate(candidates)
-        if c.match is not None
-    ]
+        scored.append((seconds, c.in_flight, (i - turn) % n, i))
     seconds, _, _, i = min(scored)
-    best = candidates[i]
-    return Decision(best.name, "prefix", seconds, best.match)
+    return decision(candidates[i], "prefix", seconds)

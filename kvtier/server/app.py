@@ -169,6 +169,9 @@ def create_app(state: ServerState) -> FastAPI:
         if state.info.page_size is not None:
             # the KV events' block_size: what `kvtier route` hashes prompts with
             card["page_size"] = state.info.page_size
+        if state.info.device_tokens is not None:
+            # a router tells from it whether a request fits beside the ones running there
+            card["device_tokens"] = state.info.device_tokens
         if isinstance(state.tokenizer, ByteTokenizer):
             # a router can encode text prompts itself, without a /tokenize round trip
             card["tokenizer"] = "bytes"

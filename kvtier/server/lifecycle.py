@@ -469,14 +469,16 @@ class Server:
         self.loop = EngineLoop(
             llm, max_queue=max_queue, metrics=metrics, degraded_window_s=degraded_window_s
         )
+        pool = llm.cache.kv_buffers
+        pool_tokens = pool.num_pages * pool.page_size
         if context_tokens is None:
-            pool = llm.cache.kv_buffers
-            context_tokens = min(llm.model_config.max_position, pool.num_pages * pool.page_size)
+            context_tokens = min(llm.model_config.max_position, pool_tokens)
         info = ModelInfo(
             served_model_name,
             context_tokens,
             llm.model_config.vocab_size,
             page_size=llm.cache.tree_page_tokens,
+            device_tokens=pool_tokens,
         )
         seeds = random.Random(seed) if seed is not None else None
         self.state = ServerState(

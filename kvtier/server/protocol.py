@@ -57,6 +57,10 @@ class ModelInfo:
     """Tokens per tree page of the cache (``TieredCache.tree_page_tokens``: the ``block_size``
     of its KV events), shown on the model card so that a router hashes prompts in the same
     pages; ``None``: not shown."""
+    device_tokens: int | None = None
+    """Tokens the device pool holds, shown on the model card so that a router can tell
+    whether a request fits beside those running (a request waits until it does); ``None``:
+    not shown."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import InstanceSpec
 from kvtier.route.proxy import create_app
+from kvtier.route.scorer import Footprint
 
 TIMEOUT_S = 5.0
 A, B = "http://a:8000", "http://b:8000"
@@ -250,6 +251,32 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
         metrics = router.http.get("/metrics").text
         assert _metric(metrics, 'kvtier_route_decisions_total{reason="stale_events"}') == 1
         router.instance(B).in_flight = 0
+    finally:
+        router.close()
+
+
+def test_a_streaming_request_holds_its_footprint_until_its_stream_ends(stubs: Stubs) -> None:
+    """What the request holds on the chosen instance's device (its pages beyond the device
+    hit, output included) is counted there while it streams, and dropped with it."""
+    specs = [f"{u},events=tcp://127.0.0.1:9" for u in (A, B)]
+    router = Router(stubs, specs)
+    try:
+        prompt = "abcdefghijkl"  # three pages of 4 tokens, two of them on B's device
+        router.fleet.index.stored(B, chain_hashes([ord(c) for c in prompt], 4)[:2], "device")
+        for url in (A, B):
+            router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
+        stubs.mode[A] = stubs.mode[B] = "slow"
+        body = {"model": "tiny", "prompt": prompt, "stream": True, "max_tokens": 5}
+        with router.http.stream("POST", "/v1/completions", json=body) as r:
+            chunks = r.iter_raw()
+            first = next(chunks)
+            # 12 + 5 - 8 = 9 tokens of its own: 3 pages
+            assert router.instance(B).flights == [Footprint(own=12, prefix=8)]
+            assert (router.instance(A).flights, router.instance(B).in_flight) == ([], 1)
+            stubs.release.set()
+            assert (first + b"".join(chunks)).endswith(b"data: [DONE]\n\n")
+        wait(lambda: router.instance(B).in_flight == 0, "in_flight to drop")
+        assert router.instance(B).flights == []
     finally:
         router.close()
 

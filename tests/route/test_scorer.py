@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.route.prefix_index import PrefixMatch
-from kvtier.route.scorer import Candidate, Rates, choose, expected_seconds
+from kvtier.route.scorer import Candidate, Footprint, Rates, blocking, choose, expected_seconds
 
 RATES = Rates(
     prefill_tokens_per_s=1000.0,
@@ -93,3 +93,56 @@ def test_ties_are_broken_in_turn() -> None:
     assert {choose(busy, 128, RATES, turn).name for turn in range(3)} == {"c"}
     longer = [_c("a", host=4), _c("b", host=5), _c("c", host=4)]
     assert {choose(longer, 128, RATES, turn).name for turn in range(3)} == {"b"}
+
+
+def test_blocking_counts_the_requests_that_must_finish_before_a_request_fits() -> None:
+    """A 1024-token pool; flights hold 256 shared prefix tokens each plus their own."""
+    a, b = Footprint(own=448, prefix=256), Footprint(own=192, prefix=256)
+    new = Footprint(own=448, prefix=256)
+    assert blocking(1024, [], new) == 0
+    assert blocking(1024, [b], new) == 0  # 256 + 192 + 448 = 896
+    assert blocking(1024, [a], new) == 1  # 256 + 448 + 448 = 1152: a must finish
+    assert blocking(1024, [a, b], new) == 1  # then 896: b may stay
+    assert blocking(1024, [b, a], new) == 2  # oldest first: b, then a
+    # a prefix of its own is not shared: the largest prefix counts once, the rest as own
+    assert blocking(1024, [Footprint(own=64, prefix=0)], Footprint(own=512, prefix=512)) == 1
+    assert blocking(1024, [Footprint(own=448, prefix=0)], Footprint(own=64, prefix=512)) == 0
+    # unknown: no pool size, a flight routed without its tokens, larger than the whole pool
+    assert blocking(None, [a], new) == 0
+    assert blocking(1024, [None, a], new) == 0
+    assert blocking(512, [a], new) == 0
+
+
+def test_a_footprint_is_whole_pages_beyond_the_device_hit() -> None:
+    c = _c("a", device=3, host=2)
+    assert c.footprint(100, 8) == Footprint(own=64, prefix=48)  # 60 tokens: 4 pages
+    assert _c("b", host=2).footprint(100, 0) == Footprint(own=112, prefix=0)
+    assert choose([c, _c("b", in_flight=1)], 100, RATES, output_tokens=8).footprint == (
+        Footprint(own=64, prefix=48)
+    )
+    # tokens not known: no footprint
+    assert choose([c, _c("b")], 0, RATES).footprint is None
+
+
+def test_a_request_goes_where_it_fits_rather_than_wait_behind_a_long_one() -> None:
+    """Both instances run one request and hold the 256-token system prompt on device; "home"
+    also holds the conversation's 8 earlier pages on host, but its running request leaves no
+    room for this one, so it would wait for that request to end: "other" wins. Without the
+    pool sizes, or with room on "home", the host pages win."""
+    long, short = Footprint(own=448, prefix=256), Footprint(own=96, prefix=256)
+
+    def cand(name: str, flight: Footprint, pool: int | None, **pages: int) -> Candidate:
+        match = PrefixMatch(**pages)
+        return Candidate(name, 1, match, page_size=16, device_tokens=pool, flights=(flight,))
+
+    home, other = cand("home", long, 1024, device=16, host=8), cand("other", short, 1024, device=16)
+    d = choose([home, other], 700, RATES, output_tokens=8)
+    assert d.name == "other"
+    # 444 computed, one request in flight; 700 + 8 - 256 = 452 -> 464 own tokens
+    assert d.expected_s == pytest.approx(444 / 1000 + 0.5)
+    assert d.footprint == Footprint(own=464, prefix=256)
+    assert choose([home, other], 700, RATES, output_tokens=8, turn=1).name == "other"
+    unknown = [cand("home", long, None, device=16, host=8), cand("other", short, None, device=16)]
+    assert choose(unknown, 700, RATES, output_tokens=8).name == "home"
+    roomy = [cand("home", short, 1024, device=16, host=8), cand("other", long, 1024, device=16)]
+    assert choose(roomy, 700, RATES, output_tokens=8).name == "home"

@@ -134,6 +134,8 @@ def test_models_and_health(srv) -> None:
     # the tree page, which KV events call block_size: a router hashes prompts with it
     card = http().get(f"{srv.url}/v1/models").json()["data"][0]
     assert card["page_size"] == srv.loop.llm.cache.tree_page_tokens == 4
+    # the device pool's size: a router tells from it whether a request fits beside others
+    assert card["device_tokens"] == 128 * 4
     h = http().get(f"{srv.url}/health").json()
     assert h["status"] == "ok" and h["storage"] is None
 
