@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvtier.parallel.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(

@@ -5,20 +5,14 @@ route`` prices its tiers with. ``python results/route/instance_rates.py``."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+from kvtier.parallel.ports import free_port
 from kvtier.storage.mooncake_local import LocalMooncake
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from kvtier.config import CacheConfig
 from kvtier.engine import SamplingParams
 from kvtier.events.hashing import chain_hashes
 from kvtier.events.wire import END_SEQ
+from kvtier.parallel.ports import free_port
 from kvtier.server.lifecycle import build_llm
 from kvtier.types import TIERS
 
@@ -68,12 +68,6 @@ DEVICE_PAGES = 40
 """An instance's device pool: 160 tokens, while the six conversations grow to ~500."""
 DEADLINE_S = 60.0
 """Start-up of each process, and every wait on a condition."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def user_turn(conv: int, turn: int) -> list[int]:

@@ -4,7 +4,6 @@ per-tier page sets a consumer rebuilds from the events equal to what the tree ho
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from kvtier.events.emitter import EventEmitter  # noqa: E402
 from kvtier.events.hashing import chain_hashes  # noqa: E402
 from kvtier.events.publisher import ZmqPublisher  # noqa: E402
 from kvtier.metrics import Metrics  # noqa: E402
+from kvtier.parallel.ports import free_port
 from kvtier.tree.node import Node  # noqa: E402
 
 WAIT_MS = 5000
@@ -37,12 +37,6 @@ VLLM_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decode(payload: bytes) -> tuple[float, list[dict], int | None]:

@@ -5,7 +5,6 @@ run as threads (``LocalWorld``) and as two gloo processes."""
 from __future__ import annotations
 
 import json
-import socket
 
 import cp_gloo_child
 import pytest
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.parallel.acks import all_ranks, ready_pages, usable_prefix
 from kvtier.parallel.group import GlooGroup, LocalGroup, LocalWorld, RankError, SoloGroup
+from kvtier.parallel.ports import free_port
 
 
 def test_decisions_agree_by_min():
@@ -54,16 +54,10 @@ def test_gloo_group_needs_torch_distributed():
         GlooGroup()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "timeout"), [("dead", 5.0), ("stuck", 1.0)])
 def test_two_gloo_processes_agree_and_a_lost_rank_is_named(tmp_path, mode, timeout):
-    args = (_free_port(), str(tmp_path), mode, timeout)
+    args = (free_port(), str(tmp_path), mode, timeout)
     ctx = mp.spawn(cp_gloo_child.worker, args=args, nprocs=2, join=False)
     for p in ctx.processes:
         p.join(timeout=60)

@@ -3,7 +3,6 @@ sends: live batches, and the history before it connected through the replay sock
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -14,20 +13,15 @@ pytest.importorskip("msgpack")
 from kvtier.events import wire
 from kvtier.events.hashing import chain_hashes
 from kvtier.events.publisher import ZmqPublisher
+from kvtier.parallel.ports import free_port
 from kvtier.route.prefix_index import PrefixIndex, PrefixMatch
 from kvtier.route.subscriber import EventSubscriber
 
 TIMEOUT_S = 5.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_kvtier_publisher_to_router_index() -> None:
-    ev, rp = _free_port(), _free_port()
+    ev, rp = free_port(), free_port()
     pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}", heartbeat_s=None)  # "*" binds
     index = PrefixIndex()
     sub = EventSubscriber(
@@ -54,7 +48,7 @@ def test_kvtier_publisher_to_router_index() -> None:
 def test_heartbeats_keep_an_idle_instance_fresh() -> None:
     """No cache activity at all: the publisher's empty batches reach the router's subscriber,
     which counts them as messages (not stale) and indexes nothing."""
-    ev, rp = _free_port(), _free_port()
+    ev, rp = free_port(), free_port()
     pub = ZmqPublisher(f"tcp://*:{ev}", f"tcp://*:{rp}", heartbeat_s=0.05)
     index = PrefixIndex()
     sub = EventSubscriber(
