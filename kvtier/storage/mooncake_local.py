@@ -8,7 +8,6 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,17 +15,7 @@ import urllib.request
 from collections.abc import Callable
 
 from kvtier.errors import ConfigError, StorageError
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from kvtier.parallel.ports import free_port
 
 
 def _die_with_parent() -> None:
@@ -62,7 +51,9 @@ class LocalMooncake:
         self.segment_bytes = segment_bytes
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-mooncake-")
         self.ready_timeout_s = ready_timeout_s
-        self.rpc_port, self.http_port, self.metrics_port, self.node_port = _free_ports(4)
+        self.rpc_port, self.http_port, self.metrics_port, self.node_port = (
+            free_port() for _ in range(4)
+        )
         self.master: subprocess.Popen | None = None
         self.node: subprocess.Popen | None = None
 

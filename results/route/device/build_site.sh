@@ -19,6 +19,8 @@ done
   anyio==4.16.0 idna==3.20 mooncake-transfer-engine-non-cuda==0.3.13.post1 \
   sglang-router==0.3.2 setproctitle orjson opentelemetry-api
 for w in "$W"/*.whl; do python3 -m zipfile -e "$w" "$S"; done
+# zipfile drops the mode bits; the store's programs are started as processes.
+chmod +x "$S"/mooncake/mooncake_master "$S"/mooncake/mooncake_client
 # The store's benchmark binary is 42 MB and unused.
 rm -f "$S/mooncake/transfer_engine_bench"
 mkdir -p "$S/_syslibs"
