@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what `run.sh` needs on the H200 machine and that its image lacks (no registry reaches
 # it) into .whl/ at the repository root: site312.tar.xz (the packages, unpacked, with the
-# Debian libraries Mooncake's binaries link to under _syslibs/) and a few small wheels.
+# Debian libraries Mooncake's binaries link to under _syslibs/).
 # The versions are the ones this repository's venv runs. Run from anywhere on this host.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)

@@ -11,8 +11,6 @@ for f in $T/_syslibs/*; do
   b=$(basename "$f"); ldconfig -p | grep -qE "^\s+$b \(" && rm "$f"
 done
 export LD_LIBRARY_PATH=$T/_syslibs PYTHONPATH=$T:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-export PATH=$T/bin:$PATH
-nproc
 IFS=';' read -ra runs <<<"${RUNS:-c1}"
 for r in "${runs[@]}"; do
   read -ra a <<<"$r"
