@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import RequestError
 from kvtier.server.api_errors import APIError, overloaded, server_error, unavailable
+from kvtier.server.request_cost import RequestCost, predicted_prefill_s
 
 if TYPE_CHECKING:
     from kvtier.engine import LLM, RequestOutput, SamplingParams
@@ -58,6 +59,8 @@ class Ticket:
     """Output tokens already delivered."""
     last_token: float | None = None
     cancelled: bool = False
+    ahead: int = 0
+    """Requests in the engine (waiting or running) when it took this one."""
 
     @property
     def logprobs(self) -> bool:
@@ -97,6 +100,8 @@ class EngineLoop:
         self._errors_total = 0
         self._last_error: float | None = None
         self._health_at = 0.0
+        self._request_cost = RequestCost()
+        self._measured: dict[str, float] = self._rates()
         self.cancels = 0
         """Requests cancelled because their client went away (what tests wait on)."""
         self.shutdown_summary: str | None = None
@@ -157,8 +162,9 @@ class EngineLoop:
     def health(self) -> dict[str, Any]:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
-        ``stopped``; ``rates`` (:meth:`_rates`); ``storage`` (``None`` without a storage tier): ``backend``, ``healthy``
-        (no fault within the window and the backend says it is), ``backend_healthy``,
+        ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` once ``RequestCost``
+        has an estimate); ``storage`` (``None`` without a storage tier): ``backend``,
+        ``healthy`` (no fault within the window and the backend says it is), ``backend_healthy``,
         ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
         them), ``errors_total``, ``last_error_age_s`` and the backend's own figures
         (``bytes_used``, ``budget_bytes``, ``objects``, ... as it reports them); plus the
@@ -234,6 +240,8 @@ class EngineLoop:
         if t.cancelled:  # its client went away before the engine took it
             self._count("abort")
             return
+        c = self.llm.counts()
+        t.ahead = c["waiting"] + c["running"]
         try:
             t.request_id = self.llm.add_request(t.prompt, t.params)
         except RequestError as e:
@@ -275,6 +283,11 @@ class EngineLoop:
         lps = out.logprobs[t.sent :] if out.logprobs is not None else None
         self._tokens(t, out.output_ids, now, lps)
         self._count(out.finish_reason or "none")
+        if out.ttft_s is not None and out.preemptions == 0:
+            own = predicted_prefill_s(
+                out.recomputed, out.cached_host, out.cached_storage, self._measured
+            )
+            self._request_cost.observe(t.ahead, out.ttft_s - own)
         if out.finish_reason == "error":
             self._send(t, "error", server_error(f"the request failed in the engine: {out.error}"))
         else:
@@ -323,7 +336,12 @@ class EngineLoop:
             return
         self._health_at = now
         backend = self.llm.cache.storage
-        health: dict[str, Any] = {"status": "ok", "storage": None, "rates": self._rates()}
+        self._measured = self._rates()
+        rates: dict[str, float] = dict(self._measured)
+        cost = self._request_cost.seconds()
+        if cost is not None:
+            rates["request_cost_s"] = cost
+        health: dict[str, Any] = {"status": "ok", "storage": None, "rates": rates}
         if backend is not None:
             # dict() of a Counter copies it in one step under the GIL: the I/O thread may
             # count a fault meanwhile without breaking the copy.
@@ -353,7 +371,8 @@ class EngineLoop:
     def _rates(self) -> dict[str, float]:
         """The rates the cache measured (its priors until then), in tokens per second: prompt
         tokens computed, and tokens of KV loaded from host and read from storage (where those
-        tiers exist). ``kvtier route`` prices its choice of instance with them."""
+        tiers exist). ``kvtier route`` prices its choice of instance with them, and with the
+        per-request cost fitted from them (``RequestCost``, added by the health refresh)."""
         cache = self.llm.cache
         st = cache.stats()
         rates = {"prefill_tokens_per_s": float(st["restore_prefill_tokens_per_s"])}

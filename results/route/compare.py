@@ -158,6 +158,8 @@ class Settings:
     prompt_format: str
     sglang_python: str
     logdir: Path
+    route_args: list[str] = field(default_factory=list)
+    """Extra ``kvtier route`` flags (the prefix front only)."""
     bench_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -209,6 +211,8 @@ def front_prefix(s: Settings, procs: list[Proc], stack: ExitStack, events: bool)
     port = free_port()
     cmd = [sys.executable, "-m", "kvtier.cli", "route", "--port", str(port)]
     cmd += ["--log-level", "warning"]
+    if events:
+        cmd += s.route_args
     if events and s.mooncake and s.shared_storage:
         cmd += ["--shared-storage"]  # the instances share one Mooncake store
     for p in procs:
@@ -314,7 +318,8 @@ def instance_counts(procs: list[Proc]) -> list[dict[str, Any]]:
         hits = {
             t: int(m.get(("kvtier_cached_tokens_total", (("cache_source", t),)), 0)) for t in TIERS
         }
-        rows.append({"url": p.url, "requests": int(reqs), "cached_tokens": hits})
+        rates = httpx.get(f"{p.url}/health", timeout=5).json().get("rates")
+        rows.append({"url": p.url, "requests": int(reqs), "cached_tokens": hits, "rates": rates})
     return rows
 
 
@@ -455,6 +460,13 @@ def main() -> None:
         default="text",
         help="how the bench sends prompts (SGLang's router routes on text and refuses ids)",
     )
+    ap.add_argument(
+        "--route-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for kvtier route (repeat; e.g. --route-arg=--request-cost-s=0.01)",
+    )
     ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
     ap.add_argument("--json", type=Path, default=HERE / "compare.json")
     args = ap.parse_args()
@@ -479,6 +491,7 @@ def main() -> None:
         prompt_format=args.prompt_format,
         sglang_python=args.sglang_python,
         logdir=logdir,
+        route_args=args.route_arg,
     )
     log(f"logs in {logdir}")
     results = []

@@ -19,6 +19,8 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
         DEFAULTS,
     )
     assert got == Rates(500.0, 90000.0, 40000.0, 0.05)
+    got = reported_rates({"rates": {"request_cost_s": 0.012}}, DEFAULTS)
+    assert got == Rates(8000.0, 200000.0, 40000.0, 0.012)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,7 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
         {"rates": {"prefill_tokens_per_s": "fast"}},
         {"rates": {"host_tokens_per_s": True}},
         {"rates": {"storage_tokens_per_s": float("nan")}},
+        {"rates": {"request_cost_s": -0.01}},
         ["not", "a", "dict"],
     ],
 )
@@ -63,5 +66,56 @@ def test_a_kvtier_server_reports_its_measured_rates() -> None:
         assert got is not None
         assert got.prefill_tokens_per_s == rates["prefill_tokens_per_s"]
         assert got.host_tokens_per_s == rates["host_tokens_per_s"]
+    finally:
+        server.stop()
+
+
+def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
+    """Sixteen requests handed over while the engine is held are taken in one go, with 0..15
+    ahead of them; at most four run at once, so the later ones wait for the earlier ones and
+    the fitted cost per request ahead is positive. The router reads it."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import threading
+
+    import httpx2 as httpx
+    from server_harness import cache_config, engine_held, http, start, wait_until
+
+    from kvtier.route.fleet import Fleet, FleetOptions
+    from kvtier.route.instances import InstanceSpec
+
+    server = start(cache=cache_config(page_size=8), max_running=4)
+    url = f"{server.url}/v1/completions"
+    try:
+        assert "request_cost_s" not in http().get(f"{server.url}/health").json()["rates"]
+        codes: list[int] = []
+
+        def send(i: int) -> None:
+            body = {"model": "tiny", "prompt": [i + 1] * 24, "max_tokens": 6, "temperature": 0}
+            codes.append(http().post(url, json=body).status_code)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+        with engine_held(server):
+            for t in threads:
+                t.start()
+            wait_until(lambda: server.loop.queue_depth()["queued"] == 16, "16 queued requests")
+        for t in threads:
+            t.join()
+        assert codes == [200] * 16
+
+        def fitted() -> float | None:
+            return http().get(f"{server.url}/health").json()["rates"].get("request_cost_s")
+
+        cost = wait_until(fitted, "the fitted request cost on /health")
+        assert cost > 0
+
+        async def join() -> Rates | None:
+            async with httpx.AsyncClient() as client:
+                fleet = Fleet([InstanceSpec(server.url)], FleetOptions(page_size=16), client)
+                await fleet.check_health()
+                return fleet.instances[0].rates
+
+        got = asyncio.run(join())
+        assert got is not None and got.request_cost_s == fitted()
     finally:
         server.stop()

@@ -1,0 +1,64 @@
+"""The per-request cost an instance fits from the requests it served
+(``kvtier.server.request_cost``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.server.request_cost import RequestCost, predicted_prefill_s
+
+
+def test_the_slope_of_excess_on_requests_ahead() -> None:
+    cost = RequestCost(window=8, min_samples=4)
+    # excess = 0.004 + 0.025 * ahead: the intercept is not charged per request
+    for ahead in (0, 1, 2, 3):
+        cost.observe(ahead, 0.004 + 0.025 * ahead)
+    assert cost.seconds() == pytest.approx(0.025, abs=1e-12)
+
+
+def test_too_few_samples_or_no_spread_give_no_estimate() -> None:
+    cost = RequestCost(window=8, min_samples=4)
+    for ahead in (0, 3, 5):
+        cost.observe(ahead, 0.1 * ahead)
+    assert cost.seconds() is None
+    same = RequestCost(window=8, min_samples=4)
+    for excess in (0.01, 0.02, 0.03, 0.04):
+        same.observe(2, excess)
+    assert same.seconds() is None
+
+
+def test_a_falling_line_costs_nothing() -> None:
+    cost = RequestCost(window=8, min_samples=2)
+    cost.observe(0, 0.05)
+    cost.observe(4, 0.01)
+    assert cost.seconds() == 0.0
+
+
+def test_only_the_newest_window_counts() -> None:
+    cost = RequestCost(window=4, min_samples=4)
+    for ahead in (0, 1, 2, 3):
+        cost.observe(ahead, 1.0 * ahead)  # pushed out by the four below
+    for ahead in (0, 1, 2, 3):
+        cost.observe(ahead, 0.01 * ahead)
+    assert len(cost) == 4
+    assert cost.seconds() == pytest.approx(0.01, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [({"window": 1}, "window"), ({"window": 8, "min_samples": 9}, "min_samples")],
+)
+def test_bad_settings_name_themselves(kw: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        RequestCost(**kw)
+    with pytest.raises(ValueError, match="ahead"):
+        RequestCost().observe(-1, 0.0)
+
+
+def test_the_own_prefill_prices_each_tier_the_instance_has() -> None:
+    rates = {"prefill_tokens_per_s": 1000.0, "host_tokens_per_s": 4000.0}
+    # 100 computed + (200 host + 400 storage) loaded; no storage rate: its read is free
+    assert predicted_prefill_s(100, 200, 400, rates) == pytest.approx(0.1 + 0.15)
+    rates["storage_tokens_per_s"] = 2000.0
+    assert predicted_prefill_s(100, 200, 400, rates) == pytest.approx(0.1 + 0.15 + 0.2)
+    assert predicted_prefill_s(0, 0, 0, {"prefill_tokens_per_s": 1.0}) == 0.0
