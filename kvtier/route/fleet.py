@@ -58,14 +58,20 @@ class FleetOptions:
 
 def reported_rates(health: Any, defaults: Rates) -> Rates | None:
     """The rates an instance's ``/health`` answer reports (``rates``: tokens per second of
-    prefill, host loads and storage reads, each as measured by its cache, and the seconds each
-    request in flight costs a new one, as fitted from the requests it served), the
+    prefill, host loads and storage reads, each as measured by its cache; the seconds each
+    request in flight costs a new one and a request's duration, from the requests it served), the
     ``defaults`` for what it leaves out; ``None`` when it reports none or a value is out of
     range (that instance is priced with ``defaults``)."""
     got = health.get("rates") if isinstance(health, dict) else None
     if not isinstance(got, dict):
         return None
-    fields = ("prefill_tokens_per_s", "host_tokens_per_s", "storage_tokens_per_s", "request_cost_s")
+    fields = (
+        "prefill_tokens_per_s",
+        "host_tokens_per_s",
+        "storage_tokens_per_s",
+        "request_cost_s",
+        "request_duration_s",
+    )
     values = {k: got[k] for k in fields if k in got}
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values.values()):
         return None

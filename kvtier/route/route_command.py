@@ -65,6 +65,13 @@ def add_route_command(sub: argparse._SubParsersAction) -> None:
         help="seconds each request in flight on an instance adds to a new one's wait",
     )
     r.add_argument(
+        "--request-duration-s",
+        type=non_negative_float,
+        default=0.05,
+        help="seconds a request holds its device pages: the wait per request that must end "
+        "before a new one fits",
+    )
+    r.add_argument(
         "--health-interval-s",
         type=positive_float,
         default=2.0,
@@ -117,7 +124,13 @@ def route(args: argparse.Namespace) -> int:
     from kvtier.route.fleet import Fleet
 
     options = FleetOptions(
-        rates=Rates(args.prefill_rate, args.host_rate, args.storage_rate, args.request_cost_s),
+        rates=Rates(
+            args.prefill_rate,
+            args.host_rate,
+            args.storage_rate,
+            args.request_cost_s,
+            args.request_duration_s,
+        ),
         page_size=args.page_size,
         health_interval_s=args.health_interval_s,
         events_stale_s=args.events_stale_s,

@@ -5,7 +5,7 @@ tokens of which the instance holds ``d`` on device, ``h`` on host and ``s`` in s
 pages, ``PrefixIndex.match``) is::
 
     (n - d - h - s) / prefill_rate  +  (h + s) / host_rate  +  s / storage_rate
-        +  in_flight * request_cost  +  blocking * request_cost
+        +  in_flight * request_cost  +  blocking * request_duration
 
 Device pages cost nothing (attention reads them where they are); a storage page is read into
 the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
@@ -17,7 +17,9 @@ so idle instances take turns instead of the first-listed taking every tie). When
 events are stale the index cannot be trusted for the comparison, so the request goes to the
 least-loaded instance instead (reason ``stale_events``).
 
-``blocking`` is the room term. An instance admits a request only when its device pool has
+``in_flight * request_cost`` is what sharing the engine with the requests already there costs
+(each step computes theirs too). ``blocking`` is the room term, priced at a whole request's
+duration per request waited for. An instance admits a request only when its device pool has
 pages for it (what it does not hold on device: prompt and output tokens less the device hit),
 and until then the request waits for running ones to finish. The router knows the pool's size
 (``device_tokens`` on the instance's model card) and what each request it sent there and that
@@ -45,8 +47,8 @@ candidate was left."""
 
 @dataclass(frozen=True)
 class Rates:
-    """Per-tier rates the expected time is priced with (tokens per second), and the cost of a
-    request already in flight on the instance (seconds)."""
+    """Per-tier rates the expected time is priced with (tokens per second), and what the
+    requests already in flight on the instance cost a new one (seconds)."""
 
     prefill_tokens_per_s: float = 8000.0
     """Prompt tokens an instance computes per second (the uncached suffix)."""
@@ -56,14 +58,19 @@ class Rates:
     """Tokens of KV an instance reads from its storage tier per second."""
     request_cost_s: float = 0.05
     """Expected delay each request in flight adds before this one's prefill."""
+    request_duration_s: float = 0.05
+    """Expected seconds a request holds its device pages (from its prefill to its end): the
+    wait for each request in flight that must finish before this one fits."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "host_tokens_per_s", "storage_tokens_per_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v}")
-        if not (math.isfinite(self.request_cost_s) and self.request_cost_s >= 0):
-            raise ValueError(f"request_cost_s must be >= 0, got {self.request_cost_s}")
+        for name in ("request_cost_s", "request_duration_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be >= 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,8 @@ def expected_seconds(
         uncached / rates.prefill_tokens_per_s
         + (host + storage) / rates.host_tokens_per_s
         + storage / rates.storage_tokens_per_s
-        + (in_flight + blocked_by) * rates.request_cost_s
+        + in_flight * rates.request_cost_s
+        + blocked_by * rates.request_duration_s
     )
 
 

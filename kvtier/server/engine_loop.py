@@ -61,6 +61,8 @@ class Ticket:
     cancelled: bool = False
     ahead: int = 0
     """Requests in the engine (waiting or running) when it took this one."""
+    taken: float = 0.0
+    """When the engine took it (``perf_counter``)."""
 
     @property
     def logprobs(self) -> bool:
@@ -162,8 +164,8 @@ class EngineLoop:
     def health(self) -> dict[str, Any]:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
-        ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` once ``RequestCost``
-        has an estimate); ``storage`` (``None`` without a storage tier): ``backend``,
+        ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` and
+        ``request_duration_s`` once ``RequestCost`` has estimates); ``storage`` (``None`` without a storage tier): ``backend``,
         ``healthy`` (no fault within the window and the backend says it is), ``backend_healthy``,
         ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
         them), ``errors_total``, ``last_error_age_s`` and the backend's own figures
@@ -241,7 +243,7 @@ class EngineLoop:
             self._count("abort")
             return
         c = self.llm.counts()
-        t.ahead = c["waiting"] + c["running"]
+        t.ahead, t.taken = c["waiting"] + c["running"], time.perf_counter()
         try:
             t.request_id = self.llm.add_request(t.prompt, t.params)
         except RequestError as e:
@@ -287,7 +289,8 @@ class EngineLoop:
             own = predicted_prefill_s(
                 out.recomputed, out.cached_host, out.cached_storage, self._measured
             )
-            self._request_cost.observe(t.ahead, out.ttft_s - own)
+            decode = max(now - t.taken - out.ttft_s, 0.0)
+            self._request_cost.observe(t.ahead, out.ttft_s - own, own + decode)
         if out.finish_reason == "error":
             self._send(t, "error", server_error(f"the request failed in the engine: {out.error}"))
         else:
@@ -338,9 +341,11 @@ class EngineLoop:
         backend = self.llm.cache.storage
         self._measured = self._rates()
         rates: dict[str, float] = dict(self._measured)
-        cost = self._request_cost.seconds()
+        cost, duration = self._request_cost.seconds(), self._request_cost.duration_s()
         if cost is not None:
             rates["request_cost_s"] = cost
+        if duration is not None:
+            rates["request_duration_s"] = duration
         health: dict[str, Any] = {"status": "ok", "storage": None, "rates": rates}
         if backend is not None:
             # dict() of a Counter copies it in one step under the GIL: the I/O thread may

@@ -1,11 +1,12 @@
-"""What each request in flight costs a new one, as an instance measures it.
+"""What the requests in flight cost a new one, as an instance measures it.
 
 ``kvtier route`` prices an instance by the prefill its cache predicts plus
-``in_flight * request_cost`` (``kvtier.route.scorer``). The second term depends on the
-instance (its model, its batch, its CPU or GPU) and on the workload (how long requests run),
-so a fixed prior misprices it: too high and the router moves conversations away from the
-instance holding their KV on host to an idle one that must read it from storage; too low and it
-piles them onto one instance.
+``in_flight * request_cost`` and, where the new request must wait for room in the device pool,
+``blocking * request_duration`` (``kvtier.route.scorer``). Both depend on the instance (its
+model, its batch, its CPU or GPU) and on the workload (how long requests run), so fixed priors
+misprice them: too high and the router moves conversations away from the instance holding their
+KV on host to an idle one that must read it from storage; too low and it piles them onto one
+instance, where they queue.
 
 Each finished request gives one sample: how many requests were ahead of it when the engine took
 it (waiting or running), and its excess, the time to its first token less the prefill its own
@@ -13,6 +14,10 @@ hits predict at the instance's measured rates. The cost is the slope of the leas
 of excess on requests ahead over the last ``window`` samples: the intercept takes what every
 request pays (the handoff to the engine, a prediction's bias), so only the part that grows with
 the load is charged per request in flight.
+
+The duration is the mean, over the same window, of the time each request held its pages as if
+it had been admitted at once: its predicted prefill plus the time from its first token to its
+end.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ def predicted_prefill_s(recomputed: int, host: int, storage: int, rates: dict[st
 
 
 class RequestCost:
-    """The fitted seconds each request ahead adds to a new request's first token (module
-    docstring). Not thread-safe: the engine thread feeds and reads it.
+    """The fitted seconds each request ahead adds to a new request's first token, and the mean
+    duration of a request (module docstring). Not thread-safe: the engine thread feeds and
+    reads it.
 
     ``window``: samples kept (the newest). ``min_samples``: fewer give no estimate.
     """
@@ -49,13 +55,24 @@ class RequestCost:
             raise ValueError(f"min_samples must be in [2, window], got {min_samples}")
         self.min_samples = min_samples
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._held: deque[float] = deque(maxlen=window)
 
-    def observe(self, ahead: int, excess_s: float) -> None:
-        """One finished request: ``ahead`` requests were in the engine when it was taken, and
-        its first token came ``excess_s`` seconds later than its own prefill predicts."""
+    def observe(self, ahead: int, excess_s: float, held_s: float) -> None:
+        """One finished request: ``ahead`` requests were in the engine when it was taken, its
+        first token came ``excess_s`` seconds later than its own prefill predicts, and it held
+        its pages ``held_s`` seconds (its predicted prefill, then first token to end)."""
         if ahead < 0:
             raise ValueError(f"ahead must be >= 0, got {ahead}")
+        if not held_s >= 0:
+            raise ValueError(f"held_s must be >= 0, got {held_s}")
         self._samples.append((ahead, excess_s))
+        self._held.append(held_s)
+
+    def duration_s(self) -> float | None:
+        """The mean of the window's ``held_s``; ``None`` with fewer than ``min_samples``."""
+        if len(self._held) < self.min_samples:
+            return None
+        return sum(self._held) / len(self._held)
 
     def seconds(self) -> float | None:
         """The slope (never below 0); ``None`` with fewer than ``min_samples`` samples or

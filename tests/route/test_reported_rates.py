@@ -10,7 +10,7 @@ import pytest
 from kvtier.route.fleet import reported_rates
 from kvtier.route.scorer import Rates
 
-DEFAULTS = Rates(8000.0, 200000.0, 40000.0, 0.05)
+DEFAULTS = Rates(8000.0, 200000.0, 40000.0, 0.05, 0.05)
 
 
 def test_reported_rates_replace_the_defaults_they_name() -> None:
@@ -19,8 +19,8 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
         DEFAULTS,
     )
     assert got == Rates(500.0, 90000.0, 40000.0, 0.05)
-    got = reported_rates({"rates": {"request_cost_s": 0.012}}, DEFAULTS)
-    assert got == Rates(8000.0, 200000.0, 40000.0, 0.012)
+    got = reported_rates({"rates": {"request_cost_s": 0.012, "request_duration_s": 0.3}}, DEFAULTS)
+    assert got == Rates(8000.0, 200000.0, 40000.0, 0.012, 0.3)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,7 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
         {"rates": {"host_tokens_per_s": True}},
         {"rates": {"storage_tokens_per_s": float("nan")}},
         {"rates": {"request_cost_s": -0.01}},
+        {"rates": {"request_duration_s": float("inf")}},
         ["not", "a", "dict"],
     ],
 )
@@ -73,7 +74,8 @@ def test_a_kvtier_server_reports_its_measured_rates() -> None:
 def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
     """Sixteen requests handed over while the engine is held are taken in one go, with 0..15
     ahead of them; at most four run at once, so the later ones wait for the earlier ones and
-    the fitted cost per request ahead is positive. The router reads it."""
+    the fitted cost per request ahead is positive; each decodes 5 tokens after its first, so
+    its duration is too. The router reads both."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     import threading
@@ -87,7 +89,8 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
     server = start(cache=cache_config(page_size=8), max_running=4)
     url = f"{server.url}/v1/completions"
     try:
-        assert "request_cost_s" not in http().get(f"{server.url}/health").json()["rates"]
+        fresh = http().get(f"{server.url}/health").json()["rates"]
+        assert "request_cost_s" not in fresh and "request_duration_s" not in fresh
         codes: list[int] = []
 
         def send(i: int) -> None:
@@ -103,11 +106,12 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
             t.join()
         assert codes == [200] * 16
 
-        def fitted() -> float | None:
-            return http().get(f"{server.url}/health").json()["rates"].get("request_cost_s")
+        def fitted() -> dict | None:
+            rates = http().get(f"{server.url}/health").json()["rates"]
+            return rates if "request_cost_s" in rates else None
 
-        cost = wait_until(fitted, "the fitted request cost on /health")
-        assert cost > 0
+        rates = wait_until(fitted, "the fitted request cost on /health")
+        assert rates["request_cost_s"] > 0 and rates["request_duration_s"] > 0
 
         async def join() -> Rates | None:
             async with httpx.AsyncClient() as client:
@@ -116,6 +120,10 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
                 return fleet.instances[0].rates
 
         got = asyncio.run(join())
-        assert got is not None and got.request_cost_s == fitted()
+        assert got is not None
+        assert (got.request_cost_s, got.request_duration_s) == (
+            rates["request_cost_s"],
+            rates["request_duration_s"],
+        )
     finally:
         server.stop()

@@ -12,6 +12,7 @@ RATES = Rates(
     host_tokens_per_s=10000.0,
     storage_tokens_per_s=2000.0,
     request_cost_s=0.5,
+    request_duration_s=0.5,
 )
 
 
@@ -146,3 +147,11 @@ def test_a_request_goes_where_it_fits_rather_than_wait_behind_a_long_one() -> No
     assert choose(unknown, 700, RATES, output_tokens=8).name == "home"
     roomy = [cand("home", short, 1024, device=16, host=8), cand("other", long, 1024, device=16)]
     assert choose(roomy, 700, RATES, output_tokens=8).name == "home"
+    # the wait for room is priced at a request's duration, not at the cost of sharing a step:
+    # home 316 computed + 128 loaded + one wait, other 444 computed
+    quick = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.0, request_duration_s=0.2)
+    d = choose([home, other], 700, quick, output_tokens=8)
+    assert d.name == "other" and d.expected_s == pytest.approx(0.444)
+    instant = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.1, request_duration_s=0.0)
+    d = choose([home, other], 700, instant, output_tokens=8)
+    assert d.name == "home" and d.expected_s == pytest.approx(0.316 + 0.0128 + 0.1)

@@ -12,34 +12,34 @@ def test_the_slope_of_excess_on_requests_ahead() -> None:
     cost = RequestCost(window=8, min_samples=4)
     # excess = 0.004 + 0.025 * ahead: the intercept is not charged per request
     for ahead in (0, 1, 2, 3):
-        cost.observe(ahead, 0.004 + 0.025 * ahead)
+        cost.observe(ahead, 0.004 + 0.025 * ahead, 0.0)
     assert cost.seconds() == pytest.approx(0.025, abs=1e-12)
 
 
 def test_too_few_samples_or_no_spread_give_no_estimate() -> None:
     cost = RequestCost(window=8, min_samples=4)
     for ahead in (0, 3, 5):
-        cost.observe(ahead, 0.1 * ahead)
+        cost.observe(ahead, 0.1 * ahead, 0.0)
     assert cost.seconds() is None
     same = RequestCost(window=8, min_samples=4)
     for excess in (0.01, 0.02, 0.03, 0.04):
-        same.observe(2, excess)
+        same.observe(2, excess, 0.0)
     assert same.seconds() is None
 
 
 def test_a_falling_line_costs_nothing() -> None:
     cost = RequestCost(window=8, min_samples=2)
-    cost.observe(0, 0.05)
-    cost.observe(4, 0.01)
+    cost.observe(0, 0.05, 0.0)
+    cost.observe(4, 0.01, 0.0)
     assert cost.seconds() == 0.0
 
 
 def test_only_the_newest_window_counts() -> None:
     cost = RequestCost(window=4, min_samples=4)
     for ahead in (0, 1, 2, 3):
-        cost.observe(ahead, 1.0 * ahead)  # pushed out by the four below
+        cost.observe(ahead, 1.0 * ahead, 0.0)  # pushed out by the four below
     for ahead in (0, 1, 2, 3):
-        cost.observe(ahead, 0.01 * ahead)
+        cost.observe(ahead, 0.01 * ahead, 0.0)
     assert len(cost) == 4
     assert cost.seconds() == pytest.approx(0.01, abs=1e-12)
 
@@ -52,7 +52,21 @@ def test_bad_settings_name_themselves(kw: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         RequestCost(**kw)
     with pytest.raises(ValueError, match="ahead"):
-        RequestCost().observe(-1, 0.0)
+        RequestCost().observe(-1, 0.0, 0.0)
+    with pytest.raises(ValueError, match="held_s"):
+        RequestCost().observe(0, 0.0, float("nan"))
+
+
+def test_the_duration_is_the_mean_hold_of_the_window() -> None:
+    cost = RequestCost(window=4, min_samples=3)
+    cost.observe(0, 0.0, 9.0)  # pushed out below
+    cost.observe(0, 0.0, 0.02)
+    assert cost.duration_s() is None
+    cost.observe(1, 0.0, 0.04)
+    assert cost.duration_s() == pytest.approx(9.06 / 3)
+    cost.observe(2, 0.0, 0.06)
+    cost.observe(3, 0.0, 0.08)
+    assert cost.duration_s() == pytest.approx(0.05)
 
 
 def test_the_own_prefill_prices_each_tier_the_instance_has() -> None:
