@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -277,6 +278,7 @@ class Fleet:
         if len(pool) > 1 and any(i.subscriber is not None for i in pool):
             tokens = await self.prompt_tokens(body, chat, pool[0])
         candidates = []
+        now = time.monotonic()
         hashes: dict[int, list[int]] = {}
         # every configured instance: what one that left wrote to the L3 is still there
         shared = [i.name for i in self.instances] if self.options.shared_storage else []
@@ -298,7 +300,8 @@ class Fleet:
                     size,
                     inst.rates,
                     inst.device_tokens,
-                    tuple(inst.flights),
+                    tuple(f.footprint for f in inst.flights),
+                    tuple(now - f.sent for f in inst.flights),
                 )
             )
         n = len(tokens) if tokens is not None else 0

@@ -3,6 +3,7 @@ about each at run time (health, requests in flight, page size, its KV event stre
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -69,6 +70,16 @@ def parse_instances(values: list[str] | None) -> list[InstanceSpec]:
     return specs
 
 
+@dataclass(slots=True, eq=False)
+class Flight:
+    """One request sent to an instance and not finished (its handle for ``Instance.end``)."""
+
+    footprint: Footprint | None
+    """What it holds on the instance's device while it runs (``None``: not known)."""
+    sent: float
+    """When it was sent (``time.monotonic``)."""
+
+
 @dataclass
 class Instance:
     """What the router knows about one instance. Read and written on the event loop only
@@ -80,9 +91,9 @@ class Instance:
     when it does not, or when a request to it fails to connect)."""
     in_flight: int = 0
     """Requests sent to it that have not finished (the load)."""
-    flights: list[Footprint | None] = field(default_factory=list)
-    """What those requests hold on its device, oldest first (``None``: not known);
-    ``begin`` and ``end`` keep it and ``in_flight`` together."""
+    flights: list[Flight] = field(default_factory=list)
+    """Those requests, oldest first; ``begin`` and ``end`` keep it and ``in_flight``
+    together."""
     device_tokens: int | None = None
     """Its device pool's size in tokens, from its model card's ``device_tokens``."""
     models: list[dict] = field(default_factory=list)
@@ -107,15 +118,18 @@ class Instance:
         answers it as it would without a router."""
         return not isinstance(model, str) or any(c.get("id") == model for c in self.models)
 
-    def begin(self, footprint: Footprint | None) -> None:
-        """A request was sent to it, holding ``footprint`` while it runs."""
+    def begin(self, footprint: Footprint | None) -> Flight:
+        """A request was sent to it, holding ``footprint`` while it runs; the handle to
+        ``end`` it with."""
+        flight = Flight(footprint, time.monotonic())
         self.in_flight += 1
-        self.flights.append(footprint)
+        self.flights.append(flight)
+        return flight
 
-    def end(self, footprint: Footprint | None) -> None:
+    def end(self, flight: Flight) -> None:
         """That request finished (answered, failed or cut off)."""
         self.in_flight -= 1
-        self.flights.remove(footprint)
+        self.flights.remove(flight)
 
     def page_size_or(self, default: int) -> int:
         """Its page size: the KV events' ``block_size``, else the model card's, else

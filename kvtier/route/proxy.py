@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.route.fleet import Fleet
-from kvtier.route.instances import Instance
+from kvtier.route.instances import Flight, Instance
 from kvtier.route.prefix_index import TIERS
 from kvtier.route.route_metrics import RouteMetrics
 from kvtier.route.scorer import Footprint
@@ -162,14 +162,14 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
         """``(answer, None)``, or ``(None, what to answer if no other instance can)``."""
-        inst.begin(fp)
+        flight = inst.begin(fp)
         try:
             r = await client.post(url, content=raw, headers=headers)
         except httpx.HTTPError as e:
             fleet.leave(inst, f"request failed: {e!r}")
             return None, None
         finally:
-            inst.end(fp)
+            inst.end(flight)
         out = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         if r.status_code >= 500:
             return None, out
@@ -181,7 +181,7 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
     async def _stream(
         inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
-        inst.begin(fp)
+        flight = inst.begin(fp)
         resp = None
         try:
             resp = await client.send(
@@ -193,25 +193,25 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 out = Response(
                     content, resp.status_code, media_type=resp.headers.get("content-type")
                 )
-                inst.end(fp)
+                inst.end(flight)
                 return (None, out) if resp.status_code >= 500 else (out, None)
             chunks = resp.aiter_raw()
             first = await anext(chunks, b"")
         except httpx.HTTPError as e:
             if resp is not None:
                 await resp.aclose()
-            inst.end(fp)
+            inst.end(flight)
             fleet.leave(inst, f"request failed before streaming: {e!r}")
             return None, None
         if not first:  # ended before any output: nothing was streamed, another may serve it
             await resp.aclose()
-            inst.end(fp)
+            inst.end(flight)
             return None, None
-        relay = _relay(inst, fp, resp, chunks, first)
+        relay = _relay(inst, flight, resp, chunks, first)
         return StreamingResponse(relay, media_type="text/event-stream"), None
 
     async def _relay(
-        inst: Instance, fp: Footprint | None, resp: Any, chunks: AsyncIterator[bytes], first: bytes
+        inst: Instance, flight: Flight, resp: Any, chunks: AsyncIterator[bytes], first: bytes
     ) -> AsyncIterator[bytes]:
         """The instance's bytes as they come; an error event when they stop short. The usage
         chunk (a stream that reports one) is counted as a JSON answer's usage is."""
@@ -236,7 +236,7 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 lead = b"" if tail.endswith(b"\n\n") else b"\n\n"
                 yield lead + _sse_error(problem) + DONE
         finally:
-            inst.end(fp)
+            inst.end(flight)
             await resp.aclose()
 
     return app

@@ -5,7 +5,7 @@ tokens of which the instance holds ``d`` on device, ``h`` on host and ``s`` in s
 pages, ``PrefixIndex.match``) is::
 
     (n - d - h - s) / prefill_rate  +  (h + s) / host_rate  +  s / storage_rate
-        +  in_flight * request_cost  +  blocking * request_duration
+        +  in_flight * request_cost  +  room_wait
 
 Device pages cost nothing (attention reads them where they are); a storage page is read into
 the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
@@ -18,16 +18,18 @@ events are stale the index cannot be trusted for the comparison, so the request 
 least-loaded instance instead (reason ``stale_events``).
 
 ``in_flight * request_cost`` is what sharing the engine with the requests already there costs
-(each step computes theirs too). ``blocking`` is the room term, priced at a whole request's
-duration per request waited for. An instance admits a request only when its device pool has
+(each step computes theirs too). ``room_wait`` is the room term. An instance admits a request
+only when its device pool has
 pages for it (what it does not hold on device: prompt and output tokens less the device hit),
 and until then the request waits for running ones to finish. The router knows the pool's size
 (``device_tokens`` on the instance's model card) and what each request it sent there and that
 has not finished holds (its ``Footprint``), so it counts the requests in flight that must finish,
-oldest first, before the new one fits: 0 where it fits now. Shared prefixes are counted once
-(the largest device prefix among them and the new request), as the pool holds them once.
-Without the size, or while a request in flight has an unknown footprint (it was routed without
-its tokens), the term is 0.
+oldest first, before the new one fits (``blocking``): 0 where it fits now. Shared prefixes are
+counted once (the largest device prefix among them and the new request), as the pool holds them
+once. Without the size, or while a request in flight has an unknown footprint (it was routed
+without its tokens), the term is 0. Those requests run side by side, so the wait ends when the
+youngest of them ends: ``request_duration`` less that request's age (its time since it was
+sent; a whole duration where the age is not known), never below 0 (``room_wait``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class Candidate:
     flights: tuple[Footprint | None, ...] = ()
     """What the requests in flight that the router sent it hold, oldest first (``None``: not
     known)."""
+    ages: tuple[float, ...] = ()
+    """Seconds since each of ``flights`` was sent (the same order; empty: not known)."""
 
     def footprint(self, prompt_tokens: int, output_tokens: int) -> Footprint:
         """What a request of these sizes would hold here (whole pages)."""
@@ -147,10 +151,10 @@ def expected_seconds(
     page_size: int,
     in_flight: int,
     rates: Rates,
-    blocked_by: int = 0,
+    room_wait_s: float = 0.0,
 ) -> float:
     """The expected prefill time (module docstring) of ``prompt_tokens`` tokens, where
-    ``blocked_by`` requests in flight must finish before it fits."""
+    it waits ``room_wait_s`` for room in the device pool."""
     device, host, storage = (p * page_size for p in (match.device, match.host, match.storage))
     uncached = max(prompt_tokens - device - host - storage, 0)
     return (
@@ -158,8 +162,18 @@ def expected_seconds(
         + (host + storage) / rates.host_tokens_per_s
         + storage / rates.storage_tokens_per_s
         + in_flight * rates.request_cost_s
-        + blocked_by * rates.request_duration_s
+        + room_wait_s
     )
+
+
+def room_wait(blocked_by: int, ages: Sequence[float], duration_s: float) -> float:
+    """Seconds until the oldest ``blocked_by`` requests in flight (``ages``: seconds since
+    each was sent, oldest first) have all ended, each lasting ``duration_s``; a request of
+    unknown age counts a whole duration (module docstring)."""
+    if blocked_by == 0:
+        return 0.0
+    age = ages[blocked_by - 1] if len(ages) >= blocked_by else 0.0
+    return max(duration_s - age, 0.0)
 
 
 def least_loaded(candidates: Sequence[Candidate], turn: int = 0) -> Candidate:
@@ -203,7 +217,8 @@ def choose(
     for i, c in enumerate(candidates):
         if c.match is None:
             continue
-        wait = blocking(c.device_tokens, c.flights, c.footprint(prompt_tokens, output_tokens))
+        k = blocking(c.device_tokens, c.flights, c.footprint(prompt_tokens, output_tokens))
+        wait = room_wait(k, c.ages, (c.rates or rates).request_duration_s)
         seconds = expected_seconds(
             prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates, wait
         )

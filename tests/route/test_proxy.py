@@ -271,7 +271,7 @@ def test_a_streaming_request_holds_its_footprint_until_its_stream_ends(stubs: St
             chunks = r.iter_raw()
             first = next(chunks)
             # 12 + 5 - 8 = 9 tokens of its own: 3 pages
-            assert router.instance(B).flights == [Footprint(own=12, prefix=8)]
+            assert [f.footprint for f in router.instance(B).flights] == [Footprint(12, 8)]
             assert (router.instance(A).flights, router.instance(B).in_flight) == ([], 1)
             stubs.release.set()
             assert (first + b"".join(chunks)).endswith(b"data: [DONE]\n\n")

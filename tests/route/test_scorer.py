@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtier.route.prefix_index import PrefixMatch
-from kvtier.route.scorer import Candidate, Footprint, Rates, blocking, choose, expected_seconds
+from kvtier.route.scorer import (
+    Candidate,
+    Footprint,
+    Rates,
+    blocking,
+    choose,
+    expected_seconds,
+    room_wait,
+)
 
 RATES = Rates(
     prefill_tokens_per_s=1000.0,
@@ -152,6 +162,19 @@ def test_a_request_goes_where_it_fits_rather_than_wait_behind_a_long_one() -> No
     quick = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.0, request_duration_s=0.2)
     d = choose([home, other], 700, quick, output_tokens=8)
     assert d.name == "other" and d.expected_s == pytest.approx(0.444)
+    # the request it waits for is 0.15 s old: 0.05 s of its 0.2 s are left, and home wins
+    aged = dataclasses.replace(home, ages=(0.15,))
+    d = choose([aged, other], 700, quick, output_tokens=8)
+    assert d.name == "home" and d.expected_s == pytest.approx(0.316 + 0.0128 + 0.05)
     instant = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.1, request_duration_s=0.0)
     d = choose([home, other], 700, instant, output_tokens=8)
     assert d.name == "home" and d.expected_s == pytest.approx(0.316 + 0.0128 + 0.1)
+
+
+def test_the_wait_for_room_ends_with_the_youngest_request_waited_for() -> None:
+    """Requests in flight run side by side: waiting for the two oldest (sent 0.3 s and 0.1 s
+    ago, lasting 0.25 s each) ends when the second ends."""
+    assert room_wait(0, (0.3, 0.1), 0.25) == 0.0
+    assert room_wait(1, (0.3, 0.1), 0.25) == 0.0  # overdue: it may end any moment
+    assert room_wait(2, (0.3, 0.1), 0.25) == pytest.approx(0.15)
+    assert room_wait(2, (), 0.25) == 0.25  # ages not known: a whole duration
