@@ -120,8 +120,11 @@ def route(args: argparse.Namespace) -> int:
         print(f"kvtier route: {e.name} is missing: pip install 'kvtier[route]'", file=sys.stderr)
         return 2
     import asyncio
+    import logging
 
     from kvtier.route.fleet import Fleet
+
+    logging.getLogger("kvtier").setLevel(args.log_level.upper())
 
     options = FleetOptions(
         rates=Rates(

@@ -34,11 +34,14 @@ sent; a whole duration where the age is not known), never below 0 (``room_wait``
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.route.prefix_index import PrefixMatch
+
+log = logging.getLogger("kvtier.route")
 
 REASONS = ("prefix", "least_loaded", "stale_events", "only_healthy")
 """Why an instance was chosen: ``prefix`` by expected time with some page held somewhere;
@@ -223,5 +226,14 @@ def choose(
             prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates, wait
         )
         scored.append((seconds, c.in_flight, (i - turn) % n, i))
+        if log.isEnabledFor(logging.DEBUG):
+            m = c.match
+            log.debug(
+                "candidate %s: %.1f ms (pages device %d host %d storage %d of %d tokens, "
+                "%d in flight, room wait %.1f ms)",
+                c.name, seconds * 1e3, m.device, m.host, m.storage, prompt_tokens,
+                c.in_flight, wait * 1e3,
+            )  # fmt: skip
     seconds, _, _, i = min(scored)
+    log.debug("chose %s", candidates[i].name)
     return decision(candidates[i], "prefix", seconds)

@@ -178,3 +178,15 @@ def test_the_wait_for_room_ends_with_the_youngest_request_waited_for() -> None:
     assert room_wait(1, (0.3, 0.1), 0.25) == 0.0  # overdue: it may end any moment
     assert room_wait(2, (0.3, 0.1), 0.25) == pytest.approx(0.15)
     assert room_wait(2, (), 0.25) == 0.25  # ages not known: a whole duration
+
+
+def test_debug_logging_shows_each_candidates_time(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("DEBUG", logger="kvtier.route"):
+        choose([_c("a", device=2), _c("b", in_flight=1, host=5)], 160, RATES)
+    assert caplog.messages == [
+        "candidate a: 128.0 ms (pages device 2 host 0 storage 0 of 160 tokens, 0 in flight, "
+        "room wait 0.0 ms)",
+        "candidate b: 588.0 ms (pages device 0 host 5 storage 0 of 160 tokens, 1 in flight, "
+        "room wait 0.0 ms)",
+        "chose a",
+    ]
