@@ -10,10 +10,15 @@ instance, where they queue.
 
 Each finished request gives one sample: how many requests were ahead of it when the engine took
 it (waiting or running), and its excess, the time to its first token less the prefill its own
-hits predict at the instance's measured rates. The cost is the slope of the least-squares line
-of excess on requests ahead over the last ``window`` samples: the intercept takes what every
-request pays (the handoff to the engine, a prediction's bias), so only the part that grows with
-the load is charged per request in flight.
+hits predict at the instance's measured rates. Over the last ``window`` samples, the cost is
+the excess of the requests that had some ahead, less the mean excess of those that had none
+(what every request pays: the handoff to the engine, a prediction's bias), per request ahead::
+
+    cost = sum(excess - idle_excess  for samples with ahead > 0) / sum(ahead)
+
+Not a least-squares slope: the first request ahead costs the most (a new request waits for the
+step under way, whatever its batch), the next ones less, so the slope of a busy instance, which
+rarely sees 0 ahead, would come out low and draw yet more load to it.
 
 The duration is the mean, over the same window, of the time each request held its pages as if
 it had been admitted at once: its predicted prefill plus the time from its first token to its
@@ -75,18 +80,17 @@ class RequestCost:
         return sum(self._held) / len(self._held)
 
     def seconds(self) -> float | None:
-        """The slope (never below 0); ``None`` with fewer than ``min_samples`` samples or
-        while every sample had the same number of requests ahead (no slope to fit)."""
-        n = len(self._samples)
-        if n < self.min_samples:
+        """The cost per request ahead (module docstring; never below 0, the idle excess 0
+        without idle samples); ``None`` with fewer than ``min_samples`` samples or none that
+        had a request ahead."""
+        if len(self._samples) < self.min_samples:
             return None
-        mean_k = sum(k for k, _ in self._samples) / n
-        mean_e = sum(e for _, e in self._samples) / n
-        var = sum((k - mean_k) ** 2 for k, _ in self._samples)
-        if var == 0:
+        idle = [e for k, e in self._samples if k == 0]
+        busy = [(k, e) for k, e in self._samples if k > 0]
+        if not busy:
             return None
-        cov = sum((k - mean_k) * (e - mean_e) for k, e in self._samples)
-        return max(cov / var, 0.0)
+        base = sum(idle) / len(idle) if idle else 0.0
+        return max(sum(e - base for _, e in busy) / sum(k for k, _ in busy), 0.0)
 
     def __len__(self) -> int:
         return len(self._samples)

@@ -8,23 +8,32 @@ import pytest
 from kvtier.server.request_cost import RequestCost, predicted_prefill_s
 
 
-def test_the_slope_of_excess_on_requests_ahead() -> None:
+def test_the_excess_over_the_idle_one_per_request_ahead() -> None:
     cost = RequestCost(window=8, min_samples=4)
-    # excess = 0.004 + 0.025 * ahead: the intercept is not charged per request
+    # excess = 0.004 + 0.025 * ahead: what an idle request pays is not charged per request
     for ahead in (0, 1, 2, 3):
         cost.observe(ahead, 0.004 + 0.025 * ahead, 0.0)
     assert cost.seconds() == pytest.approx(0.025, abs=1e-12)
 
 
-def test_too_few_samples_or_no_spread_give_no_estimate() -> None:
+def test_too_few_samples_or_none_with_a_request_ahead_give_no_estimate() -> None:
     cost = RequestCost(window=8, min_samples=4)
     for ahead in (0, 3, 5):
         cost.observe(ahead, 0.1 * ahead, 0.0)
     assert cost.seconds() is None
-    same = RequestCost(window=8, min_samples=4)
+    idle = RequestCost(window=8, min_samples=4)
     for excess in (0.01, 0.02, 0.03, 0.04):
-        same.observe(2, excess, 0.0)
-    assert same.seconds() is None
+        idle.observe(0, excess, 0.0)
+    assert idle.seconds() is None
+
+
+def test_a_busy_instance_is_charged_its_first_request_ahead_in_full() -> None:
+    """Never idle: no baseline, so the whole excess counts; 1 ahead cost 0.03 s and 2 ahead
+    0.04 s (a concave load): (0.03 + 0.04 + 0.03 + 0.04) / (1 + 2 + 1 + 2)."""
+    cost = RequestCost(window=8, min_samples=4)
+    for ahead, excess in ((1, 0.03), (2, 0.04), (1, 0.03), (2, 0.04)):
+        cost.observe(ahead, excess, 0.0)
+    assert cost.seconds() == pytest.approx(0.14 / 6, abs=1e-12)
 
 
 def test_a_falling_line_costs_nothing() -> None:
