@@ -1,0 +1,58 @@
+"""Pooled TTFT quantiles and hit tokens of several comparison runs, from their per-request
+records (a single run's 288 requests give a p90 that moves by 10-20 ms between runs).
+
+Usage::
+
+    # keep the records of some runs (compare.py's log dirs, each with FRONT-bench.json)
+    python results/route/pooled.py pack OUT.json DIR [DIR ...]
+    # pooled figures per front
+    python results/route/pooled.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FIELDS = ("round", "ttft_s", "cached_device", "cached_host", "cached_storage", "recomputed")
+
+
+def pack(out: Path, dirs: list[Path]) -> None:
+    runs = {}
+    for d in dirs:
+        fronts = {}
+        for f in sorted(d.glob("*-bench.json")):
+            reqs = json.loads(f.read_text())["configs"]["server"]["requests"]
+            fronts[f.name.removesuffix("-bench.json")] = [[r[k] for k in FIELDS] for r in reqs]
+        runs[d.name] = fronts
+    out.write_text(json.dumps({"fields": FIELDS, "runs": runs}) + "\n")
+
+
+def report(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    i = {k: n for n, k in enumerate(doc["fields"])}
+    pooled: dict[str, list[list]] = {}
+    for fronts in doc["runs"].values():
+        for front, rows in fronts.items():
+            pooled.setdefault(front, []).extend(rows)
+    print("front          requests  p50 ms  p90 ms  p99 ms  device+host  storage")
+    for front, rows in pooled.items():
+        t = sorted(r[i["ttft_s"]] for r in rows)
+
+        def q(p: float, t: list[float] = t) -> float:
+            return t[min(int(len(t) * p), len(t) - 1)] * 1e3
+
+        dh = sum(r[i["cached_device"]] + r[i["cached_host"]] for r in rows)
+        st = sum(r[i["cached_storage"]] for r in rows)
+        print(
+            f"{front:<14} {len(rows):>8} {q(0.5):>7.1f} {q(0.9):>7.1f} {q(0.99):>7.1f}"
+            f" {dh:>12,} {st:>8,}"
+        )
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "pack":
+        pack(Path(sys.argv[2]), [Path(d) for d in sys.argv[3:]])
+    else:
+        report(Path(sys.argv[1]))
