@@ -19,17 +19,17 @@ least-loaded instance instead (reason ``stale_events``).
 
 ``in_flight * request_cost`` is what sharing the engine with the requests already there costs
 (each step computes theirs too). ``room_wait`` is the room term. An instance admits a request
-only when its device pool has
-pages for it (what it does not hold on device: prompt and output tokens less the device hit),
-and until then the request waits for running ones to finish. The router knows the pool's size
-(``device_tokens`` on the instance's model card) and what each request it sent there and that
-has not finished holds (its ``Footprint``), so it counts the requests in flight that must finish,
-oldest first, before the new one fits (``blocking``): 0 where it fits now. Shared prefixes are
-counted once (the largest device prefix among them and the new request), as the pool holds them
-once. Without the size, or while a request in flight has an unknown footprint (it was routed
-without its tokens), the term is 0. Those requests run side by side, so the wait ends when the
-youngest of them ends: ``request_duration`` less that request's age (its time since it was
-sent; a whole duration where the age is not known), never below 0 (``room_wait``).
+only when its device pool has pages for it (what it does not hold on device: prompt and output
+tokens less the device hit), and until then the request waits for running ones to finish. The
+router knows the pool's size (``device_tokens`` on the instance's model card) and what each
+request it sent there and that has not finished holds (its ``Footprint``), so it counts the
+requests in flight that must finish, oldest first, before the new one fits (``blocking``): 0
+where it fits now. Shared prefixes are counted once (the largest device prefix among them and
+the new request), as the pool holds them once. Without the size, or while a request in flight
+has an unknown footprint (it was routed without its tokens), the term is 0. Those requests run
+side by side, so the wait ends when the youngest of them ends: ``request_duration`` less that
+request's age (its time since it was sent; a whole duration where the age is not known), never
+below 0 (``room_wait``).
 """
 
 from __future__ import annotations
