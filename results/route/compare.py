@@ -25,6 +25,7 @@ Usage::
     python results/route/compare.py                       # writes results/route/compare.json
     python results/route/compare.py --fronts prefix,round_robin --clients 24 --rounds 6
     python results/route/compare.py --no-mooncake         # device and host tiers only
+    python results/route/compare.py --repeat 3            # 3 runs a front, interleaved, pooled
 
 Progress lines go to stderr; every process started is stopped at the end, also on failure
 (each runs in its own process group, which is killed).
@@ -44,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ import httpx2 as httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pooled import pool  # this folder's (run as a script)
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.parallel.ports import free_port
@@ -307,6 +309,7 @@ def bench(s: Settings, url: str, tag: str, model: str | None) -> dict[str, Any]:
         "ttft_p99_s": summ["ttft_p99_s"],
         "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
         "served": summ["served"],
+        "records": reqs,
     }
 
 
@@ -467,6 +470,13 @@ def main() -> None:
         metavar="FLAG",
         help="a flag for kvtier route (repeat; e.g. --route-arg=--request-cost-s=0.01)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every front, interleaved (front 1, 2, ..., then again); the JSON adds "
+        "each front's figures pooled over its runs' requests",
+    )
     ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
     ap.add_argument("--json", type=Path, default=HERE / "compare.json")
     args = ap.parse_args()
@@ -474,6 +484,8 @@ def main() -> None:
     bad = [f for f in fronts if f not in FRONTS]
     if bad:
         ap.error(f"--fronts: unknown {bad}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     logdir = Path(tempfile.mkdtemp(prefix="route-compare-"))
     s = Settings(
         instances=args.instances,
@@ -495,12 +507,19 @@ def main() -> None:
     )
     log(f"logs in {logdir}")
     results = []
-    for name in fronts:
-        try:
-            results.append(run_front(name, s))
-        except Exception as e:  # the other fronts still run; the failure is in the results
-            log(f"{name}: FAILED {type(e).__name__}: {e}")
-            results.append({"front": name, "error": f"{type(e).__name__}: {e}"})
+    records: dict[str, list[dict]] = {}
+    for rep in range(args.repeat):
+        # a folder per run: the fronts' file names repeat
+        run = replace(s, logdir=logdir / f"run{rep + 1}") if args.repeat > 1 else s
+        run.logdir.mkdir(exist_ok=True)
+        for name in fronts:
+            try:
+                result = run_front(name, run)
+            except Exception as e:  # the other fronts still run; the failure is in the results
+                log(f"{name}: FAILED {type(e).__name__}: {e}")
+                result = {"front": name, "error": f"{type(e).__name__}: {e}"}
+            records.setdefault(name, []).extend(result.pop("records", []))
+            results.append(result | ({"run": rep + 1} if args.repeat > 1 else {}))
     doc = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
@@ -510,6 +529,8 @@ def main() -> None:
         "settings": {k: v for k, v in vars(s).items() if k not in ("logdir", "sglang_python")},
         "fronts": results,
     }
+    if args.repeat > 1:
+        doc["pooled"] = {name: pool(rows) for name, rows in records.items() if rows}
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
     log(f"wrote {args.json}")
 

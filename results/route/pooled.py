@@ -29,25 +29,39 @@ def pack(out: Path, dirs: list[Path]) -> None:
     out.write_text(json.dumps({"fields": FIELDS, "runs": runs}) + "\n")
 
 
+def pool(rows: list[dict]) -> dict:
+    """The figures of one front's requests pooled over runs (bench records: ``ttft_s`` and
+    ``cached_*`` as ``kvtier bench multiturn`` writes them)."""
+    t = sorted(r["ttft_s"] for r in rows)
+
+    def q(p: float) -> float:
+        return t[min(int(len(t) * p), len(t) - 1)]
+
+    served = {k: sum(r[f"cached_{k}"] for r in rows) for k in ("device", "host", "storage")}
+    return {
+        "requests": len(rows),
+        "ttft_p50_s": q(0.5),
+        "ttft_p90_s": q(0.9),
+        "ttft_p99_s": q(0.99),
+        "served": served | {"recomputed": sum(r["recomputed"] for r in rows)},
+    }
+
+
 def report(path: Path) -> None:
     doc = json.loads(path.read_text())
-    i = {k: n for n, k in enumerate(doc["fields"])}
-    pooled: dict[str, list[list]] = {}
+    fields = doc["fields"]
+    pooled: dict[str, list[dict]] = {}
     for fronts in doc["runs"].values():
         for front, rows in fronts.items():
-            pooled.setdefault(front, []).extend(rows)
+            pooled.setdefault(front, []).extend(dict(zip(fields, r, strict=True)) for r in rows)
     print("front          requests  p50 ms  p90 ms  p99 ms  device+host  storage")
     for front, rows in pooled.items():
-        t = sorted(r[i["ttft_s"]] for r in rows)
-
-        def q(p: float, t: list[float] = t) -> float:
-            return t[min(int(len(t) * p), len(t) - 1)] * 1e3
-
-        dh = sum(r[i["cached_device"]] + r[i["cached_host"]] for r in rows)
-        st = sum(r[i["cached_storage"]] for r in rows)
+        p = pool(rows)
+        dh = p["served"]["device"] + p["served"]["host"]
         print(
-            f"{front:<14} {len(rows):>8} {q(0.5):>7.1f} {q(0.9):>7.1f} {q(0.99):>7.1f}"
-            f" {dh:>12,} {st:>8,}"
+            f"{front:<14} {p['requests']:>8} {p['ttft_p50_s'] * 1e3:>7.1f}"
+            f" {p['ttft_p90_s'] * 1e3:>7.1f} {p['ttft_p99_s'] * 1e3:>7.1f}"
+            f" {dh:>12,} {p['served']['storage']:>8,}"
         )
 
 
