@@ -113,9 +113,12 @@ LOOP_REQUEST_KEYS = (
     "cached_host",
     "cached_storage",
     "recomputed",
+    "instance",
+    "expected_s",
 )
 """Keys of every record in ``configs[name]["requests"]`` (``bench multiturn``'s, as ``usage``
-gives them, and the HTTP ``status``)."""
+gives them, and the HTTP ``status``; behind ``kvtier route``, the instance that answered and
+the router's expected time, from its ``x-kvtier-*`` headers, else ``None``)."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,12 @@ class Sample:
     """The answer's text as streamed (``choices[].text`` joined)."""
     error: str = ""
     """What the server said about a failed request (its error message, shortened)."""
+    instance: str | None = None
+    """The instance that answered, where a ``kvtier route`` in between says
+    (``x-kvtier-instance``)."""
+    expected_s: float | None = None
+    """The router's expected time for the request where it chose by it
+    (``x-kvtier-expected-ms``)."""
 
 
 def served_by(by_tier: dict[str, int]) -> str:
@@ -289,6 +298,9 @@ class _Client:
                 headers=self._headers,
             )
             resp = self._conn.getresponse()
+            sample.instance = resp.getheader("x-kvtier-instance")
+            expected = resp.getheader("x-kvtier-expected-ms")
+            sample.expected_s = float(expected) / 1e3 if expected is not None else None
             if resp.status != 200:
                 sample.error = error_message(resp.read())
                 sample.status = str(resp.status)
@@ -743,6 +755,8 @@ def _loop_record(turn: Turn, s: Sample) -> dict[str, Any]:
         "cached_host": s.by_tier.get("host", 0),
         "cached_storage": s.by_tier.get("storage", 0),
         "recomputed": s.recomputed,
+        "instance": s.instance,
+        "expected_s": s.expected_s,
     }
 
 

@@ -24,7 +24,7 @@ from kvtier.route.fleet import Fleet
 from kvtier.route.instances import Flight, Instance
 from kvtier.route.prefix_index import TIERS
 from kvtier.route.route_metrics import RouteMetrics
-from kvtier.route.scorer import Footprint
+from kvtier.route.scorer import Decision, Footprint
 from kvtier.server.api_errors import error_body
 
 log = logging.getLogger("kvtier.route")
@@ -150,6 +150,7 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 inst, decision.footprint, f"{inst.name}{path}", raw, headers
             )
             if answer is not None:
+                answer.headers.update(route_headers(inst, decision))
                 return answer
             metrics.retries.labels(inst.name).inc()
         if failure is not None:
@@ -240,6 +241,16 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
             await resp.aclose()
 
     return app
+
+
+def route_headers(inst: Instance, decision: Decision) -> dict[str, str]:
+    """What an answer says about its routing: ``x-kvtier-instance`` (the instance's URL),
+    ``x-kvtier-route`` (the reason) and, for a choice by expected time, ``x-kvtier-expected-ms``
+    (that time), so that a client can join what it measured with what was predicted."""
+    headers = {"x-kvtier-instance": inst.name, "x-kvtier-route": decision.reason}
+    if decision.expected_s is not None:
+        headers["x-kvtier-expected-ms"] = f"{decision.expected_s * 1e3:.3f}"
+    return headers
 
 
 class UsageScanner:

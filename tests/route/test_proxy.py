@@ -237,7 +237,12 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
         router.fleet.index.stored(A, hashes[:1], "device")
         for url in (A, B):
             router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
-        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
+        r = router.http.post("/v1/completions", json={"prompt": prompt})
+        assert r.json()["from"] == B
+        # the answer says where it went and what was expected: 4 uncached tokens at the
+        # default 8000 tokens/s, nothing in flight
+        assert (r.headers["x-kvtier-instance"], r.headers["x-kvtier-route"]) == (B, "prefix")
+        assert r.headers["x-kvtier-expected-ms"] == "0.500"
         metrics = router.http.get("/metrics").text
         assert _metric(metrics, 'kvtier_route_decisions_total{reason="prefix"}') == 1
         assert _metric(metrics, 'kvtier_route_expected_hit_tokens_total{tier="device"}') == 8
@@ -247,7 +252,9 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
         # events gone quiet: load decides
         router.fleet.options = FleetOptions(events_stale_s=1e-9, page_size=4)
         router.instance(B).in_flight = 1  # as if busy
-        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
+        r = router.http.post("/v1/completions", json={"prompt": prompt})
+        assert r.json()["from"] == A and r.headers["x-kvtier-route"] == "stale_events"
+        assert "x-kvtier-expected-ms" not in r.headers  # a choice by load alone
         metrics = router.http.get("/metrics").text
         assert _metric(metrics, 'kvtier_route_decisions_total{reason="stale_events"}') == 1
         router.instance(B).in_flight = 0
@@ -370,3 +377,21 @@ def test_a_shared_l3_credits_every_instance_with_the_stored_pages(stubs: Stubs) 
             assert got["from"] == home, shared
         finally:
             router.close()
+
+
+def test_the_bench_records_which_instance_answered_a_stream(router: Router, stubs: Stubs) -> None:
+    """``kvtier bench ... --url`` through the router: each record names the instance from the
+    streamed answer's headers (no expected time: these stubs send no KV events)."""
+    from kvtier.bench.serve import Sample, _Client
+
+    client = _Client(router.url, TIMEOUT_S)
+    try:
+        got = []
+        for turn in range(2):
+            s = Sample(conversation=0, turn=turn, status="")
+            client.complete({"model": "tiny", "prompt": "hi", "stream": True}, s)
+            got.append((s.instance, s.expected_s))
+    finally:
+        client.close()
+    assert sorted(got) == [(A, None), (B, None)]  # idle instances take turns
+    assert [i for i, _ in got] == stubs.generated
