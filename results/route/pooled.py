@@ -15,7 +15,18 @@ import json
 import sys
 from pathlib import Path
 
-FIELDS = ("round", "ttft_s", "cached_device", "cached_host", "cached_storage", "recomputed")
+FIELDS = (
+    "round",
+    "ttft_s",
+    "cached_device",
+    "cached_host",
+    "cached_storage",
+    "recomputed",
+    "instance",
+    "expected_s",
+)
+"""Kept per request (``instance`` and ``expected_s``: ``None`` in records from before the
+router's headers)."""
 
 
 def pack(out: Path, dirs: list[Path]) -> None:
@@ -24,7 +35,7 @@ def pack(out: Path, dirs: list[Path]) -> None:
         fronts = {}
         for f in sorted(d.glob("*-bench.json")):
             reqs = json.loads(f.read_text())["configs"]["server"]["requests"]
-            fronts[f.name.removesuffix("-bench.json")] = [[r[k] for k in FIELDS] for r in reqs]
+            fronts[f.name.removesuffix("-bench.json")] = [[r.get(k) for k in FIELDS] for r in reqs]
         runs[d.name] = fronts
     out.write_text(json.dumps({"fields": FIELDS, "runs": runs}) + "\n")
 
@@ -62,6 +73,27 @@ def report(path: Path) -> None:
             f"{front:<14} {p['requests']:>8} {p['ttft_p50_s'] * 1e3:>7.1f}"
             f" {p['ttft_p90_s'] * 1e3:>7.1f} {p['ttft_p99_s'] * 1e3:>7.1f}"
             f" {dh:>12,} {p['served']['storage']:>8,}"
+        )
+    for front, rows in pooled.items():
+        predicted = sorted(
+            (r["expected_s"], r["ttft_s"]) for r in rows if r.get("expected_s") is not None
+        )
+        if predicted:
+            calibration(front, predicted)
+
+
+def calibration(front: str, pairs: list[tuple[float, float]], bins: int = 5) -> None:
+    """Measured TTFT against the router's expected time, by quantile bins of the latter."""
+    print(f"{front}: expected vs measured TTFT (ms), {len(pairs)} requests chosen by time")
+    for b in range(bins):
+        part = pairs[b * len(pairs) // bins : (b + 1) * len(pairs) // bins]
+        if not part:
+            continue
+        e = sum(x for x, _ in part) / len(part) * 1e3
+        m = sorted(y for _, y in part)
+        print(
+            f"  expected {part[0][0] * 1e3:6.1f}-{part[-1][0] * 1e3:6.1f} (mean {e:6.1f}):"
+            f" measured p50 {m[len(m) // 2] * 1e3:6.1f} p90 {m[int(len(m) * 0.9)] * 1e3:6.1f}"
         )
 
 
