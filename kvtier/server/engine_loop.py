@@ -165,8 +165,9 @@ class EngineLoop:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
         ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` and
-        ``request_duration_s`` once ``RequestCost`` has estimates); ``storage`` (``None`` without a storage tier): ``backend``,
-        ``healthy`` (no fault within the window and the backend says it is), ``backend_healthy``,
+        ``request_duration_s`` once ``RequestCost`` has estimates); ``storage`` (``None``
+        without a storage tier): ``backend``, ``healthy`` (no fault within the window and the
+        backend says it is), ``backend_healthy``,
         ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
         them), ``errors_total``, ``last_error_age_s`` and the backend's own figures
         (``bytes_used``, ``budget_bytes``, ``objects``, ... as it reports them); plus the

@@ -2,7 +2,7 @@
 
 ``kvtier route`` prices an instance by the prefill its cache predicts plus
 ``in_flight * request_cost`` and, where the new request must wait for room in the device pool,
-``blocking * request_duration`` (``kvtier.route.scorer``). Both depend on the instance (its
+a wait priced by ``request_duration`` (``kvtier.route.scorer``). Both depend on the instance (its
 model, its batch, its CPU or GPU) and on the workload (how long requests run), so fixed priors
 misprice them: too high and the router moves conversations away from the instance holding their
 KV on host to an idle one that must read it from storage; too low and it piles them onto one
@@ -59,8 +59,8 @@ class RequestCost:
         if not 2 <= min_samples <= window:
             raise ValueError(f"min_samples must be in [2, window], got {min_samples}")
         self.min_samples = min_samples
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._held: deque[float] = deque(maxlen=window)
+        self._samples: deque[tuple[int, float, float]] = deque(maxlen=window)
+        """``(ahead, excess_s, held_s)`` per finished request, oldest first."""
 
     def observe(self, ahead: int, excess_s: float, held_s: float) -> None:
         """One finished request: ``ahead`` requests were in the engine when it was taken, its
@@ -70,14 +70,13 @@ class RequestCost:
             raise ValueError(f"ahead must be >= 0, got {ahead}")
         if not held_s >= 0:
             raise ValueError(f"held_s must be >= 0, got {held_s}")
-        self._samples.append((ahead, excess_s))
-        self._held.append(held_s)
+        self._samples.append((ahead, excess_s, held_s))
 
     def duration_s(self) -> float | None:
         """The mean of the window's ``held_s``; ``None`` with fewer than ``min_samples``."""
-        if len(self._held) < self.min_samples:
+        if len(self._samples) < self.min_samples:
             return None
-        return sum(self._held) / len(self._held)
+        return sum(h for _, _, h in self._samples) / len(self._samples)
 
     def seconds(self) -> float | None:
         """The cost per request ahead (module docstring; never below 0, the idle excess 0
@@ -85,8 +84,8 @@ class RequestCost:
         had a request ahead."""
         if len(self._samples) < self.min_samples:
             return None
-        idle = [e for k, e in self._samples if k == 0]
-        busy = [(k, e) for k, e in self._samples if k > 0]
+        idle = [e for k, e, _ in self._samples if k == 0]
+        busy = [(k, e) for k, e, _ in self._samples if k > 0]
         if not busy:
             return None
         base = sum(idle) / len(idle) if idle else 0.0

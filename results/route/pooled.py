@@ -15,18 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-FIELDS = (
-    "round",
-    "ttft_s",
-    "cached_device",
-    "cached_host",
-    "cached_storage",
-    "recomputed",
-    "instance",
-    "expected_s",
-)
-"""Kept per request (``instance`` and ``expected_s``: ``None`` in records from before the
-router's headers)."""
+from kvtier.bench.serve import LOOP_REQUEST_KEYS
+
+FIELDS = LOOP_REQUEST_KEYS
+"""Kept per request: the bench's record (a key missing in an older record is kept as
+``None``)."""
 
 
 def pack(out: Path, dirs: list[Path]) -> None:

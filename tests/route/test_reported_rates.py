@@ -41,14 +41,27 @@ def test_no_rates_or_a_bad_one_keep_the_defaults(health: object) -> None:
     assert reported_rates(health, DEFAULTS) is None
 
 
+def router_rates(url: str) -> Rates | None:
+    """The rates a router's health check of the instance at ``url`` reads."""
+    import httpx2 as httpx
+
+    from kvtier.route.fleet import Fleet, FleetOptions
+    from kvtier.route.instances import InstanceSpec
+
+    async def join() -> Rates | None:
+        async with httpx.AsyncClient() as client:
+            fleet = Fleet([InstanceSpec(url)], FleetOptions(page_size=16), client)
+            await fleet.check_health()
+            return fleet.instances[0].rates
+
+    return asyncio.run(join())
+
+
 def test_a_kvtier_server_reports_its_measured_rates() -> None:
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     import httpx2 as httpx
     from server_harness import cache_config, start
-
-    from kvtier.route.fleet import Fleet, FleetOptions
-    from kvtier.route.instances import InstanceSpec
 
     server = start(cache=cache_config(page_size=8))
     try:
@@ -57,13 +70,7 @@ def test_a_kvtier_server_reports_its_measured_rates() -> None:
         assert set(rates) == {"prefill_tokens_per_s", "host_tokens_per_s"}
         assert all(v > 0 for v in rates.values())
 
-        async def join() -> Rates | None:
-            async with httpx.AsyncClient() as client:
-                fleet = Fleet([InstanceSpec(server.url)], FleetOptions(page_size=16), client)
-                await fleet.check_health()
-                return fleet.instances[0].rates
-
-        got = asyncio.run(join())
+        got = router_rates(server.url)
         assert got is not None
         assert got.prefill_tokens_per_s == rates["prefill_tokens_per_s"]
         assert got.host_tokens_per_s == rates["host_tokens_per_s"]
@@ -80,11 +87,7 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
     pytest.importorskip("uvicorn")
     import threading
 
-    import httpx2 as httpx
     from server_harness import cache_config, engine_held, http, start, wait_until
-
-    from kvtier.route.fleet import Fleet, FleetOptions
-    from kvtier.route.instances import InstanceSpec
 
     server = start(cache=cache_config(page_size=8), max_running=4)
     url = f"{server.url}/v1/completions"
@@ -113,13 +116,7 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
         rates = wait_until(fitted, "the fitted request cost on /health")
         assert rates["request_cost_s"] > 0 and rates["request_duration_s"] > 0
 
-        async def join() -> Rates | None:
-            async with httpx.AsyncClient() as client:
-                fleet = Fleet([InstanceSpec(server.url)], FleetOptions(page_size=16), client)
-                await fleet.check_health()
-                return fleet.instances[0].rates
-
-        got = asyncio.run(join())
+        got = router_rates(server.url)
         assert got is not None
         assert (got.request_cost_s, got.request_duration_s) == (
             rates["request_cost_s"],
