@@ -115,10 +115,14 @@ LOOP_REQUEST_KEYS = (
     "recomputed",
     "instance",
     "expected_s",
+    "sent_s",
+    "finished_s",
 )
 """Keys of every record in ``configs[name]["requests"]`` (``bench multiturn``'s, as ``usage``
 gives them, and the HTTP ``status``; behind ``kvtier route``, the instance that answered and
-the router's expected time, from its ``x-kvtier-*`` headers, else ``None``)."""
+the router's expected time, from its ``x-kvtier-*`` headers, else ``None``; ``sent_s`` and
+``finished_s``: when it was sent and when its answer ended, in seconds from the run's start,
+so that a run's records show which requests overlapped)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,10 @@ class Sample:
     expected_s: float | None = None
     """The router's expected time for the request where it chose by it
     (``x-kvtier-expected-ms``)."""
+    sent_s: float | None = None
+    """When it was sent, in seconds from the run's start (HTTP closed loop only)."""
+    finished_s: float | None = None
+    """When its answer ended (or it failed), as ``sent_s``."""
 
 
 def served_by(by_tier: dict[str, int]) -> str:
@@ -706,12 +714,14 @@ def run_closed_loop(
                     turn = ready.pop(0 if ordered else pick.randrange(len(ready)))
                     flying += 1
                 s = Sample(turn.conversation, turn.round, "connection")
+                s.sent_s = time.perf_counter() - t0
                 try:
                     body = request_body(model, turn.prompt, workload.output_tokens, text)
                     client.complete(body, s)
                 except Exception as e:  # noqa: BLE001 - an unparsable answer fails this request only
                     client.close()
                     s.status, s.error = "unreadable", f"{type(e).__name__}: {e}"[:200]
+                s.finished_s = time.perf_counter() - t0
                 history = s.reply
                 if text and s.status == "200":
                     history = _text_history(turn, s)
@@ -757,6 +767,8 @@ def _loop_record(turn: Turn, s: Sample) -> dict[str, Any]:
         "recomputed": s.recomputed,
         "instance": s.instance,
         "expected_s": s.expected_s,
+        "sent_s": s.sent_s,
+        "finished_s": s.finished_s,
     }
 
 

@@ -392,6 +392,7 @@ def proxy_main(argv: list[str]) -> None:
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()
         up = ups[next(turn)]
+        named = {"x-kvtier-instance": up}  # as kvtier route names it, for the records
         req = client.build_request(
             "POST", f"{up}{path}", content=body, headers={"content-type": "application/json"}
         )
@@ -405,7 +406,9 @@ def proxy_main(argv: list[str]) -> None:
                 finally:
                     await resp.aclose()
 
-            return StreamingResponse(relay(), resp.status_code, media_type="text/event-stream")
+            return StreamingResponse(
+                relay(), resp.status_code, media_type="text/event-stream", headers=named
+            )
         data = await resp.aread()
         await resp.aclose()
         try:

@@ -57,7 +57,8 @@ def report(path: Path) -> None:
     pooled: dict[str, list[dict]] = {}
     for fronts in doc["runs"].values():
         for front, rows in fronts.items():
-            pooled.setdefault(front, []).extend(dict(zip(fields, r, strict=True)) for r in rows)
+            recs = [dict(zip(fields, r, strict=True)) for r in rows]
+            pooled.setdefault(front, []).extend(with_ahead(recs))
     print("front          requests  p50 ms  p90 ms  p99 ms  device+host  storage")
     for front, rows in pooled.items():
         p = pool(rows)
@@ -73,6 +74,60 @@ def report(path: Path) -> None:
         )
         if predicted:
             calibration(front, predicted)
+    for front, rows in pooled.items():
+        contention(front, rows)
+
+
+def with_ahead(rows: list[dict]) -> list[dict]:
+    """One run's records, each with ``ahead``: how many requests sent to the same instance
+    were still in flight when it was sent (``None`` where a record lacks the instance or the
+    times)."""
+    timed = [r for r in rows if r.get("instance") and r.get("sent_s") is not None]
+    for r in rows:
+        r["ahead"] = None
+    for r in timed:
+        r["ahead"] = sum(
+            1
+            for o in timed
+            if o is not r
+            and o["instance"] == r["instance"]
+            and o["sent_s"] < r["sent_s"] < o["finished_s"]
+        )
+    return rows
+
+
+def tier(r: dict) -> str:
+    """The slowest tier that served part of the request's prompt (``none``: nothing)."""
+    for t in ("storage", "host", "device"):
+        if r[f"cached_{t}"]:
+            return t
+    return "none"
+
+
+def contention(front: str, rows: list[dict]) -> None:
+    """Measured TTFT by the requests in flight on the same instance when each was sent, per
+    slowest tier served."""
+    timed = [r for r in rows if r.get("ahead") is not None]
+    if not timed:
+        return
+    print(f"{front}: TTFT p50/p90 (ms) [requests] by requests ahead on the instance")
+    for t in ("device", "host", "storage", "none", "all"):
+        cells = []
+        for a in range(4):
+            m = sorted(
+                r["ttft_s"]
+                for r in timed
+                if min(r["ahead"], 3) == a and (t == "all" or tier(r) == t)
+            )
+            cells.append(
+                f"{a}{'+' if a == 3 else ' '}: "
+                + (
+                    f"{m[len(m) // 2] * 1e3:5.1f}/{m[int(len(m) * 0.9)] * 1e3:5.1f} [{len(m):3}]"
+                    if m
+                    else " " * 17
+                )
+            )
+        print(f"  {t:<8} " + "  ".join(cells))
 
 
 def calibration(front: str, pairs: list[tuple[float, float]], bins: int = 5) -> None:
