@@ -11,10 +11,17 @@ instance, where they queue.
 Each finished request gives one sample: how many requests were ahead of it when the engine took
 it (waiting or running), and its excess, the time to its first token less the prefill its own
 hits predict at the instance's measured rates. Over the last ``window`` samples, the cost is
-the excess of the requests that had some ahead, less the mean excess of those that had none
+the excess of the requests that had some ahead, less the median excess of those that had none
 (what every request pays: the handoff to the engine, a prediction's bias), per request ahead::
 
     cost = sum(excess - idle_excess  for samples with ahead > 0) / sum(ahead)
+
+The idle baseline is a median, not a mean: the first requests an instance serves (kernels
+warming up, its storage client's first reads) come slow and mostly find nothing ahead, and a
+busy instance has few idle samples besides them, so a mean baseline would take those outliers
+for what every request pays, price the busy instance's load low and draw yet more to it. The
+requests ahead are summed in full: a slow first token behind a long prefill is the cost that
+the router's choice avoids.
 
 Not a least-squares slope: the first request ahead costs the most (a new request waits for the
 step under way, whatever its batch), the next ones less, so the slope of a busy instance, which
@@ -27,6 +34,7 @@ end.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 __all__ = ["RequestCost", "predicted_prefill_s"]
@@ -88,7 +96,7 @@ class RequestCost:
         busy = [(k, e) for k, e, _ in self._samples if k > 0]
         if not busy:
             return None
-        base = sum(idle) / len(idle) if idle else 0.0
+        base = statistics.median(idle) if idle else 0.0
         return max(sum(e - base for _, e in busy) / sum(k for k, _ in busy), 0.0)
 
     def __len__(self) -> int:

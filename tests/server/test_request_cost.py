@@ -16,6 +16,16 @@ def test_the_excess_over_the_idle_one_per_request_ahead() -> None:
     assert cost.seconds() == pytest.approx(0.025, abs=1e-12)
 
 
+def test_a_slow_idle_start_does_not_lower_the_cost() -> None:
+    """Idle excesses 0.004, 0.005 and a cold first request's 0.200: the baseline is their
+    median 0.005, so the two busy samples cost (0.035 - 0.005 + 0.025 - 0.005) / (1 + 1)
+    (a mean baseline, 0.0697, would price them at 0)."""
+    cost = RequestCost(window=8, min_samples=4)
+    for ahead, excess in ((0, 0.200), (0, 0.004), (1, 0.035), (0, 0.005), (1, 0.025)):
+        cost.observe(ahead, excess, 0.0)
+    assert cost.seconds() == pytest.approx(0.025, abs=1e-12)
+
+
 def test_too_few_samples_or_none_with_a_request_ahead_give_no_estimate() -> None:
     cost = RequestCost(window=8, min_samples=4)
     for ahead in (0, 3, 5):
