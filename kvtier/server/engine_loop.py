@@ -60,9 +60,11 @@ class Ticket:
     last_token: float | None = None
     cancelled: bool = False
     ahead: int = 0
-    """Requests in the engine (waiting or running) when it took this one."""
+    """Requests the server held (handed to the engine thread, waiting or running) when this
+    one was submitted."""
     taken: float = 0.0
-    """When the engine took it (``perf_counter``)."""
+    """When the engine took it (``perf_counter``): ``arrival`` plus the wait for the step
+    under way, which is part of what the requests ahead cost."""
 
     @property
     def logprobs(self) -> bool:
@@ -134,6 +136,7 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.rejected.labels("overload").inc()
                 raise overloaded(depth, self.max_queue)
+            ticket.ahead = self._pending + self._waiting + self._running
             self._pending += 1
             self._q.put(("add", ticket))
         return ticket
@@ -243,8 +246,7 @@ class EngineLoop:
         if t.cancelled:  # its client went away before the engine took it
             self._count("abort")
             return
-        c = self.llm.counts()
-        t.ahead, t.taken = c["waiting"] + c["running"], time.perf_counter()
+        t.taken = time.perf_counter()
         try:
             t.request_id = self.llm.add_request(t.prompt, t.params)
         except RequestError as e:
@@ -291,7 +293,8 @@ class EngineLoop:
                 out.recomputed, out.cached_host, out.cached_storage, self._measured
             )
             decode = max(now - t.taken - out.ttft_s, 0.0)
-            self._request_cost.observe(t.ahead, out.ttft_s - own, own + decode)
+            first_token = t.taken - t.arrival + out.ttft_s  # from its submission
+            self._request_cost.observe(t.ahead, first_token - own, own + decode)
         if out.finish_reason == "error":
             self._send(t, "error", server_error(f"the request failed in the engine: {out.error}"))
         else:

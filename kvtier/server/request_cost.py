@@ -8,9 +8,11 @@ misprice them: too high and the router moves conversations away from the instanc
 KV on host to an idle one that must read it from storage; too low and it piles them onto one
 instance, where they queue.
 
-Each finished request gives one sample: how many requests were ahead of it when the engine took
-it (waiting or running), and its excess, the time to its first token less the prefill its own
-hits predict at the instance's measured rates. Over the last ``window`` samples, the cost is
+Each finished request gives one sample: how many requests were ahead of it when it reached the
+server (handed to the engine thread, waiting or running), and its excess, the time from then
+to its first token less the prefill its own hits predict at the instance's measured rates. The
+time counts from its arrival, not from when the engine took it: the engine takes new requests
+between steps, and the wait for the step under way is the first thing a request ahead costs. Over the last ``window`` samples, the cost is
 the excess of the requests that had some ahead, less the median excess of those that had none
 (what every request pays: the handoff to the engine, a prediction's bias), per request ahead::
 
@@ -71,7 +73,7 @@ class RequestCost:
         """``(ahead, excess_s, held_s)`` per finished request, oldest first."""
 
     def observe(self, ahead: int, excess_s: float, held_s: float) -> None:
-        """One finished request: ``ahead`` requests were in the engine when it was taken, its
+        """One finished request: ``ahead`` requests were in the server when it arrived, its
         first token came ``excess_s`` seconds later than its own prefill predicts, and it held
         its pages ``held_s`` seconds (its predicted prefill, then first token to end)."""
         if ahead < 0:

@@ -124,3 +124,40 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
         )
     finally:
         server.stop()
+
+
+def test_the_wait_for_the_engine_counts_in_a_requests_excess() -> None:
+    """The engine takes new requests between steps, so a request that arrives during one
+    waits for it, and that wait is the first thing the requests ahead cost it. Here the
+    engine is held for a while after the request arrived: its sample's excess (and the time
+    its own prefill was predicted to take, part of its hold) covers that while."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import threading
+    import time
+
+    from server_harness import cache_config, engine_held, http, start, wait_until
+
+    server = start(cache=cache_config(page_size=8))
+    url = f"{server.url}/v1/completions"
+    try:
+        body = {"model": "tiny", "prompt": [3] * 24, "max_tokens": 2, "temperature": 0}
+        codes: list[int] = []
+        sender = threading.Thread(
+            target=lambda: codes.append(http().post(url, json=body).status_code)
+        )
+        with engine_held(server):
+            sender.start()
+            wait_until(lambda: server.loop.queue_depth()["queued"] == 1, "the request queued")
+            held_from = time.perf_counter()
+            time.sleep(0.3)  # the wait under test, not a synchronisation
+            held_s = time.perf_counter() - held_from
+        sender.join()
+        assert codes == [200]
+        samples = list(server.loop._request_cost._samples)
+        assert len(samples) == 1
+        ahead, excess_s, hold_s = samples[0]
+        assert ahead == 0
+        assert excess_s + hold_s >= held_s
+    finally:
+        server.stop()
