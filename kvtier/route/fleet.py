@@ -298,7 +298,7 @@ class Fleet:
                     match,
                     stale,
                     size,
-                    inst.rates,
+                    inst.priced_rates(self.options.rates),
                     inst.device_tokens,
                     tuple(f.footprint for f in inst.flights),
                     tuple(now - f.sent for f in inst.flights),

@@ -3,12 +3,14 @@ about each at run time (health, requests in flight, page size, its KV event stre
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvtier.route.scorer import Footprint, Rates
 from kvtier.route.subscriber import EventSubscriber
+from kvtier.server.request_cost import RequestCost
 
 
 class RouteConfigError(ValueError):
@@ -78,6 +80,14 @@ class Flight:
     """What it holds on the instance's device while it runs (``None``: not known)."""
     sent: float
     """When it was sent (``time.monotonic``)."""
+    ahead: int = 0
+    """The router's requests in flight on the instance when it was sent."""
+    prefill_s: float | None = None
+    """Its own prefill at the instance's rates, without the load (``Decision.prefill_s``;
+    ``None``: chosen by load only, and not measured)."""
+    first: float | None = None
+    """When its first output arrived (``Instance.first_output``; ``None``: not yet, or not
+    streamed)."""
 
 
 @dataclass
@@ -106,6 +116,9 @@ class Instance:
     rates: Rates | None = None
     """The rates its ``/health`` reported at the last check (``None``: it reported none,
     and the router's ``--*-rate`` defaults price it)."""
+    observed: RequestCost = field(default_factory=RequestCost)
+    """What the requests in flight cost a new one and how long a request lasts, as the
+    router measures them on this instance's streamed answers (``end``; ``priced_rates``)."""
     subscriber: EventSubscriber | None = None
 
     @property
@@ -118,18 +131,52 @@ class Instance:
         answers it as it would without a router."""
         return not isinstance(model, str) or any(c.get("id") == model for c in self.models)
 
-    def begin(self, footprint: Footprint | None) -> Flight:
-        """A request was sent to it, holding ``footprint`` while it runs; the handle to
+    def begin(
+        self,
+        footprint: Footprint | None,
+        prefill_s: float | None = None,
+        now: float | None = None,
+    ) -> Flight:
+        """A request was sent to it (at ``now``, ``time.monotonic``'s clock; default: now),
+        holding ``footprint`` while it runs, its own prefill priced ``prefill_s``; the handle to
         ``end`` it with."""
-        flight = Flight(footprint, time.monotonic())
+        sent = time.monotonic() if now is None else now
+        flight = Flight(footprint, sent, self.in_flight, prefill_s)
         self.in_flight += 1
         self.flights.append(flight)
         return flight
 
-    def end(self, flight: Flight) -> None:
-        """That request finished (answered, failed or cut off)."""
+    def first_output(self, flight: Flight, now: float | None = None) -> None:
+        """That request's first output arrived (at ``now``, as ``begin``)."""
+        flight.first = time.monotonic() if now is None else now
+
+    def end(self, flight: Flight, now: float | None = None) -> None:
+        """That request finished (answered, failed or cut off; at ``now``, as ``begin``).
+        A streamed one priced by its prefill is a sample of ``observed``: its requests ahead,
+        its time to first output less its own prefill, and its time from sending to end."""
         self.in_flight -= 1
         self.flights.remove(flight)
+        if flight.first is not None and flight.prefill_s is not None:
+            end = time.monotonic() if now is None else now
+            excess = flight.first - flight.sent - flight.prefill_s
+            self.observed.observe(flight.ahead, excess, max(end - flight.sent, 0.0))
+
+    def priced_rates(self, defaults: Rates) -> Rates | None:
+        """The rates it is priced with: those it reported (``defaults`` where it reported
+        none), with the request cost and duration the router measured on it once ``observed``
+        has estimates; ``None`` (price it with ``defaults``) while it has neither. The
+        router's measurement wins over the instance's: it is what the router predicts, the
+        time to first output as a client of the router sees it, which also holds what the
+        instance's engine cannot see (its HTTP thread waiting for the engine's, the proxy)."""
+        cost, duration = self.observed.seconds(), self.observed.duration_s()
+        if cost is None and duration is None:
+            return self.rates
+        base = self.rates or defaults
+        return dataclasses.replace(
+            base,
+            request_cost_s=base.request_cost_s if cost is None else cost,
+            request_duration_s=base.request_duration_s if duration is None else duration,
+        )
 
     def page_size_or(self, default: int) -> int:
         """Its page size: the KV events' ``block_size``, else the model card's, else

@@ -24,7 +24,7 @@ from kvtier.route.fleet import Fleet
 from kvtier.route.instances import Flight, Instance
 from kvtier.route.prefix_index import TIERS
 from kvtier.route.route_metrics import RouteMetrics
-from kvtier.route.scorer import Decision, Footprint
+from kvtier.route.scorer import Decision
 from kvtier.server.api_errors import error_body
 
 log = logging.getLogger("kvtier.route")
@@ -146,9 +146,7 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                     metrics.expected_hits.labels(tier).inc(getattr(decision.match, tier) * size)
             metrics.requests.labels(inst.name).inc()
             send = _stream if stream else _once
-            answer, failure = await send(
-                inst, decision.footprint, f"{inst.name}{path}", raw, headers
-            )
+            answer, failure = await send(inst, decision, f"{inst.name}{path}", raw, headers)
             if answer is not None:
                 answer.headers.update(route_headers(inst, decision))
                 return answer
@@ -160,10 +158,10 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         return _error(503, "no healthy instance to send the request to")
 
     async def _once(
-        inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
+        inst: Instance, decision: Decision, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
         """``(answer, None)``, or ``(None, what to answer if no other instance can)``."""
-        flight = inst.begin(fp)
+        flight = inst.begin(decision.footprint, decision.prefill_s)
         try:
             r = await client.post(url, content=raw, headers=headers)
         except httpx.HTTPError as e:
@@ -180,9 +178,9 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         return out, None
 
     async def _stream(
-        inst: Instance, fp: Footprint | None, url: str, raw: bytes, headers: dict[str, str]
+        inst: Instance, decision: Decision, url: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[Response | None, Response | None]:
-        flight = inst.begin(fp)
+        flight = inst.begin(decision.footprint, decision.prefill_s)
         resp = None
         try:
             resp = await client.send(
@@ -215,18 +213,23 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
         inst: Instance, flight: Flight, resp: Any, chunks: AsyncIterator[bytes], first: bytes
     ) -> AsyncIterator[bytes]:
         """The instance's bytes as they come; an error event when they stop short. The usage
-        chunk (a stream that reports one) is counted as a JSON answer's usage is."""
+        chunk (a stream that reports one) is counted as a JSON answer's usage is; the first
+        output is the flight's (``Instance.first_output``)."""
         tail = first[-len(DONE) :]
-        usage = UsageScanner()
+        scan = StreamScanner()
         try:
-            for body in usage.feed(first):
+            for body in scan.feed(first):
                 metrics.count_usage(body)
+            if scan.output_seen:
+                inst.first_output(flight)
             yield first
             try:
                 async for chunk in chunks:
                     tail = (tail + chunk)[-len(DONE) :]
-                    for body in usage.feed(chunk):
+                    for body in scan.feed(chunk):
                         metrics.count_usage(body)
+                    if flight.first is None and scan.output_seen:
+                        inst.first_output(flight)
                     yield chunk
                 problem = None if tail == DONE else "the instance ended the stream early"
             except httpx.HTTPError as e:
@@ -253,12 +256,16 @@ def route_headers(inst: Instance, decision: Decision) -> dict[str, str]:
     return headers
 
 
-class UsageScanner:
-    """The server-sent events of a stream that carry ``usage``, decoded as their bytes pass
-    (events may be cut anywhere between chunks; only events naming ``usage`` are parsed)."""
+class StreamScanner:
+    """What the router reads from a stream's server-sent events as their bytes pass (events
+    may be cut anywhere between chunks): the events that carry ``usage``, and whether an event
+    carried output yet (``output_seen``). Only events that may hold either are parsed."""
 
     def __init__(self) -> None:
         self._pending = b""
+        self.output_seen = False
+        """Some event had a choice with text, content or token ids (a chat stream's first
+        event, the role alone, has none)."""
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
         """The JSON objects of the events ``chunk`` completes that hold a ``usage`` key."""
@@ -266,13 +273,31 @@ class UsageScanner:
         found: list[dict[str, Any]] = []
         while (end := self._pending.find(b"\n\n")) >= 0:
             event, self._pending = self._pending[:end], self._pending[end + 2 :]
-            if b'"usage"' not in event:
+            usage = b'"usage"' in event
+            if not usage and self.output_seen:
                 continue
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue
                 with contextlib.suppress(ValueError):
                     body = json.loads(line[5:])
-                    if isinstance(body, dict) and "usage" in body:
+                    if not isinstance(body, dict):
+                        continue
+                    if usage and "usage" in body:
                         found.append(body)
+                    self.output_seen = self.output_seen or _has_output(body)
         return found
+
+
+def _has_output(body: dict[str, Any]) -> bool:
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        delta = c.get("delta")
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if c.get("text") or content or c.get("token_ids"):
+            return True
+    return False

@@ -11,7 +11,8 @@ Device pages cost nothing (attention reads them where they are); a storage page 
 the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
 host hit is never dearer than a storage hit of the same pages). Each instance is priced with
 the rates its cache measured (reported by its ``/health``), the router's own where it reports
-none. The smallest time wins; ties go to the fewer requests in flight, then to the instance
+none, and with the request cost and duration the router measured on that instance's streamed
+answers once it has them (``Instance.priced_rates``). The smallest time wins; ties go to the fewer requests in flight, then to the instance
 first in turn: the candidates' order rotated by ``turn`` (the fleet advances it every request,
 so idle instances take turns instead of the first-listed taking every tie). When some instance's
 events are stale the index cannot be trusted for the comparison, so the request goes to the
@@ -146,6 +147,10 @@ class Decision:
     footprint: Footprint | None = None
     """What the request will hold on the chosen instance; ``None`` when its tokens are not
     known."""
+    prefill_s: float | None = None
+    """The request's own prefill on the chosen instance (``expected_seconds`` without the
+    load terms), for a choice by expected time: what the router measures the load's cost
+    against (``Instance.end``)."""
 
 
 def expected_seconds(
@@ -205,7 +210,10 @@ def choose(
         fp = c.footprint(prompt_tokens, output_tokens) if prompt_tokens > 0 else None
         # a match only where the index's prediction was used (``expected_hit_tokens``)
         match = c.match if reason in ("prefix", "only_healthy") else None
-        return Decision(c.name, reason, seconds, match, fp)
+        own = None
+        if seconds is not None and c.match is not None:
+            own = expected_seconds(prompt_tokens, c.match, c.page_size, 0, c.rates or rates)
+        return Decision(c.name, reason, seconds, match, fp, own)
 
     if len(candidates) == 1:
         return decision(candidates[0], "only_healthy")

@@ -57,8 +57,9 @@ def predicted_prefill_s(recomputed: int, host: int, storage: int, rates: dict[st
 
 class RequestCost:
     """The fitted seconds each request ahead adds to a new request's first token, and the mean
-    duration of a request (module docstring). Not thread-safe: the engine thread feeds and
-    reads it.
+    duration of a request (module docstring). Not thread-safe: one thread feeds and reads it
+    (an instance's engine thread; ``kvtier route``'s event loop, which measures the same on
+    the answers it relays, ``Instance.observed``).
 
     ``window``: samples kept (the newest). ``min_samples``: fewer give no estimate.
     """

@@ -1,5 +1,5 @@
 """``--instance`` parsing: a bad value fails with a message naming the option; an instance's
-requests in flight."""
+requests in flight and what the router measures on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.route.instances import Instance, InstanceSpec, RouteConfigError, parse_instances
-from kvtier.route.scorer import Footprint
+from kvtier.route.scorer import Footprint, Rates
 
 
 def test_an_instance_with_its_event_endpoints() -> None:
@@ -54,3 +54,41 @@ def test_a_flight_ends_by_its_handle_not_by_an_equal_footprint() -> None:
     assert inst.flights == [older] and inst.flights[0] is older and inst.in_flight == 1
     inst.end(older)
     assert (inst.flights, inst.in_flight) == ([], 0)
+
+
+def test_the_router_measures_the_cost_of_the_requests_ahead_on_its_answers() -> None:
+    """Sixteen streamed requests: the eight sent alone, priced 2 ms of own prefill, had their
+    first output 12 ms after they were sent; the eight sent behind one other, priced 7 ms, at
+    37 ms; so a request ahead costs (37 - 7) - (12 - 2) = 20 ms. Each lasted 50 ms from
+    sending to its end. Requests chosen by load, or whose first output was not seen, are no samples. Until
+    there are 16, the instance is priced with what it reported."""
+    inst = Instance(parse_instances(["http://a:1"])[0])
+    reported = Rates(request_cost_s=0.005, request_duration_s=0.2)
+    inst.rates = reported
+    t = 100.0
+    for _ in range(8):
+        assert inst.priced_rates(Rates()) == reported
+        alone = inst.begin(None, 0.002, now=t)
+        inst.first_output(alone, now=t + 0.012)
+        inst.end(alone, now=t + 0.050)
+        by_load = inst.begin(None, None, now=t + 1)
+        behind = inst.begin(None, 0.007, now=t + 1)
+        unseen = inst.begin(None, 0.002, now=t + 1)
+        inst.first_output(behind, now=t + 1.037)
+        inst.end(behind, now=t + 1.050)
+        inst.end(by_load, now=t + 1.060)
+        inst.end(unseen, now=t + 1.060)
+        t += 2
+    assert len(inst.observed) == 16
+    got = inst.priced_rates(Rates())
+    assert got is not None
+    assert got.request_cost_s == pytest.approx(0.020, abs=1e-9)
+    assert got.request_duration_s == pytest.approx(0.050, abs=1e-9)
+    assert got.prefill_tokens_per_s == reported.prefill_tokens_per_s
+    # an instance that reports no rates: the router's defaults, with what it measured
+    inst.rates = None
+    defaults = Rates(prefill_tokens_per_s=123.0)
+    assert inst.priced_rates(defaults) == Rates(
+        prefill_tokens_per_s=123.0, request_cost_s=got.request_cost_s,
+        request_duration_s=got.request_duration_s,
+    )  # fmt: skip

@@ -81,7 +81,8 @@ class Stubs:
         )
 
     async def _chunks(self, base: str, mode: str):
-        yield f'data: {{"from": "{base}", "n": 1}}\n\n'.encode()
+        first = {"from": base, "n": 1, "choices": [{"index": 0, "text": "x"}]}
+        yield f"data: {json.dumps(first)}\n\n".encode()
         if mode == "slow":  # the second chunk waits until the client has the first
             await asyncio.to_thread(self.release.wait, TIMEOUT_S)
         if mode == "cut":
@@ -166,13 +167,35 @@ def test_a_streamed_answers_usage_is_counted(router: Router, stubs: Stubs) -> No
 
 
 def test_usage_is_found_in_events_cut_anywhere() -> None:
-    from kvtier.route.proxy import UsageScanner
+    from kvtier.route.proxy import StreamScanner
 
     stream = b'data: {"n": 1}\n\ndata: {"choices": [], "usage": {"x": 1}}\n\ndata: [DONE]\n\n'
     for cut in range(1, len(stream)):
-        scan = UsageScanner()
+        scan = StreamScanner()
         got = scan.feed(stream[:cut]) + scan.feed(stream[cut:])
         assert got == [{"choices": [], "usage": {"x": 1}}], cut
+        assert not scan.output_seen
+
+
+def test_the_first_output_is_the_first_event_with_a_token() -> None:
+    """A chat stream opens with the role alone: its first output is the next event."""
+    from kvtier.route.proxy import StreamScanner
+
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}, "token_ids": []}]}\n\n'
+    token = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+    for cut in range(1, len(token)):
+        scan = StreamScanner()
+        scan.feed(role + token[:cut])
+        assert not scan.output_seen, cut
+        scan.feed(token[cut:])
+        assert scan.output_seen, cut
+    for event in (
+        b'data: {"choices": [{"text": "a"}]}\n\n',
+        b'data: {"choices": [{"text": "", "token_ids": [7]}]}\n\n',
+    ):
+        scan = StreamScanner()
+        scan.feed(event)
+        assert scan.output_seen
 
 
 def test_a_failure_before_streaming_is_retried_on_another_instance(
@@ -395,3 +418,43 @@ def test_the_bench_records_which_instance_answered_a_stream(router: Router, stub
         client.close()
     assert sorted(got) == [(A, None), (B, None)]  # idle instances take turns
     assert [i for i, _ in got] == stubs.generated
+
+
+def test_the_router_prices_an_instance_by_what_it_measured_on_its_streams(stubs: Stubs) -> None:
+    """A streamed answer chosen by expected time is a sample of what the requests ahead cost
+    on its instance (a JSON answer, with no first output to time, is not); once the router
+    has measured the cost there, that price replaces its default."""
+    specs = [f"{u},events=tcp://127.0.0.1:9" for u in (A, B)]
+    router = Router(stubs, specs)
+    try:
+        prompt = "abcdefghijkl"  # three pages of 4 tokens, two of them on B's device
+        router.fleet.index.stored(B, chain_hashes([ord(c) for c in prompt], 4)[:2], "device")
+        for url in (A, B):
+            router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
+        b = router.instance(B)
+        stubs.mode[B] = "slow"
+        with router.http.stream(
+            "POST", "/v1/completions", json={"prompt": prompt, "stream": True}
+        ) as r:
+            assert r.headers["x-kvtier-instance"] == B
+            chunks = r.iter_raw()
+            next(chunks)
+            # its first output is timed as it passes, not when the stream goes on
+            assert b.flights[0].first is not None
+            stubs.release.set()
+            b"".join(chunks)
+        stubs.mode[B] = "ok"
+        wait(lambda: b.in_flight == 0, "the stream to end")
+        assert len(b.observed) == 1 and b.observed._samples[0][0] == 0  # nothing was ahead
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
+        assert len(b.observed) == 1
+        # One request in flight on B. At the default 50 ms a request ahead, A (12 uncached
+        # tokens, 1.5 ms) is the faster; B measured requests ahead costing nothing.
+        busy = b.begin(None)
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
+        for ahead in (0, 1) * 8:
+            b.observed.observe(ahead, 0.001, 0.01)
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
+        b.end(busy)
+    finally:
+        router.close()

@@ -79,17 +79,18 @@ def test_a_kvtier_server_reports_its_measured_rates() -> None:
 
 
 def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
-    """Sixteen requests handed over while the engine is held are taken in one go, with 0..15
-    ahead of them; at most four run at once, so the later ones wait for the earlier ones and
-    the fitted cost per request ahead is positive; each decodes 5 tokens after its first, so
-    its duration is too. The router reads both."""
+    """Sixteen requests handed over while the engine is held arrive with 0..15 ahead of
+    them; one runs at a time, so each waits for those before it to decode their 16 tokens
+    (far longer than the requests took to arrive one after another) and the fitted cost per
+    request ahead is positive; each decodes after its first token, so its duration is too.
+    The router reads both."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     import threading
 
     from server_harness import cache_config, engine_held, http, start, wait_until
 
-    server = start(cache=cache_config(page_size=8), max_running=4)
+    server = start(cache=cache_config(page_size=8), max_running=1)
     url = f"{server.url}/v1/completions"
     try:
         fresh = http().get(f"{server.url}/health").json()["rates"]
@@ -97,7 +98,7 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
         codes: list[int] = []
 
         def send(i: int) -> None:
-            body = {"model": "tiny", "prompt": [i + 1] * 24, "max_tokens": 6, "temperature": 0}
+            body = {"model": "tiny", "prompt": [i + 1] * 24, "max_tokens": 16, "temperature": 0}
             codes.append(http().post(url, json=body).status_code)
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]

@@ -151,6 +151,7 @@ def test_a_request_goes_where_it_fits_rather_than_wait_behind_a_long_one() -> No
     assert d.name == "other"
     # 444 computed, one request in flight; 700 + 8 - 256 = 452 -> 464 own tokens
     assert d.expected_s == pytest.approx(444 / 1000 + 0.5)
+    assert d.prefill_s == pytest.approx(444 / 1000)  # its own, what the load is measured against
     assert d.footprint == Footprint(own=464, prefix=256)
     assert choose([home, other], 700, RATES, output_tokens=8, turn=1).name == "other"
     unknown = [cand("home", long, None, device=16, host=8), cand("other", short, None, device=16)]
@@ -166,6 +167,7 @@ def test_a_request_goes_where_it_fits_rather_than_wait_behind_a_long_one() -> No
     aged = dataclasses.replace(home, ages=(0.15,))
     d = choose([aged, other], 700, quick, output_tokens=8)
     assert d.name == "home" and d.expected_s == pytest.approx(0.316 + 0.0128 + 0.05)
+    assert d.prefill_s == pytest.approx(0.316 + 0.0128)
     instant = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.1, request_duration_s=0.0)
     d = choose([home, other], 700, instant, output_tokens=8)
     assert d.name == "home" and d.expected_s == pytest.approx(0.316 + 0.0128 + 0.1)
