@@ -559,7 +559,8 @@ def _in_process(
     start-up objects were frozen for its run, as ``kvtier serve`` does before it listens; on
     exit the server stops (storage writes land, the engine closes) and they are given back, so
     that a caller's later garbage is collected as before."""
-    from kvtier.server.lifecycle import Server, build_llm, freeze_startup_objects
+    from kvtier.server.frozen_startup import freeze_startup_objects
+    from kvtier.server.lifecycle import Server, build_llm
 
     kw = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}
     llm = build_llm(model, cache, max_running=max_running, **kw)

@@ -123,6 +123,7 @@ def route(args: argparse.Namespace) -> int:
     import logging
 
     from kvtier.route.fleet import Fleet
+    from kvtier.server.frozen_startup import freeze_startup_objects
 
     logging.getLogger("kvtier").setLevel(args.log_level.upper())
 
@@ -145,6 +146,7 @@ def route(args: argparse.Namespace) -> int:
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)) as client:
             app = create_app(Fleet(specs, options, client), client)
             config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+            freeze_startup_objects()
             await uvicorn.Server(config).serve()
 
     asyncio.run(main())

@@ -92,3 +92,23 @@ def test_the_router_measures_the_cost_of_the_requests_ahead_on_its_answers() -> 
         prefill_tokens_per_s=123.0, request_cost_s=got.request_cost_s,
         request_duration_s=got.request_duration_s,
     )  # fmt: skip
+
+
+def test_the_router_runs_without_torch() -> None:
+    """What ``kvtier route`` runs on (its app, fleet, scorer and the byte tokenizer it may
+    encode prompts with) loads neither torch nor the engine's model code: a lighter process,
+    and a heap the garbage collector walks quickly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import kvtier.route.proxy, kvtier.route.fleet, kvtier.route.route_command\n"
+        "from kvtier.engine.byte_tokenizer import ByteTokenizer\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+        " or m == 'kvtier.engine.llm')\n"
+        "assert not bad, bad[:5]\n"
+        "from kvtier.engine import LLM, SamplingParams\n"  # the package's names still load
+        "assert LLM.__module__ == 'kvtier.engine.llm' and 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
