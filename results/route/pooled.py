@@ -76,6 +76,7 @@ def report(path: Path) -> None:
             calibration(front, predicted)
     for front, rows in pooled.items():
         contention(front, rows)
+    matched(pooled)
 
 
 def with_ahead(rows: list[dict]) -> list[dict]:
@@ -128,6 +129,31 @@ def contention(front: str, rows: list[dict]) -> None:
                 )
             )
         print(f"  {t:<8} " + "  ".join(cells))
+
+
+def matched(pooled: dict[str, list[dict]]) -> None:
+    """Median TTFT of the requests that found nothing ahead on their instance, by slowest tier
+    served and round, per front: the same work in the same conditions, so a difference is the
+    front's own (its proxy, its process), not where it sent the requests."""
+    fronts = [f for f in pooled if any(r.get("ahead") is not None for r in pooled[f])]
+    if len(fronts) < 2:
+        return
+    print("median TTFT (ms) [requests] with nothing ahead, by tier and round: " + ", ".join(fronts))
+    rounds = sorted({r["round"] for f in fronts for r in pooled[f]})
+    for t in ("device", "host", "storage"):
+        for rd in rounds:
+            cells = []
+            for f in fronts:
+                m = sorted(
+                    r["ttft_s"]
+                    for r in pooled[f]
+                    if r.get("ahead") == 0 and tier(r) == t and r["round"] == rd
+                )
+                cells.append(
+                    f"{m[len(m) // 2] * 1e3:5.1f} [{len(m):3}]" if len(m) >= 5 else " " * 11
+                )
+            if any(c.strip() for c in cells):
+                print(f"  {t:<8} round {rd}: " + "  ".join(cells))
 
 
 def calibration(front: str, pairs: list[tuple[float, float]], bins: int = 5) -> None:
