@@ -34,8 +34,10 @@ class FleetOptions:
     rates: Rates = Rates()
     page_size: int = 16
     """Tokens per page when neither the instance's KV events nor its model card say."""
-    health_interval_s: float = 2.0
-    """Seconds between two ``/health`` checks of an instance."""
+    health_interval_s: float = 0.5
+    """Seconds between two ``/health`` checks of an instance: how soon one that left is
+    noticed (a request to it that fails to connect is noticed at once) and how fresh the tier
+    rates it reports are."""
     health_timeout_s: float = 2.0
     events_stale_s: float = 10.0
     """An instance whose KV events (or heartbeats) stopped this long is priced by load alone."""

@@ -74,7 +74,7 @@ def add_route_command(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--health-interval-s",
         type=positive_float,
-        default=2.0,
+        default=0.5,
         help="seconds between two /health checks of an instance",
     )
     r.add_argument(
