@@ -4,8 +4,12 @@ instance, plus ``/v1/models``, ``/health`` and ``/metrics``.
 A request that fails on an instance before any of its output reached the client (no
 connection, a 5xx, a stream that broke before its first chunk) goes to the next instance the
 fleet chooses, until every healthy instance was tried: a request that has not started
-streaming is never lost. A stream that breaks after it started ends with an error event in
-OpenAI's shape and ``data: [DONE]``. 4xx answers are the client's and are passed back as is.
+streaming is never lost. A streamed answer starts at the instance's headers, so that the
+response start is done while the instance computes; a stream that stops before its first chunk
+is then replaced inside the answer by the next instance's (its ``x-kvtier-instance`` header
+names the first), and when none is left the answer is an error event. A stream that breaks
+after it started ends with an error event in OpenAI's shape and ``data: [DONE]``. 4xx answers
+are the client's and are passed back as is.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx2 as httpx
@@ -130,94 +135,49 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 code="model_not_found",
             )
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        stream = body.get("stream") is True
-        tried: list[Instance] = []
-        failure: Response | None = None
-        while True:
-            picked = await fleet.decide(body, chat, tried)
-            if picked is None:
-                break
-            inst, decision = picked
-            tried.append(inst)
-            metrics.decisions.labels(decision.reason).inc()
-            if decision.match is not None:
-                size = inst.page_size_or(fleet.options.page_size)
-                for tier in TIERS:
-                    metrics.expected_hits.labels(tier).inc(getattr(decision.match, tier) * size)
-            metrics.requests.labels(inst.name).inc()
-            send = _stream if stream else _once
-            answer, failure = await send(inst, decision, f"{inst.name}{path}", raw, headers)
-            if answer is not None:
-                answer.headers.update(route_headers(inst, decision))
-                return answer
-            metrics.retries.labels(inst.name).inc()
-        if failure is not None:
-            return failure
-        if tried:
-            return _error(502, f"every instance failed this request ({len(tried)} tried)")
-        return _error(503, "no healthy instance to send the request to")
+        tries = Attempts(fleet, client, metrics, body, chat, path, raw, headers)
+        if body.get("stream") is not True:
+            return await tries.answer()
+        opened = await tries.open()
+        if isinstance(opened, Response):
+            return opened
+        # The answer starts at the instance's headers, not at its first output: the response
+        # start is then done while the instance computes, off the time to first token.
+        return StreamingResponse(
+            _relay(opened, tries),
+            media_type="text/event-stream",
+            headers=route_headers(opened.inst, opened.decision),
+        )
 
-    async def _once(
-        inst: Instance, decision: Decision, url: str, raw: bytes, headers: dict[str, str]
-    ) -> tuple[Response | None, Response | None]:
-        """``(answer, None)``, or ``(None, what to answer if no other instance can)``."""
-        flight = inst.begin(decision.footprint, decision.prefill_s)
+    async def _relay(opened: Opened, tries: Attempts) -> AsyncIterator[bytes]:
+        """The instance's bytes as they come; an error event when they stop short. Until its
+        first bytes, the request may still go elsewhere: a stream that ends or fails before
+        any is closed and the next instance's is relayed instead (the client has the
+        headers, which name the first). The usage chunk (a stream that reports one) is
+        counted as a JSON answer's usage is; the first output is the flight's
+        (``Instance.first_output``)."""
+        current: Opened | None = opened
         try:
-            r = await client.post(url, content=raw, headers=headers)
-        except httpx.HTTPError as e:
-            fleet.leave(inst, f"request failed: {e!r}")
-            return None, None
-        finally:
-            inst.end(flight)
-        out = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        if r.status_code >= 500:
-            return None, out
-        if r.status_code == 200:
-            with contextlib.suppress(ValueError):
-                metrics.count_usage(r.json())
-        return out, None
-
-    async def _stream(
-        inst: Instance, decision: Decision, url: str, raw: bytes, headers: dict[str, str]
-    ) -> tuple[Response | None, Response | None]:
-        flight = inst.begin(decision.footprint, decision.prefill_s)
-        resp = None
-        try:
-            resp = await client.send(
-                client.build_request("POST", url, content=raw, headers=headers), stream=True
-            )
-            if resp.status_code != 200:
-                content = await resp.aread()
-                await resp.aclose()
-                out = Response(
-                    content, resp.status_code, media_type=resp.headers.get("content-type")
-                )
-                inst.end(flight)
-                return (None, out) if resp.status_code >= 500 else (out, None)
-            chunks = resp.aiter_raw()
-            first = await anext(chunks, b"")
-        except httpx.HTTPError as e:
-            if resp is not None:
-                await resp.aclose()
-            inst.end(flight)
-            fleet.leave(inst, f"request failed before streaming: {e!r}")
-            return None, None
-        if not first:  # ended before any output: nothing was streamed, another may serve it
-            await resp.aclose()
-            inst.end(flight)
-            return None, None
-        relay = _relay(inst, flight, resp, chunks, first)
-        return StreamingResponse(relay, media_type="text/event-stream"), None
-
-    async def _relay(
-        inst: Instance, flight: Flight, resp: Any, chunks: AsyncIterator[bytes], first: bytes
-    ) -> AsyncIterator[bytes]:
-        """The instance's bytes as they come; an error event when they stop short. The usage
-        chunk (a stream that reports one) is counted as a JSON answer's usage is; the first
-        output is the flight's (``Instance.first_output``)."""
-        tail = first[-len(DONE) :]
-        scan = StreamScanner()
-        try:
+            while True:
+                chunks = current.resp.aiter_raw()
+                try:
+                    first = await anext(chunks, b"")
+                except httpx.HTTPError as e:
+                    first = b""
+                    fleet.leave(current.inst, f"request failed before streaming: {e!r}")
+                if first:
+                    break
+                done, current = current, None
+                await done.close()
+                tries.failed(done.inst)
+                got = await tries.open()
+                if isinstance(got, Response):
+                    yield _sse_error(_message(got)) + DONE
+                    return
+                current = got
+            inst, flight = current.inst, current.flight
+            tail = first[-len(DONE) :]
+            scan = StreamScanner()
             for body in scan.feed(first):
                 metrics.count_usage(body)
             if scan.output_seen:
@@ -240,10 +200,153 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
                 lead = b"" if tail.endswith(b"\n\n") else b"\n\n"
                 yield lead + _sse_error(problem) + DONE
         finally:
-            inst.end(flight)
-            await resp.aclose()
+            if current is not None:
+                await current.close()
 
     return app
+
+
+class Attempts:
+    """One request's attempts: the instances the fleet chooses for it in turn, each tried
+    once, until one answers (``answer``) or opens its stream (``open``)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        client: Any,
+        metrics: RouteMetrics,
+        body: dict[str, Any],
+        chat: bool,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+    ) -> None:
+        self.fleet, self.client, self.metrics = fleet, client, metrics
+        self.body, self.chat, self.path, self.raw, self.headers = body, chat, path, raw, headers
+        self.tried: list[Instance] = []
+        self.failure: Response | None = None
+        """What to answer if no other instance can: the last 5xx."""
+
+    async def _next(self) -> tuple[Instance, Decision] | None:
+        picked = await self.fleet.decide(self.body, self.chat, self.tried)
+        if picked is None:
+            return None
+        inst, decision = picked
+        self.tried.append(inst)
+        self.metrics.decisions.labels(decision.reason).inc()
+        if decision.match is not None:
+            size = inst.page_size_or(self.fleet.options.page_size)
+            for tier in TIERS:
+                self.metrics.expected_hits.labels(tier).inc(getattr(decision.match, tier) * size)
+        self.metrics.requests.labels(inst.name).inc()
+        return picked
+
+    def failed(self, inst: Instance) -> None:
+        """``inst`` did not serve the request; the next one may."""
+        self.metrics.retries.labels(inst.name).inc()
+
+    def nobody(self) -> Response:
+        """The answer when every instance failed: the last 5xx, else 502 (503: none was
+        healthy)."""
+        if self.failure is not None:
+            return self.failure
+        if self.tried:
+            return _error(502, f"every instance failed this request ({len(self.tried)} tried)")
+        return _error(503, "no healthy instance to send the request to")
+
+    async def answer(self) -> Response:
+        """The whole answer of the first instance that gives one (not streamed)."""
+        while (picked := await self._next()) is not None:
+            inst, decision = picked
+            got = await self._once(inst, decision)
+            if got is not None:
+                got.headers.update(route_headers(inst, decision))
+                return got
+            self.failed(inst)
+        return self.nobody()
+
+    async def open(self) -> Opened | Response:
+        """The stream of the first instance that answers 200, its body unread; or what to
+        answer instead (a 4xx is the client's and is final)."""
+        while (picked := await self._next()) is not None:
+            inst, decision = picked
+            got = await self._open(inst, decision)
+            if got is not None:
+                return got
+            self.failed(inst)
+        return self.nobody()
+
+    async def _once(self, inst: Instance, decision: Decision) -> Response | None:
+        """Its answer, or ``None`` when it failed (``failure`` keeps a 5xx)."""
+        flight = inst.begin(decision.footprint, decision.prefill_s)
+        try:
+            r = await self.client.post(
+                f"{inst.name}{self.path}", content=self.raw, headers=self.headers
+            )
+        except httpx.HTTPError as e:
+            self.fleet.leave(inst, f"request failed: {e!r}")
+            return None
+        finally:
+            inst.end(flight)
+        out = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        if r.status_code >= 500:
+            self.failure = out
+            return None
+        if r.status_code == 200:
+            with contextlib.suppress(ValueError):
+                self.metrics.count_usage(r.json())
+        return out
+
+    async def _open(self, inst: Instance, decision: Decision) -> Opened | Response | None:
+        """Its stream (status 200), its other answer (a 4xx), or ``None`` when it failed."""
+        flight = inst.begin(decision.footprint, decision.prefill_s)
+        req = self.client.build_request(
+            "POST", f"{inst.name}{self.path}", content=self.raw, headers=self.headers
+        )
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            inst.end(flight)
+            self.fleet.leave(inst, f"request failed before streaming: {e!r}")
+            return None
+        if resp.status_code == 200:
+            return Opened(inst, decision, flight, resp)
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await resp.aclose()
+            inst.end(flight)
+        out = Response(content, resp.status_code, media_type=resp.headers.get("content-type"))
+        if resp.status_code >= 500:
+            self.failure = out
+            return None
+        out.headers.update(route_headers(inst, decision))
+        return out
+
+
+@dataclass(slots=True)
+class Opened:
+    """A request's stream from the instance that took it: status 200, body not yet read."""
+
+    inst: Instance
+    decision: Decision
+    flight: Flight
+    resp: Any
+    """The ``httpx`` response."""
+
+    async def close(self) -> None:
+        """The request is over on ``inst``: its connection closed, its flight ended."""
+        self.inst.end(self.flight)
+        await self.resp.aclose()
+
+
+def _message(answer: Response) -> str:
+    """The error message of an instance's (or the router's) JSON error answer."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        return str(json.loads(bytes(answer.body))["error"]["message"])
+    return f"the request failed with status {answer.status_code}"
 
 
 def route_headers(inst: Instance, decision: Decision) -> dict[str, str]:

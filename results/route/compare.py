@@ -313,7 +313,16 @@ def bench(s: Settings, url: str, tag: str, model: str | None) -> dict[str, Any]:
     }
 
 
+def cpu_s(p: Proc) -> float:
+    """CPU seconds (user + system) the process has used so far, its threads included."""
+    fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def instance_counts(procs: list[Proc]) -> list[dict[str, Any]]:
+    """Per instance: requests answered, prompt tokens served per tier, the rates its
+    ``/health`` reports, its own mean TTFT (from a request's arrival at the server to its
+    first token: the part of the client's TTFT no front adds to) and its CPU seconds."""
     rows = []
     for p in procs:
         m = scrape(p.url)
@@ -321,8 +330,19 @@ def instance_counts(procs: list[Proc]) -> list[dict[str, Any]]:
         hits = {
             t: int(m.get(("kvtier_cached_tokens_total", (("cache_source", t),)), 0)) for t in TIERS
         }
+        n = m.get(("kvtier_time_to_first_token_seconds_count", ()), 0.0)
+        total = m.get(("kvtier_time_to_first_token_seconds_sum", ()), 0.0)
         rates = httpx.get(f"{p.url}/health", timeout=5).json().get("rates")
-        rows.append({"url": p.url, "requests": int(reqs), "cached_tokens": hits, "rates": rates})
+        rows.append(
+            {
+                "url": p.url,
+                "requests": int(reqs),
+                "cached_tokens": hits,
+                "rates": rates,
+                "server_ttft_mean_s": total / n if n else None,
+                "cpu_s": cpu_s(p),
+            }
+        )
     return rows
 
 
@@ -352,7 +372,9 @@ def run_front(name: str, s: Settings) -> dict[str, Any]:
                 return result
             model = str(probe["models"]["data"][0]["id"])
         log(f"{name}: front up at {r.url} after {time.monotonic() - t0:.1f} s; running the bench")
+        cpu0 = cpu_s(r)
         result |= bench(s, r.url, name, model)
+        result["front_cpu_s"] = cpu_s(r) - cpu0
         result["instances"] = instance_counts(procs)
         if name in ("prefix", "least_loaded"):
             m = scrape(r.url)
@@ -365,7 +387,9 @@ def run_front(name: str, s: Settings) -> dict[str, Any]:
             f"{name}: {result['requests_ok']}/{result['requests']} ok, "
             f"{result['requests_per_s']:.2f} req/s, TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms "
             f"p90 {result['ttft_p90_s'] * 1e3:.0f} ms, served {result['served']}, "
-            f"per instance {[i['requests'] for i in result['instances']]}"
+            f"per instance {[i['requests'] for i in result['instances']]}, "
+            f"front CPU {result['front_cpu_s']:.1f} s, server TTFT means (ms) "
+            f"{[round((i['server_ttft_mean_s'] or 0) * 1e3, 1) for i in result['instances']]}"
         )
         log(f"{name}: stopping the fleet")
     return result

@@ -81,6 +81,10 @@ class Stubs:
         )
 
     async def _chunks(self, base: str, mode: str):
+        if mode == "empty":  # headers, then the end: no output
+            return
+        if mode == "dies":
+            raise httpx.ReadError("connection reset before the first chunk")
         first = {"from": base, "n": 1, "choices": [{"index": 0, "text": "x"}]}
         yield f"data: {json.dumps(first)}\n\n".encode()
         if mode == "slow":  # the second chunk waits until the client has the first
@@ -214,6 +218,33 @@ def test_a_failure_before_streaming_is_retried_on_another_instance(
     stubs.mode[B] = "500"
     r = router.http.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 500 and r.json()["error"]["message"] == "boom"
+
+
+def test_a_stream_that_stops_before_its_first_chunk_goes_on_another_instance(
+    router: Router, stubs: Stubs
+) -> None:
+    for mode in ("empty", "dies"):
+        stubs.mode[A] = mode
+        for _ in range(2):  # ties go to each instance in turn: one of the two tries A first
+            wait(lambda: router.instance(A).healthy, "A to be back")
+            r = router.http.post("/v1/completions", json={"prompt": "x", "stream": True})
+            assert r.status_code == 200
+            events = [e for e in r.text.split("\n\n") if e]
+            assert json.loads(events[0].removeprefix("data: "))["from"] == B
+            assert events[-1] == "data: [DONE]"
+        assert A in stubs.generated
+        stubs.generated.clear()
+    metrics = router.http.get("/metrics").text
+    assert _metric(metrics, f'kvtier_route_retries_total{{instance="{A}"}}') >= 2
+    assert _metric(metrics, "kvtier_route_stream_errors_total") == 0
+    # no instance left: the client, which has its headers, gets an error event
+    stubs.mode[A] = stubs.mode[B] = "empty"
+    r = router.http.post("/v1/completions", json={"prompt": "x", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["message"] == "every instance failed this request (2 tried)"
+    assert events[-1] == "data: [DONE]"
+    assert router.instance(A).in_flight == router.instance(B).in_flight == 0
 
 
 def test_a_stream_cut_after_it_started_ends_with_an_error_event(
