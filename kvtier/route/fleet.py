@@ -304,6 +304,7 @@ class Fleet:
                     inst.device_tokens,
                     tuple(f.footprint for f in inst.flights),
                     tuple(now - f.sent for f in inst.flights),
+                    inst.ahead().decoding,
                 )
             )
         n = len(tokens) if tokens is not None else 0

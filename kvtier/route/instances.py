@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvtier.route.load_cost import Ahead, LoadCost
 from kvtier.route.scorer import Footprint, Rates
 from kvtier.route.subscriber import EventSubscriber
-from kvtier.server.request_cost import RequestCost
 
 
 class RouteConfigError(ValueError):
@@ -80,8 +80,9 @@ class Flight:
     """What it holds on the instance's device while it runs (``None``: not known)."""
     sent: float
     """When it was sent (``time.monotonic``)."""
-    ahead: int = 0
-    """The router's requests in flight on the instance when it was sent."""
+    ahead: Ahead = Ahead()
+    """The router's requests in flight on the instance when it was sent, by where they
+    were."""
     prefill_s: float | None = None
     """Its own prefill at the instance's rates, without the load (``Decision.prefill_s``;
     ``None``: chosen by load only, and not measured)."""
@@ -116,9 +117,10 @@ class Instance:
     rates: Rates | None = None
     """The rates its ``/health`` reported at the last check (``None``: it reported none,
     and the router's ``--*-rate`` defaults price it)."""
-    observed: RequestCost = field(default_factory=RequestCost)
-    """What the requests in flight cost a new one and how long a request lasts, as the
-    router measures them on this instance's streamed answers (``end``; ``priced_rates``)."""
+    observed: LoadCost = field(default_factory=LoadCost)
+    """What the requests in flight cost a new one, by where they are, and how long a request
+    lasts, as the router measures them on this instance's streamed answers (``end``;
+    ``priced_rates``)."""
     subscriber: EventSubscriber | None = None
 
     @property
@@ -141,10 +143,16 @@ class Instance:
         holding ``footprint`` while it runs, its own prefill priced ``prefill_s``; the handle to
         ``end`` it with."""
         sent = time.monotonic() if now is None else now
-        flight = Flight(footprint, sent, self.in_flight, prefill_s)
+        flight = Flight(footprint, sent, self.ahead(), prefill_s)
         self.in_flight += 1
         self.flights.append(flight)
         return flight
+
+    def ahead(self) -> Ahead:
+        """The requests in flight, by where they are: in their prefill (no first output
+        passed yet) or streaming."""
+        streaming = sum(1 for f in self.flights if f.first is not None)
+        return Ahead(self.in_flight - streaming, streaming)
 
     def first_output(self, flight: Flight, now: float | None = None) -> None:
         """That request's first output arrived (at ``now``, as ``begin``)."""
@@ -152,8 +160,9 @@ class Instance:
 
     def end(self, flight: Flight, now: float | None = None) -> None:
         """That request finished (answered, failed or cut off; at ``now``, as ``begin``).
-        A streamed one priced by its prefill is a sample of ``observed``: its requests ahead,
-        its time to first output less its own prefill, and its time from sending to end."""
+        A streamed one priced by its prefill is a sample of ``observed``: its requests ahead
+        (by where they were), its time to first output less its own prefill, and its time
+        from sending to end."""
         self.in_flight -= 1
         self.flights.remove(flight)
         if flight.first is not None and flight.prefill_s is not None:
@@ -163,18 +172,22 @@ class Instance:
 
     def priced_rates(self, defaults: Rates) -> Rates | None:
         """The rates it is priced with: those it reported (``defaults`` where it reported
-        none), with the request cost and duration the router measured on it once ``observed``
-        has estimates; ``None`` (price it with ``defaults``) while it has neither. The
+        none), with the costs of a request ahead (in its prefill: ``request_cost_s``;
+        streaming: ``decode_cost_s``) and the duration the router measured on it where
+        ``observed`` has estimates; ``None`` (price it with ``defaults``) while it has none.
+        The
         router's measurement wins over the instance's: it is what the router predicts, the
         time to first output as a client of the router sees it, which also holds what the
         instance's engine cannot see (its HTTP thread waiting for the engine's, the proxy)."""
-        cost, duration = self.observed.seconds(), self.observed.duration_s()
-        if cost is None and duration is None:
+        o = self.observed
+        cost, decode, duration = o.prefill_cost_s(), o.decode_cost_s(), o.duration_s()
+        if cost is None and decode is None and duration is None:
             return self.rates
         base = self.rates or defaults
         return dataclasses.replace(
             base,
             request_cost_s=base.request_cost_s if cost is None else cost,
+            decode_cost_s=base.decode_cost_s if decode is None else decode,
             request_duration_s=base.request_duration_s if duration is None else duration,
         )
 

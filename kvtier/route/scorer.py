@@ -5,7 +5,7 @@ tokens of which the instance holds ``d`` on device, ``h`` on host and ``s`` in s
 pages, ``PrefixIndex.match``) is::
 
     (n - d - h - s) / prefill_rate  +  (h + s) / host_rate  +  s / storage_rate
-        +  in_flight * request_cost  +  room_wait
+        +  load  +  room_wait
 
 Device pages cost nothing (attention reads them where they are); a storage page is read into
 the host tier and then loaded like a host page, so it pays both (whatever the rates say, a
@@ -18,8 +18,10 @@ so idle instances take turns instead of the first-listed taking every tie). When
 events are stale the index cannot be trusted for the comparison, so the request goes to the
 least-loaded instance instead (reason ``stale_events``).
 
-``in_flight * request_cost`` is what sharing the engine with the requests already there costs
-(each step computes theirs too). ``room_wait`` is the room term. An instance admits a request
+``load`` is what sharing the engine with the requests already there costs, each priced by
+where it is (``kvtier.route.load_cost``): one still in its prefill ``request_cost``, one that
+streams output already ``decode_cost``; a candidate that does not say how many of its requests
+stream is priced ``in_flight * request_cost``. ``room_wait`` is the room term. An instance admits a request
 only when its device pool has pages for it (what it does not hold on device: prompt and output
 tokens less the device hit), and until then the request waits for running ones to finish. The
 router knows the pool's size (``device_tokens`` on the instance's model card) and what each
@@ -63,10 +65,14 @@ class Rates:
     storage_tokens_per_s: float = 40000.0
     """Tokens of KV an instance reads from its storage tier per second."""
     request_cost_s: float = 0.05
-    """Expected delay each request in flight adds before this one's prefill."""
+    """Expected delay each request in flight that is still in its prefill adds before this
+    one's prefill (one that streams output: ``decode_cost_s``)."""
     request_duration_s: float = 0.05
     """Expected seconds a request holds its device pages (from its prefill to its end): the
     wait for each request in flight that must finish before this one fits."""
+    decode_cost_s: float | None = None
+    """Expected delay a request in flight that streams output already adds (``None``: as
+    ``request_cost_s``)."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "host_tokens_per_s", "storage_tokens_per_s"):
@@ -77,6 +83,9 @@ class Rates:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+        d = self.decode_cost_s
+        if d is not None and not (math.isfinite(d) and d >= 0):
+            raise ValueError(f"decode_cost_s must be >= 0 or None, got {d}")
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,16 @@ class Candidate:
     known)."""
     ages: tuple[float, ...] = ()
     """Seconds since each of ``flights`` was sent (the same order; empty: not known)."""
+    streaming: int | None = None
+    """How many of the requests in flight stream output already (the rest are in their
+    prefill); ``None``: not known (all are priced as in their prefill)."""
+
+    def load_s(self, rates: Rates) -> float:
+        """What the requests in flight here cost a new one at ``rates`` (module
+        docstring)."""
+        streaming = min(self.streaming or 0, self.in_flight)
+        decode = rates.request_cost_s if rates.decode_cost_s is None else rates.decode_cost_s
+        return (self.in_flight - streaming) * rates.request_cost_s + streaming * decode
 
     def footprint(self, prompt_tokens: int, output_tokens: int) -> Footprint:
         """What a request of these sizes would hold here (whole pages)."""
@@ -160,16 +179,18 @@ def expected_seconds(
     in_flight: int,
     rates: Rates,
     room_wait_s: float = 0.0,
+    load_s: float | None = None,
 ) -> float:
     """The expected prefill time (module docstring) of ``prompt_tokens`` tokens, where
-    it waits ``room_wait_s`` for room in the device pool."""
+    it waits ``room_wait_s`` for room in the device pool and the requests in flight cost
+    ``load_s`` (``None``: ``in_flight * request_cost_s``)."""
     device, host, storage = (p * page_size for p in (match.device, match.host, match.storage))
     uncached = max(prompt_tokens - device - host - storage, 0)
     return (
         uncached / rates.prefill_tokens_per_s
         + (host + storage) / rates.host_tokens_per_s
         + storage / rates.storage_tokens_per_s
-        + in_flight * rates.request_cost_s
+        + (in_flight * rates.request_cost_s if load_s is None else load_s)
         + room_wait_s
     )
 
@@ -229,18 +250,20 @@ def choose(
         if c.match is None:
             continue
         k = blocking(c.device_tokens, c.flights, c.footprint(prompt_tokens, output_tokens))
-        wait = room_wait(k, c.ages, (c.rates or rates).request_duration_s)
+        priced = c.rates or rates
+        wait = room_wait(k, c.ages, priced.request_duration_s)
+        load = c.load_s(priced)
         seconds = expected_seconds(
-            prompt_tokens, c.match, c.page_size, c.in_flight, c.rates or rates, wait
+            prompt_tokens, c.match, c.page_size, c.in_flight, priced, wait, load
         )
         scored.append((seconds, c.in_flight, (i - turn) % n, i))
         if log.isEnabledFor(logging.DEBUG):
             m = c.match
             log.debug(
                 "candidate %s: %.1f ms (pages device %d host %d storage %d of %d tokens, "
-                "%d in flight, room wait %.1f ms)",
+                "%d in flight costing %.1f ms, room wait %.1f ms)",
                 c.name, seconds * 1e3, m.device, m.host, m.storage, prompt_tokens,
-                c.in_flight, wait * 1e3,
+                c.in_flight, load * 1e3, wait * 1e3,
             )  # fmt: skip
     seconds, _, _, i = min(scored)
     log.debug("chose %s", candidates[i].name)

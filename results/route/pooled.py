@@ -76,6 +76,8 @@ def report(path: Path) -> None:
             calibration(front, predicted)
     for front, rows in pooled.items():
         contention(front, rows)
+    for front, rows in pooled.items():
+        by_phase(front, rows)
     matched(pooled)
 
 
@@ -87,13 +89,14 @@ def with_ahead(rows: list[dict]) -> list[dict]:
     for r in rows:
         r["ahead"] = None
     for r in timed:
-        r["ahead"] = sum(
-            1
+        r["_ahead"] = [
+            o
             for o in timed
             if o is not r
             and o["instance"] == r["instance"]
             and o["sent_s"] < r["sent_s"] < o["finished_s"]
-        )
+        ]
+        r["ahead"] = len(r["_ahead"])
     return rows
 
 
@@ -129,6 +132,34 @@ def contention(front: str, rows: list[dict]) -> None:
                 )
             )
         print(f"  {t:<8} " + "  ".join(cells))
+
+
+def by_phase(front: str, rows: list[dict]) -> None:
+    """Measured TTFT of the requests sent with nothing ahead on their instance, with one
+    request ahead that was still in its prefill (its first token came after this one was
+    sent), with one that streamed already, and with more, per slowest tier served."""
+    timed = [r for r in rows if r.get("ahead") is not None]
+    if not timed:
+        return
+    print(f"{front}: TTFT p50/p90 (ms) [requests] by the request ahead: none, one in its")
+    print("  prefill, one streaming, two or more")
+    for t in ("device", "host", "storage", "all"):
+        cells: dict[str, list[float]] = {"none": [], "prefill": [], "streaming": [], "2+": []}
+        for r in timed:
+            if t != "all" and tier(r) != t:
+                continue
+            if r["ahead"] != 1:
+                cells["none" if r["ahead"] == 0 else "2+"].append(r["ttft_s"])
+                continue
+            (o,) = r["_ahead"]
+            first = o["sent_s"] + o["ttft_s"]
+            cells["prefill" if first > r["sent_s"] else "streaming"].append(r["ttft_s"])
+        out = []
+        for k, m in cells.items():
+            m.sort()
+            got = f"{m[len(m) // 2] * 1e3:5.1f}/{m[int(len(m) * 0.9)] * 1e3:5.1f} [{len(m):3}]"
+            out.append(f"{k}: " + (got if m else " " * 17))
+        print(f"  {t:<8} " + "  ".join(out))
 
 
 def matched(pooled: dict[str, list[dict]]) -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.route.instances import Instance, InstanceSpec, RouteConfigError, parse_instances
+from kvtier.route.load_cost import Ahead
 from kvtier.route.scorer import Footprint, Rates
 
 
@@ -92,6 +93,25 @@ def test_the_router_measures_the_cost_of_the_requests_ahead_on_its_answers() -> 
         prefill_tokens_per_s=123.0, request_cost_s=got.request_cost_s,
         request_duration_s=got.request_duration_s,
     )  # fmt: skip
+
+
+def test_the_requests_ahead_are_told_apart_by_where_they_are() -> None:
+    """Three requests in flight, one of which had its first output pass: a request sent
+    then has two ahead in their prefill and one streaming, and is a sample with them."""
+    inst = Instance(parse_instances(["http://a:1"])[0])
+    first = inst.begin(None, 0.25, now=9.0)
+    inst.begin(None, None, now=9.5)
+    streaming = inst.begin(None, 0.1, now=9.9)
+    inst.first_output(streaming, now=10.0)
+    assert inst.ahead() == Ahead(prefilling=2, decoding=1)
+    new = inst.begin(None, 0.01, now=10.1)
+    assert new.ahead == Ahead(prefilling=2, decoding=1) and new.ahead.count == 3
+    inst.first_output(new, now=10.3)
+    inst.end(new, now=10.4)
+    (ahead, excess, held), *_ = inst.observed._samples
+    assert ahead == new.ahead and excess == pytest.approx(0.19) and held == pytest.approx(0.3)
+    inst.end(first, now=10.5)
+    assert inst.ahead() == Ahead(prefilling=1, decoding=1)
 
 
 def test_the_router_runs_without_torch() -> None:

@@ -26,6 +26,7 @@ from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import InstanceSpec
+from kvtier.route.load_cost import Ahead
 from kvtier.route.proxy import create_app
 from kvtier.route.scorer import Footprint
 
@@ -476,7 +477,7 @@ def test_the_router_prices_an_instance_by_what_it_measured_on_its_streams(stubs:
             b"".join(chunks)
         stubs.mode[B] = "ok"
         wait(lambda: b.in_flight == 0, "the stream to end")
-        assert len(b.observed) == 1 and b.observed._samples[0][0] == 0  # nothing was ahead
+        assert len(b.observed) == 1 and b.observed._samples[0][0] == Ahead()  # none ahead
         assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
         assert len(b.observed) == 1
         # One request in flight on B. At the default 50 ms a request ahead, A (12 uncached
@@ -484,7 +485,35 @@ def test_the_router_prices_an_instance_by_what_it_measured_on_its_streams(stubs:
         busy = b.begin(None)
         assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
         for ahead in (0, 1) * 8:
-            b.observed.observe(ahead, 0.001, 0.01)
+            b.observed.observe(Ahead(prefilling=ahead), 0.001, 0.01)
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
+        b.end(busy)
+    finally:
+        router.close()
+
+
+def test_a_request_ahead_that_streams_is_priced_at_its_measured_decode_cost(
+    stubs: Stubs,
+) -> None:
+    """B holds two of the prompt's three pages on device and has one request in flight. B
+    measured a request ahead in its prefill costing 100 ms and one that streams costing
+    nothing: while B's request is in its prefill, A (12 uncached tokens, 1.5 ms) is the
+    faster; once its first output passed, B is."""
+    specs = [f"{u},events=tcp://127.0.0.1:9" for u in (A, B)]
+    router = Router(stubs, specs)
+    try:
+        prompt = "abcdefghijkl"
+        router.fleet.index.stored(B, chain_hashes([ord(c) for c in prompt], 4)[:2], "device")
+        for url in (A, B):
+            router.instance(url).subscriber._apply(0, msgpack.packb([0.0, [], 0]))
+        b = router.instance(B)
+        for ahead, excess in [(Ahead(), 0.001)] * 8 + [(Ahead(decoding=1), 0.001)] * 4:
+            b.observed.observe(ahead, excess, 0.01)
+        for _ in range(4):
+            b.observed.observe(Ahead(prefilling=1), 0.101, 0.01)
+        busy = b.begin(None)
+        assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
+        b.first_output(busy)
         assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == B
         b.end(busy)
     finally:

@@ -55,6 +55,34 @@ def test_a_loaded_instance_loses_to_an_idle_one_with_a_shorter_prefix() -> None:
     assert choose([busy, idle], 320, free).name == "busy"
 
 
+def test_a_request_ahead_is_priced_by_where_it_is() -> None:
+    """ "home" holds 8 of the 10 pages on host; its one request in flight is still in its
+    prefill. "other" holds nothing; its one request streams output. At a request cost of
+    0.2 s and a decode cost of 0.01 s, home costs 32 computed + 128 loaded tokens + 0.2 s,
+    other 160 computed + 0.01 s: other wins. Once home's request streams too, home wins.
+    Where it is not known how many stream, every request is priced at the request cost,
+    and the host pages win."""
+    rates = Rates(1000.0, 10000.0, 2000.0, request_cost_s=0.2, decode_cost_s=0.01)
+    home = Candidate("home", 1, PrefixMatch(host=8), page_size=16, streaming=0)
+    other = Candidate("other", 1, PrefixMatch(), page_size=16, streaming=1)
+    assert home.load_s(rates) == 0.2 and other.load_s(rates) == 0.01
+    d = choose([home, other], 160, rates)
+    assert d.name == "other" and d.expected_s == pytest.approx(0.16 + 0.01)
+    assert d.prefill_s == pytest.approx(0.16)
+    streaming = dataclasses.replace(home, streaming=1)
+    d = choose([streaming, other], 160, rates)
+    assert d.name == "home" and d.expected_s == pytest.approx(0.032 + 0.0128 + 0.01)
+    unknown = [dataclasses.replace(c, streaming=None) for c in (home, other)]
+    assert [c.load_s(rates) for c in unknown] == [0.2, 0.2]
+    assert choose(unknown, 160, rates).name == "home"
+    # two in flight, one streaming
+    assert Candidate("x", 2, None, streaming=1).load_s(rates) == pytest.approx(0.21)
+    # without a decode cost of its own, a streaming request costs the request cost
+    assert other.load_s(Rates(request_cost_s=0.05)) == 0.05
+    with pytest.raises(ValueError, match="decode_cost_s"):
+        Rates(decode_cost_s=-1.0)
+
+
 def test_stale_events_fall_back_to_the_least_loaded() -> None:
     stale = Candidate("a", 3, None, stale=True)
     d = choose([stale, _c("b", in_flight=1, device=9), _c("c", in_flight=0)], 160, RATES)
@@ -186,9 +214,9 @@ def test_debug_logging_shows_each_candidates_time(caplog: pytest.LogCaptureFixtu
     with caplog.at_level("DEBUG", logger="kvtier.route"):
         choose([_c("a", device=2), _c("b", in_flight=1, host=5)], 160, RATES)
     assert caplog.messages == [
-        "candidate a: 128.0 ms (pages device 2 host 0 storage 0 of 160 tokens, 0 in flight, "
-        "room wait 0.0 ms)",
-        "candidate b: 588.0 ms (pages device 0 host 5 storage 0 of 160 tokens, 1 in flight, "
-        "room wait 0.0 ms)",
+        "candidate a: 128.0 ms (pages device 2 host 0 storage 0 of 160 tokens, 0 in flight "
+        "costing 0.0 ms, room wait 0.0 ms)",
+        "candidate b: 588.0 ms (pages device 0 host 5 storage 0 of 160 tokens, 1 in flight "
+        "costing 500.0 ms, room wait 0.0 ms)",
         "chose a",
     ]
