@@ -506,6 +506,11 @@ def main() -> None:
     )
     ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
     ap.add_argument("--json", type=Path, default=HERE / "compare.json")
+    ap.add_argument(
+        "--logdir",
+        type=Path,
+        help="where the processes' logs and records go (default: a new temporary directory)",
+    )
     args = ap.parse_args()
     fronts = [f for f in args.fronts.split(",") if f]
     bad = [f for f in fronts if f not in FRONTS]
@@ -513,7 +518,9 @@ def main() -> None:
         ap.error(f"--fronts: unknown {bad}")
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
-    logdir = Path(tempfile.mkdtemp(prefix="route-compare-"))
+    if args.logdir is not None:
+        args.logdir.mkdir(parents=True, exist_ok=True)
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="route-compare-"))
     s = Settings(
         instances=args.instances,
         device_pages=args.device_pages,

@@ -4,7 +4,7 @@ records (a single run's 288 requests give a p90 that moves by 10-20 ms between r
 Usage::
 
     # keep the records of some runs (compare.py's log dirs, each with FRONT-bench.json)
-    python results/route/pooled.py pack OUT.json DIR [DIR ...]
+    python results/route/pooled.py pack OUT.json DIR[:TAG] [DIR[:TAG] ...]
     # pooled figures per front
     python results/route/pooled.py OUT.json
 """
@@ -22,14 +22,20 @@ FIELDS = LOOP_REQUEST_KEYS
 ``None``)."""
 
 
-def pack(out: Path, dirs: list[Path]) -> None:
+def pack(out: Path, dirs: list[str]) -> None:
+    """Every ``FRONT-bench.json`` of each directory, as one run per directory; a directory
+    given as ``PATH:TAG`` names its fronts ``FRONT:TAG`` (two trees' runs of one front kept
+    apart)."""
     runs = {}
-    for d in dirs:
+    for arg in dirs:
+        path, _, tag = arg.partition(":")
+        d = Path(path)
         fronts = {}
         for f in sorted(d.glob("*-bench.json")):
             reqs = json.loads(f.read_text())["configs"]["server"]["requests"]
-            fronts[f.name.removesuffix("-bench.json")] = [[r.get(k) for k in FIELDS] for r in reqs]
-        runs[d.name] = fronts
+            name = f.name.removesuffix("-bench.json") + (f":{tag}" if tag else "")
+            fronts[name] = [[r.get(k) for k in FIELDS] for r in reqs]
+        runs[d.name + (f":{tag}" if tag else "")] = fronts
     out.write_text(json.dumps({"fields": FIELDS, "runs": runs}) + "\n")
 
 
@@ -204,6 +210,6 @@ def calibration(front: str, pairs: list[tuple[float, float]], bins: int = 5) -> 
 
 if __name__ == "__main__":
     if sys.argv[1] == "pack":
-        pack(Path(sys.argv[2]), [Path(d) for d in sys.argv[3:]])
+        pack(Path(sys.argv[2]), sys.argv[3:])
     else:
         report(Path(sys.argv[1]))
