@@ -10,8 +10,9 @@ far more in the tail. So the router prices the requests ahead by their phase::
          + decode_cost  * (requests ahead that stream output)
 
 A request counts as in its prefill until its first output passed the router. (The rest of its
-predicted prefill would be the natural price, but the measured cost levels off past about 10 ms
-of it: the new request's prefill overlaps the one ahead.)
+predicted prefill would be the natural price, but behind one request in its prefill the
+excess measured through the router levels off past about 10 ms of it: ``results/route``'s
+``pooled.py`` prints it by quartile.)
 
 Each streamed answer that was priced by its prefill gives one sample when it ends: the requests
 ahead of it when it was sent (how many were in their prefill, how many streamed), its excess

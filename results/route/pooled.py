@@ -12,6 +12,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def report(path: Path) -> None:
         contention(front, rows)
     for front, rows in pooled.items():
         by_phase(front, rows)
+    for front, rows in pooled.items():
+        behind_prefill(front, rows)
     matched(pooled)
 
 
@@ -166,6 +169,39 @@ def by_phase(front: str, rows: list[dict]) -> None:
             got = f"{m[len(m) // 2] * 1e3:5.1f}/{m[int(len(m) * 0.9)] * 1e3:5.1f} [{len(m):3}]"
             out.append(f"{k}: " + (got if m else " " * 17))
         print(f"  {t:<8} " + "  ".join(out))
+
+
+def behind_prefill(front: str, rows: list[dict]) -> None:
+    """For the requests sent behind exactly one request still in its prefill: their excess
+    (TTFT less the median TTFT of the requests of the same tier and round sent with nothing
+    ahead) by how long the request ahead still had to its first token, in quartiles."""
+    idle: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r.get("ahead") == 0:
+            idle.setdefault((tier(r), r["round"]), []).append(r["ttft_s"])
+    base = {k: statistics.median(v) for k, v in idle.items() if len(v) >= 3}
+    pts = []
+    for r in rows:
+        key = (tier(r), r["round"])
+        if r.get("ahead") != 1 or key not in base:
+            continue
+        (o,) = r["_ahead"]
+        left = o["sent_s"] + o["ttft_s"] - r["sent_s"]
+        if left > 0:
+            pts.append((left, r["ttft_s"] - base[key]))
+    if len(pts) < 8:
+        return
+    pts.sort()
+    print(f"{front}: behind one request in its prefill, excess (ms) by its time left to its")
+    print("  first token (quartiles)")
+    q = len(pts) // 4
+    for i in range(4):
+        part = pts[i * q : (i + 1) * q] if i < 3 else pts[3 * q :]
+        ex = sorted(e for _, e in part)
+        print(
+            f"  left {part[0][0] * 1e3:5.1f}-{part[-1][0] * 1e3:5.1f}: median"
+            f" {ex[len(ex) // 2] * 1e3:5.1f} p90 {ex[int(len(ex) * 0.9)] * 1e3:5.1f} [{len(ex)}]"
+        )
 
 
 def matched(pooled: dict[str, list[dict]]) -> None:
