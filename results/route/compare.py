@@ -117,12 +117,30 @@ def child_env() -> dict[str, str]:
     }
 
 
-def start(name: str, cmd: list[str], logdir: Path) -> Proc:
+def start(name: str, cmd: list[str], logdir: Path, cpus: set[int] | None = None) -> Proc:
+    """``cmd`` in its own process group, on ``cpus`` when given (else on this process's)."""
     path = logdir / f"{name}.log"
     env = child_env()
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     with path.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=pin
+        )
     return Proc(name, proc, path)
+
+
+def cpu_sets(instances: int, per_instance: int) -> tuple[list[set[int]], set[int]]:
+    """``--pin``: ``per_instance`` CPUs of its own for each instance, and the CPUs left for
+    everything else (this process, the store, the front and the bench)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    need = instances * per_instance + 2
+    if len(cpus) < need:
+        raise SystemExit(
+            f"--pin needs {need} CPUs ({instances} instances x {per_instance}, 2 for the "
+            f"rest), this process has {len(cpus)}"
+        )
+    k = per_instance
+    return [set(cpus[i * k : (i + 1) * k]) for i in range(instances)], set(cpus[instances * k :])
 
 
 def healthy(p: Proc, path: str = "/health") -> bool:
@@ -162,6 +180,8 @@ class Settings:
     logdir: Path
     route_args: list[str] = field(default_factory=list)
     """Extra ``kvtier route`` flags (the prefix front only)."""
+    instance_cpus: list[set[int]] | None = None
+    """``--pin``: the CPUs of each instance (``None``: not pinned)."""
     bench_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -184,7 +204,8 @@ def serve(i: int, s: Settings, storage_url: str | None, tag: str) -> Proc:
     cmd += ["--log-level", "warning", "--seed", "0"]
     cmd += ["--kv-events", f"tcp://*:{ev}", "--kv-events-replay", f"tcp://*:{rp}"]
     cmd += ["--kv-events-instance", f"instance-{i}"]
-    p = start(f"{tag}-serve-{i}", cmd, s.logdir)
+    cpus = s.instance_cpus[i] if s.instance_cpus else None
+    p = start(f"{tag}-serve-{i}", cmd, s.logdir, cpus)
     p.url = f"http://127.0.0.1:{port}"
     p.events, p.replay = f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}"
     return p
@@ -507,6 +528,12 @@ def main() -> None:
     ap.add_argument("--sglang-python", default="/tmp/sgr/bin/python")
     ap.add_argument("--json", type=Path, default=HERE / "compare.json")
     ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="run each instance on OMP_NUM_THREADS CPUs of its own, and the front, the bench "
+        "and the store on the CPUs left (less noise between runs)",
+    )
+    ap.add_argument(
         "--logdir",
         type=Path,
         help="where the processes' logs and records go (default: a new temporary directory)",
@@ -539,6 +566,11 @@ def main() -> None:
         logdir=logdir,
         route_args=args.route_arg,
     )
+    if args.pin:
+        per = int(os.environ.get("OMP_NUM_THREADS") or 1)
+        s.instance_cpus, rest = cpu_sets(args.instances, per)
+        os.sched_setaffinity(0, rest)
+        log(f"instances on CPUs {[sorted(c) for c in s.instance_cpus]}, the rest on {sorted(rest)}")
     log(f"logs in {logdir}")
     results = []
     records: dict[str, list[dict]] = {}
@@ -559,8 +591,13 @@ def main() -> None:
         "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "instance_cpus": [sorted(c) for c in s.instance_cpus] if s.instance_cpus else None,
         "commit": git_commit(),
-        "settings": {k: v for k, v in vars(s).items() if k not in ("logdir", "sglang_python")},
+        "settings": {
+            k: v
+            for k, v in vars(s).items()
+            if k not in ("logdir", "sglang_python", "instance_cpus")
+        },
         "fronts": results,
     }
     if args.repeat > 1:

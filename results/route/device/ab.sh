@@ -8,7 +8,8 @@
 # 1. what each front adds on a stub fleet (overhead/fronts.sh), this tree then .base's;
 # 2. REPEAT times (default 3), interleaved: compare.py of this tree with fronts FRONTS
 #    (default prefix,round_robin,sglang) and of .base with BASE_FRONTS (default prefix),
-#    writing $OUT/{head,base}_<i>.json and .log; their log dirs (/tmp/route-compare-<tree>-<i>)
+#    with compare.py flags ARGS (default --pin: every instance on CPUs of its own), writing
+#    $OUT/{head,base}_<i>.json and .log; their log dirs (/tmp/route-compare-<tree>-<i>)
 #    go to $OUT/logs.tgz. Then, here:
 #      tar xzf logs.tgz -C /tmp/X
 #      python results/route/pooled.py pack OUT.json /tmp/X/route-compare-head-*:head \
@@ -34,7 +35,7 @@ for i in $(seq "${REPEAT:-3}"); do
       || echo "${BASE_FRONTS:-prefix}")
     PYTHONPATH=$T:$PWD/$tree python3 $tree/results/route/compare.py --sglang-python python3 \
       --json "$OUT/${name}_$i.json" --logdir "/tmp/route-compare-$name-$i" --fronts "$fronts" \
-      ${ARGS:-} 2>&1 | tee "$OUT/${name}_$i.log" | grep -E 'ok, |FAILED' | cut -c1-400
+      ${ARGS---pin} 2>&1 | tee "$OUT/${name}_$i.log" | grep -E 'ok, |FAILED' | cut -c1-400
   done
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" route-compare-* 2>/dev/null)
