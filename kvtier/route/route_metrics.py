@@ -11,6 +11,10 @@
   each tier (``usage.prompt_tokens_details.cached_tokens_by_tier`` of JSON answers)
 - ``kvtier_route_in_flight{instance}``, ``kvtier_route_healthy{instance}``,
   ``kvtier_route_indexed_pages{instance}``: read at scrape time
+- ``kvtier_route_load_seconds{instance,term}``: what each instance's load is priced with now,
+  read at scrape time: ``prefill`` (a request ahead in its prefill), ``decode`` (one that
+  streams output), ``duration`` (how long a request holds its device pages); measured by the
+  router once it has samples (``Instance.priced_rates``), else reported or the defaults
 """
 
 from __future__ import annotations
@@ -71,6 +75,13 @@ class RouteMetrics:
             "kvtier_route_indexed_pages", "Pages the KV events say each instance holds",
             ["instance"], registry=self.registry,
         )  # fmt: skip
+        self.load = Gauge(
+            "kvtier_route_load_seconds",
+            "Seconds each instance's load is priced with: a request ahead in its prefill, one "
+            "streaming output, a request's duration",
+            ["instance", "term"],
+            registry=self.registry,
+        )
         for reason in ("prefix", "least_loaded", "stale_events", "only_healthy"):
             self.decisions.labels(reason)
         for tier in TIERS:
@@ -97,4 +108,9 @@ class RouteMetrics:
             self.in_flight.labels(inst.name).set(inst.in_flight)
             self.healthy.labels(inst.name).set(1 if inst.healthy else 0)
             self.indexed.labels(inst.name).set(fleet.index.pages(inst.name))
+            rates = inst.priced_rates(fleet.options.rates) or fleet.options.rates
+            decode = rates.request_cost_s if rates.decode_cost_s is None else rates.decode_cost_s
+            self.load.labels(inst.name, "prefill").set(rates.request_cost_s)
+            self.load.labels(inst.name, "decode").set(decode)
+            self.load.labels(inst.name, "duration").set(rates.request_duration_s)
         return generate_latest(self.registry)

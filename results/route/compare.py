@@ -404,6 +404,12 @@ def run_front(name: str, s: Settings) -> dict[str, Any]:
                 for k, v in m.items()
                 if k[0] == "kvtier_route_decisions_total"
             }
+            load: dict[str, dict[str, float]] = {}
+            for (name, labels), v in m.items():
+                if name == "kvtier_route_load_seconds":
+                    d = dict(labels)
+                    load.setdefault(d["instance"], {})[d["term"]] = v
+            result["route_load_seconds"] = load
         log(
             f"{name}: {result['requests_ok']}/{result['requests']} ok, "
             f"{result['requests_per_s']:.2f} req/s, TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms "

@@ -511,6 +511,15 @@ def test_a_request_ahead_that_streams_is_priced_at_its_measured_decode_cost(
             b.observed.observe(ahead, excess, 0.01)
         for _ in range(4):
             b.observed.observe(Ahead(prefilling=1), 0.101, 0.01)
+        metrics = router.http.get("/metrics").text
+        line = f'kvtier_route_load_seconds{{instance="{B}",term='
+        assert _metric(metrics, line + '"prefill"}') == pytest.approx(0.1)
+        assert _metric(metrics, line + '"decode"}') == 0.0
+        assert _metric(metrics, line + '"duration"}') == pytest.approx(0.01)
+        # A measured nothing: the defaults
+        assert (
+            _metric(metrics, f'kvtier_route_load_seconds{{instance="{A}",term="decode"}}') == 0.05
+        )
         busy = b.begin(None)
         assert router.http.post("/v1/completions", json={"prompt": prompt}).json()["from"] == A
         b.first_output(busy)
