@@ -309,6 +309,9 @@ class Attempts:
             inst.end(flight)
             self.fleet.leave(inst, f"request failed before streaming: {e!r}")
             return None
+        except BaseException:  # cancelled: the client left while a stream replaced another
+            inst.end(flight)
+            raise
         if resp.status_code == 200:
             return Opened(inst, decision, flight, resp)
         try:

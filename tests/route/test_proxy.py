@@ -27,7 +27,8 @@ from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import InstanceSpec
 from kvtier.route.load_cost import Ahead
-from kvtier.route.proxy import create_app
+from kvtier.route.proxy import Attempts, create_app
+from kvtier.route.route_metrics import RouteMetrics
 from kvtier.route.scorer import Footprint
 
 TIMEOUT_S = 5.0
@@ -68,6 +69,8 @@ class Stubs:
             text = body.get("prompt") or json.dumps(body["messages"])
             return httpx.Response(200, json={"tokens": [ord(c) for c in text]})
         mode = self.mode[base]
+        if mode == "cancel":
+            raise asyncio.CancelledError
         if mode == "down":
             raise httpx.ConnectError("connection refused", request=request)
         if mode == "500":
@@ -527,3 +530,24 @@ def test_a_request_ahead_that_streams_is_priced_at_its_measured_decode_cost(
         b.end(busy)
     finally:
         router.close()
+
+
+def test_a_stream_cancelled_while_it_opens_ends_its_flight(stubs: Stubs) -> None:
+    """The client leaving while the router opens a stream (inside an answer, when a stream
+    that stopped early is replaced) cancels the open: the instance's flight ends with it,
+    or the router would price that instance as busy for good."""
+    fleet = Fleet(
+        [InstanceSpec.parse(A)],
+        FleetOptions(page_size=4),
+        httpx.AsyncClient(transport=httpx.MockTransport(stubs)),
+    )
+    inst = fleet.instances[0]
+    inst.healthy, inst.models = True, [{"id": "tiny"}]
+    stubs.mode[A] = "cancel"
+    body = {"prompt": "x", "stream": True}
+    tries = Attempts(
+        fleet, fleet._client, RouteMetrics(), body, False, "/v1/completions", b"{}", {}
+    )
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(tries.open())
+    assert inst.in_flight == 0 and inst.flights == []
