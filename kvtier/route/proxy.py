@@ -143,8 +143,9 @@ def create_app(fleet: Fleet, client: Any, metrics: RouteMetrics | None = None) -
             return opened
         # The answer starts at the instance's headers, not at its first output: the response
         # start is then done while the instance computes, off the time to first token.
-        return StreamingResponse(
+        return RelayResponse(
             _relay(opened, tries),
+            opened,
             media_type="text/event-stream",
             headers=route_headers(opened.inst, opened.decision),
         )
@@ -338,11 +339,33 @@ class Opened:
     flight: Flight
     resp: Any
     """The ``httpx`` response."""
+    closed: bool = False
 
     async def close(self) -> None:
-        """The request is over on ``inst``: its connection closed, its flight ended."""
+        """The request is over on ``inst``: its connection closed, its flight ended (once,
+        however often it is called)."""
+        if self.closed:
+            return
+        self.closed = True
         self.inst.end(self.flight)
         await self.resp.aclose()
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that closes the instance's stream it started with even when its
+    relay never ran: a client that left before the response started cancels the response
+    before it iterates the relay, whose own ``finally`` then never runs (the relay closes the
+    streams it opened itself, and this one once it started)."""
+
+    def __init__(self, relay: AsyncIterator[bytes], opened: Opened, **kwargs: Any) -> None:
+        super().__init__(relay, **kwargs)
+        self.opened = opened
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.opened.close()
 
 
 def _message(answer: Response) -> str:

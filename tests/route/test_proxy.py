@@ -25,11 +25,11 @@ import httpx2 as httpx
 from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
-from kvtier.route.instances import InstanceSpec
+from kvtier.route.instances import Instance, InstanceSpec, parse_instances
 from kvtier.route.load_cost import Ahead
-from kvtier.route.proxy import Attempts, create_app
+from kvtier.route.proxy import Attempts, Opened, RelayResponse, create_app
 from kvtier.route.route_metrics import RouteMetrics
-from kvtier.route.scorer import Footprint
+from kvtier.route.scorer import Decision, Footprint
 
 TIMEOUT_S = 5.0
 A, B = "http://a:8000", "http://b:8000"
@@ -551,3 +551,33 @@ def test_a_stream_cancelled_while_it_opens_ends_its_flight(stubs: Stubs) -> None
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(tries.open())
     assert inst.in_flight == 0 and inst.flights == []
+
+
+def test_a_relay_that_never_ran_still_closes_the_stream_it_was_given() -> None:
+    """A client gone before the response started: the response is cancelled before it
+    iterates its relay, and the instance's stream and flight end all the same."""
+    closed: list[str] = []
+
+    class Resp:
+        async def aclose(self) -> None:
+            closed.append("stream")
+
+    inst = Instance(parse_instances([A])[0])
+    opened = Opened(inst, Decision(A, "prefix"), inst.begin(None), Resp())
+    started: list[bool] = []
+
+    async def relay():
+        started.append(True)
+        yield b"data: [DONE]\n\n"
+
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0)
+
+    response = RelayResponse(relay(), opened, media_type="text/event-stream")
+    asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
+    assert started == [] and closed == ["stream"] and inst.in_flight == 0
+    asyncio.run(opened.close())  # once only
+    assert closed == ["stream"]
