@@ -9,7 +9,8 @@ far more in the tail. So the router prices the requests ahead by their phase::
     load = prefill_cost * (requests ahead in their prefill)
          + decode_cost  * (requests ahead that stream output)
 
-A request counts as in its prefill until its first output passed the router. (The rest of its
+A request counts as in its prefill until its first output passed the router (one answered
+whole, not streamed, until its answer: the router cannot see its phase). (The rest of its
 predicted prefill would be the natural price, but behind one request in its prefill the
 excess measured through the router levels off past about 10 ms of it: ``results/route``'s
 ``pooled.py`` prints it by quartile.)
