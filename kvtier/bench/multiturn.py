@@ -26,8 +26,9 @@ Configurations (``MultiTurnConfig.configs``), each a fresh engine: ``device`` (n
 host tier of ``host_bytes`` holding the attention KV through ``kv_codec``: about twice the pages
 of a 16-bit model in the same bytes; its bound prices loads at the uncoded bytes), ``host+file`` (a
 small host tier + the file L3 in a fresh directory), ``file-prepopulated`` (small host + a file
-L3 that an earlier engine filled over the same workload, the ``host+file`` run's directory or an
-untimed pass of its own, device and host empty: the first round is served from storage), and
+L3 that an untimed engine of its own filled over the same workload, with a host tier holding the
+working set so that no page's backup is dropped for want of host room and every page reaches
+the L3; device and host empty: the first round is served from storage), and
 ``mooncake`` (small host + Mooncake Store, a fresh tenant salt) when ``mooncake_url`` is given.
 
 Rates measured in the same run (``rates``), on an engine of their own without a host tier:
@@ -1086,22 +1087,23 @@ def bench_multiturn(cfg: MultiTurnConfig) -> dict[str, Any]:
     prompts: dict[str, dict[tuple[int, int], list[int]]] = {}
     storage_gbps: dict[str, float | None] = {}
     with _scratch(cfg.storage_dir) as mkdir:
-        filled: str | None = None
         for name in names:
             directory = None
             if name == "host+file":
                 directory = mkdir(name)
             elif name == "file-prepopulated":
-                if filled is None:  # filled by an untimed engine of its own, same workload
-                    filled = mkdir("fill")
-                    log("file-prepopulated: filling its L3 with the workload (untimed)")
-                    fill = cache_config("host+file", cfg, dev, workload.working_set, filled, salt)
-                    _run_config("fill", cfg, model, fill, workload)
-                directory = filled
+                # Not the host+file run's directory: under its small host tier a backup is
+                # dropped when the host has no room, and the page never reaches the L3.
+                directory = mkdir("fill")
+                log("file-prepopulated: filling its L3 with the workload (untimed)")
+                roomy = workload.working_set + cfg.concurrency * cfg.page_size
+                fill = dataclasses.replace(
+                    cache_config("host+file", cfg, dev, workload.working_set, directory, salt),
+                    host_pages=-(-roomy // cfg.page_size),
+                )
+                _run_config("fill", cfg, model, fill, workload)
             cache = cache_config(name, cfg, dev, workload.working_set, directory, salt)
             res, outs, sent = _run_config(name, cfg, model, cache, workload)
-            if name == "host+file":
-                filled = directory
             if cache.storage == "file" and rates["storage_read_gbps"] is None:
                 nbytes, seconds = read_dir(cache.storage_dir)
                 if nbytes and seconds:
