@@ -405,8 +405,8 @@ def run_front(name: str, s: Settings) -> dict[str, Any]:
                 if k[0] == "kvtier_route_decisions_total"
             }
             load: dict[str, dict[str, float]] = {}
-            for (name, labels), v in m.items():
-                if name == "kvtier_route_load_seconds":
+            for (sample, labels), v in m.items():
+                if sample == "kvtier_route_load_seconds":
                     d = dict(labels)
                     load.setdefault(d["instance"], {})[d["term"]] = v
             result["route_load_seconds"] = load
