@@ -100,11 +100,9 @@ class Instance:
     healthy: bool = False
     """Its ``/health`` answered 200 at the last check (instances join when it does and leave
     when it does not, or when a request to it fails to connect)."""
-    in_flight: int = 0
-    """Requests sent to it that have not finished (the load)."""
     flights: list[Flight] = field(default_factory=list)
-    """Those requests, oldest first; ``begin`` and ``end`` keep it and ``in_flight``
-    together."""
+    """Requests sent to it that have not finished (the load), oldest first (``begin``,
+    ``end``)."""
     device_tokens: int | None = None
     """Its device pool's size in tokens, from its model card's ``device_tokens``."""
     models: list[dict] = field(default_factory=list)
@@ -127,6 +125,11 @@ class Instance:
     def name(self) -> str:
         return self.spec.url
 
+    @property
+    def in_flight(self) -> int:
+        """How many requests sent to it have not finished."""
+        return len(self.flights)
+
     def serves(self, model: object) -> bool:
         """Whether a request naming ``model`` belongs here: one of its model cards has that
         ``id``. A request without a model name (not a string) may go anywhere: the instance
@@ -144,7 +147,6 @@ class Instance:
         ``end`` it with."""
         sent = time.monotonic() if now is None else now
         flight = Flight(footprint, sent, self.ahead(), prefill_s)
-        self.in_flight += 1
         self.flights.append(flight)
         return flight
 
@@ -163,7 +165,6 @@ class Instance:
         A streamed one priced by its prefill is a sample of ``observed``: its requests ahead
         (by where they were), its time to first output less its own prefill, and its time
         from sending to end."""
-        self.in_flight -= 1
         self.flights.remove(flight)
         if flight.first is not None and flight.prefill_s is not None:
             end = time.monotonic() if now is None else now

@@ -309,13 +309,13 @@ def test_the_instance_holding_the_prompt_is_chosen_and_counted(stubs: Stubs) -> 
         assert _metric(metrics, f'kvtier_route_indexed_pages{{instance="{A}"}}') == 1
         # events gone quiet: load decides
         router.fleet.options = FleetOptions(events_stale_s=1e-9, page_size=4)
-        router.instance(B).in_flight = 1  # as if busy
+        busy = router.instance(B).begin(None)
         r = router.http.post("/v1/completions", json={"prompt": prompt})
         assert r.json()["from"] == A and r.headers["x-kvtier-route"] == "stale_events"
         assert "x-kvtier-expected-ms" not in r.headers  # a choice by load alone
         metrics = router.http.get("/metrics").text
         assert _metric(metrics, 'kvtier_route_decisions_total{reason="stale_events"}') == 1
-        router.instance(B).in_flight = 0
+        router.instance(B).end(busy)
     finally:
         router.close()
 
