@@ -34,6 +34,7 @@ Progress lines go to stderr; every process started is stopped at the end, also o
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -487,6 +488,16 @@ def git_commit() -> str:
     return out.stdout.decode().strip()
 
 
+def source_digest() -> str:
+    """The SHA-256 (first 12 hex digits) of the ``kvtier`` package's Python files that run,
+    paths and contents: which code ran, where a copied tree's git commit may be stale or
+    absent (``git_commit``)."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "kvtier").rglob("*.py")):
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "proxy":
         proxy_main(sys.argv[2:])
@@ -599,6 +610,7 @@ def main() -> None:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "instance_cpus": [sorted(c) for c in s.instance_cpus] if s.instance_cpus else None,
         "commit": git_commit(),
+        "kvtier_source": source_digest(),
         "settings": {
             k: v
             for k, v in vars(s).items()
