@@ -3,8 +3,9 @@ router measures it on the answers it relays.
 
 A request ahead that is still in its prefill holds the engine for some of that prefill (a new
 request waits for the step under way), while one that already streams output only shares the
-decode steps: on the same instances, the first costs about twice the second in the median and
-far more in the tail. So the router prices the requests ahead by their phase::
+decode steps: on the same instances, the first cost about three times the second in the median
+and far more in the tail (``results/route/README.md``). So the router prices the requests ahead
+by their phase::
 
     load = prefill_cost * (requests ahead in their prefill)
          + decode_cost  * (requests ahead that stream output)
