@@ -20,6 +20,7 @@ from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.errors import ConfigError
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.instances import Instance, InstanceSpec
+from kvtier.route.load_cost import LoadCost
 from kvtier.route.prefix_index import PrefixIndex
 from kvtier.route.scorer import Candidate, Decision, Rates, choose
 from kvtier.route.subscriber import EventSubscriber
@@ -137,7 +138,10 @@ class Fleet:
     ) -> None:
         self.options = options
         self.index = index if index is not None else PrefixIndex()
-        self.instances = [Instance(s) for s in specs]
+        self.observed = LoadCost()
+        """What a request ahead costs and how long a request lasts, measured on every
+        instance's answers: each instance's price until it has its own."""
+        self.instances = [Instance(s, fleet_observed=self.observed) for s in specs]
         self._client = client
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self._turn = 0

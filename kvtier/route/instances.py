@@ -119,6 +119,10 @@ class Instance:
     """What the requests in flight cost a new one, by where they are, and how long a request
     lasts, as the router measures them on this instance's streamed answers (``end``;
     ``priced_rates``)."""
+    fleet_observed: LoadCost | None = None
+    """The same measured on every instance of the fleet (``Fleet.observed``, shared): what
+    this one is priced with until it has estimates of its own, so that a fleet's first
+    requests are priced by measurement sooner than each instance's own 16 samples allow."""
     subscriber: EventSubscriber | None = None
 
     @property
@@ -169,19 +173,24 @@ class Instance:
         if flight.first is not None and flight.prefill_s is not None:
             end = time.monotonic() if now is None else now
             excess = flight.first - flight.sent - flight.prefill_s
-            self.observed.observe(flight.ahead, excess, max(end - flight.sent, 0.0))
+            for cost in (self.observed, self.fleet_observed):
+                if cost is not None:
+                    cost.observe(flight.ahead, excess, max(end - flight.sent, 0.0))
 
     def priced_rates(self, defaults: Rates) -> Rates | None:
         """The rates it is priced with: those it reported (``defaults`` where it reported
         none), with the costs of a request ahead (in its prefill: ``request_cost_s``;
         streaming: ``decode_cost_s``) and the duration the router measured on it where
-        ``observed`` has estimates; ``None`` (price it with ``defaults``) while it has none.
-        The
+        ``observed`` has estimates, else on the fleet where ``fleet_observed`` has; ``None``
+        (price it with ``defaults``) while neither has any. The
         router's measurement wins over the instance's: it is what the router predicts, the
         time to first output as a client of the router sees it, which also holds what the
         instance's engine cannot see (its HTTP thread waiting for the engine's, the proxy)."""
-        o = self.observed
-        cost, decode, duration = o.prefill_cost_s(), o.decode_cost_s(), o.duration_s()
+        own = self.observed
+        pooled = self.fleet_observed or own
+        cost = _first(own.prefill_cost_s(), pooled.prefill_cost_s())
+        decode = _first(own.decode_cost_s(), pooled.decode_cost_s())
+        duration = _first(own.duration_s(), pooled.duration_s())
         if cost is None and decode is None and duration is None:
             return self.rates
         base = self.rates or defaults
@@ -198,3 +207,7 @@ class Instance:
         if self.subscriber is not None and self.subscriber.page_size:
             return self.subscriber.page_size
         return self.page_size or default
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)

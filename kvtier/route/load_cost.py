@@ -72,6 +72,10 @@ class LoadCost:
         self.min_samples = min_samples
         self._samples: deque[tuple[Ahead, float, float]] = deque(maxlen=window)
         """``(ahead, excess_s, held_s)`` per finished request, oldest first."""
+        self._fitted: tuple[float | None, float | None, float | None] | None = None
+        """``(prefill, decode, duration)`` for the samples as they are (``None``: not yet
+        computed since the last sample): every choice reads them, a sample comes once per
+        answer."""
 
     def observe(self, ahead: Ahead, excess_s: float, held_s: float) -> None:
         """One finished request: ``ahead`` when it was sent, its first output ``excess_s``
@@ -81,43 +85,57 @@ class LoadCost:
         if not held_s >= 0:
             raise ValueError(f"held_s must be >= 0, got {held_s}")
         self._samples.append((ahead, excess_s, held_s))
+        self._fitted = None
 
     def __len__(self) -> int:
         return len(self._samples)
 
-    def _ready(self) -> bool:
-        return len(self._samples) >= self.min_samples
-
-    def _idle(self) -> float:
-        idle = [e for a, e, _ in self._samples if a.count == 0]
-        return statistics.median(idle) if idle else 0.0
+    def prefill_cost_s(self) -> float | None:
+        """Seconds a request ahead in its prefill adds; ``None`` with fewer than
+        ``min_samples`` samples or none that had such a request ahead."""
+        return self._fit()[0]
 
     def decode_cost_s(self) -> float | None:
         """Seconds a request ahead that streams output adds; ``None`` with fewer than
         ``min_samples`` samples or none that had only such requests ahead."""
-        if not self._ready():
-            return None
-        idle = self._idle()
-        only = [(a.decoding, e) for a, e, _ in self._samples if a.prefilling == 0 and a.decoding]
-        if not only:
-            return None
-        return max(sum(e - idle for _, e in only) / sum(n for n, _ in only), 0.0)
-
-    def prefill_cost_s(self) -> float | None:
-        """Seconds a request ahead in its prefill adds; ``None`` with fewer than
-        ``min_samples`` samples or none that had such a request ahead."""
-        if not self._ready():
-            return None
-        idle = self._idle()
-        decode = self.decode_cost_s() or 0.0
-        some = [(a, e) for a, e, _ in self._samples if a.prefilling]
-        if not some:
-            return None
-        rest = sum(e - idle - decode * a.decoding for a, e in some)
-        return max(rest / sum(a.prefilling for a, _ in some), 0.0)
+        return self._fit()[1]
 
     def duration_s(self) -> float | None:
         """The mean of the window's ``held_s``; ``None`` with fewer than ``min_samples``."""
-        if not self._ready():
-            return None
-        return sum(h for _, _, h in self._samples) / len(self._samples)
+        return self._fit()[2]
+
+    def _fit(self) -> tuple[float | None, float | None, float | None]:
+        if self._fitted is not None:
+            return self._fitted
+        samples = self._samples
+        if len(samples) < self.min_samples:
+            return None, None, None
+        # one pass: samples with only streaming requests ahead (``only``), with some request
+        # ahead in its prefill (``some``), with none (their excesses, for the median)
+        idle_excess: list[float] = []
+        held = only_excess = some_excess = 0.0
+        only_samples = only_ahead = some_samples = some_ahead = some_decoding = 0
+        for a, e, h in samples:
+            held += h
+            if a.prefilling:
+                some_samples += 1
+                some_excess += e
+                some_ahead += a.prefilling
+                some_decoding += a.decoding
+            elif a.decoding:
+                only_samples += 1
+                only_excess += e
+                only_ahead += a.decoding
+            else:
+                idle_excess.append(e)
+        idle = statistics.median(idle_excess) if idle_excess else 0.0
+        decode = None
+        if only_ahead:
+            decode = max((only_excess - idle * only_samples) / only_ahead, 0.0)
+        prefill = None
+        if some_ahead:
+            rest = some_excess - idle * some_samples - (decode or 0.0) * some_decoding
+            prefill = max(rest / some_ahead, 0.0)
+        duration = held / len(samples)
+        self._fitted = (prefill, decode, duration)
+        return self._fitted

@@ -7,7 +7,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.route.instances import Instance, InstanceSpec, RouteConfigError, parse_instances
-from kvtier.route.load_cost import Ahead
+from kvtier.route.load_cost import Ahead, LoadCost
 from kvtier.route.scorer import Footprint, Rates
 
 
@@ -112,6 +112,39 @@ def test_the_requests_ahead_are_told_apart_by_where_they_are() -> None:
     assert ahead == new.ahead and excess == pytest.approx(0.19) and held == pytest.approx(0.3)
     inst.end(first, now=10.5)
     assert inst.ahead() == Ahead(prefilling=1, decoding=1)
+
+
+def test_an_instance_without_samples_of_its_own_is_priced_by_the_fleets() -> None:
+    """Sixteen answers on A, eight alone (excess 10 ms) and eight behind one request in its
+    prefill (30 ms): the fleet's measurement prices B, which has none, at 20 ms a request
+    ahead in its prefill; once B has sixteen of its own (excess 2 and 7 ms), its own 5 ms
+    wins. A fleet of one instance is priced by that instance's alone."""
+    pooled = LoadCost()
+    a, b = (
+        Instance(s, fleet_observed=pooled) for s in parse_instances(["http://a:1", "http://b:1"])
+    )
+    assert b.priced_rates(Rates()) is None
+
+    def answers(inst: Instance, alone: float, behind: float) -> None:
+        for t in range(8):
+            f = inst.begin(None, 0.0, now=t)
+            inst.first_output(f, now=t + alone)
+            inst.end(f, now=t + 0.05)
+            busy = inst.begin(None, None, now=t + 0.5)
+            f = inst.begin(None, 0.0, now=t + 0.5)
+            inst.first_output(f, now=t + 0.5 + behind)
+            inst.end(f, now=t + 0.55)
+            inst.end(busy, now=t + 0.6)
+
+    answers(a, 0.010, 0.030)
+    assert len(pooled) == 16 and len(b.observed) == 0
+    assert b.priced_rates(Rates()).request_cost_s == pytest.approx(0.020)
+    answers(b, 0.002, 0.007)
+    assert b.priced_rates(Rates()).request_cost_s == pytest.approx(0.005)
+    assert a.priced_rates(Rates()).request_cost_s == pytest.approx(0.020)
+    alone = Instance(parse_instances(["http://c:1"])[0])
+    answers(alone, 0.010, 0.030)
+    assert alone.priced_rates(Rates()).request_cost_s == pytest.approx(0.020)
 
 
 def test_the_router_runs_without_torch() -> None:
