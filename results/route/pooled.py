@@ -66,12 +66,12 @@ def report(path: Path) -> None:
         for front, rows in fronts.items():
             recs = [dict(zip(fields, r, strict=True)) for r in rows]
             pooled.setdefault(front, []).extend(with_ahead(recs))
-    print("front          requests  p50 ms  p90 ms  p99 ms  device+host  storage")
+    print(f"{'front':<18} requests  p50 ms  p90 ms  p99 ms  device+host  storage")
     for front, rows in pooled.items():
         p = pool(rows)
         dh = p["served"]["device"] + p["served"]["host"]
         print(
-            f"{front:<14} {p['requests']:>8} {p['ttft_p50_s'] * 1e3:>7.1f}"
+            f"{front:<18} {p['requests']:>8} {p['ttft_p50_s'] * 1e3:>7.1f}"
             f" {p['ttft_p90_s'] * 1e3:>7.1f} {p['ttft_p99_s'] * 1e3:>7.1f}"
             f" {dh:>12,} {p['served']['storage']:>8,}"
         )

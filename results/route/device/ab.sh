@@ -12,15 +12,20 @@
 #    $OUT/{head,base}_<i>.json and .log; their log dirs (/tmp/route-compare-<tree>-<i>)
 #    go to $OUT/logs.tgz. Then, here:
 #      tar xzf logs.tgz -C /tmp/X
-#      python results/route/pooled.py pack OUT.json /tmp/X/route-compare-head-*:head \
-#        /tmp/X/route-compare-base-*:base && python results/route/pooled.py OUT.json
+#      python results/route/pooled.py pack OUT.json $(for t in head base; do
+#        for d in /tmp/X/route-compare-$t-*; do echo "$d:$t"; done; done)
+#      python results/route/pooled.py OUT.json
+# NO_SITE=1: use the python3 on PATH with its own packages (a dry run off the device).
 set -uo pipefail
 T=/tmp/site
-mkdir -p $T && tar xJf .whl/site312.tar.xz -C $T || exit 1
-for f in $T/_syslibs/*; do
-  b=$(basename "$f"); ldconfig -p | grep -qE "^\s+$b \(" && rm "$f"
-done
-export LD_LIBRARY_PATH=$T/_syslibs PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+mkdir -p $T
+if [ -z "${NO_SITE:-}" ]; then
+  tar xJf .whl/site312.tar.xz -C $T || exit 1
+  for f in $T/_syslibs/*; do
+    b=$(basename "$f"); ldconfig -p | grep -qE "^\s+$b \(" && rm "$f"
+  done
+fi
+export LD_LIBRARY_PATH=$T/_syslibs PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 nproc; python3 --version; python3 -c 'import uvloop' 2>&1 | tail -1; uptime
 if [ -z "${NO_STUBS:-}" ]; then
   for tree in . .base; do
@@ -38,4 +43,4 @@ for i in $(seq "${REPEAT:-3}"); do
       ${ARGS---pin} 2>&1 | tee "$OUT/${name}_$i.log" | grep -E 'ok, |FAILED' | cut -c1-400
   done
 done
-(cd /tmp && tar czf "$OUT/logs.tgz" route-compare-* 2>/dev/null)
+(cd /tmp && tar czf "$OUT/logs.tgz" route-compare-head-* route-compare-base-* 2>/dev/null)
