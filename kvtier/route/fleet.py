@@ -20,10 +20,10 @@ from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.errors import ConfigError
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.instances import Instance, InstanceSpec
-from kvtier.route.load_cost import LoadCost
 from kvtier.route.prefix_index import PrefixIndex
 from kvtier.route.scorer import Candidate, Decision, Rates, choose
 from kvtier.route.subscriber import EventSubscriber
+from kvtier.server.load_cost import LoadCost
 
 log = logging.getLogger("kvtier.route")
 
@@ -63,7 +63,8 @@ class FleetOptions:
 def reported_rates(health: Any, defaults: Rates) -> Rates | None:
     """The rates an instance's ``/health`` answer reports (``rates``: tokens per second of
     prefill, host loads and storage reads, each as measured by its cache; the seconds each
-    request in flight costs a new one and a request's duration, from the requests it served), the
+    request in flight before its prefill costs a new one, each running one, and a request's
+    duration, from the requests it served), the
     ``defaults`` for what it leaves out; ``None`` when it reports none or a value is out of
     range (that instance is priced with ``defaults``)."""
     got = health.get("rates") if isinstance(health, dict) else None
@@ -74,6 +75,7 @@ def reported_rates(health: Any, defaults: Rates) -> Rates | None:
         "host_tokens_per_s",
         "storage_tokens_per_s",
         "request_cost_s",
+        "decode_cost_s",
         "request_duration_s",
     )
     values = {k: got[k] for k in fields if k in got}

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvtier.route.load_cost import Ahead, LoadCost
 from kvtier.route.scorer import Footprint, Rates
 from kvtier.route.subscriber import EventSubscriber
+from kvtier.server.load_cost import Ahead, LoadCost
 
 
 class RouteConfigError(ValueError):

@@ -19,7 +19,7 @@ events are stale the index cannot be trusted for the comparison, so the request 
 least-loaded instance instead (reason ``stale_events``).
 
 ``load`` is what sharing the engine with the requests already there costs, each priced by
-where it is (``kvtier.route.load_cost``): one still in its prefill ``request_cost``, one that
+where it is (``kvtier.server.load_cost``): one still in its prefill ``request_cost``, one that
 streams output already ``decode_cost``; a candidate that does not say how many of its requests
 stream is priced ``in_flight * request_cost``. ``room_wait`` is the room term. An instance admits a request
 only when its device pool has pages for it (what it does not hold on device: prompt and output

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import RequestError
 from kvtier.server.api_errors import APIError, overloaded, server_error, unavailable
-from kvtier.server.request_cost import RequestCost, predicted_prefill_s
+from kvtier.server.load_cost import Ahead, LoadCost, predicted_prefill_s
 
 if TYPE_CHECKING:
     from kvtier.engine import LLM, RequestOutput, SamplingParams
@@ -59,9 +59,9 @@ class Ticket:
     """Output tokens already delivered."""
     last_token: float | None = None
     cancelled: bool = False
-    ahead: int = 0
-    """Requests the server held (handed to the engine thread, waiting or running) when this
-    one was submitted."""
+    ahead: Ahead = Ahead()
+    """Requests the server held when this one was submitted: handed to the engine thread or
+    waiting there (before their prefill), and running."""
     taken: float = 0.0
     """When the engine took it (``perf_counter``): ``arrival`` plus the wait for the step
     under way, which is part of what the requests ahead cost."""
@@ -104,7 +104,7 @@ class EngineLoop:
         self._errors_total = 0
         self._last_error: float | None = None
         self._health_at = 0.0
-        self._request_cost = RequestCost()
+        self._load_cost = LoadCost()
         self._measured: dict[str, float] = self._rates()
         self.cancels = 0
         """Requests cancelled because their client went away (what tests wait on)."""
@@ -136,7 +136,7 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.rejected.labels("overload").inc()
                 raise overloaded(depth, self.max_queue)
-            ticket.ahead = self._pending + self._waiting + self._running
+            ticket.ahead = Ahead(self._pending + self._waiting, self._running)
             self._pending += 1
             self._q.put(("add", ticket))
         return ticket
@@ -167,8 +167,9 @@ class EngineLoop:
     def health(self) -> dict[str, Any]:
         """``status``: ``ok``, ``degraded`` (storage faulted within ``degraded_window_s`` or
         its backend reports itself unhealthy; requests are still served), ``starting`` or
-        ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` and
-        ``request_duration_s`` once ``RequestCost`` has estimates); ``storage`` (``None``
+        ``stopped``; ``rates`` (:meth:`_rates`, and ``request_cost_s`` (a request ahead
+        before its prefill), ``decode_cost_s`` (one running) and ``request_duration_s`` once
+        ``LoadCost`` has estimates); ``storage`` (``None``
         without a storage tier): ``backend``, ``healthy`` (no fault within the window and the
         backend says it is), ``backend_healthy``,
         ``storage_errors`` (faults by kind since start, as the cache's ``stats()`` counts
@@ -294,7 +295,7 @@ class EngineLoop:
             )
             decode = max(now - t.taken - out.ttft_s, 0.0)
             first_token = t.taken - t.arrival + out.ttft_s  # from its submission
-            self._request_cost.observe(t.ahead, first_token - own, own + decode)
+            self._load_cost.observe(t.ahead, first_token - own, own + decode)
         if out.finish_reason == "error":
             self._send(t, "error", server_error(f"the request failed in the engine: {out.error}"))
         else:
@@ -345,11 +346,12 @@ class EngineLoop:
         backend = self.llm.cache.storage
         self._measured = self._rates()
         rates: dict[str, float] = dict(self._measured)
-        cost, duration = self._request_cost.seconds(), self._request_cost.duration_s()
-        if cost is not None:
-            rates["request_cost_s"] = cost
-        if duration is not None:
-            rates["request_duration_s"] = duration
+        fitted = {
+            "request_cost_s": self._load_cost.prefill_cost_s(),
+            "decode_cost_s": self._load_cost.decode_cost_s(),
+            "request_duration_s": self._load_cost.duration_s(),
+        }
+        rates.update({k: v for k, v in fitted.items() if v is not None})
         health: dict[str, Any] = {"status": "ok", "storage": None, "rates": rates}
         if backend is not None:
             # dict() of a Counter copies it in one step under the GIL: the I/O thread may
@@ -381,7 +383,7 @@ class EngineLoop:
         """The rates the cache measured (its priors until then), in tokens per second: prompt
         tokens computed, and tokens of KV loaded from host and read from storage (where those
         tiers exist). ``kvtier route`` prices its choice of instance with them, and with the
-        per-request cost fitted from them (``RequestCost``, added by the health refresh)."""
+        costs fitted from them (``LoadCost``, added by the health refresh)."""
         cache = self.llm.cache
         st = cache.stats()
         rates = {"prefill_tokens_per_s": float(st["restore_prefill_tokens_per_s"])}

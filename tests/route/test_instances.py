@@ -7,8 +7,8 @@ import pytest
 
 from kvtier import cli
 from kvtier.route.instances import Instance, InstanceSpec, RouteConfigError, parse_instances
-from kvtier.route.load_cost import Ahead, LoadCost
 from kvtier.route.scorer import Footprint, Rates
+from kvtier.server.load_cost import Ahead, LoadCost
 
 
 def test_an_instance_with_its_event_endpoints() -> None:

@@ -26,10 +26,10 @@ from kvtier.engine.byte_tokenizer import ByteTokenizer
 from kvtier.events.hashing import chain_hashes
 from kvtier.route.fleet import Fleet, FleetOptions, tokenize_request
 from kvtier.route.instances import Instance, InstanceSpec, parse_instances
-from kvtier.route.load_cost import Ahead
 from kvtier.route.proxy import Attempts, Opened, RelayResponse, create_app
 from kvtier.route.route_metrics import RouteMetrics
 from kvtier.route.scorer import Decision, Footprint
+from kvtier.server.load_cost import Ahead
 
 TIMEOUT_S = 5.0
 A, B = "http://a:8000", "http://b:8000"

@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.route.fleet import reported_rates
 from kvtier.route.scorer import Rates
+from kvtier.server.load_cost import Ahead
 
 DEFAULTS = Rates(8000.0, 200000.0, 40000.0, 0.05, 0.05)
 
@@ -21,6 +22,8 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
     assert got == Rates(500.0, 90000.0, 40000.0, 0.05)
     got = reported_rates({"rates": {"request_cost_s": 0.012, "request_duration_s": 0.3}}, DEFAULTS)
     assert got == Rates(8000.0, 200000.0, 40000.0, 0.012, 0.3)
+    got = reported_rates({"rates": {"decode_cost_s": 0.002}}, DEFAULTS)
+    assert got == Rates(8000.0, 200000.0, 40000.0, 0.05, 0.05, decode_cost_s=0.002)
 
 
 @pytest.mark.parametrize(
@@ -34,6 +37,7 @@ def test_reported_rates_replace_the_defaults_they_name() -> None:
         {"rates": {"storage_tokens_per_s": float("nan")}},
         {"rates": {"request_cost_s": -0.01}},
         {"rates": {"request_duration_s": float("inf")}},
+        {"rates": {"decode_cost_s": -0.001}},
         ["not", "a", "dict"],
     ],
 )
@@ -82,7 +86,9 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
     """Sixteen requests handed over while the engine is held arrive with 0..15 ahead of
     them; one runs at a time, so each waits for those before it to decode their 16 tokens
     (far longer than the requests took to arrive one after another) and the fitted cost per
-    request ahead is positive; each decodes after its first token, so its duration is too.
+    request ahead before its prefill is positive (none was running when they arrived: there
+    is no cost of a running one); each decodes after its first token, so its duration is
+    positive too.
     The router reads both."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -116,6 +122,8 @@ def test_a_kvtier_server_reports_the_request_cost_it_fitted() -> None:
 
         rates = wait_until(fitted, "the fitted request cost on /health")
         assert rates["request_cost_s"] > 0 and rates["request_duration_s"] > 0
+        # all sixteen arrived before any ran: every request ahead was before its prefill
+        assert "decode_cost_s" not in rates
 
         got = router_rates(server.url)
         assert got is not None
@@ -155,10 +163,10 @@ def test_the_wait_for_the_engine_counts_in_a_requests_excess() -> None:
             held_s = time.perf_counter() - held_from
         sender.join()
         assert codes == [200]
-        samples = list(server.loop._request_cost._samples)
+        samples = list(server.loop._load_cost._samples)
         assert len(samples) == 1
         ahead, excess_s, hold_s = samples[0]
-        assert ahead == 0
+        assert ahead == Ahead()
         assert excess_s + hold_s >= held_s
     finally:
         server.stop()
