@@ -15,6 +15,7 @@
 #      python results/route/pooled.py pack OUT.json $(for t in head base; do
 #        for d in /tmp/X/route-compare-$t-*; do echo "$d:$t"; done; done)
 #      python results/route/pooled.py OUT.json
+#      python results/route/verdict.py head_*.json    # run by run: ahead of both on both?
 # NO_SITE=1: use the python3 on PATH with its own packages (a dry run off the device).
 set -uo pipefail
 T=/tmp/site
