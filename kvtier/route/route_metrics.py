@@ -109,8 +109,7 @@ class RouteMetrics:
             self.healthy.labels(inst.name).set(1 if inst.healthy else 0)
             self.indexed.labels(inst.name).set(fleet.index.pages(inst.name))
             rates = inst.priced_rates(fleet.options.rates) or fleet.options.rates
-            decode = rates.request_cost_s if rates.decode_cost_s is None else rates.decode_cost_s
             self.load.labels(inst.name, "prefill").set(rates.request_cost_s)
-            self.load.labels(inst.name, "decode").set(decode)
+            self.load.labels(inst.name, "decode").set(rates.streaming_cost_s)
             self.load.labels(inst.name, "duration").set(rates.request_duration_s)
         return generate_latest(self.registry)

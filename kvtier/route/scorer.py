@@ -21,10 +21,10 @@ least-loaded instance instead (reason ``stale_events``).
 ``load`` is what sharing the engine with the requests already there costs, each priced by
 where it is (``kvtier.server.load_cost``): one still in its prefill ``request_cost``, one that
 streams output already ``decode_cost``; a candidate that does not say how many of its requests
-stream is priced ``in_flight * request_cost``. ``room_wait`` is the room term. An instance admits a request
-only when its device pool has pages for it (what it does not hold on device: prompt and output
-tokens less the device hit), and until then the request waits for running ones to finish. The
-router knows the pool's size (``device_tokens`` on the instance's model card) and what each
+stream is priced ``in_flight * request_cost``. ``room_wait`` is the room term. An instance
+admits a request only when its device pool has pages for it (what it does not hold on device:
+prompt and output tokens less the device hit), and until then the request waits for running
+ones to finish. The router knows the pool's size (``device_tokens`` on the instance's model card) and what each
 request it sent there and that has not finished holds (its ``Footprint``), so it counts the
 requests in flight that must finish, oldest first, before the new one fits (``blocking``): 0
 where it fits now. Shared prefixes are counted once (the largest device prefix among them and
@@ -87,6 +87,12 @@ class Rates:
         if d is not None and not (math.isfinite(d) and d >= 0):
             raise ValueError(f"decode_cost_s must be >= 0 or None, got {d}")
 
+    @property
+    def streaming_cost_s(self) -> float:
+        """What a request in flight that streams output costs: ``decode_cost_s``, else
+        ``request_cost_s``."""
+        return self.request_cost_s if self.decode_cost_s is None else self.decode_cost_s
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -145,8 +151,8 @@ class Candidate:
         """What the requests in flight here cost a new one at ``rates`` (module
         docstring)."""
         streaming = min(self.streaming or 0, self.in_flight)
-        decode = rates.request_cost_s if rates.decode_cost_s is None else rates.decode_cost_s
-        return (self.in_flight - streaming) * rates.request_cost_s + streaming * decode
+        prefilling = self.in_flight - streaming
+        return prefilling * rates.request_cost_s + streaming * rates.streaming_cost_s
 
     def footprint(self, prompt_tokens: int, output_tokens: int) -> Footprint:
         """What a request of these sizes would hold here (whole pages)."""

@@ -160,9 +160,7 @@ def by_phase(front: str, rows: list[dict]) -> None:
             if r["ahead"] != 1:
                 cells["none" if r["ahead"] == 0 else "2+"].append(r["ttft_s"])
                 continue
-            (o,) = r["_ahead"]
-            first = o["sent_s"] + o["ttft_s"]
-            cells["prefill" if first > r["sent_s"] else "streaming"].append(r["ttft_s"])
+            cells["prefill" if left_to_first(r) > 0 else "streaming"].append(r["ttft_s"])
         out = []
         for k, m in cells.items():
             m.sort()
@@ -171,22 +169,34 @@ def by_phase(front: str, rows: list[dict]) -> None:
         print(f"  {t:<8} " + "  ".join(out))
 
 
+def alone(rows: list[dict]) -> dict[tuple[str, int], list[float]]:
+    """The TTFTs (sorted) of the requests sent with nothing ahead on their instance, by
+    slowest tier served and round."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r.get("ahead") == 0:
+            out.setdefault((tier(r), r["round"]), []).append(r["ttft_s"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def left_to_first(r: dict) -> float:
+    """For a request sent behind exactly one other: how long that one still had to its first
+    token when this one was sent (<= 0: it streamed already)."""
+    (o,) = r["_ahead"]
+    return o["sent_s"] + o["ttft_s"] - r["sent_s"]
+
+
 def behind_prefill(front: str, rows: list[dict]) -> None:
     """For the requests sent behind exactly one request still in its prefill: their excess
     (TTFT less the median TTFT of the requests of the same tier and round sent with nothing
     ahead) by how long the request ahead still had to its first token, in quartiles."""
-    idle: dict[tuple[str, int], list[float]] = {}
-    for r in rows:
-        if r.get("ahead") == 0:
-            idle.setdefault((tier(r), r["round"]), []).append(r["ttft_s"])
-    base = {k: statistics.median(v) for k, v in idle.items() if len(v) >= 3}
+    base = {k: statistics.median(v) for k, v in alone(rows).items() if len(v) >= 3}
     pts = []
     for r in rows:
         key = (tier(r), r["round"])
         if r.get("ahead") != 1 or key not in base:
             continue
-        (o,) = r["_ahead"]
-        left = o["sent_s"] + o["ttft_s"] - r["sent_s"]
+        left = left_to_first(r)
         if left > 0:
             pts.append((left, r["ttft_s"] - base[key]))
     if len(pts) < 8:
@@ -213,15 +223,12 @@ def matched(pooled: dict[str, list[dict]]) -> None:
         return
     print("median TTFT (ms) [requests] with nothing ahead, by tier and round: " + ", ".join(fronts))
     rounds = sorted({r["round"] for f in fronts for r in pooled[f]})
+    by_front = {f: alone(pooled[f]) for f in fronts}
     for t in ("device", "host", "storage"):
         for rd in rounds:
             cells = []
             for f in fronts:
-                m = sorted(
-                    r["ttft_s"]
-                    for r in pooled[f]
-                    if r.get("ahead") == 0 and tier(r) == t and r["round"] == rd
-                )
+                m = by_front[f].get((t, rd), [])
                 cells.append(
                     f"{m[len(m) // 2] * 1e3:5.1f} [{len(m):3}]" if len(m) >= 5 else " " * 11
                 )
